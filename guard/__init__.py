@@ -1,0 +1,80 @@
+"""jobguard: a runtime guard for machine-learning training jobs.
+
+Run a job under the guard with ``python -m guard [OPTIONS] train.py [ARGS]`` (or ``-- COMMAND``); see the README
+and ``CONTRACT.md`` for the command line, the VERDICT line and the exit codes.
+
+Inside the job, the script may talk to the guard. Every function here is a cheap no-op when the script runs
+without a supervisor, so a script can call them unconditionally::
+
+    import guard
+    guard.report(step=step, loss=loss)      # a training step's loss (float or 0-d tensor)
+    if guard.should_checkpoint():           # the guard wants a checkpoint now
+        save(path); guard.checkpoint_saved(path)
+    if guard.should_stop():                 # the guard wants the job to end cleanly
+        break
+
+Importing ``guard`` loads only the standard library (never torch or huggingface_hub).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from guard import agent as _agent
+
+__version__ = "0.1.0"
+__all__ = ["__version__", "checkpoint_saved", "report", "resume_path", "should_checkpoint", "should_stop"]
+
+
+def report(step: int | None = None, loss: Any = None) -> None:
+    """Report a training step's loss to the guard.
+
+    Args:
+        step: the training step (int, optional; default: one more than the last reported step).
+        loss: the step's loss: a float, or a 0-d tensor (read from the device only during the sanity pass and
+            then every ``--check-every`` steps; no host-device sync per step).
+
+    Once ``report`` is called, the automatic ``.backward()`` hook stops counting, so steps are not counted twice.
+    Without a supervisor this does nothing.
+    """
+    agent = _agent.get()
+    if agent is None or loss is None:
+        return
+    agent.backward_hook = False
+    agent.on_loss(loss, step, "report")
+
+
+def should_checkpoint() -> bool:
+    """True when the guard asks the job to save a checkpoint now (then call ``checkpoint_saved(path)``).
+
+    Without a supervisor: always False.
+    """
+    agent = _agent.get()
+    return agent is not None and agent.checkpoint_due()
+
+
+def checkpoint_saved(path: str | os.PathLike[str], step: int | None = None) -> None:
+    """Tell the guard a complete checkpoint now lies at ``path`` (a folder), saved at ``step``.
+
+    The guard copies it to the destination (``--push-to``) and verifies it. Call it only after every file of
+    the checkpoint is written and closed. Without a supervisor this does nothing.
+    """
+    agent = _agent.get()
+    if agent is not None:
+        agent.checkpoint_done(os.fspath(path), step if step is not None else agent.watch.step)
+
+
+def should_stop() -> bool:
+    """True when the guard asks the job to end cleanly (after a requested checkpoint, or on a signal).
+
+    Without a supervisor: always False.
+    """
+    agent = _agent.get()
+    return agent is not None and agent.stop_requested
+
+
+def resume_path() -> str | None:
+    """The checkpoint folder the guard fetched for this run to resume from (``--resume``), or None."""
+    agent = _agent.get()
+    return agent.settings.resume_path if agent is not None else None

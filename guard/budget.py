@@ -1,0 +1,726 @@
+"""The time budget: when the job's deadline falls, and how much of it to keep free for the last checkpoint.
+
+Pure logic. The wall clock (epoch seconds) and the monotonic clock are passed in as numbers or callables, the
+``scontrol`` runner is injected; nothing here sleeps.
+
+Facts used here, with their sources (details in ``shared/reference/platform.md`` sections 1, 2 and 7):
+
+- ``SLURM_JOB_START_TIME`` / ``SLURM_JOB_END_TIME``: "The UNIX timestamp for a job's start time" / "projected end
+  time", set since Slurm 23.02 (``sbatch.1`` OUTPUT ENVIRONMENT VARIABLES; ``CHANGELOG/slurm-23.02.md``). Set only when
+  non-zero (``src/common/env.c``). A snapshot taken at launch: it does not follow ``scontrol update TimeLimit+=``
+  nor a preemption's GraceTime, hence :class:`SlurmRefresher`.
+- ``--time=UNLIMITED``: ``job_end_time_reset()`` sets the end to start + 365 days (``src/slurmctld/job_mgr.c``), so an
+  end more than 364 days after the start means "no limit".
+- ``scontrol show job -o ID`` prints ``StartTime=``, ``EndTime=`` through ``slurm_make_time_str``: ``Unknown`` for 0 or
+  INFINITE, ``None`` for NO_VAL, else ``strftime`` in local time with ``%FT%T`` unless ``SLURM_TIME_FORMAT`` holds a
+  ``%`` format (``src/common/parse_time.c``); we pass ``SLURM_TIME_FORMAT=%s`` so it prints epoch seconds, and still
+  read the ISO form. ``TimeLimit=`` is ``UNLIMITED``, ``Partition_Limit`` (NO_VAL) or ``[D-]HH:MM:SS``
+  (``mins2time_str``; ``src/api/job_info.c``).
+- Hugging Face Jobs expose no timeout inside the container (hub-docs ``jobs-configuration.md`` lists only ``JOB_ID``,
+  ``ACCELERATOR``, ``CPU_CORES``, ``MEMORY``), so the user passes ``--timeout``; the container started when its PID 1
+  did: ``psutil.Process(1).create_time()`` is epoch seconds from ``/proc/1/stat`` (psutil 7.2.2; in a PID namespace
+  PID 1 is the entrypoint). It may raise ``psutil.AccessDenied``/``NoSuchProcess`` (``hidepid``): caught.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import logging
+import math
+import os
+import re
+import subprocess
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+from guard.errors import BudgetError, UsageError
+
+__all__ = [
+    "CLOCK_SKEW_S",
+    "Deadline",
+    "MarginEstimate",
+    "MarginEstimator",
+    "SlurmJobTimes",
+    "SlurmRefresher",
+    "checkpoint_due",
+    "format_duration_s",
+    "grace_deadline",
+    "parse_scontrol_job",
+    "parse_slurm_duration_s",
+    "parse_started_at",
+    "resolve_deadline",
+    "save_wait_limit_s",
+    "time_to_due_s",
+]
+
+log = logging.getLogger("guard.budget")
+
+#: A start time up to this many seconds in the future is clock skew between hosts, not an error.
+CLOCK_SKEW_S = 60.0
+#: Slurm sets the end of an UNLIMITED job to start + 365 days; past start + 364 days means "no limit".
+SLURM_UNLIMITED_AFTER_S = 364 * 86400.0
+_MB = 1e6
+
+
+def format_duration_s(seconds: float) -> str:
+    """Render seconds for a human: ``7200`` -> ``"2h"``, ``5400`` -> ``"1h30m"``, ``45`` -> ``"45s"``."""
+    total = int(round(max(0.0, seconds)))
+    parts = []
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60), ("s", 1)):
+        if total >= size:
+            parts.append(f"{total // size}{unit}")
+            total %= size
+    return "".join(parts) or "0s"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Deadline
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Deadline:
+    """When the platform will stop the job.
+
+    Attributes:
+        started_at_s: when the budget started counting, epoch seconds.
+        timeout_s: the budget in seconds (``deadline_s - started_at_s``), or None without a limit.
+        deadline_s: the kill time, epoch seconds, or None without a limit.
+        source: where the deadline came from, for humans (``"--timeout 2h from --started-at"``,
+            ``"SLURM_JOB_END_TIME"``, ``"scontrol EndTime"``).
+        explicit_deadline_s: the deadline the user's own ``--timeout`` gives, kept so that a Slurm refresh can
+            never move the deadline past it (None when the user gave no timeout).
+    """
+
+    started_at_s: float
+    timeout_s: float | None
+    deadline_s: float | None
+    source: str
+    explicit_deadline_s: float | None = None
+
+    def remaining_s(self, now_s: float) -> float | None:
+        """Seconds left at ``now_s`` (epoch seconds); negative once passed; None without a deadline."""
+        return None if self.deadline_s is None else self.deadline_s - now_s
+
+    def refreshed(self, end_s: float | None, source: str) -> Deadline:
+        """A copy moved to a new end time reported by the scheduler (e.g. :meth:`SlurmRefresher.maybe_refresh`).
+
+        The scheduler may move the end either way (``scontrol update TimeLimit+=30`` extends it, a preemption with
+        GraceTime shortens it), but never past the user's own ``--timeout``.
+
+        Args:
+            end_s: the scheduler's new end time, epoch seconds; None leaves the deadline unchanged.
+            source: human text for the new source, e.g. ``"scontrol EndTime"``.
+        """
+        if end_s is None:
+            return self
+        new_s, new_source = end_s, source
+        if self.explicit_deadline_s is not None and self.explicit_deadline_s <= end_s:
+            new_s = self.explicit_deadline_s
+            new_source = f"explicit timeout ({source} is later)"
+        if new_s == self.deadline_s:
+            return self
+        return replace(self, deadline_s=new_s, timeout_s=new_s - self.started_at_s, source=new_source)
+
+
+def grace_deadline(now_s: float, grace_s: float, *, reason: str = "signal") -> Deadline:
+    """The deadline after a termination signal: ``now_s + grace_s`` (``--grace``, default 30 s).
+
+    Slurm's KillWait defaults to 30 s (``slurm.conf.5``), Kubernetes' ``terminationGracePeriodSeconds`` to 30 s,
+    ``docker stop`` to 10 s (platform.md 1.3, 2.6).
+    """
+    return Deadline(now_s, grace_s, now_s + grace_s, f"{reason} + --grace {format_duration_s(grace_s)}")
+
+
+def parse_started_at(text: str, *, option: str = "--started-at") -> float:
+    """Read ``--started-at``: epoch seconds (``1755700000``, ``1755700000.5``) or ISO 8601.
+
+    An ISO time without an offset (``2026-08-20T14:30:00``) is read as UTC; ``Z`` and ``+02:00`` are honoured.
+
+    Returns:
+        Epoch seconds (float).
+
+    Raises:
+        UsageError: ``text`` is neither form, or looks like milliseconds (``option`` names the option).
+    """
+    value = text.strip()
+    hint = ("give epoch seconds (e.g. 1755700000, from `date +%s`) or ISO 8601 "
+            "(e.g. 2026-08-20T14:30:00Z; without an offset the time is read as UTC)")
+    if re.fullmatch(r"[0-9]+(\.[0-9]+)?", value):
+        epoch_s = float(value)
+        if epoch_s > 1e11:
+            raise UsageError(f"{option} {text!r} looks like milliseconds, not seconds", option=option, hint=hint)
+        return epoch_s
+    iso = value[:-1] + "+00:00" if value[-1:] in ("Z", "z") else value
+    try:
+        when = _dt.datetime.fromisoformat(iso)
+    except ValueError:
+        raise UsageError(f"{option} {text!r} is not a time", option=option, hint=hint) from None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=_dt.timezone.utc)
+    return when.timestamp()
+
+
+def _slurm_epoch(environ: Mapping[str, str], name: str) -> float | None:
+    raw = environ.get(name, "").strip()
+    if not raw:
+        return None
+    if not re.fullmatch(r"[0-9]+", raw):
+        raise BudgetError(f"{name}={raw!r} is not a UNIX timestamp",
+                          hint=f"unset {name}, or pass --timeout and --started-at explicitly")
+    return float(raw) or None  # Slurm only sets it when non-zero (src/common/env.c): 0 means unknown
+
+
+def _check_not_future(start_s: float, now_s: float, what: str) -> None:
+    if start_s > now_s + CLOCK_SKEW_S:
+        raise BudgetError(
+            f"{what} is {format_duration_s(start_s - now_s)} in the future",
+            hint="check the start time you passed and this machine's clock (NTP); the start must not be ahead of now")
+
+
+def _is_hf_jobs(platform: Any) -> bool:
+    name = getattr(platform, "value", platform)
+    return str(name).lower().replace("-", "_").replace(" ", "_") in {"hf_jobs", "hfjobs", "huggingface_jobs"}
+
+
+def _pid1_create_time_s() -> float | None:
+    try:
+        import psutil
+
+        return float(psutil.Process(1).create_time())
+    except Exception as exc:  # psutil.Error (AccessDenied with hidepid, NoSuchProcess), ImportError
+        log.info("cannot read the container start (PID 1 create time): %s", exc)
+        return None
+
+
+def resolve_deadline(
+    *,
+    timeout_s: float | None,
+    timeout_source: str = "--timeout",
+    started_at_s: float | None = None,
+    started_at_source: str = "--started-at",
+    environ: Mapping[str, str] | None = None,
+    platform: Any = None,
+    now_s: float,
+    pid1_start_s: float | None = None,
+) -> Deadline:
+    """Work out the job's deadline from the flags, the scheduler and the container.
+
+    Priority:
+
+    1. An explicit timeout (``--timeout`` / ``GUARD_TIMEOUT``, already in seconds), counted from ``started_at_s``
+       when given, else Slurm's ``SLURM_JOB_START_TIME``, else on Hugging Face Jobs the container start (PID 1
+       create time), else ``now_s``. If Slurm's ``SLURM_JOB_END_TIME`` falls earlier, the earlier end wins (the
+       scheduler kills at its own time whatever the flag says) and a warning is logged.
+    2. Slurm's ``SLURM_JOB_END_TIME`` (an end more than 364 days after the start means ``--time=UNLIMITED``).
+    3. No deadline.
+
+    Args:
+        timeout_s: the budget in seconds, or None.
+        timeout_source: where it came from (``"--timeout"`` or ``"GUARD_TIMEOUT"``), for the ``source`` text.
+        started_at_s: ``--started-at`` in epoch seconds (see :func:`parse_started_at`), or None.
+        started_at_source: where it came from, for the ``source`` text.
+        environ: the environment to read Slurm variables from; default ``os.environ``.
+        platform: the platform (a name such as ``"hf_jobs"``, or an enum whose ``.value`` is one); on HF Jobs the
+            container start counts as the job's start.
+        now_s: now, epoch seconds.
+        pid1_start_s: PID 1's create time (tests inject it); default: read with psutil on HF Jobs.
+
+    Returns:
+        The :class:`Deadline`.
+
+    Raises:
+        BudgetError: a malformed ``SLURM_JOB_START_TIME``/``SLURM_JOB_END_TIME``, an end before the start, a start
+            more than :data:`CLOCK_SKEW_S` in the future, or a timeout that is not a positive number.
+    """
+    env = os.environ if environ is None else environ
+    slurm_start_s = _slurm_epoch(env, "SLURM_JOB_START_TIME")
+    slurm_end_s = _slurm_epoch(env, "SLURM_JOB_END_TIME")
+    if started_at_s is not None:
+        _check_not_future(started_at_s, now_s, started_at_source)
+    if slurm_start_s is not None:
+        _check_not_future(slurm_start_s, now_s, "SLURM_JOB_START_TIME")
+        if slurm_end_s is not None and slurm_end_s < slurm_start_s:
+            raise BudgetError("SLURM_JOB_END_TIME is before SLURM_JOB_START_TIME",
+                              hint="unset both, or pass --timeout and --started-at explicitly")
+    slurm_deadline_s = None
+    if slurm_end_s is not None:
+        if slurm_end_s - (slurm_start_s if slurm_start_s is not None else now_s) > SLURM_UNLIMITED_AFTER_S:
+            log.info("SLURM_JOB_END_TIME is a year away: the job has no time limit (--time=UNLIMITED)")
+        else:
+            slurm_deadline_s = slurm_end_s
+
+    if timeout_s is not None:
+        if not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s) and timeout_s > 0):
+            raise BudgetError(f"{timeout_source} must be a positive duration, got {timeout_s!r}",
+                              hint="pass a duration such as 7200, 90m, 2h or 1-00:00:00")
+        start_s, start_text = _start_for_timeout(
+            timeout_s, started_at_s, started_at_source, slurm_start_s, platform, now_s, pid1_start_s)
+        explicit_s = start_s + timeout_s
+        deadline = Deadline(start_s, float(timeout_s), explicit_s,
+                            f"{timeout_source} {format_duration_s(timeout_s)} from {start_text}", explicit_s)
+        if slurm_deadline_s is not None and slurm_deadline_s < explicit_s:
+            log.warning("Slurm ends the job %s before %s: using SLURM_JOB_END_TIME",
+                        format_duration_s(explicit_s - slurm_deadline_s), deadline.source)
+            deadline = replace(deadline, deadline_s=slurm_deadline_s, timeout_s=slurm_deadline_s - start_s,
+                               source=f"SLURM_JOB_END_TIME (before {deadline.source})")
+        return deadline
+    if slurm_deadline_s is not None:
+        start_s = next(s for s in (slurm_start_s, started_at_s, now_s) if s is not None)
+        return Deadline(start_s, slurm_deadline_s - start_s, slurm_deadline_s, "SLURM_JOB_END_TIME")
+    start_s = next(s for s in (started_at_s, slurm_start_s, now_s) if s is not None)
+    return Deadline(start_s, None, None, "none (no --timeout, no Slurm end time)")
+
+
+def _start_for_timeout(timeout_s: float, started_at_s: float | None, started_at_source: str,
+                       slurm_start_s: float | None, platform: Any, now_s: float,
+                       pid1_start_s: float | None) -> tuple[float, str]:
+    if started_at_s is not None:
+        return started_at_s, started_at_source
+    if slurm_start_s is not None:
+        return slurm_start_s, "SLURM_JOB_START_TIME"
+    if _is_hf_jobs(platform):
+        pid1_s = _pid1_create_time_s() if pid1_start_s is None else pid1_start_s
+        if pid1_s is not None and pid1_s > now_s + CLOCK_SKEW_S:
+            log.warning("PID 1 started in the future (clock skew?): counting the timeout from the guard's start")
+        elif pid1_s is not None and now_s - pid1_s >= timeout_s:
+            # The whole budget already spent: PID 1 is most likely not this container's entrypoint (no PID
+            # namespace, e.g. --pid=host), and stopping the job at once would be the worse mistake.
+            log.warning("PID 1 started %s ago, more than the whole budget: it is not the container's start; "
+                        "counting the timeout from the guard's start (pass --started-at to be exact)",
+                        format_duration_s(now_s - pid1_s))
+        elif pid1_s is not None:
+            return min(pid1_s, now_s), "container start (PID 1)"
+    return now_s, "guard start"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Slurm refresh
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def parse_slurm_duration_s(text: str) -> float:
+    """Read a Slurm duration: ``M``, ``M:S``, ``H:M:S``, ``D-H``, ``D-H:M``, ``D-H:M:S`` (``time_str2secs`` in
+    ``src/common/parse_time.c``). Raises ValueError otherwise."""
+    match = re.fullmatch(r"(?:(\d+)-(\d+)(?::(\d+)(?::(\d+))?)?|(\d+)(?::(\d+)(?::(\d+))?)?)", text.strip())
+    if not match:
+        raise ValueError(f"not a Slurm duration: {text!r}")
+    d, dh, dm, ds, a, b, c = (int(g) if g else 0 for g in match.groups())
+    if match.group(1) is not None:
+        return float(d * 86400 + dh * 3600 + dm * 60 + ds)
+    if match.group(7) is not None:  # H:M:S
+        return float(a * 3600 + b * 60 + c)
+    return float(a * 60 + b)  # M or M:S
+
+
+def _parse_slurm_time_s(text: str) -> float | None:
+    if text in ("", "Unknown", "None", "NONE", "N/A"):
+        return None
+    if re.fullmatch(r"\d+", text):
+        return float(text) or None
+    return _dt.datetime.fromisoformat(text).timestamp()  # naive = local time, as slurm_make_time_str prints it
+
+
+@dataclass(frozen=True)
+class SlurmJobTimes:
+    """The times ``scontrol show job -o`` reports for one job (epoch seconds / seconds; None when unknown)."""
+
+    start_time_s: float | None
+    end_time_s: float | None
+    time_limit_s: float | None
+    unlimited: bool = False
+
+    @property
+    def deadline_s(self) -> float | None:
+        """The end time (``EndTime``, else ``StartTime + TimeLimit``), or None when unlimited or unknown."""
+        if self.unlimited:
+            return None
+        end_s = self.end_time_s
+        if end_s is None and self.start_time_s is not None and self.time_limit_s is not None:
+            end_s = self.start_time_s + self.time_limit_s
+        if end_s is not None and self.start_time_s is not None and end_s - self.start_time_s > SLURM_UNLIMITED_AFTER_S:
+            return None
+        return end_s
+
+
+def parse_scontrol_job(text: str, *, job_id: str | None = None) -> SlurmJobTimes:
+    """Parse ``scontrol show job -o JOB_ID`` output (one ``Key=Value ...`` line per job).
+
+    Args:
+        text: the command's stdout.
+        job_id: prefer the line of this job (a heterogeneous job prints one line per component).
+
+    Raises:
+        ValueError: no line carries ``EndTime=``, ``StartTime=`` or ``TimeLimit=``, or a value is malformed.
+    """
+    lines = [line for line in text.splitlines() if "EndTime=" in line or "TimeLimit=" in line]
+    if job_id is not None:
+        lines = [ln for ln in lines if re.search(rf"(?:^|\s)JobId={re.escape(job_id)}(?:\s|$)", ln)] or lines
+    if not lines:
+        raise ValueError("no EndTime= or TimeLimit= in the scontrol output")
+    fields = dict(re.findall(r"(?:^|\s)(StartTime|EndTime|TimeLimit)=(\S*)", lines[0]))
+    limit = fields.get("TimeLimit", "")
+    unlimited = limit.upper() in ("UNLIMITED", "INFINITE")
+    limit_s = None if unlimited or limit in ("", "Partition_Limit", "NONE", "N/A") else parse_slurm_duration_s(limit)
+    return SlurmJobTimes(_parse_slurm_time_s(fields.get("StartTime", "")),
+                         _parse_slurm_time_s(fields.get("EndTime", "")), limit_s, unlimited)
+
+
+class SlurmRefresher:
+    """Re-reads the job's end time from ``scontrol`` now and then (it moves with ``scontrol update`` and
+    preemption; ``SLURM_JOB_END_TIME`` does not).
+
+    Calls to ``scontrol`` talk to slurmctld and can hang when it is busy (platform.md 1.2), so each call has a short
+    timeout and runs at most once per ``interval_s``. Nothing here raises: failures are counted in ``failures``
+    and logged once; a missing ``scontrol`` disables the refresher with one log line.
+
+    Args:
+        job_id: ``SLURM_JOB_ID``.
+        runner: ``subprocess.run``-like callable (injected in tests).
+        interval_s: least seconds between two calls (default 300).
+        call_timeout_s: timeout of one call in seconds (default 5).
+        clock: monotonic clock in seconds, used when ``maybe_refresh`` gets no ``now_s``.
+        environ: the environment for the call (default ``os.environ``); ``SLURM_TIME_FORMAT=%s`` is added.
+    """
+
+    def __init__(self, job_id: str, *, runner: Callable[..., Any] = subprocess.run, interval_s: float = 300.0,
+                 call_timeout_s: float = 5.0, clock: Callable[[], float] | None = None,
+                 environ: Mapping[str, str] | None = None) -> None:
+        import time
+
+        self.job_id = str(job_id)
+        self.interval_s = interval_s
+        self.call_timeout_s = call_timeout_s
+        self.calls = 0
+        self.failures = 0
+        self.disabled = False
+        self.last_times: SlurmJobTimes | None = None
+        self.last_source = "scontrol EndTime"
+        self._runner = runner
+        self._clock = clock or time.monotonic
+        self._environ = os.environ if environ is None else environ
+        self._last_attempt_s: float | None = None
+        self._last_deadline_s: float | None = None
+        self._failure_logged = False
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] | None = None, **kwargs: Any) -> SlurmRefresher | None:
+        """A refresher for ``SLURM_JOB_ID`` from ``environ``, or None outside a Slurm job."""
+        env = os.environ if environ is None else environ
+        job_id = env.get("SLURM_JOB_ID", "").strip()
+        return cls(job_id, environ=env, **kwargs) if job_id else None
+
+    def maybe_refresh(self, now_s: float | None = None) -> float | None:
+        """Ask ``scontrol`` for the end time if ``interval_s`` has passed since the last call (the first call runs).
+
+        Args:
+            now_s: monotonic now in seconds; default ``clock()``.
+
+        Returns:
+            The job's end time in epoch seconds after a successful call; None when not due, disabled, failed, or
+            when the job has no limit.
+        """
+        if self.disabled:
+            return None
+        now = self._clock() if now_s is None else now_s
+        if self._last_attempt_s is not None and now - self._last_attempt_s < self.interval_s:
+            return None
+        self._last_attempt_s = now
+        try:
+            return self._refresh()
+        except Exception as exc:  # never let a refresh take the supervisor down
+            return self._fail(f"unexpected {type(exc).__name__}: {exc}")
+
+    def _refresh(self) -> float | None:
+        self.calls += 1
+        env = dict(self._environ)
+        env["SLURM_TIME_FORMAT"] = "%s"  # epoch seconds, whatever the user's locale or format (parse_time.c)
+        argv = ["scontrol", "show", "job", "-o", self.job_id]
+        try:
+            proc = self._runner(argv, capture_output=True, text=True, timeout=self.call_timeout_s, env=env,
+                                check=False)
+        except FileNotFoundError:
+            self.disabled = True
+            log.info("scontrol is not on PATH: the Slurm end time is not refreshed (SLURM_JOB_END_TIME only)")
+            return None
+        except subprocess.TimeoutExpired:
+            return self._fail(f"no answer within {self.call_timeout_s:g}s")
+        if proc.returncode != 0:
+            first = (proc.stderr or "").strip().splitlines()[:1]
+            return self._fail(f"exit {proc.returncode}" + (f": {first[0]}" if first else ""))
+        try:
+            times = parse_scontrol_job(proc.stdout or "", job_id=self.job_id)
+        except ValueError as exc:
+            return self._fail(f"unreadable output ({exc})")
+        self.last_times = times
+        self.last_source = "scontrol EndTime" if times.end_time_s is not None else "scontrol StartTime+TimeLimit"
+        deadline_s = times.deadline_s
+        if deadline_s != self._last_deadline_s:
+            log.info("Slurm end time now %s (%s)", "none" if deadline_s is None else
+                     _dt.datetime.fromtimestamp(deadline_s, _dt.timezone.utc).isoformat(), self.last_source)
+            self._last_deadline_s = deadline_s
+        return deadline_s
+
+    def _fail(self, why: str) -> None:
+        self.failures += 1
+        if not self._failure_logged:
+            self._failure_logged = True
+            log.warning("scontrol show job %s failed (%s): keeping the current deadline; retrying every %s",
+                        self.job_id, why, format_duration_s(self.interval_s))
+        else:
+            log.debug("scontrol show job %s failed again (%s), %d failures", self.job_id, why, self.failures)
+        return None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Margin
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MarginEstimate:
+    """One margin and what it is made of (seconds, bytes, bytes per second)."""
+
+    margin_s: float
+    step_s: float
+    save_s: float
+    push_s: float
+    size_bytes: float
+    push_bytes_per_s: float
+    safety_factor: float
+    fixed: bool = False
+    floored: bool = False
+
+    def describe(self) -> str:
+        """One line for the log: ``"margin now 96s (save 5.0s + push 50.0s of 1000 MB at 20.0 MB/s, x1.5)"``."""
+        if self.fixed:
+            return f"margin now {self.margin_s:.0f}s (fixed by --margin)"
+        step = f"step {self.step_s:.1f}s + " if self.step_s > 0 else ""
+        floor = ", floor" if self.floored else ""
+        return (f"margin now {self.margin_s:.0f}s ({step}save {self.save_s:.1f}s + push {self.push_s:.1f}s of "
+                f"{self.size_bytes / _MB:.0f} MB at {self.push_bytes_per_s / _MB:.1f} MB/s, "
+                f"x{self.safety_factor:g}{floor})")
+
+
+class MarginEstimator:
+    """How long before the deadline the guard must ask the job for its last checkpoint.
+
+    ``margin_s = (step + save + size / push throughput) * safety_factor + overhead_s``, at least ``floor_s``, or
+    ``fixed_margin_s`` when ``--margin`` is given. ``step`` is the longest recent step (the job saves at its next
+    step end), ``save`` the longest recent save scaled to the expected size.
+
+    Defaults before any measurement are deliberately low-side guesses, replaced by the first measurement:
+
+    - push 20 MB/s: uploads from cloud GPU hosts to the Hub commonly reach 50-200 MB/s, shared academic uplinks
+      10-30 MB/s; 20 MB/s sits at the low end of both.
+    - save at 200 MB/s: ``torch.save`` of a state dict to local NVMe runs near 1 GB/s, to NFS/Lustre from one client
+      a few hundred MB/s; 200 MB/s is the slow end.
+    - size 1 GB (``default_size_bytes``) until a save, ``observe_size`` (an existing checkpoint) or
+      ``size_hint_bytes`` says otherwise.
+    - overhead 15 s: Hub commit round trips (preupload, commit, verify with ``get_paths_info``) of a few seconds each.
+    - floor 60 s: the deadline itself is only known to about a minute (Slurm's time resolution is one minute,
+      ``sbatch.1 --time``; clocks of different hosts differ).
+
+    Measurements are kept robustly: the save time is the *largest* of the last ``history`` saves (scaled up to the
+    expected size); the push throughput adopts any *lower* measurement at once and moves up towards higher ones by
+    only a quarter of the gap (an EWMA biased low).
+
+    Args:
+        fixed_margin_s: ``--margin`` in seconds; None (``auto``) to estimate.
+        safety_factor: multiplier on the measured times (default 1.5, at least 1).
+        floor_s: the smallest margin (default 60).
+        overhead_s: seconds added for the push's fixed costs (default 15).
+        default_push_bytes_per_s: push throughput before a measurement (default 20e6).
+        default_save_s: save time before a measurement; None (default) scales the size at
+            ``default_save_bytes_per_s`` (200e6).
+        size_hint_bytes: checkpoint size expected before the first save (a config hint), or None.
+        default_size_bytes: the size when nothing else is known (default 1e9).
+        history: how many recent saves and steps to remember (default 5).
+
+    Raises:
+        BudgetError: a negative or non-finite setting, or ``safety_factor < 1``.
+    """
+
+    def __init__(self, *, fixed_margin_s: float | None = None, safety_factor: float = 1.5, floor_s: float = 60.0,
+                 overhead_s: float = 15.0, default_push_bytes_per_s: float = 20e6, default_save_s: float | None = None,
+                 default_save_bytes_per_s: float = 200e6, size_hint_bytes: float | None = None,
+                 default_size_bytes: float = 1e9, history: int = 5) -> None:
+        for name, value in (("fixed_margin_s", fixed_margin_s), ("floor_s", floor_s), ("overhead_s", overhead_s),
+                            ("default_save_s", default_save_s), ("size_hint_bytes", size_hint_bytes)):
+            if value is not None and not (math.isfinite(value) and value >= 0):
+                raise BudgetError(f"{name} must be a non-negative number, got {value!r}")
+        for name, value in (("default_push_bytes_per_s", default_push_bytes_per_s),
+                            ("default_save_bytes_per_s", default_save_bytes_per_s),
+                            ("default_size_bytes", default_size_bytes)):
+            if not (math.isfinite(value) and value > 0):
+                raise BudgetError(f"{name} must be a positive number, got {value!r}")
+        if not (math.isfinite(safety_factor) and safety_factor >= 1):
+            raise BudgetError(f"safety_factor must be at least 1, got {safety_factor!r}")
+        self.fixed_margin_s = fixed_margin_s
+        self.safety_factor = safety_factor
+        self.floor_s = floor_s
+        self.overhead_s = overhead_s
+        self.default_push_bytes_per_s = default_push_bytes_per_s
+        self.default_save_s = default_save_s
+        self.default_save_bytes_per_s = default_save_bytes_per_s
+        self.size_hint_bytes = size_hint_bytes
+        self.default_size_bytes = default_size_bytes
+        self._saves: deque[tuple[float, float]] = deque(maxlen=history)
+        self._steps: deque[float] = deque(maxlen=max(history, 1))
+        self._push_bytes_per_s: float | None = None
+        self._seen_size_bytes: float | None = None
+        self._logged_margin_s: float | None = None
+
+    # -- observations ------------------------------------------------------------------------------------------
+
+    def observe_save(self, duration_s: float, size_bytes: float) -> None:
+        """Record a finished save: its duration in seconds and the checkpoint's size in bytes."""
+        if _ok(duration_s) and _ok(size_bytes) and size_bytes > 0:
+            self._saves.append((float(duration_s), float(size_bytes)))
+            self._seen_size_bytes = float(size_bytes)
+            self._maybe_log()
+
+    def observe_push(self, size_bytes: float, duration_s: float) -> None:
+        """Record a finished push (upload and verification) of ``size_bytes`` that took ``duration_s``."""
+        if not (_ok(size_bytes) and _ok(duration_s) and size_bytes > 0):
+            return
+        measured = size_bytes / max(duration_s, 1e-3)
+        current = self._push_bytes_per_s
+        if current is None or measured < current:
+            self._push_bytes_per_s = measured
+        else:
+            self._push_bytes_per_s = current + 0.25 * (measured - current)
+        self._maybe_log()
+
+    def observe_push_progress(self, size_bytes: float, elapsed_s: float) -> None:
+        """Record a push of ``size_bytes`` still running after ``elapsed_s``: the throughput is at most
+        ``size_bytes / elapsed_s``, so a slowdown counts before the push ends (only ever lowers the estimate).
+        Call it now and then (e.g. every event-loop tick) while a push runs."""
+        if _ok(size_bytes) and _ok(elapsed_s) and size_bytes > 0 and elapsed_s > 0:
+            bound = size_bytes / elapsed_s
+            if bound < self.push_bytes_per_s:
+                self._push_bytes_per_s = bound
+                self._maybe_log()
+
+    def observe_step(self, duration_s: float) -> None:
+        """Record a training step's duration in seconds (the job answers a checkpoint request at a step end)."""
+        if _ok(duration_s):
+            self._steps.append(float(duration_s))
+            self._maybe_log()
+
+    def observe_size(self, size_bytes: float) -> None:
+        """Record a checkpoint size seen without a timed save (e.g. one already on disk when the guard starts)."""
+        if _ok(size_bytes) and size_bytes > 0:
+            self._seen_size_bytes = float(size_bytes)
+            self._maybe_log()
+
+    # -- estimates ---------------------------------------------------------------------------------------------
+
+    @property
+    def expected_size_bytes(self) -> float:
+        """The next checkpoint's size: the last one seen, else ``size_hint_bytes``, else ``default_size_bytes``."""
+        for size in (self._seen_size_bytes, self.size_hint_bytes):
+            if size:
+                return size
+        return self.default_size_bytes
+
+    @property
+    def push_bytes_per_s(self) -> float:
+        """The push throughput in bytes per second (measured, else the default)."""
+        return self._push_bytes_per_s or self.default_push_bytes_per_s
+
+    def save_estimate_s(self, size_bytes: float | None = None) -> float:
+        """Seconds a save of ``size_bytes`` (default: expected size) should take, without the safety factor."""
+        size = self.expected_size_bytes if size_bytes is None else size_bytes
+        if self._saves:
+            return max(duration * max(1.0, size / seen) for duration, seen in self._saves)
+        if self.default_save_s is not None:
+            return self.default_save_s
+        return size / self.default_save_bytes_per_s
+
+    def push_estimate_s(self, size_bytes: float | None = None) -> float:
+        """Seconds a push of ``size_bytes`` (default: expected size) should take, without safety or overhead."""
+        size = self.expected_size_bytes if size_bytes is None else size_bytes
+        return size / self.push_bytes_per_s
+
+    def secure_estimate_s(self, size_bytes: float | None = None) -> float:
+        """Seconds to keep for securing a checkpoint already on disk: push x safety + overhead."""
+        return self.push_estimate_s(size_bytes) * self.safety_factor + self.overhead_s
+
+    def estimate(self) -> MarginEstimate:
+        """The current margin with its parts (see :class:`MarginEstimate`)."""
+        size = self.expected_size_bytes
+        step_s = max(self._steps, default=0.0)
+        save_s, push_s = self.save_estimate_s(size), self.push_estimate_s(size)
+        if self.fixed_margin_s is not None:
+            return MarginEstimate(self.fixed_margin_s, step_s, save_s, push_s, size, self.push_bytes_per_s,
+                                  self.safety_factor, fixed=True)
+        raw_s = (step_s + save_s + push_s) * self.safety_factor + self.overhead_s
+        return MarginEstimate(max(raw_s, self.floor_s), step_s, save_s, push_s, size, self.push_bytes_per_s,
+                              self.safety_factor, floored=raw_s < self.floor_s)
+
+    def margin_s(self) -> float:
+        """Seconds to keep free before the deadline for the final step, save and push."""
+        margin = self.estimate()
+        if self._logged_margin_s is None:
+            self._log(margin)
+        return margin.margin_s
+
+    def _maybe_log(self) -> None:
+        margin = self.estimate()
+        last = self._logged_margin_s
+        if last is None or abs(margin.margin_s - last) > 0.05 * max(last, 1.0):
+            self._log(margin)
+
+    def _log(self, margin: MarginEstimate) -> None:
+        self._logged_margin_s = margin.margin_s
+        log.info("%s", margin.describe())
+
+
+def _ok(value: float) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value) and value >= 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Plan: when to ask, how long to wait
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def checkpoint_due(now_s: float, deadline: Deadline, margin_s: float) -> bool:
+    """True once ``now_s`` (epoch seconds) is within ``margin_s`` of the deadline; never without a deadline."""
+    return deadline.deadline_s is not None and now_s >= deadline.deadline_s - margin_s
+
+
+def time_to_due_s(now_s: float, deadline: Deadline, margin_s: float) -> float | None:
+    """Seconds until :func:`checkpoint_due` turns true (0 when it already is), for the event loop's timer; None
+    without a deadline."""
+    if deadline.deadline_s is None:
+        return None
+    return max(0.0, deadline.deadline_s - margin_s - now_s)
+
+
+def save_wait_limit_s(now_s: float, deadline: Deadline, estimator: MarginEstimator,
+                      fallback_size_bytes: float | None) -> float | None:
+    """How long to wait for the job's own save before securing the newest complete checkpoint on disk instead.
+
+    The wait ends when just enough time is left to push the fallback (``estimator.secure_estimate_s``). A fresh
+    save that arrives within the wait has about the same size, so the same reserve covers its push.
+
+    Args:
+        now_s: now, epoch seconds (the moment the checkpoint was requested).
+        deadline: the job's deadline.
+        estimator: the margin estimator (push throughput, safety, overhead).
+        fallback_size_bytes: size of the newest complete checkpoint on disk; None when there is none (then only
+            ``overhead_s`` is kept: there is nothing else to secure).
+
+    Returns:
+        Seconds to wait (0 when already too late), or None without a deadline (wait for the job as long as it runs).
+    """
+    remaining_s = deadline.remaining_s(now_s)
+    if remaining_s is None:
+        return None
+    reserve_s = (estimator.overhead_s if fallback_size_bytes is None
+                 else estimator.secure_estimate_s(fallback_size_bytes))
+    return max(0.0, remaining_s - reserve_s)

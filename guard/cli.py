@@ -1,0 +1,280 @@
+"""The command line: ``python -m guard [OPTIONS] SCRIPT.py [ARGS]``, ``-- COMMAND``, ``preflight``, ``watch``.
+
+``main()`` is the one error boundary: every ``GuardError`` becomes one ``[guard]`` line with its hint, a VERDICT
+(``usage`` 2, ``preflight`` 3, ``push_failed`` 6, ``guard_error`` 70) and its exit code; any other exception is
+a ``guard_error`` (70), with the traceback only when ``GUARD_DEBUG=1``. Whatever happens, exactly one VERDICT
+line is printed, last on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import logging
+import os
+import shutil
+import signal
+import sys
+import time
+import traceback
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, NoReturn
+
+from guard import __version__
+from guard.config import OPTIONS, Config, debug_enabled, env_name, log_level, resolve
+from guard.errors import GuardError, UsageError
+from guard.masking import Masker
+from guard.platform import detect
+from guard.verdict import EXIT_GUARD_ERROR, RunResult, render_line, signal_name, write_report
+
+__all__ = ["build_config", "main"]
+
+log = logging.getLogger("guard.cli")
+
+USAGE = """\
+python -m guard [OPTIONS] SCRIPT.py [SCRIPT_ARGS...]   run a Python script, supervised
+python -m guard [OPTIONS] -- COMMAND [ARGS...]         run any command (torchrun, accelerate launch, bash ...)
+python -m guard preflight [OPTIONS] [SCRIPT.py]        run the checks only
+python -m guard watch [FILE]                           read a job log; exit by its VERDICT"""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{message}", hint="run `python -m guard --help` for the options and their forms")
+
+
+def _parser(prog: str = "python -m guard") -> argparse.ArgumentParser:
+    parser = _Parser(prog=prog, usage=USAGE, add_help=True, allow_abbrev=False,
+                     description="Run a training job under jobguard. Every option falls back to GUARD_<OPTION>.",
+                     epilog="DURATION: 7200, 45s, 90m, 1.5h, 1d, HH:MM:SS or D-HH:MM:SS. Exit codes: README.")
+    parser.add_argument("--version", action="version", version=f"jobguard {__version__}")
+    for opt in OPTIONS:
+        help_text = f"{opt.help} (env {env_name(opt.name)}; default: {opt.default if opt.default not in (None, ()) else '-'})"
+        if opt.flag_only_bool:
+            parser.add_argument(opt.flag, dest=opt.name, action="store_const", const=True, default=None, help=help_text)
+        elif opt.repeat:
+            parser.add_argument(opt.flag, dest=opt.name, action="append", metavar=opt.metavar, help=help_text)
+        else:
+            parser.add_argument(opt.flag, dest=opt.name, metavar=opt.metavar, help=help_text)
+    return parser
+
+
+def _split(argv: Sequence[str]) -> tuple[list[str], list[str], bool]:
+    """Split ``argv`` into (guard options, job part, command form?) at ``--`` or at the first non-option."""
+    takes_value = {o.flag for o in OPTIONS if not o.flag_only_bool}
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        if token == "--":
+            return list(argv[:i]), list(argv[i + 1 :]), True
+        if not token.startswith("-") or token == "-":
+            return list(argv[:i]), list(argv[i:]), False
+        if token in takes_value:
+            i += 1  # the option's value
+        i += 1
+    return list(argv), [], False
+
+
+def _check_script(path_text: str) -> Path:
+    path = Path(path_text)
+    if not path.exists():
+        raise UsageError(f"script not found: {path_text}", option="SCRIPT",
+                         hint="give the path of a Python file, or `-- COMMAND ...` to run another program")
+    if path.is_dir():
+        raise UsageError(f"{path_text} is a folder, not a script", option="SCRIPT",
+                         hint="give the training script inside it, e.g. `python -m guard {}/train.py`".format(
+                             path_text.rstrip("/")))
+    try:
+        source = path.read_bytes()
+    except OSError as exc:
+        raise UsageError(f"cannot read {path_text}: {exc.strerror}", option="SCRIPT") from exc
+    try:
+        compile(source, str(path), "exec", dont_inherit=True)
+    except SyntaxError as exc:
+        raise UsageError(f"{path_text} line {exc.lineno}: {exc.msg}", option="SCRIPT",
+                         hint=f"fix the syntax error (python -m py_compile {path_text} shows it)") from exc
+    except ValueError as exc:  # null bytes
+        raise UsageError(f"{path_text} is not Python source: {exc}", option="SCRIPT") from exc
+    return path
+
+
+def build_config(argv: Sequence[str], environ: Mapping[str, str], *, subcommand: str = "run") -> Config:
+    """Parse the command line and the environment into a ``Config``.
+
+    Raises:
+        UsageError: a malformed option, a missing or broken script, no job given.
+    """
+    options, job, command_form = _split(argv)
+    flags = vars(_parser().parse_args(options))
+    values, sources = resolve(flags, environ)
+    script: Path | None = None
+    script_args: tuple[str, ...] = ()
+    command: tuple[str, ...] = ()
+    if command_form:
+        if not job:
+            raise UsageError("nothing after `--`: give the command to run", option="--",
+                             hint="e.g. python -m guard -- torchrun --nproc-per-node 2 train.py")
+        if shutil.which(job[0]) is None and not Path(job[0]).exists():
+            raise UsageError(f"command not found: {job[0]}", option="COMMAND",
+                             hint="check the spelling and PATH inside the container")
+        command = tuple(job)
+    elif job:
+        script = _check_script(job[0])
+        script_args = tuple(job[1:])
+        command = (sys.executable, str(script), *script_args)
+    elif subcommand == "run":
+        raise UsageError("no job given: name a script or `-- COMMAND`", option="SCRIPT",
+                         hint="python -m guard train.py, or python -m guard -- torchrun ... train.py")
+    if values["timeout"] is not None and values["timeout"] <= 0:
+        raise UsageError("--timeout must be more than 0 seconds", option="--timeout")
+    if values["grace"] <= 0:
+        raise UsageError("--grace must be more than 0 seconds", option="--grace")
+    return Config(values=values, sources=sources, command=command, script=script, script_args=script_args,
+                  subcommand=subcommand, environ=dict(environ))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Logging and output
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class _MaskingFormatter(logging.Formatter):
+    def __init__(self, masker: Masker) -> None:
+        super().__init__("[guard] %(message)s")
+        self.masker = masker
+
+    def format(self, record: logging.LogRecord) -> str:
+        return self.masker.mask_text(super().format(record))
+
+
+def _setup_logging(masker: Masker, environ: Mapping[str, str]) -> None:
+    logger = logging.getLogger("guard")
+    for handler in list(logger.handlers):
+        logger.removeHandler(handler)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_MaskingFormatter(masker))
+    logger.addHandler(handler)
+    level = log_level(environ)
+    logger.setLevel(level if level in logging.getLevelNamesMapping() else "INFO")
+    logger.propagate = False
+
+
+def _version_of(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _log_config(config: Config) -> None:
+    platform = detect(config.environ)
+    log.info("jobguard %s, Python %s (%s), torch %s, transformers %s (from package metadata)", __version__,
+             sys.version.split()[0], sys.executable, _version_of("torch"), _version_of("transformers"))
+    log.info("platform: %s", platform.describe())
+    if config.command:
+        form = "script" if config.script else "command"
+        log.info("job (%s form): %s", form, " ".join(config.command[1:] if config.script else config.command))
+    rows = config.describe()
+    width = max(len(flag) for flag, _, _ in rows)
+    log.info("options (value, source):\n%s", "\n".join(
+        f"[guard]   {flag:<{width}}  {value}  ({source})" for flag, value, source in rows))
+
+
+def _emit_verdict(result: RunResult, masker: Masker, report: str | None) -> int:
+    if report:
+        try:
+            write_report(report, result, masker)
+        except OSError as exc:
+            log.error("cannot write the report %s: %s", report, exc.strerror or exc)
+    try:
+        sys.stdout.flush()
+    except (OSError, ValueError):
+        pass
+    line = render_line(result, masker) + "\n"
+    try:
+        os.write(1, line.encode())
+    except OSError:
+        pass
+    return result.exit_code
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Stages
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class _EarlySignals:
+    """Flags for termination signals that arrive before the job starts (preflight, resume)."""
+
+    def __init__(self) -> None:
+        self.received: list[int] = []
+        self._old: dict[int, Any] = {}
+
+    def __enter__(self) -> _EarlySignals:
+        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP):
+            try:
+                self._old[signum] = signal.signal(signum, lambda s, f: self.received.append(s))
+            except ValueError:
+                break
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for signum, handler in self._old.items():
+            signal.signal(signum, handler)
+
+
+def _run(config: Config, masker: Masker, started: float) -> RunResult:
+    from guard.stages import run_job
+
+    return run_job(config, masker, started)
+
+
+def _preflight_only(config: Config, masker: Masker, started: float) -> RunResult:
+    from guard.stages import preflight_only
+
+    return preflight_only(config, masker, started)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``python -m guard`` and the ``jobguard`` console script. Returns the exit code."""
+    started = time.monotonic()
+    args = list(sys.argv[1:] if argv is None else argv)
+    environ = dict(os.environ)
+    masker = Masker.from_environ(environ)
+    _setup_logging(masker, environ)
+    if args[:1] == ["watch"]:
+        from guard import watch
+
+        return watch.main(args[1:])
+    subcommand = "preflight" if args[:1] == ["preflight"] else "run"
+    if subcommand == "preflight":
+        args = args[1:]
+    report: str | None = environ.get(env_name("report")) or None
+    try:
+        config = build_config(args, environ, subcommand=subcommand)
+        report = config.values["report"]
+        _log_config(config)
+        runner = _preflight_only if subcommand == "preflight" else _run
+        result = runner(config, masker, started)
+    except GuardError as exc:
+        log.error("%s", exc.message)
+        if exc.hint:
+            log.error("hint: %s", exc.hint)
+        if debug_enabled(environ) and exc.exit_code == EXIT_GUARD_ERROR:
+            log.error("%s", traceback.format_exc())
+        extra: dict[str, Any] = {}
+        if getattr(exc, "check", None):
+            extra["check"] = exc.check
+        result = RunResult("FAIL", exc.reason, exc.exit_code, time.monotonic() - started, hint=exc.hint, extra=extra)
+    except KeyboardInterrupt:
+        result = RunResult("INTERRUPTED", "signal", 128 + signal.SIGINT, time.monotonic() - started,
+                           extra={"signal": signal_name(signal.SIGINT)})
+    except Exception as exc:  # the guard's own fault: still one VERDICT
+        log.error("internal error: %r", exc)
+        if debug_enabled(environ):
+            log.error("%s", traceback.format_exc())
+        hint = "set GUARD_DEBUG=1 for the traceback and report it as a bug"
+        result = RunResult("FAIL", "guard_error", EXIT_GUARD_ERROR, time.monotonic() - started, hint=hint)
+    result.elapsed_s = time.monotonic() - started
+    return _emit_verdict(result, masker, report)

@@ -1,0 +1,368 @@
+"""Options, their parsing, and the one place where ``GUARD_*`` environment variables are read.
+
+Every option resolves as: the command-line flag, else the environment variable ``GUARD_<OPTION>``, else the
+default (see ``OPTIONS``). The resolved ``Config`` is frozen and remembers where each value came from
+(``Config.sources``: ``"flag"``, ``"env"`` or ``"default"``), so the config log can say it.
+
+The supervisor -> agent variables (``GUARD_AGENT_*``, named in ``guard.protocol``) are read here too
+(``agent_settings``), so that no other module calls ``os.environ`` for a ``GUARD_*`` name.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from guard import protocol
+from guard.errors import UsageError
+
+__all__ = [
+    "OPTIONS",
+    "AgentSettings",
+    "Config",
+    "Option",
+    "agent_settings",
+    "debug_enabled",
+    "env_name",
+    "log_level",
+    "parse_duration",
+    "parse_size",
+    "resolve",
+]
+
+TRUE_VALUES = frozenset({"1", "true", "yes", "on"})
+FALSE_VALUES = frozenset({"0", "false", "no", "off", ""})
+
+DURATION_FORMS = "whole seconds (7200), a number and a unit s/m/h/d (45s, 90m, 1.5h, 1d), HH:MM:SS or D-HH:MM:SS"
+SIZE_FORMS = "bytes (1000000) or a number and a unit (500MB, 10GB, 1.5GiB, 2T)"
+
+_UNIT_S = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+_NUMBER_UNIT = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([smhd])\s*$", re.IGNORECASE)
+_CLOCK = re.compile(r"^\s*(?:(\d+)-)?(\d+):(\d{1,2}):(\d{1,2})\s*$")
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgtp]?)(i?)(b?)\s*$", re.IGNORECASE)
+
+
+def parse_duration(text: str, *, option: str = "duration") -> float:
+    """Parse a DURATION as the contract spells it.
+
+    Args:
+        text: ``7200`` (seconds), ``45s``, ``90m``, ``1.5h``, ``1d``, ``HH:MM:SS`` or Slurm's ``D-HH:MM:SS``.
+        option: the option name used in the error message.
+
+    Returns:
+        The duration in seconds (float, >= 0).
+
+    Raises:
+        UsageError: the text is none of these forms, or negative.
+    """
+    raw = str(text).strip()
+    seconds: float | None = None
+    if re.fullmatch(r"\d+(?:\.\d*)?", raw):
+        seconds = float(raw)
+    elif m := _NUMBER_UNIT.match(raw):
+        seconds = float(m.group(1)) * _UNIT_S[m.group(2).lower()]
+    elif m := _CLOCK.match(raw):
+        days, hours, minutes, secs = (int(g) if g else 0 for g in m.groups())
+        if minutes < 60 and secs < 60:
+            seconds = days * 86400.0 + hours * 3600.0 + minutes * 60.0 + secs
+    if seconds is None or not math.isfinite(seconds):
+        raise UsageError(f"{option}: {text!r} is not a duration; accepted: {DURATION_FORMS}", option=option)
+    return seconds
+
+
+def parse_size(text: str, *, option: str = "size") -> int:
+    """Parse a SIZE: ``1000000``, ``500MB``, ``10GB`` (powers of 1000), ``1.5GiB`` (powers of 1024).
+
+    Returns:
+        The size in bytes (int, >= 0).
+
+    Raises:
+        UsageError: the text is not a size.
+    """
+    m = _SIZE.match(str(text))
+    if not m:
+        raise UsageError(f"{option}: {text!r} is not a size; accepted: {SIZE_FORMS}", option=option)
+    number, prefix, binary, _ = m.groups()
+    base = 1024 if binary else 1000
+    power = " kmgtp".index(prefix.lower()) if prefix else 0
+    return int(float(number) * base**power)
+
+
+def _parse_count(text: str, *, option: str) -> int:
+    try:
+        value = int(str(text).strip())
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise UsageError(f"{option}: {text!r} is not a whole number >= 0", option=option)
+    return value
+
+
+def _parse_bool(text: str, *, option: str) -> bool:
+    low = str(text).strip().lower()
+    if low in TRUE_VALUES:
+        return True
+    if low in FALSE_VALUES:
+        return False
+    raise UsageError(f"{option}: {text!r} is not a boolean; accepted: 1/0, true/false, yes/no, on/off", option=option)
+
+
+def _parse_margin(text: str, *, option: str) -> float | None:
+    if str(text).strip().lower() == "auto":
+        return None
+    return parse_duration(text, option=option)
+
+
+def _parse_skip(text: str, *, option: str) -> tuple[str, str]:
+    name, sep, reason = str(text).partition("=")
+    if not sep or not name.strip() or not reason.strip():
+        raise UsageError(f"{option}: {text!r} must be NAME=REASON (the reason is shown in the table)", option=option)
+    return name.strip(), reason.strip()
+
+
+def _parse_resume(text: str, *, option: str) -> str:
+    low = str(text).strip().lower()
+    if low in TRUE_VALUES:
+        return "on"
+    if low in FALSE_VALUES:
+        return "off"
+    if low in ("if-valid", "auto"):
+        return low
+    raise UsageError(f"{option}: {text!r}; accepted: on, off, if-valid, auto", option=option)
+
+
+def _parse_text(text: str, *, option: str) -> str:
+    value = str(text).strip()
+    if not value:
+        raise UsageError(f"{option}: an empty value is not allowed", option=option)
+    return value
+
+
+@dataclass(frozen=True)
+class Option:
+    """One option of ``python -m guard``: flag, env fallback, default and parser.
+
+    ``repeat`` options take the flag several times; their environment form is a comma-separated list.
+    """
+
+    name: str
+    help: str
+    default: Any = None
+    parse: Callable[..., Any] | None = _parse_text
+    metavar: str | None = None
+    repeat: bool = False
+    flag_only_bool: bool = False  # a switch such as --dry-run
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+
+def _format_s(seconds: float) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size and seconds % size == 0:
+            return f"{int(seconds // size)}{unit}"
+    return f"{seconds:g}s"
+
+
+def env_name(option_name: str) -> str:
+    """``stall_timeout`` -> ``GUARD_STALL_TIMEOUT`` (the contract's rule)."""
+    return "GUARD_" + option_name.upper()
+
+
+OPTIONS: tuple[Option, ...] = (
+    # --- the contract's options ---
+    Option("timeout", "the job's wall-clock budget, counted from the job's start", None,
+           lambda t, option: parse_duration(t, option=option), "DURATION"),
+    Option("started_at", "when the job started: epoch seconds or ISO 8601", None, _parse_text, "TIME"),
+    Option("margin", "time kept free before the deadline for the final save and push, or auto", None,
+           _parse_margin, "DURATION|auto"),
+    Option("grace", "time between a termination signal and the platform's SIGKILL", 30.0,
+           lambda t, option: parse_duration(t, option=option), "DURATION"),
+    Option("push_to", "where secured checkpoints go: hf://NS/NAME, hf://datasets/NS/NAME, NS/NAME or a path",
+           None, _parse_text, "DEST"),
+    Option("output_dir", "where the job writes its checkpoints", None, _parse_text, "DIR"),
+    Option("sanity_steps", "training steps whose loss must be finite", 5, _parse_count, "N"),
+    Option("dry_run", "stop the job once the sanity steps pass", False, _parse_bool, flag_only_bool=True),
+    Option("stall_timeout", "no training step (before the first: no output) for this long is a hang", 1800.0,
+           lambda t, option: parse_duration(t, option=option), "DURATION"),
+    Option("require_env", "an environment variable that must be set and non-empty (repeatable)", (),
+           _parse_text, "NAME", repeat=True),
+    Option("report", "write the JSON report there (atomically)", None, _parse_text, "FILE"),
+    # --- preflight ---
+    Option("require_model", "a Hub model id the job needs (repeatable)", (), _parse_text, "ID", repeat=True),
+    Option("require_dataset", "a Hub dataset id the job needs (repeatable)", (), _parse_text, "ID", repeat=True),
+    Option("require_gpus", "the number of GPUs the job needs", None, _parse_count, "N"),
+    Option("gpu_type", "text the GPU name must contain (e.g. H100)", None, _parse_text, "NAME"),
+    Option("min_free_disk", "free disk space the output folder needs", None,
+           lambda t, option: parse_size(t, option=option), "SIZE"),
+    Option("expected_duration", "how long the job should take; preflight fails if the timeout is under 1.3x",
+           None, lambda t, option: parse_duration(t, option=option), "DURATION"),
+    Option("skip_check", "turn a preflight check into n/a with a reason (repeatable)", (), _parse_skip,
+           "NAME=REASON", repeat=True),
+    Option("no_preflight", "skip every preflight check (each is listed as n/a)", False, _parse_bool,
+           flag_only_bool=True),
+    # --- resume, watch internals ---
+    Option("resume", "fetch DEST/last-checkpoint before the job starts: on, off, if-valid, auto", "auto",
+           _parse_resume, "MODE"),
+    Option("check_every", "after the sanity pass, read the loss from the device every N steps", 10,
+           _parse_count, "N"),
+    Option("heartbeat", "interval of the [guard] heartbeat line", 300.0,
+           lambda t, option: parse_duration(t, option=option), "DURATION"),
+)
+
+OPTIONS_BY_NAME: Mapping[str, Option] = {o.name: o for o in OPTIONS}
+
+
+@dataclass(frozen=True)
+class Config:
+    """The resolved options of one guard run (frozen).
+
+    Attributes:
+        values: option name -> parsed value (durations in seconds, sizes in bytes, repeatable options as tuples).
+        sources: option name -> ``"flag"``, ``"env"`` or ``"default"``.
+        script: the job's script (script form), or None.
+        command: the job's command: ``[python, script, *args]`` in script form, or the command after ``--``.
+        script_args: arguments after the script.
+    """
+
+    values: Mapping[str, Any]
+    sources: Mapping[str, str]
+    command: tuple[str, ...] = ()
+    script: Path | None = None
+    script_args: tuple[str, ...] = ()
+    subcommand: str = "run"
+    environ: Mapping[str, str] = field(default_factory=dict, repr=False)
+
+    def __getattr__(self, name: str) -> Any:
+        values = object.__getattribute__(self, "values")
+        if name in values:
+            return values[name]
+        raise AttributeError(name)
+
+    @property
+    def grace_s(self) -> float:
+        return float(self.values["grace"])
+
+    @property
+    def stall_timeout_s(self) -> float:
+        return float(self.values["stall_timeout"])
+
+    @property
+    def timeout_s(self) -> float | None:
+        return self.values["timeout"]
+
+    @property
+    def margin_s(self) -> float | None:
+        return self.values["margin"]
+
+    def describe(self) -> list[tuple[str, str, str]]:
+        """Rows ``(option, value, source)`` for the config log; secrets are masked by the caller's masker."""
+        rows = []
+        for opt in OPTIONS:
+            value = self.values[opt.name]
+            if isinstance(value, tuple):
+                text = ",".join("=".join(v) if isinstance(v, tuple) else str(v) for v in value) or "-"
+            elif value is None:
+                text = "auto" if opt.name == "margin" else "-"
+            elif opt.metavar and opt.metavar.startswith("DURATION") and isinstance(value, float):
+                text = _format_s(value)
+            else:
+                text = str(value)
+            rows.append((opt.flag, text, self.sources[opt.name]))
+        return rows
+
+
+def resolve(flags: Mapping[str, Any], environ: Mapping[str, str]) -> tuple[dict[str, Any], dict[str, str]]:
+    """Resolve every option: flag, else ``GUARD_<OPTION>``, else the default.
+
+    Args:
+        flags: option name -> raw text(s) from argparse (None, or an empty list, when the flag was not given;
+            ``True`` for a switch that was given).
+        environ: the environment to read ``GUARD_*`` from.
+
+    Returns:
+        ``(values, sources)``.
+
+    Raises:
+        UsageError: a malformed value; the message names the flag or the variable and the accepted forms.
+    """
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    for opt in OPTIONS:
+        raw = flags.get(opt.name)
+        given = raw not in (None, [], ())
+        if given:
+            source, label = "flag", opt.flag
+        elif environ.get(env_name(opt.name), "").strip():
+            raw = environ[env_name(opt.name)]
+            source, label = "env", env_name(opt.name)
+            if opt.repeat:
+                raw = [part for part in raw.split(",") if part.strip()]
+        else:
+            values[opt.name], sources[opt.name] = opt.default, "default"
+            continue
+        if opt.flag_only_bool and raw is True:
+            value: Any = True
+        elif opt.repeat:
+            value = tuple(opt.parse(item, option=label) for item in raw)  # type: ignore[misc]
+        else:
+            value = opt.parse(raw, option=label) if opt.parse else raw
+        values[opt.name], sources[opt.name] = value, source
+    return values, sources
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Other GUARD_* variables (not options)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def debug_enabled(environ: Mapping[str, str] | None = None) -> bool:
+    """``GUARD_DEBUG=1``: tracebacks for the guard's own errors."""
+    env = os.environ if environ is None else environ
+    return env.get("GUARD_DEBUG", "").strip().lower() in TRUE_VALUES
+
+
+def log_level(environ: Mapping[str, str] | None = None) -> str:
+    """``GUARD_LOG_LEVEL`` (default ``INFO``)."""
+    env = os.environ if environ is None else environ
+    return env.get("GUARD_LOG_LEVEL", "INFO").strip().upper() or "INFO"
+
+
+@dataclass(frozen=True)
+class AgentSettings:
+    """What the supervisor tells the in-job agent (see ``guard.protocol`` for the variable names)."""
+
+    socket_path: str | None
+    sanity_steps: int = 5
+    check_every: int = 10
+    resume_path: str | None = None
+    ack_timeout_s: float = 10.0
+
+
+def agent_settings(environ: Mapping[str, str] | None = None) -> AgentSettings:
+    """Read the ``GUARD_AGENT_*`` variables the supervisor set for the job. Never raises."""
+    env = os.environ if environ is None else environ
+
+    def _int(name: str, default: int) -> int:
+        try:
+            return max(0, int(env.get(name, default)))
+        except ValueError:
+            return default
+
+    return AgentSettings(
+        socket_path=env.get(protocol.ENV_SOCKET) or None,
+        sanity_steps=_int(protocol.ENV_SANITY_STEPS, 5),
+        check_every=max(1, _int(protocol.ENV_CHECK_EVERY, 10)),
+        resume_path=env.get(protocol.ENV_RESUME_PATH) or None,
+    )
+
+
+def split_repeat(values: Sequence[str]) -> tuple[str, ...]:
+    """Flatten ``["A,B", "C"]`` into ``("A", "B", "C")``."""
+    return tuple(part.strip() for item in values for part in item.split(",") if part.strip())

@@ -1,0 +1,174 @@
+"""The job's output on its way through the guard: masking, ``[job] VERDICT`` escaping, and what it tells us.
+
+``StreamFilter.feed`` takes raw bytes as they were read from the job's pipe and returns the bytes to write
+now. Complete lines (ended by ``\\n``, or by ``\\r`` as progress bars redraw) go out at once; an unfinished
+line stays until ``flush_partial`` is called by the supervisor's timer (a prompt or a progress bar without a
+newline is held back for a fraction of a second), except for a tail that could be the start of a secret or of
+a ``VERDICT:`` at the start of a line.
+
+Work per chunk stays small for the common case: masking is ``bytes.replace`` guarded by ``in``, and lines are
+split and parsed only when a chunk contains ``loss``, ``VERDICT:``, ``Traceback`` or ``Error``.
+
+What the filter learns goes into ``StreamFilter.events`` (``OutputEvents``): losses printed by the job (for
+commands the agent does not see into), the last exception named by a traceback, and whether the job printed a
+CUDA out-of-memory error.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+
+from guard.masking import Masker
+
+__all__ = ["JOB_VERDICT_PREFIX", "OutputEvents", "StreamFilter", "parse_losses"]
+
+JOB_VERDICT_PREFIX = b"[job] "
+_VERDICT = b"VERDICT:"
+_LINE_VERDICT = re.compile(rb"(?m)^VERDICT:")
+_KEYWORDS = (b"loss", b"Loss", b"Traceback", b"Error", b"VERDICT:")
+
+# `{'loss': 2.3}`, `{'loss': '2.3'}` (transformers 5 prints strings), `loss=2.3`, `loss: 2.3`, `loss 2.3`, nan/inf.
+# `eval_loss`/`train_loss` are not training-step losses: the name must not follow a letter, digit or underscore.
+_LOSS = re.compile(
+    rb"""(?<![\w])['"]?loss['"]?\s*[:=]?\s*['"]?"""
+    rb"""(?P<v>[-+]?(?:nan|inf(?:inity)?|\d+(?:\.\d*)?(?:[eE][-+]?\d+)?|\.\d+(?:[eE][-+]?\d+)?))(?![\w.])""",
+    re.IGNORECASE,
+)
+_STEP = re.compile(rb"""(?<![\w])['"]?(?:global_)?step['"]?\s*[:=]?\s*(?P<s>\d+)\b""", re.IGNORECASE)
+_EXC_LINE = re.compile(rb"^(?P<type>[A-Za-z_][\w.]*)(?::\s?(?P<msg>.*))?$")
+_CUDA_OOM = (b"CUDA out of memory", b"OutOfMemoryError", b"CUDA error: out of memory")
+
+
+def parse_losses(line: bytes) -> list[tuple[int | None, float]]:
+    """Losses a line prints, each with the step printed on the same line (or None).
+
+    Example:
+        >>> parse_losses(b"{'loss': 'nan', 'grad_norm': 1.0}")
+        [(None, nan)]
+    """
+    found = []
+    for m in _LOSS.finditer(line):
+        try:
+            value = float(m.group("v"))
+        except ValueError:
+            continue
+        step_match = _STEP.search(line)
+        found.append((int(step_match.group("s")) if step_match else None, value))
+    return found
+
+
+@dataclass
+class OutputEvents:
+    """What the job's output said (accumulated over the run).
+
+    Attributes:
+        losses: ``(step or None, loss)`` in the order printed; the supervisor drains it.
+        last_exception: ``"Type: message"`` of the last traceback's final line, or None.
+        cuda_oom: a CUDA out-of-memory error was printed.
+        job_verdicts: the job's own ``VERDICT:`` lines (text after ``VERDICT:``), escaped in the output.
+    """
+
+    losses: list[tuple[int | None, float]] = field(default_factory=list)
+    last_exception: str | None = None
+    cuda_oom: bool = False
+    job_verdicts: list[str] = field(default_factory=list)
+
+
+class StreamFilter:
+    """Filter for one of the job's streams (stdout or stderr).
+
+    Args:
+        masker: the secret masker.
+        parse_losses: read losses from the output (for jobs the agent does not see into).
+        events: where findings go; share one between stdout and stderr.
+    """
+
+    def __init__(self, masker: Masker, *, parse_losses: bool = True, events: OutputEvents | None = None) -> None:
+        self.masker = masker
+        self.parse = parse_losses
+        self.events = events if events is not None else OutputEvents()
+        self._pending = b""
+        self._at_line_start = True
+        self._in_traceback = False
+        self._line_head = b""  # the part of the current line already written (for parsing), bounded
+
+    @property
+    def pending(self) -> bool:
+        """Bytes are held back (an unfinished line)."""
+        return bool(self._pending)
+
+    def feed(self, chunk: bytes) -> bytes:
+        """Take bytes read from the job; return the bytes to write now."""
+        data = self._pending + chunk if self._pending else chunk
+        cut = max(data.rfind(b"\n"), data.rfind(b"\r"))
+        if cut < 0:
+            self._pending = data
+            return b""
+        complete, self._pending = data[: cut + 1], data[cut + 1 :]
+        return self._emit(complete, line_complete=True)
+
+    def flush_partial(self) -> bytes:
+        """Write what is safe of an unfinished line (called by a timer when no newline came)."""
+        if not self._pending:
+            return b""
+        data = self._pending
+        if self._at_line_start and _VERDICT.startswith(data[: len(_VERDICT)]) and len(data) < len(_VERDICT):
+            return b""  # could still become "VERDICT:" at a line start
+        safe = self.masker.safe_len(data)
+        if safe <= 0:
+            return b""
+        self._pending = data[safe:]
+        return self._emit(data[:safe], line_complete=False)
+
+    def close(self) -> bytes:
+        """End of stream: write everything held."""
+        data, self._pending = self._pending, b""
+        return self._emit(data, line_complete=True) if data else b""
+
+    def _emit(self, data: bytes, *, line_complete: bool) -> bytes:
+        out = self.masker.mask(data)
+        if any(k in out for k in _KEYWORDS):
+            out = self._inspect(out)
+        if line_complete:
+            self._at_line_start = out.endswith(b"\n")
+            self._line_head = b""
+        else:
+            self._at_line_start = False
+        return out
+
+    def _inspect(self, out: bytes) -> bytes:
+        lines = out.splitlines(keepends=True)
+        result = []
+        for i, raw in enumerate(lines):
+            at_start = self._at_line_start if i == 0 else lines[i - 1].endswith(b"\n")
+            text = raw.rstrip(b"\r\n")
+            full = self._line_head + text if i == 0 else text
+            if at_start and text.startswith(_VERDICT):
+                self.events.job_verdicts.append(text[len(_VERDICT) :].strip().decode("utf-8", "replace"))
+                raw = JOB_VERDICT_PREFIX + raw
+            if self.parse and b"oss" in full:
+                self.events.losses.extend(parse_losses(full))
+            self._scan_errors(full)
+            result.append(raw)
+        if not out.endswith((b"\n", b"\r")) and lines:
+            self._line_head = (self._line_head + lines[-1])[-4096:]
+        return b"".join(result)
+
+    def _scan_errors(self, line: bytes) -> None:
+        if any(marker in line for marker in _CUDA_OOM):
+            self.events.cuda_oom = True
+        if line.startswith(b"Traceback (most recent call last)"):
+            self._in_traceback = True
+            return
+        if self._in_traceback and line and not line[:1].isspace():
+            m = _EXC_LINE.match(line)
+            if m and (b"Error" in line or b"Exception" in line or b"Interrupt" in line or b":" in line):
+                self.events.last_exception = line.decode("utf-8", "replace")[:500]
+                self._in_traceback = False
+
+
+def finite(value: float | None) -> bool:
+    """True for a finite float (None counts as finite: nothing to judge)."""
+    return value is None or math.isfinite(value)

@@ -1,0 +1,209 @@
+"""Python environment checks: the script's PEP 723 dependencies are installed, its key imports work.
+
+Dependencies are compared with ``importlib.metadata`` and ``packaging``; imports are tried in a child Python
+process with a timeout, so the supervisor itself never imports torch (a broken CUDA build can crash or hang the
+importing process).
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import subprocess
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from guard.preflight._common import one_line
+from guard.preflight._models import CheckResult
+from guard.preflight.script import Pep723Block, ScriptFacts
+
+__all__ = ["IMPORT_TIMEOUT_S", "check_imports", "check_pep723", "key_imports"]
+
+NAME = "python"
+
+#: How long the child process may take to import the job's key modules (torch on a cold network filesystem can
+#: take tens of seconds). Past it the row is a warning, not a failure: slow is not broken.
+IMPORT_TIMEOUT_S = 120.0
+
+#: Modules worth importing even when the script imports them only indirectly: the job's framework.
+_KEY_FIRST = ("torch", "transformers")
+
+_MARK = "@@guard-preflight-imports@@"
+
+# The child: import each module, report version, time and error as one JSON line after a marker (the modules may
+# print to stdout themselves). argv[1] is the script's folder, put first on sys.path as the job will have it.
+_CHILD = f"""
+import importlib, json, sys, time
+sys.path.insert(0, sys.argv[1])
+out = {{}}
+for name in sys.argv[2:]:
+    start = time.perf_counter()
+    try:
+        module = importlib.import_module(name)
+        out[name] = {{"ok": True, "version": str(getattr(module, "__version__", "") or ""),
+                     "s": time.perf_counter() - start}}
+    except BaseException as exc:
+        out[name] = {{"ok": False, "error": type(exc).__name__ + ": " + str(exc)}}
+sys.stdout.write("\\n{_MARK}" + json.dumps(out) + "\\n")
+"""
+
+Runner = Callable[..., Any]  # subprocess.run
+
+
+def check_pep723(facts: ScriptFacts | None) -> list[CheckResult]:
+    """Rows for the script's PEP 723 ``script`` block: each dependency installed and satisfying its specifier.
+
+    Unpinned dependencies (no version specifier) are a warning; ``requires-python`` is checked against this
+    interpreter; dependencies whose environment marker does not apply here are skipped.
+    """
+    from packaging.markers import InvalidMarker, UndefinedEnvironmentName  # noqa: PLC0415 - fast, but lazy
+    from packaging.requirements import InvalidRequirement, Requirement  # noqa: PLC0415
+    from packaging.specifiers import InvalidSpecifier, SpecifierSet  # noqa: PLC0415
+
+    if facts is None:
+        return [CheckResult(NAME, "n/a", "no script given: no PEP 723 block to read")]
+    block: Pep723Block | None = facts.pep723
+    name = facts.path.name
+    if block is None:
+        return [CheckResult(NAME, "n/a", f"no `# /// script` block (PEP 723) in {name}")]
+    if block.error:
+        return [CheckResult(NAME, "fail", f"{name}: {block.error}", "fix the block: uv and hf jobs uv run refuse it too")]
+    rows: list[CheckResult] = []
+    problems: list[str] = []
+    if block.requires_python:
+        try:
+            if not SpecifierSet(block.requires_python).contains(platform.python_version(), prereleases=True):
+                problems.append(f"requires-python {block.requires_python}, this is Python {platform.python_version()}")
+        except InvalidSpecifier:
+            problems.append(f"requires-python {block.requires_python!r} is not a version specifier")
+    satisfied: list[str] = []
+    unpinned: list[str] = []
+    for text in block.dependencies:
+        try:
+            req = Requirement(text)
+        except InvalidRequirement as exc:
+            problems.append(f"{text!r} is not a valid requirement ({one_line(exc, 80)})")
+            continue
+        try:
+            if req.marker is not None and not req.marker.evaluate():
+                continue
+        except (InvalidMarker, UndefinedEnvironmentName):
+            pass
+        try:
+            version = metadata.version(req.name)
+        except metadata.PackageNotFoundError:
+            problems.append(f"{req.name} not installed")
+            continue
+        if req.specifier and not req.specifier.contains(version, prereleases=True):
+            problems.append(f"{req.name} {version} installed, {req.specifier} asked")
+            continue
+        if not req.specifier and req.url is None:
+            unpinned.append(req.name)
+        satisfied.append(f"{req.name} {version}")
+    if problems:
+        rows.append(CheckResult(NAME, "fail", f"PEP 723: {'; '.join(problems)}",
+                                "install what the block asks (pip install '<name><spec>') or run with uv run"))
+    else:
+        listed = ", ".join(satisfied) if satisfied else "no dependencies"
+        rows.append(CheckResult(NAME, "pass", f"PEP 723: {listed}"))
+    if unpinned:
+        rows.append(CheckResult(NAME, "warn", f"PEP 723: unpinned: {', '.join(unpinned)}",
+                                "pin versions (e.g. name==1.2.3) so a rerun gets the same code"))
+    return rows
+
+
+def _import_name(dist: str) -> str | None:
+    """The top-level module a distribution installs (``top_level.txt``, else the normalized name)."""
+    try:
+        top = metadata.distribution(dist).read_text("top_level.txt")
+    except metadata.PackageNotFoundError:
+        return None
+    if top:
+        names = [line.strip() for line in top.splitlines() if line.strip() and not line.startswith("_")]
+        if names:
+            return names[0]
+    return dist.replace("-", "_").replace(".", "_").lower()
+
+
+def key_imports(facts: ScriptFacts) -> list[str]:
+    """The modules to try: the script's unconditional third-party imports, plus its PEP 723 dependencies' modules.
+
+    Standard-library modules, the guard itself and modules that live next to the script are left out; torch and
+    transformers go first.
+    """
+    from packaging.requirements import InvalidRequirement, Requirement  # noqa: PLC0415
+
+    stdlib = set(getattr(sys, "stdlib_module_names", ())) | set(sys.builtin_module_names)
+    folder = facts.path.parent
+    names: list[str] = []
+    for module in facts.imports:
+        if module in stdlib or module in ("guard", "__future__"):
+            continue
+        if (folder / f"{module}.py").exists() or (folder / module).is_dir():
+            continue
+        names.append(module)
+    if facts.pep723 and not facts.pep723.error:
+        for text in facts.pep723.dependencies:
+            try:
+                req = Requirement(text)
+            except InvalidRequirement:
+                continue
+            module = _import_name(req.name)
+            if module and module not in stdlib:
+                names.append(module)
+    ordered = [m for m in _KEY_FIRST if m in names] + [m for m in names if m not in _KEY_FIRST]
+    return list(dict.fromkeys(ordered))
+
+
+def check_imports(
+    facts: ScriptFacts | None,
+    *,
+    environ: Mapping[str, str],
+    runner: Runner = subprocess.run,
+    timeout_s: float = IMPORT_TIMEOUT_S,
+    modules: Sequence[str] | None = None,
+) -> CheckResult:
+    """Try the job's key imports in a child process (``sys.executable -c ...``) with a timeout.
+
+    Args:
+        facts: the script's facts (its imports and PEP 723 block).
+        environ: the job's environment, given to the child.
+        runner: ``subprocess.run`` or a stand-in with its signature.
+        timeout_s: the child's time limit; past it the row is ``warn``.
+        modules: the modules to try; None: ``key_imports(facts)``.
+    """
+    if facts is None and modules is None:
+        return CheckResult(NAME, "n/a", "no script given: the job's imports are unknown")
+    names = list(modules) if modules is not None else key_imports(facts)  # type: ignore[arg-type]
+    if not names:
+        return CheckResult(NAME, "n/a", "the script imports no third-party module at top level")
+    folder = str(facts.path.parent.absolute()) if facts is not None else str(Path.cwd())
+    try:
+        proc = runner([sys.executable, "-c", _CHILD, folder, *names], capture_output=True, text=True,
+                      timeout=timeout_s, env=dict(environ), cwd=folder)
+    except subprocess.TimeoutExpired:
+        return CheckResult(NAME, "warn", f"importing {', '.join(names)} did not finish in {timeout_s:g} s",
+                           "a slow filesystem or a hanging import; check with python -c 'import <name>'")
+    except OSError as exc:
+        return CheckResult(NAME, "fail", f"could not start {sys.executable}: {exc}", "check the Python interpreter")
+    payload = None
+    for line in (proc.stdout or "").splitlines():
+        if line.startswith(_MARK):
+            payload = json.loads(line[len(_MARK):])
+    if payload is None:
+        lines = (proc.stderr or proc.stdout or "").strip().splitlines()
+        tail = one_line(lines[-1] if lines else "no output", 200)
+        return CheckResult(NAME, "fail", f"importing {', '.join(names)} killed the child process "
+                           f"(exit {proc.returncode}): {tail}", "run python -c 'import <name>' to see the crash")
+    failed = {name: info for name, info in payload.items() if not info.get("ok")}
+    if failed:
+        first, info = next(iter(failed.items()))
+        others = f" (also: {', '.join(list(failed)[1:])})" if len(failed) > 1 else ""
+        return CheckResult(NAME, "fail", f"import {first} failed: {one_line(info.get('error'), 200)}{others}",
+                           f"install or repair {first} in this environment (pip install ...)")
+    done = ", ".join(f"{n} {payload[n]['version']}".strip() for n in names)
+    slowest = max(payload.values(), key=lambda info: info.get("s", 0.0))
+    return CheckResult(NAME, "pass", f"imports ok: {done} (slowest {slowest.get('s', 0.0):.1f} s)")

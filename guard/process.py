@@ -1,0 +1,243 @@
+"""Starting the job and making sure nothing it started outlives the guard.
+
+The job runs in a new session (so in its own process group, and without the terminal's SIGINT). The guard
+marks itself a *child subreaper* (Linux ``prctl(PR_SET_CHILD_SUBREAPER)``), so processes the job leaves behind,
+even ones that called ``setsid()``, are re-parented to the guard instead of PID 1: ``psutil`` then finds them
+as the guard's descendants, and they can be reaped and killed. As PID 1 of a container the guard is the
+reaper anyway.
+
+Memory facts (for telling an out-of-memory kill from another SIGKILL): cgroup v2 ``memory.max`` /
+``memory.current`` / ``memory.events`` (``oom_kill`` counter), or cgroup v1 ``memory.limit_in_bytes`` /
+``memory.usage_in_bytes`` / ``memory.oom_control`` (kernel docs ``admin-guide/cgroup-v2.rst``,
+``cgroup-v1/memory.rst``); ``psutil.virtual_memory()`` would give the host's, not the container's.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import subprocess
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+__all__ = ["CgroupMemory", "JobProcess", "cgroup_memory", "set_subreaper"]
+
+log = logging.getLogger("guard.process")
+
+PR_SET_CHILD_SUBREAPER = 36  # <linux/prctl.h>
+
+Spawner = Callable[..., Any]
+
+
+def set_subreaper() -> bool:
+    """Make this process the reaper of its orphaned descendants (Linux only). Returns True on success."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+@dataclass(frozen=True)
+class CgroupMemory:
+    """The job's cgroup memory: ``limit_bytes`` (None: unlimited/unknown), ``current_bytes``, ``oom_kills``."""
+
+    limit_bytes: int | None
+    current_bytes: int | None
+    oom_kills: int
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    if not text or text == "max":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        return None
+
+
+def cgroup_memory(root: Path = Path("/sys/fs/cgroup")) -> CgroupMemory | None:
+    """Read this process's cgroup memory (v2, then v1); None when neither can be read."""
+    rel = ""
+    try:
+        for line in Path("/proc/self/cgroup").read_text().splitlines():
+            parts = line.split(":", 2)
+            if len(parts) == 3 and parts[0] == "0":
+                rel = parts[2].lstrip("/")
+    except OSError:
+        pass
+    for base in (root / rel, root):
+        if (base / "memory.max").exists() or (base / "memory.current").exists():
+            kills = 0
+            try:
+                for line in (base / "memory.events").read_text().splitlines():
+                    key, _, value = line.partition(" ")
+                    if key == "oom_kill":
+                        kills = int(value)
+            except (OSError, ValueError):
+                pass
+            return CgroupMemory(_read_int(base / "memory.max"), _read_int(base / "memory.current"), kills)
+    v1 = root / "memory"
+    if (v1 / "memory.limit_in_bytes").exists():
+        limit = _read_int(v1 / "memory.limit_in_bytes")
+        if limit is not None and limit >= 2**60:
+            limit = None
+        kills = 0
+        try:
+            for line in (v1 / "memory.oom_control").read_text().splitlines():
+                key, _, value = line.partition(" ")
+                if key == "oom_kill":
+                    kills = int(value)
+        except (OSError, ValueError):
+            pass
+        return CgroupMemory(limit, _read_int(v1 / "memory.usage_in_bytes"), kills)
+    return None
+
+
+class JobProcess:
+    """The job: a child in its own session, with its stdout and stderr on pipes.
+
+    Args:
+        argv: the command.
+        env: the job's environment (complete).
+        spawner: ``subprocess.Popen`` or a stand-in with the same signature (tests inject faults here).
+    """
+
+    def __init__(self, argv: Sequence[str], env: Mapping[str, str], *, spawner: Spawner = subprocess.Popen) -> None:
+        self.argv = list(argv)
+        self.env = dict(env)
+        self.spawner = spawner
+        self.proc: Any = None
+        self.pid = -1
+        self.returncode: int | None = None
+        self.known_pids: set[int] = set()
+        self.peak_rss_bytes = 0
+        self.last_rss_bytes = 0
+
+    def start(self) -> None:
+        """Start the job.
+
+        Raises:
+            OSError: the command cannot be executed (not found, not executable).
+        """
+        self.proc = self.spawner(
+            self.argv, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+            bufsize=0, close_fds=True,
+        )
+        self.pid = self.proc.pid
+        self.known_pids.add(self.pid)
+        for stream in (self.proc.stdout, self.proc.stderr):
+            os.set_blocking(stream.fileno(), False)
+
+    @property
+    def stdout_fd(self) -> int:
+        return int(self.proc.stdout.fileno())
+
+    @property
+    def stderr_fd(self) -> int:
+        return int(self.proc.stderr.fileno())
+
+    def poll(self) -> int | None:
+        """Reap the job (and orphans of its tree) without blocking; the job's ``returncode`` once it exited.
+
+        ``returncode`` follows ``subprocess``: negative for a death by signal.
+        """
+        if self.returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:
+                pid, status = self.pid, 0
+            if pid == self.pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+                self.proc.returncode = self.returncode
+        self._reap_orphans()
+        return self.returncode
+
+    def _reap_orphans(self) -> None:
+        try:
+            children = psutil.Process().children()
+        except psutil.Error:
+            return
+        for child in children:
+            if child.pid == self.pid or child.pid not in self.known_pids:
+                continue
+            try:
+                if child.status() == psutil.STATUS_ZOMBIE:
+                    os.waitpid(child.pid, os.WNOHANG)
+            except (psutil.Error, ChildProcessError, OSError):
+                pass
+
+    def descendants(self) -> list[psutil.Process]:
+        """Every live process of the job's tree: under the job, or re-parented to the guard (subreaper)."""
+        found: dict[int, psutil.Process] = {}
+        try:
+            for proc in psutil.Process().children(recursive=True):
+                if proc.pid in self.known_pids or self._in_job_tree(proc):
+                    found[proc.pid] = proc
+        except psutil.Error:
+            pass
+        return list(found.values())
+
+    def _in_job_tree(self, proc: psutil.Process) -> bool:
+        try:
+            parents = proc.parents()
+        except psutil.Error:
+            return False
+        return any(p.pid in self.known_pids for p in parents) or proc.ppid() == os.getpid()
+
+    def sample(self) -> int:
+        """Record the job tree's pids and resident memory; returns the tree's RSS in bytes."""
+        total = 0
+        for proc in self.descendants():
+            self.known_pids.add(proc.pid)
+            try:
+                total += proc.memory_info().rss
+            except psutil.Error:
+                pass
+        self.last_rss_bytes = total
+        self.peak_rss_bytes = max(self.peak_rss_bytes, total)
+        return total
+
+    def signal_all(self, signum: int) -> None:
+        """Send ``signum`` to the job's process group and to every process of its tree outside that group."""
+        tree = self.descendants()
+        for proc in tree:
+            self.known_pids.add(proc.pid)
+        if self.returncode is None or tree:
+            try:
+                os.killpg(self.pid, signum)
+            except (ProcessLookupError, PermissionError):
+                pass
+        for proc in tree:
+            try:
+                if os.getpgid(proc.pid) != self.pid:
+                    proc.send_signal(signum)
+            except (psutil.Error, ProcessLookupError, PermissionError, OSError):
+                pass
+
+    def alive(self) -> bool:
+        """The job or any process of its tree is still running (zombies do not count)."""
+        if self.returncode is None:
+            return True
+        for proc in self.descendants():
+            try:
+                if proc.status() != psutil.STATUS_ZOMBIE:
+                    return True
+            except psutil.Error:
+                pass
+        return False
+
+
+def default_signals() -> tuple[signal.Signals, ...]:
+    """The termination signals the guard handles: SIGTERM, SIGINT, SIGUSR1, SIGUSR2, SIGHUP."""
+    return (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP)

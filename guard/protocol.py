@@ -1,0 +1,93 @@
+"""The supervisor <-> agent contract: environment variables, the channel, the messages.
+
+The supervisor creates a Unix ``SOCK_SEQPACKET`` socket in a private temporary folder and names it in
+``GUARD_AGENT_SOCKET``. Every Python process of the job loads the agent at start-up (``guard/_site`` is put
+first on ``PYTHONPATH``; its ``sitecustomize`` chains to any other ``sitecustomize``), and an agent connects
+the first time it has something to say. One datagram is one message: a UTF-8 JSON object with a ``"t"`` (type)
+key. ``SOCK_SEQPACKET`` keeps message boundaries and makes each send all-or-nothing, so the agent can send
+without blocking and simply drop a message when the socket is full: a dead or slow supervisor never blocks the
+job, and a dead or silent agent never blocks the supervisor (it only reads what arrives).
+
+Agent -> supervisor (``t``):
+
+``hello``           pid, rank, local_rank, world_size, node_rank
+``step``            step (int), loss (float|None), finite (bool), source (``trainer``|``backward``|``report``),
+                    n (steps covered by this message, >= 1)
+``trainer_config``  the TrainingArguments that matter (see ``TRAINER_FIELDS``) + has_eval_dataset, max_steps;
+                    the agent then waits up to ack_timeout_s for ``ack`` (go on) before the first step
+``train_begin``     max_steps
+``checkpoint_saved`` path, step
+``exception``       exc_type, message (the job's uncaught exception, from ``sys.excepthook``)
+``push_result``     ok (bool), error (str|None): a push the Trainer did in the background
+``train_end``       step
+
+Supervisor -> agent (``t``):
+
+``ack``             go on (after ``trainer_config``)
+``checkpoint``      save a checkpoint now (at the next step end); ``stop`` (bool): then end training
+``stop``            end training cleanly at the next step end
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+__all__ = [
+    "ENV_CHECK_EVERY",
+    "ENV_PKG_ROOT",
+    "ENV_RESUME_PATH",
+    "ENV_SANITY_STEPS",
+    "ENV_SOCKET",
+    "MAX_MESSAGE_BYTES",
+    "TRAINER_FIELDS",
+    "decode",
+    "encode",
+]
+
+#: Path of the supervisor's Unix socket; unset means "no supervisor": every agent call is a no-op.
+ENV_SOCKET = "GUARD_AGENT_SOCKET"
+#: How many first steps are checked one by one (each read from the device).
+ENV_SANITY_STEPS = "GUARD_AGENT_SANITY_STEPS"
+#: After the sanity pass, read the accumulated loss from the device every N steps (no sync per step).
+ENV_CHECK_EVERY = "GUARD_AGENT_CHECK_EVERY"
+#: A checkpoint folder the job should resume from (set by ``--resume``).
+ENV_RESUME_PATH = "GUARD_AGENT_RESUME_PATH"
+#: The folder holding the ``guard`` package, appended to ``sys.path`` by the agent's ``sitecustomize``.
+ENV_PKG_ROOT = "GUARD_AGENT_PKG_ROOT"
+
+MAX_MESSAGE_BYTES = 64 * 1024
+
+#: TrainingArguments fields the agent reports (later stages read them: push, save, eval, trackers).
+TRAINER_FIELDS = (
+    "output_dir",
+    "push_to_hub",
+    "hub_model_id",
+    "hub_strategy",
+    "save_strategy",
+    "save_steps",
+    "eval_strategy",
+    "report_to",
+    "bf16",
+    "fp16",
+    "torch_compile",
+    "gradient_checkpointing",
+    "max_steps",
+    "logging_nan_inf_filter",
+)
+
+
+def encode(message: dict[str, Any]) -> bytes:
+    """One message as a datagram (compact JSON, UTF-8); NaN and infinities travel as ``NaN``/``Infinity``."""
+    return json.dumps(message, separators=(",", ":"), default=str, allow_nan=True).encode()
+
+
+def decode(data: bytes) -> dict[str, Any] | None:
+    """Parse one datagram; None for anything that is not a JSON object with a string ``t``."""
+    try:
+        message = json.loads(data)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    if isinstance(message, dict) and isinstance(message.get("t"), str):
+        return message
+    return None

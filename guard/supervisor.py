@@ -1,0 +1,621 @@
+"""The supervisor: starts the job with the agent inside and runs one event loop until it ends.
+
+One thread, one ``select`` loop over: the job's stdout and stderr pipes, the agent socket (new connections and
+messages), a self-pipe that signal handlers write to (``signal.set_wakeup_fd``; the handlers only append to a
+list), and timers (stall, partial-line flush, deadline, grace escalation, memory sampling). Pushes to the
+destination run on one worker thread so that output keeps flowing and signals keep being handled meanwhile.
+
+The run ends in a ``verdict.RunResult``; the job's failure is data, never an exception. The first decision the
+guard takes (non-finite loss, stall, dry run done, deadline, signal) fixes the outcome; the job's exit after
+the guard stopped it does not change it.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import math
+import os
+import selectors
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from guard import protocol
+from guard.config import Config
+from guard.masking import Masker
+from guard.output import OutputEvents, StreamFilter
+from guard.process import JobProcess, cgroup_memory, default_signals, set_subreaper
+from guard.timers import Escalation, StallWatch
+from guard.verdict import (
+    EXIT_NON_FINITE,
+    EXIT_PREFLIGHT,
+    EXIT_STALLED,
+    RunResult,
+    signal_name,
+)
+
+__all__ = ["Outcome", "Supervisor"]
+
+log = logging.getLogger("guard.supervisor")
+
+PARTIAL_FLUSH_S = 0.1  # an unfinished line is written after this long without a newline
+DRAIN_AFTER_EXIT_S = 2.0  # after the job exits, how long its leftover processes may keep its pipes open
+SAMPLE_EVERY_S = 2.0  # job tree memory sampling
+READ_BYTES = 1 << 16
+OOM_NEAR_LIMIT = 0.9  # a SIGKILL with the job's memory above this share of the cgroup limit is an OOM kill
+
+
+@dataclass
+class Outcome:
+    """What the guard decided (before the job's exit is known)."""
+
+    status: str
+    reason: str
+    exit_code: int | None = None
+    hint: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class AgentConn:
+    sock: socket.socket
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+class Supervisor:
+    """Runs one job under the guard.
+
+    Args:
+        config: the resolved options (``config.command`` is the job's argv).
+        masker: the secret masker applied to everything written.
+        clock: monotonic seconds (injected for tests).
+        spawner: ``subprocess.Popen``-like (injected for tests).
+        trainer_config_check: called with the Trainer arguments the agent reports; returns preflight rows
+            (objects with ``name``, ``status``, ``seen``, ``hint``); a ``fail`` row stops the job.
+        securer: the destination hooks (``guard.securing.Securing``) or None.
+        out, err: file descriptors for the job's stdout and stderr (default 1 and 2).
+    """
+
+    def __init__(
+        self,
+        config: Config,
+        *,
+        masker: Masker,
+        clock: Callable[[], float] = time.monotonic,
+        spawner: Any = None,
+        trainer_config_check: Callable[[Mapping[str, Any]], list[Any]] | None = None,
+        securer: Any = None,
+        env_extra: Mapping[str, str] | None = None,
+        out_fd: int = 1,
+        err_fd: int = 2,
+    ) -> None:
+        self.config = config
+        self.masker = masker
+        self.clock = clock
+        self.spawner = spawner
+        self.trainer_config_check = trainer_config_check
+        self.securer = securer
+        self.env_extra = dict(env_extra or {})
+        self.out_fd, self.err_fd = out_fd, err_fd
+        self.started = clock()
+        self.outcome: Outcome | None = None
+        self.escalation = Escalation(config.grace_s)
+        self.stall = StallWatch(config.stall_timeout_s, self.started)
+        self.events = OutputEvents()
+        self.filters: dict[int, StreamFilter] = {}
+        self.targets: dict[int, int] = {}
+        self.partial_since: dict[int, float] = {}
+        self.agents: dict[int, AgentConn] = {}
+        self.step: int | None = None
+        self.loss: float | None = None
+        self.sanity: list[float] = []
+        self.sanity_done = False
+        self.loss_source: str | None = None
+        self.primary_agent: int | None = None
+        self.last_exception: str | None = None
+        self.cuda_oom = False
+        self.trainer_config: dict[str, Any] | None = None
+        self.trainer_push: dict[str, Any] | None = None
+        self.checkpoints: list[dict[str, Any]] = []
+        self.signals: list[int] = []
+        self.job: JobProcess | None = None
+        self.exited_at: float | None = None
+        self.next_sample = self.started
+        self.stop_at: float | None = None
+        self._closed_out = False
+        self._sel = selectors.DefaultSelector()
+        self._listener: socket.socket | None = None
+        self._tmpdir: str | None = None
+        self._wakeup_r = self._wakeup_w = -1
+        self._old_handlers: dict[int, Any] = {}
+        self._old_wakeup = -1
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self.cgroup_start = cgroup_memory()
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Set-up and tear-down
+    # ------------------------------------------------------------------------------------------------------------
+
+    def run(self) -> RunResult:
+        """Run the job to its end; returns how it ended. Never raises for a failure of the job.
+
+        Raises:
+            SupervisorError: the job could not be started (the command does not exist, ...).
+        """
+        self._install_signals()
+        try:
+            self._start()
+            self._loop()
+            self._finish_output()
+        finally:
+            self._teardown()
+        return self._result()
+
+    def _install_signals(self) -> None:
+        self._wakeup_r, self._wakeup_w = os.pipe()
+        os.set_blocking(self._wakeup_r, False)
+        os.set_blocking(self._wakeup_w, False)
+        try:
+            self._old_wakeup = signal.set_wakeup_fd(self._wakeup_w, warn_on_full_buffer=False)
+        except ValueError:  # not the main thread: no signal handling (documented)
+            self._old_wakeup = -2
+            return
+        for signum in (*default_signals(), signal.SIGCHLD):
+            self._old_handlers[signum] = signal.signal(signum, self._on_signal)
+
+    def _on_signal(self, signum: int, frame: Any) -> None:  # only sets a flag; the loop acts
+        if signum != signal.SIGCHLD:
+            self.signals.append(signum)
+
+    def _start(self) -> None:
+        from guard.errors import SupervisorError
+
+        set_subreaper()
+        self._tmpdir = tempfile.mkdtemp(prefix="guard-")
+        sock_path = os.path.join(self._tmpdir, "agent.sock")
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self._listener.bind(sock_path)
+        self._listener.listen(64)
+        self._listener.setblocking(False)
+        self._sel.register(self._listener, selectors.EVENT_READ, "listen")
+        self._sel.register(self._wakeup_r, selectors.EVENT_READ, "wakeup")
+        env = self._job_env(sock_path)
+        self.job = JobProcess(self.config.command, env, **({"spawner": self.spawner} if self.spawner else {}))
+        try:
+            self.job.start()
+        except OSError as exc:
+            raise SupervisorError(f"cannot start the job {self.config.command[0]!r}: {exc.strerror or exc}",
+                                  hint="check the command and that it is executable and on PATH") from exc
+        log.info("job started: pid %d, command: %s", self.job.pid, " ".join(self.config.command))
+        parse_output = True
+        for fd, target in ((self.job.stdout_fd, self.out_fd), (self.job.stderr_fd, self.err_fd)):
+            self.filters[fd] = StreamFilter(self.masker, parse_losses=parse_output, events=self.events)
+            self.targets[fd] = target
+            self._sel.register(fd, selectors.EVENT_READ, "pipe")
+
+    def _job_env(self, sock_path: str) -> dict[str, str]:
+        env = dict(self.config.environ)
+        env.update(self.env_extra)
+        site_dir = str(Path(__file__).resolve().parent / "_site")
+        pkg_root = str(Path(__file__).resolve().parent.parent)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (site_dir, env.get("PYTHONPATH", "")) if p)
+        env[protocol.ENV_SOCKET] = sock_path
+        env[protocol.ENV_SANITY_STEPS] = str(self.config.sanity_steps)
+        env[protocol.ENV_CHECK_EVERY] = str(self.config.check_every)
+        env[protocol.ENV_PKG_ROOT] = pkg_root
+        env.setdefault("PYTHONUNBUFFERED", "1")  # pipes would otherwise block-buffer the job's prints
+        return env
+
+    def _teardown(self) -> None:
+        if self.job is not None and self.job.proc is not None:
+            self._kill_leftovers()
+        for conn in list(self.agents.values()):
+            conn.sock.close()
+        if self._listener is not None:
+            self._listener.close()
+        if self._tmpdir:
+            shutil.rmtree(self._tmpdir, ignore_errors=True)
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._old_wakeup != -2:
+            signal.set_wakeup_fd(self._old_wakeup)
+            for signum, handler in self._old_handlers.items():
+                signal.signal(signum, handler)
+        for fd in (self._wakeup_r, self._wakeup_w):
+            if fd >= 0:
+                os.close(fd)
+        self._sel.close()
+
+    def _kill_leftovers(self) -> None:
+        """No process the guard started survives it: TERM, a bounded wait, then KILL."""
+        job = self.job
+        assert job is not None
+        job.poll()
+        if not job.alive():
+            return
+        log.info("stopping what the job left running")
+        job.signal_all(signal.SIGTERM)
+        deadline = self.clock() + min(self.config.grace_s, 5.0)
+        while self.clock() < deadline and job.alive():
+            time.sleep(0.05)
+            job.poll()
+        if job.alive():
+            job.signal_all(signal.SIGKILL)
+            end = self.clock() + 5.0
+            while self.clock() < end and job.alive():
+                time.sleep(0.02)
+                job.poll()
+
+    # ------------------------------------------------------------------------------------------------------------
+    # The loop
+    # ------------------------------------------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        job = self.job
+        assert job is not None
+        while True:
+            now = self.clock()
+            timeout = max(0.0, min(self._next_due(now) - now, 1.0))
+            for key, _ in self._sel.select(timeout):
+                kind = key.data
+                if kind == "pipe":
+                    self._read_pipe(key.fd)
+                elif kind == "listen":
+                    self._accept()
+                elif kind == "agent":
+                    self._read_agent(key.fd)
+                elif kind == "wakeup":
+                    self._drain_wakeup()
+            now = self.clock()
+            self._handle_signals(now)
+            job.poll()
+            if job.returncode is not None and self.exited_at is None:
+                self.exited_at = now
+                self._on_job_exit(now)
+            self._timers(now)
+            if self._done(now):
+                return
+
+    def _next_due(self, now: float) -> float:
+        due = [self.stall.due_at(), self.escalation.due_at(), self.next_sample, self.stop_at or math.inf]
+        due += [since + PARTIAL_FLUSH_S for since in self.partial_since.values()]
+        if self.exited_at is not None:
+            due.append(self.exited_at + DRAIN_AFTER_EXIT_S)
+        if self.securer is not None:
+            due.append(self.securer.due_at(now))
+        return min(due)
+
+    def _timers(self, now: float) -> None:
+        for fd, since in list(self.partial_since.items()):
+            if now - since >= PARTIAL_FLUSH_S:
+                self._write(self.targets[fd], self.filters[fd].flush_partial())
+                if self.filters[fd].pending:
+                    self.partial_since[fd] = now
+                else:
+                    del self.partial_since[fd]
+        if now >= self.next_sample and self.job is not None and self.job.returncode is None:
+            self.job.sample()
+            self.next_sample = now + SAMPLE_EVERY_S
+        if self.stall.expired(now) and self.outcome is None:
+            silent = self.stall.silent_for_s(now)
+            what = "no training step" if self.stall.first_step_seen else "no output and no training step"
+            log.error("%s for %.0fs (--stall-timeout %.0fs): the job looks hung", what, silent,
+                      self.config.stall_timeout_s)
+            self.broadcast({"t": "dump"})
+            self._dump_stacks()
+            self._decide(Outcome("FAIL", "stalled", EXIT_STALLED, hint=(
+                f"{what} for {silent:.0f}s: look at the stacks above for where it waits (a collective, a "
+                "DataLoader worker, I/O); raise --stall-timeout if a step or the first output can take that long")),
+                stop=False)
+            self.stop_at = now + 1.0  # give the agents a moment to print their stacks
+        if self.stop_at is not None and now >= self.stop_at:
+            self.stop_at = None
+            self._stop_job(now)
+        if self.securer is not None:
+            self.securer.tick(self, now)
+        if self.escalation.kill_due(now) and self.job is not None:
+            log.warning("the job ignored SIGTERM for %.0fs (--grace): SIGKILL", self.escalation.grace_s)
+            self.job.signal_all(signal.SIGKILL)
+        if self.exited_at is not None and now >= self.exited_at + DRAIN_AFTER_EXIT_S and self.job is not None:
+            if self.job.alive() and not self.escalation.started and not self._securing():
+                log.info("the job exited but left processes holding its output open: stopping them")
+                self._stop_job(now)
+
+    def _securing(self) -> bool:
+        return self.securer is not None and self.securer.busy()
+
+    def _done(self, now: float) -> bool:
+        job = self.job
+        assert job is not None
+        if job.returncode is None or self._securing():
+            return False
+        pipes_open = any(key.data == "pipe" for key in self._sel.get_map().values())
+        if not pipes_open:
+            return True
+        # Leftover processes keep the pipes open: wait for the drain period, then for the escalation.
+        if now < (self.exited_at or now) + DRAIN_AFTER_EXIT_S:
+            return False
+        return not job.alive() and now >= (self.exited_at or now) + DRAIN_AFTER_EXIT_S + 0.5
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Output
+    # ------------------------------------------------------------------------------------------------------------
+
+    def _read_pipe(self, fd: int) -> None:
+        try:
+            data = os.read(fd, READ_BYTES)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        flt = self.filters[fd]
+        now = self.clock()
+        if not data:
+            self._write(self.targets[fd], flt.close())
+            self._sel.unregister(fd)
+            self.partial_since.pop(fd, None)
+            return
+        self.stall.output(now)
+        self._write(self.targets[fd], flt.feed(data))
+        if flt.pending:
+            self.partial_since.setdefault(fd, now)
+        else:
+            self.partial_since.pop(fd, None)
+        self._after_output(now)
+
+    def _after_output(self, now: float) -> None:
+        events = self.events
+        if events.losses:
+            losses, events.losses[:] = list(events.losses), []
+            if self.loss_source != "agent":
+                for step, value in losses:
+                    self._on_step(now, step, value, math.isfinite(value), 1, "output", None)
+        if events.cuda_oom:
+            self.cuda_oom = True
+        if events.last_exception:
+            self.last_exception = events.last_exception
+
+    def _write(self, fd: int, data: bytes) -> None:
+        if not data or (fd == self.out_fd and self._closed_out):
+            return
+        view = memoryview(data)
+        while view:
+            try:
+                n = os.write(fd, view)
+            except BlockingIOError:
+                time.sleep(0.001)
+                continue
+            except BrokenPipeError:
+                if fd == self.out_fd:
+                    self._closed_out = True
+                return
+            except OSError:
+                return
+            view = view[n:]
+
+    def _finish_output(self) -> None:
+        for fd, flt in self.filters.items():
+            self._write(self.targets[fd], flt.close())
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Agent channel
+    # ------------------------------------------------------------------------------------------------------------
+
+    def _accept(self) -> None:
+        assert self._listener is not None
+        while True:
+            try:
+                sock, _ = self._listener.accept()
+            except (BlockingIOError, OSError):
+                return
+            sock.setblocking(False)
+            self.agents[sock.fileno()] = AgentConn(sock)
+            self._sel.register(sock, selectors.EVENT_READ, "agent")
+
+    def _read_agent(self, fd: int) -> None:
+        conn = self.agents.get(fd)
+        if conn is None:
+            return
+        for _ in range(256):  # bounded: output and timers get their turn
+            try:
+                data = conn.sock.recv(protocol.MAX_MESSAGE_BYTES)
+            except BlockingIOError:
+                return
+            except OSError:
+                data = b""
+            if not data:
+                self._sel.unregister(conn.sock)
+                conn.sock.close()
+                del self.agents[fd]
+                return
+            message = protocol.decode(data)
+            if message is not None:
+                self._on_message(fd, conn, message)
+
+    def send(self, fd: int, message: dict[str, Any]) -> bool:
+        """Send a command to one agent without blocking (dropped if its socket is full or closed)."""
+        conn = self.agents.get(fd)
+        if conn is None:
+            return False
+        try:
+            conn.sock.send(protocol.encode(message), socket.MSG_DONTWAIT)
+            return True
+        except OSError:
+            return False
+
+    def broadcast(self, message: dict[str, Any]) -> int:
+        """Send a command to every connected agent; returns how many got it."""
+        return sum(self.send(fd, message) for fd in list(self.agents))
+
+    def _on_message(self, fd: int, conn: AgentConn, message: dict[str, Any]) -> None:
+        kind = message["t"]
+        now = self.clock()
+        if kind == "hello":
+            conn.info = message
+            log.debug("agent connected: pid %s rank %s", message.get("pid"), message.get("rank"))
+        elif kind == "step":
+            loss = message.get("loss")
+            value = float(loss) if isinstance(loss, (int, float)) else math.nan
+            self._on_step(now, message.get("step"), value, bool(message.get("finite", True)),
+                          int(message.get("n", 1)), "agent", fd)
+        elif kind == "trainer_config":
+            self._on_trainer_config(fd, message.get("config") or {})
+        elif kind == "checkpoint_saved":
+            self.checkpoints.append(message)
+            if self.securer is not None:
+                self.securer.on_checkpoint_saved(self, message)
+        elif kind == "exception":
+            self.last_exception = f"{message.get('exc_type')}: {message.get('message')}"
+            if "OutOfMemoryError" in str(message.get("exc_type")):
+                self.cuda_oom = True
+        elif kind == "push_result":
+            self.trainer_push = message
+            if not message.get("ok"):
+                log.error("the Trainer's background push to the Hub failed: %s", message.get("error"))
+        elif kind == "train_end":
+            log.debug("training ended at step %s", message.get("step"))
+
+    def _on_trainer_config(self, fd: int, config: dict[str, Any]) -> None:
+        if self.trainer_config is None:
+            self.trainer_config = config
+            log.info("Trainer: output_dir=%s save_strategy=%s push_to_hub=%s hub_model_id=%s max_steps=%s",
+                     config.get("output_dir"), config.get("save_strategy"), config.get("push_to_hub"),
+                     config.get("hub_model_id"), config.get("max_steps"))
+            if self.securer is not None:
+                self.securer.on_trainer_config(self, config)
+        rows = self.trainer_config_check(config) if self.trainer_config_check else []
+        failed = next((row for row in rows if row.status == "fail"), None)
+        for row in rows:
+            if row.status in ("fail", "warn"):
+                log.log(logging.ERROR if row.status == "fail" else logging.WARNING, "preflight %s %s: %s%s",
+                        row.name, row.status, row.seen, f" (hint: {row.hint})" if row.hint else "")
+        if failed is not None and self.outcome is None:
+            self._decide(Outcome("FAIL", "preflight", EXIT_PREFLIGHT, hint=failed.hint,
+                                 extra={"check": failed.name}), stop=True)
+            return
+        self.send(fd, {"t": "ack"})
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Steps, the sanity pass, the watch
+    # ------------------------------------------------------------------------------------------------------------
+
+    def _on_step(self, now: float, step: Any, value: float, finite: bool, n: int, source: str,
+                 fd: int | None) -> None:
+        if source == "agent" and self.loss_source != "agent":
+            if self.loss_source == "output":
+                log.info("losses now come from the agent inside the job (output parsing off)")
+                self.sanity, self.sanity_done = [], False
+            self.loss_source = "agent"
+        elif self.loss_source is None:
+            self.loss_source = source
+            log.info("reading losses from the job's output (no agent step seen)")
+        rank = self.agents[fd].info.get("rank") if fd is not None and fd in self.agents else None
+        if not finite or not math.isfinite(value):
+            if self.outcome is None:
+                self.step = int(step) if step is not None else self.step
+                self.loss = value
+                where = f"step {self.step}" if n == 1 else f"steps {int(step) - n + 1}..{step}"
+                phase = "sanity pass" if not self.sanity_done else "training"
+                log.error("non-finite loss %s at %s (%s)%s", value, where, phase,
+                          f" on rank {rank}" if rank is not None else "")
+                extra = {"rank": rank} if rank is not None else {}
+                self._decide(Outcome("FAIL", "non_finite_loss", EXIT_NON_FINITE, extra=extra, hint=(
+                    "lower the learning rate or add warmup, clip gradients (max_grad_norm), prefer bf16 over fp16, "
+                    f"and check the batch at step {self.step} for empty or corrupt inputs")))
+            return
+        if self.primary_agent is None and fd is not None:
+            self.primary_agent = fd
+        if fd is not None and fd != self.primary_agent and rank not in (None, 0):
+            return  # other ranks: checked for NaN above; step and loss come from one rank
+        self.step = int(step) if step is not None else (self.step or 0) + n
+        self.loss = value
+        self.stall.step(now)
+        if self.securer is not None:
+            self.securer.on_step(self, now)
+        if not self.sanity_done:
+            self.sanity.append(value)
+            if len(self.sanity) >= self.config.sanity_steps:
+                self._sanity_passed()
+
+    def _sanity_passed(self) -> None:
+        self.sanity_done = True
+        text = " ".join(f"{v:.4g}" for v in self.sanity)
+        log.info("sanity pass: the first %d losses are finite: %s", len(self.sanity), text or "(0 steps asked)")
+        if self.config.dry_run and self.outcome is None:
+            log.info("--dry-run: stopping the job after the sanity pass")
+            self._decide(Outcome("PASS", "dry_run", 0), stop=True)
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Decisions, signals, exit
+    # ------------------------------------------------------------------------------------------------------------
+
+    def _decide(self, outcome: Outcome, *, stop: bool = True) -> None:
+        if self.outcome is not None:
+            return
+        self.outcome = outcome
+        self.stall.pause()
+        if stop:
+            self._stop_job(self.clock())
+
+    def _stop_job(self, now: float, grace_s: float | None = None) -> None:
+        """SIGTERM to the job's process group (and its escaped descendants); SIGKILL after the grace."""
+        if self.escalation.start(now, grace_s) and self.job is not None:
+            self.broadcast({"t": "stop"})
+            self.job.signal_all(signal.SIGTERM)
+
+    def _drain_wakeup(self) -> None:
+        try:
+            while os.read(self._wakeup_r, 512):
+                pass
+        except (BlockingIOError, OSError):
+            pass
+
+    def _handle_signals(self, now: float) -> None:
+        while self.signals:
+            signum = self.signals.pop(0)
+            name = signal_name(signum)
+            if self.securer is not None and self.securer.on_signal(self, signum, now):
+                continue
+            if self.outcome is None:
+                log.warning("%s received: forwarding it to the job; SIGKILL in %.0fs if it keeps running", name,
+                            self.config.grace_s)
+                self._decide(Outcome("INTERRUPTED", "signal", 128 + signum, extra={"signal": name},
+                                     hint="the job was stopped by a signal sent to the guard; rerun it"), stop=False)
+                if self.job is not None:
+                    self.job.signal_all(signum)
+                self.escalation.start(now)
+            else:
+                log.warning("%s received again: stopping the job now", name)
+                if self.job is not None:
+                    self.job.signal_all(signal.SIGKILL)
+
+    def _on_job_exit(self, now: float) -> None:
+        code = self.job.returncode if self.job else None
+        log.info("job exited: %s", f"signal {signal_name(-code)}" if code is not None and code < 0 else code)
+        if self.securer is not None:
+            self.securer.on_job_exit(self, now)
+
+    def _dump_stacks(self) -> None:
+        """Log the Python stacks of the job's processes (py-spy when installed)."""
+        if self.job is None:
+            return
+        from guard.stacks import dump_stacks
+
+        dump_stacks(self.job, self.masker)
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Result
+    # ------------------------------------------------------------------------------------------------------------
+
+    def _result(self) -> RunResult:
+        from guard.diagnose import job_result
+
+        return job_result(self)
