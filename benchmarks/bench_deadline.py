@@ -17,7 +17,8 @@ Draws are kept physically sensible: one push of a checkpoint takes at most 10 % 
 throughput (otherwise the size is drawn again), as a user would not run a job whose checkpoint takes longer to
 upload than a tenth of its time.
 
-Run: ``python benchmarks/bench_deadline.py [--runs 50] [--seed 0] [--per-run]``
+Run: ``python benchmarks/bench_deadline.py [--runs 50] [--seed 0] [--seeds 1] [--per-run]``; ``--seeds N`` repeats
+the 50 runs with seeds ``seed .. seed+N-1`` and pools them.
 """
 
 from __future__ import annotations
@@ -168,8 +169,8 @@ def fall_back(world: World, on_disk: list[tuple[float, float | None]], at_s: flo
     if not complete:
         return None
     _, secured_s = complete[-1]
-    if secured_s is not None:
-        return max(secured_s, at_s) if secured_s > at_s else at_s
+    if secured_s is not None:  # already secured, or its background push is still running: wait for it
+        return max(secured_s, at_s)
     return at_s + world.push_s(at_s)
 
 
@@ -177,14 +178,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=50)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seeds", type=int, default=1, help="pool this many seeds (seed, seed+1, ...)")
     parser.add_argument("--per-run", action="store_true", help="also print one row per run")
     args = parser.parse_args(argv)
 
     results = []
-    for index in range(args.runs):
-        rng = random.Random(f"{args.seed}-{index}")
-        spec = draw(index, rng)
-        results.append(simulate(spec, seed=rng.randrange(2**32)))
+    for seed in range(args.seed, args.seed + args.seeds):
+        for index in range(args.runs):
+            rng = random.Random(f"{seed}-{index}")
+            spec = draw(index, rng)
+            results.append(simulate(spec, seed=rng.randrange(2**32)))
 
     if args.per_run:
         print("| run | scenario | budget | step s | size MB | push MB/s | margin s | left s | missed |")

@@ -30,6 +30,7 @@ import math
 import os
 import re
 import subprocess
+import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
@@ -181,7 +182,8 @@ def _check_not_future(start_s: float, now_s: float, what: str) -> None:
 
 
 def _is_hf_jobs(platform: Any) -> bool:
-    name = getattr(platform, "value", platform)
+    # a name, an enum (``.value``), or ``guard.platform.PlatformInfo`` (``.name``)
+    name = platform if isinstance(platform, str) else getattr(platform, "value", getattr(platform, "name", platform))
     return str(name).lower().replace("-", "_").replace(" ", "_") in {"hf_jobs", "hfjobs", "huggingface_jobs"}
 
 
@@ -223,8 +225,8 @@ def resolve_deadline(
         started_at_s: ``--started-at`` in epoch seconds (see :func:`parse_started_at`), or None.
         started_at_source: where it came from, for the ``source`` text.
         environ: the environment to read Slurm variables from; default ``os.environ``.
-        platform: the platform (a name such as ``"hf_jobs"``, or an enum whose ``.value`` is one); on HF Jobs the
-            container start counts as the job's start.
+        platform: the platform: ``guard.platform.PlatformInfo``, a name such as ``"hf_jobs"``, or an enum whose
+            ``.value`` is one; on HF Jobs the container start counts as the job's start.
         now_s: now, epoch seconds.
         pid1_start_s: PID 1's create time (tests inject it); default: read with psutil on HF Jobs.
 
@@ -388,8 +390,6 @@ class SlurmRefresher:
     def __init__(self, job_id: str, *, runner: Callable[..., Any] = subprocess.run, interval_s: float = 300.0,
                  call_timeout_s: float = 5.0, clock: Callable[[], float] | None = None,
                  environ: Mapping[str, str] | None = None) -> None:
-        import time
-
         self.job_id = str(job_id)
         self.interval_s = interval_s
         self.call_timeout_s = call_timeout_s

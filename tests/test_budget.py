@@ -111,6 +111,14 @@ def test_hf_jobs_platform_may_be_an_enum():
     assert deadline.started_at_s == NOW - 60
 
 
+def test_hf_jobs_platform_from_detect():
+    from guard.platform import detect
+
+    platform = detect({"JOB_ID": "699d874f1aad19adb8aaeadc", "CPU_CORES": "8", "MEMORY": "32Gi"})
+    deadline = resolve_deadline(timeout_s=1800, environ={}, platform=platform, now_s=NOW, pid1_start_s=NOW - 60)
+    assert deadline.source == "--timeout 30m from container start (PID 1)"
+
+
 def test_pid1_is_ignored_off_hf_jobs():
     deadline = resolve_deadline(timeout_s=1800, environ={}, platform="local", now_s=NOW, pid1_start_s=NOW - 120)
     assert deadline.started_at_s == NOW
@@ -536,3 +544,14 @@ def test_save_wait_limit_leaves_time_to_push_the_fallback():
     assert save_wait_limit_s(NOW, deadline, estimator, None) == pytest.approx(290)
     assert save_wait_limit_s(NOW + 290, deadline, estimator, 500e6) == 0.0
     assert save_wait_limit_s(NOW, Deadline(NOW, None, None, "none"), estimator, 500e6) is None
+
+
+def test_a_slow_push_in_flight_lowers_the_throughput_before_it_ends():
+    estimator = MarginEstimator()
+    estimator.observe_push(1e9, 10.0)  # 100 MB/s
+    estimator.observe_push_progress(1e9, 5.0)  # could still be 100+ MB/s: no news
+    assert estimator.push_bytes_per_s == pytest.approx(100e6)
+    estimator.observe_push_progress(1e9, 40.0)  # still running after 40 s: at most 25 MB/s
+    assert estimator.push_bytes_per_s == pytest.approx(25e6)
+    estimator.observe_push_progress(1e9, 0.0)  # ignored, no division by zero
+    assert estimator.push_bytes_per_s == pytest.approx(25e6)

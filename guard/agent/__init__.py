@@ -102,7 +102,12 @@ class LossWatch:
         self._acc, self._since, self._bad_float = None, 0, False
 
     def _send(self, value: float, finite: bool, n: int, source: str) -> None:
-        self.agent.send({"t": "step", "step": self.step, "loss": value, "finite": finite, "n": n, "source": source})
+        sent = self.agent.send({"t": "step", "step": self.step, "loss": value, "finite": finite, "n": n,
+                                "source": source})
+        if sent and not finite:
+            # The supervisor stops the job on a non-finite loss; wait for it here (bounded) so that the job does
+            # not train on past the bad step while the message travels.
+            self.agent.wait_stop()
 
 
 class Agent:
@@ -120,6 +125,7 @@ class Agent:
         self._sock: socket.socket | None = None
         self._lock = threading.Lock()
         self._acked = threading.Event()
+        self._stopped = threading.Event()
 
     # -- channel ------------------------------------------------------------------------------------------------
 
@@ -171,6 +177,7 @@ class Agent:
             if not data:
                 self.dead = True
                 self._acked.set()
+                self._stopped.set()
                 return
             message = protocol.decode(data)
             if message is None:
@@ -182,8 +189,14 @@ class Agent:
                 self.checkpoint_request = message
             elif kind == "stop":
                 self.stop_requested = True
+                self._stopped.set()
             elif kind == "dump":
                 _dump_threads()
+
+    def wait_stop(self, timeout_s: float = 10.0) -> None:
+        """Wait (bounded) for the supervisor's stop after a non-finite loss."""
+        if not self.dead:
+            self._stopped.wait(timeout_s)
 
     def wait_ack(self) -> None:
         """Wait (bounded) for the supervisor's go-ahead after ``trainer_config``."""
@@ -322,3 +335,7 @@ def install() -> None:
         previous(exc_type, exc, tb)
 
     sys.excepthook = excepthook
+    agent = get()
+    if agent is not None:  # connect now: the supervisor learns the agent is alive and can ask it for stacks
+        with agent._lock:
+            agent._connect()

@@ -80,7 +80,8 @@ class ScriptFacts:
             ``output_dir, push_to_hub, hub_model_id, hub_strategy, save_strategy, eval_strategy, report_to (list),
             bf16, fp16, torch_compile, gradient_checkpointing, has_eval_dataset, max_steps, loss_class``, plus
             ``hub_private_repo`` and ``trackio_space_id``).
-        trackers: trackers the script uses directly (``wandb``, ``mlflow``, ``trackio``), by import or init call.
+        trackers: trackers the script starts itself (``wandb.init``, ``trackio.init``, ``mlflow.start_run`` ...);
+            a bare import does not count (it is often optional, inside ``try``).
         trackio_space_id: ``trackio.init(space_id=...)`` literal, if any.
         trackio_private: ``trackio.init(private=...)`` literal (None: not given or not a literal).
         imports: top-level modules imported unconditionally at module level (not inside ``try`` or functions).
@@ -161,7 +162,8 @@ def analyze_source(source: str, *, path: Path) -> ScriptFacts:
     visitor = _Visitor(_single_literals(tree))
     visitor.visit(tree)
     local_roots = (path.parent, Path.cwd())
-    written = visitor.written | {str(visitor.config.get("output_dir", ""))}
+    config = visitor.trainer_config()
+    written = set(visitor.written)
 
     def hub_ids(candidates: list[str]) -> tuple[str, ...]:
         out: list[str] = []
@@ -178,7 +180,7 @@ def analyze_source(source: str, *, path: Path) -> ScriptFacts:
         models=hub_ids(visitor.models),
         datasets=hub_ids(visitor.datasets),
         hub_model_ids=tuple(dict.fromkeys(visitor.hub_model_ids)),
-        trainer_config=visitor.trainer_config(),
+        trainer_config=config,
         trackers=frozenset(visitor.trackers),
         trackio_space_id=visitor.trackio_space_id,
         trackio_private=visitor.trackio_private,
@@ -289,20 +291,6 @@ class _Visitor(ast.NodeVisitor):
         if len(node.args) > index and not any(isinstance(a, ast.Starred) for a in node.args[: index + 1]):
             return node.args[index]
         return None
-
-    # -- imports -------------------------------------------------------------------------------------------
-    def visit_Import(self, node: ast.Import) -> None:
-        for alias in node.names:
-            self._tracker_import(alias.name)
-
-    def visit_ImportFrom(self, node: ast.ImportFrom) -> None:
-        if node.module and not node.level:
-            self._tracker_import(node.module)
-
-    def _tracker_import(self, module: str) -> None:
-        top = module.split(".")[0]
-        if top in ("wandb", "mlflow", "trackio"):
-            self.trackers.add(top)
 
     # -- calls ---------------------------------------------------------------------------------------------
     def visit_Call(self, node: ast.Call) -> None:

@@ -1,0 +1,767 @@
+"""Destinations for secured checkpoints (a Hub repo or a folder): push, verify, fetch.
+
+A push is secured only once verified: every file's size and sha256 at the destination equal the local file's.
+
+- **Hub**: one ``create_commit`` into ``last-checkpoint/`` that also deletes what was there before (what
+  ``upload_folder(delete_patterns=...)`` does, but always one commit: with ``hf_xet`` installed
+  ``upload_folder`` switches to a multi-commit pipeline). Verification reads ``get_paths_info`` at that commit:
+  LFS files carry their sha256, compared with the sha256 the client computed while uploading (no second read);
+  regular files (small, at most 10 MB on the Hub) carry their git blob sha1, compared with ``git_hash`` of the
+  local bytes. Nothing is downloaded again.
+- **Folder**: a copy into a temporary folder beside the target, fsynced, then swapped in atomically as
+  ``last-checkpoint`` (``renameat2(RENAME_EXCHANGE)`` on Linux, else two renames), then re-hashed. The copy holds a
+  manifest, ``guard_checkpoint.json`` (step, size and sha256 of each file), which fetching verifies against.
+- **Fetch** downloads ``last-checkpoint/`` at the newest commit and checks every file against the tree listing
+  (sha256 of LFS files, git sha1 of regular ones) or the folder's manifest. The step comes from the checkpoint's
+  ``trainer_state.json`` (``global_step``), else from the newest commit titled ``... checkpoint step N`` (every
+  push writes one), else from the manifest (folders).
+
+Bounded waiting: ``huggingface_hub`` 2.4.0's shared HTTP client has ``timeout=None``. The first use installs, with
+``huggingface_hub.set_client_factory``, a client whose transport gives every request default timeouts
+(``REQUEST_TIMEOUTS_S``) and, while a push or fetch runs, caps each socket operation and each body chunk at the
+time left before its deadline; then network errors and 408/429/5xx answers raise at once instead of entering the
+client's own backoff (which sleeps up to 8 s), and this module retries them with its own backoff while time
+remains. Limits: the bound is process-wide (with two pushes at once the earlier deadline applies to both), and
+transfers made by ``hf_xet`` (when installed and not disabled) bypass the HTTP client, so only their HTTP calls are
+bounded. The factory also turns off ``huggingface_hub`` progress bars (the guard's stderr is for its own lines).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Iterator, TypeVar
+
+from guard.errors import HubError, PushFailedError, UsageError
+
+if TYPE_CHECKING:
+    from huggingface_hub import CommitOperationAdd, HfApi
+
+__all__ = ["CHECKPOINT_FOLDER", "MANIFEST_NAME", "REQUEST_TIMEOUTS_S", "Destination", "FetchedCheckpoint",
+           "PushResult", "Securer", "final_model_files", "install_request_bounds", "parse_destination"]
+
+logger = logging.getLogger("guard.hub")
+T = TypeVar("T")
+
+CHECKPOINT_FOLDER = "last-checkpoint"
+MANIFEST_NAME = "guard_checkpoint.json"
+#: Per-operation timeouts (seconds) for every Hub request made in this process when the caller gives none.
+REQUEST_TIMEOUTS_S = {"connect": 10.0, "read": 60.0, "write": 60.0, "pool": 10.0}
+_RETRY_STATUSES = (408, 429, 500, 502, 503, 504)  # what huggingface_hub's http_backoff retries
+_MIN_ATTEMPT_S = 1.0  # don't start another attempt with less time than this left
+_ACCEPTED_FORMS = ("hf://NS/NAME, hf://datasets/NS/NAME, NS/NAME (a Hub model repo), "
+                   "or a folder path (absolute, or starting with ./, ../ or file://)")
+_NAME = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,94}[A-Za-z0-9_])?")
+_STEP_IN_TITLE = re.compile(r"checkpoint step (\d+)")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Destinations and results
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Destination:
+    """Where secured checkpoints go.
+
+    Attributes:
+        kind: ``"hub"`` or ``"folder"``.
+        repo_id: ``"NS/NAME"`` (hub), else None.
+        repo_type: ``"model"`` or ``"dataset"`` (hub), else None.
+        path: the folder, absolute (folder), else None.
+    """
+
+    kind: str
+    repo_id: str | None = None
+    repo_type: str | None = None
+    path: Path | None = None
+
+    def __str__(self) -> str:
+        if self.kind == "folder":
+            return str(self.path)
+        return f"hf://{'datasets/' if self.repo_type == 'dataset' else ''}{self.repo_id}"
+
+
+def parse_destination(text: str) -> Destination:
+    """Parse ``--push-to``: ``hf://NS/NAME``, ``hf://datasets/NS/NAME``, bare ``NS/NAME`` (a Hub model repo), or a
+    folder path (absolute, or starting with ``./``, ``../`` or ``file://``). Forms from ``shared/CONTRACT.md``.
+
+    Raises:
+        UsageError: (``option="--push-to"``) for anything else, naming the accepted forms.
+    """
+    raw = text.strip() if isinstance(text, str) else ""
+    if raw.startswith("file://") and len(raw) > len("file://"):
+        return Destination("folder", path=Path(os.path.abspath(raw[len("file://"):])))
+    if raw.startswith(("/", "./", "../")):
+        return Destination("folder", path=Path(os.path.abspath(raw)))
+    repo_type, parts = "model", raw.split("/")
+    if raw.startswith("hf://"):
+        parts = raw[len("hf://"):].rstrip("/").split("/")
+        if len(parts) == 3 and parts[0] in ("datasets", "models"):
+            repo_type, parts = ("dataset" if parts[0] == "datasets" else "model"), parts[1:]
+    if len(parts) == 2 and all(_NAME.fullmatch(p) and "--" not in p and ".." not in p for p in parts) \
+            and not parts[1].endswith(".git"):
+        return Destination("hub", repo_id="/".join(parts), repo_type=repo_type)
+    raise UsageError(f"--push-to {text!r} is not a destination: use {_ACCEPTED_FORMS}", option="--push-to",
+                     hint="e.g. --push-to hf://alice/my-run or --push-to ./secured")
+
+
+@dataclass(frozen=True)
+class PushResult:
+    """A verified push.
+
+    Attributes:
+        destination: the destination's canonical form (``str(Destination)``).
+        revision: the Hub commit id (40 hex), or the folder written (absolute path).
+        files: paths of the files secured, relative to the checkpoint (or output) folder, sorted.
+        size_bytes: their total size.
+        elapsed_s: seconds the push took, upload and verification, all attempts (injected clock).
+        attempts: attempts made (1 when the first one succeeded).
+        step: the checkpoint's training step; None for the final model.
+    """
+
+    destination: str
+    revision: str
+    files: tuple[str, ...]
+    size_bytes: int
+    elapsed_s: float
+    attempts: int
+    step: int | None = None
+
+    @property
+    def pushed(self) -> str:
+        """``DEST@REVISION``, the VERDICT's ``pushed=`` value."""
+        return f"{self.destination}@{self.revision}"
+
+    @property
+    def bytes_per_s(self) -> float:
+        """Effective throughput: ``size_bytes / elapsed_s`` (files the Hub already had count too); 0.0 when
+        ``elapsed_s`` is 0."""
+        return self.size_bytes / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class FetchedCheckpoint:
+    """A verified copy of the destination's ``last-checkpoint/``: ``path`` is ``INTO/checkpoint-<step>``."""
+
+    path: Path
+    step: int
+    revision: str
+    files: tuple[str, ...]
+    size_bytes: int
+
+
+class _Mismatch(Exception):
+    """Verification found differences (one line per file)."""
+
+    def __init__(self, problems: list[str]) -> None:
+        shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
+        super().__init__(f"verification failed: {shown}")
+        self.problems = problems
+
+
+class _TransientHubError(Exception):
+    """A network error or a 408/429/5xx answer during a bounded call (deliberately not an httpx error, so the
+    client's own backoff does not retry it)."""
+
+
+class _DeadlineExceeded(Exception):
+    """A bounded call reached its deadline."""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Bounding every request (see the module docstring)
+# ---------------------------------------------------------------------------------------------------------------
+
+_BOUNDS_LOCK = threading.Lock()
+_ACTIVE_BOUNDS: list[Callable[[], float]] = []
+_INSTALLED = False
+
+
+def _remaining_s() -> float | None:
+    with _BOUNDS_LOCK:
+        bounds = list(_ACTIVE_BOUNDS)
+    return min(fn() for fn in bounds) if bounds else None
+
+
+@contextlib.contextmanager
+def _bounded(remaining_s: Callable[[], float]) -> Iterator[None]:
+    with _BOUNDS_LOCK:
+        _ACTIVE_BOUNDS.append(remaining_s)
+    try:
+        yield
+    finally:
+        with _BOUNDS_LOCK:
+            _ACTIVE_BOUNDS.remove(remaining_s)
+
+
+def install_request_bounds() -> None:
+    """Make ``huggingface_hub``'s shared HTTP client bounded (idempotent; see the module docstring).
+
+    Uses ``huggingface_hub.set_client_factory`` (2.x, httpx2-based); with an older client, logs a warning and
+    leaves it alone.
+    """
+    global _INSTALLED
+    if _INSTALLED:
+        return
+    try:
+        import httpx2 as httpx
+        from huggingface_hub import set_client_factory
+        from huggingface_hub.utils import disable_progress_bars
+    except ImportError:  # pragma: no cover - depends on the installed client
+        logger.warning("huggingface_hub has no set_client_factory: Hub requests are not bounded by the deadline")
+        _INSTALLED = True
+        return
+    try:  # the default client's request hook (offline mode, request ids); private, so optional
+        from huggingface_hub.utils._http import hf_request_event_hook
+        hooks = [hf_request_event_hook]
+    except ImportError:  # pragma: no cover
+        hooks = []
+
+    class _DeadlineStream(httpx.SyncByteStream):
+        def __init__(self, inner: Any, what: str) -> None:
+            self._inner, self._what = inner, what
+
+        def __iter__(self) -> Iterator[bytes]:
+            for chunk in self._inner:
+                left = _remaining_s()
+                if left is not None and left <= 0:
+                    raise _DeadlineExceeded(f"deadline reached during {self._what}")
+                yield chunk
+
+        def close(self) -> None:
+            if hasattr(self._inner, "close"):
+                self._inner.close()
+
+    class _BoundedTransport(httpx.HTTPTransport):
+        def handle_request(self, request: Any) -> Any:
+            left = _remaining_s()
+            what = f"{request.method} {request.url.path}"
+            timeouts = dict(request.extensions.get("timeout") or {})
+            for key, default_s in REQUEST_TIMEOUTS_S.items():
+                value = timeouts.get(key)
+                value = default_s if value is None else value
+                timeouts[key] = value if left is None else max(min(value, left), 0.001)
+            request.extensions["timeout"] = timeouts
+            if left is None:
+                return super().handle_request(request)
+            if left <= 0:
+                raise _DeadlineExceeded(f"deadline reached before {what}")
+            request.stream = _DeadlineStream(request.stream, what)
+            try:
+                response = super().handle_request(request)
+            except httpx.TransportError as err:
+                left = _remaining_s()
+                if left is not None and left <= 0:
+                    raise _DeadlineExceeded(f"deadline reached during {what}") from err
+                raise _TransientHubError(f"{type(err).__name__} on {what}: {err}") from err
+            if response.status_code in _RETRY_STATUSES:
+                with contextlib.suppress(Exception):
+                    response.read()
+                response.close()
+                message = response.headers.get("X-Error-Message", "")
+                raise _TransientHubError(f"HTTP {response.status_code} on {what}{': ' + message if message else ''}")
+            response.stream = _DeadlineStream(response.stream, what)
+            return response
+
+    def factory() -> Any:
+        return httpx.Client(event_hooks={"request": hooks}, follow_redirects=True,
+                            timeout=httpx.Timeout(**REQUEST_TIMEOUTS_S), transport=_BoundedTransport())
+
+    set_client_factory(factory)
+    disable_progress_bars()
+    _INSTALLED = True
+
+
+def _classify(err: BaseException) -> tuple[str, str]:
+    """-> (``"deadline"|"transient"|"mismatch"|"fatal"``, one-line description), looking through wrapped causes."""
+    seen: BaseException | None = err
+    chain = []
+    while seen is not None and len(chain) < 10:
+        chain.append(seen)
+        seen = seen.__cause__ or seen.__context__
+    for kind, cls in (("deadline", _DeadlineExceeded), ("transient", _TransientHubError), ("mismatch", _Mismatch)):
+        for item in chain:
+            if isinstance(item, cls):
+                return kind, str(item)
+    for item in chain:
+        status = getattr(getattr(item, "response", None), "status_code", None)
+        if isinstance(status, int):
+            first_line = (str(item).strip().splitlines() or [type(item).__name__])[0]
+            return ("transient" if status in _RETRY_STATUSES else "fatal"), f"HTTP {status}: {first_line}"
+        if isinstance(item, OSError) and "Consistency check failed" in str(item):  # a truncated download
+            return "transient", str(item).splitlines()[0]
+    return "fatal", f"{type(err).__name__}: {err}"
+
+
+def _fatal_hint(description: str) -> str:
+    if description.startswith("HTTP 401"):
+        return "set HF_TOKEN to a valid token that can write to the destination"
+    if description.startswith(("HTTP 403", "HTTP 404")):
+        return "use a token with write access to the destination's namespace (role write, or fine-grained repo.write)"
+    if description.split(":")[0].endswith(("OSError", "FileNotFoundError", "PermissionError", "IsADirectoryError")):
+        return "check the local disk and the destination folder"
+    return "check the destination and the network; the checkpoint is still on local disk"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Local files
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _list_files(folder: Path, keep: Callable[[str], bool] = lambda rel: True) -> list[str]:
+    """Files under ``folder`` (posix relative paths, sorted), minus ``.git``/``.cache`` folders and ``keep`` misses."""
+    out = []
+    for dirpath, dirnames, filenames in os.walk(folder):
+        dirnames[:] = [d for d in dirnames if d not in (".git", ".cache")]
+        for name in filenames:
+            full = Path(dirpath, name)
+            rel = full.relative_to(folder).as_posix()
+            if full.is_file() and keep(rel):
+                out.append(rel)
+    return sorted(out)
+
+
+def final_model_files(output_dir: str | os.PathLike[str]) -> list[str]:
+    """The final model files of an output folder: everything but ``checkpoint-*/``, ``last-checkpoint/``,
+    ``runs/`` and hidden or underscore-prefixed files and folders. Returns sorted posix relative paths."""
+    def keep(rel: str) -> bool:
+        parts = rel.split("/")
+        if len(parts) > 1 and (parts[0].startswith("checkpoint-") or parts[0] in (CHECKPOINT_FOLDER, "runs")):
+            return False
+        return not any(p.startswith((".", "_")) for p in parts)
+    return _list_files(Path(output_dir), keep)
+
+
+def _hash_file(path: Path) -> tuple[int, str]:
+    digest, size = hashlib.sha256(), 0
+    with open(path, "rb") as file:
+        while chunk := file.read(1 << 20):
+            digest.update(chunk)
+            size += len(chunk)
+    return size, digest.hexdigest()
+
+
+def _copy_and_hash(src: Path, dst: Path) -> tuple[int, str]:
+    """Copy ``src`` to ``dst`` (fsynced) in one read pass; returns (size in bytes, sha256 hex) of what was read."""
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    digest, size = hashlib.sha256(), 0
+    with open(src, "rb") as fin, open(dst, "wb") as fout:
+        while chunk := fin.read(1 << 20):
+            digest.update(chunk)
+            fout.write(chunk)
+            size += len(chunk)
+        fout.flush()
+        os.fsync(fout.fileno())
+    return size, digest.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _rename_exchange(a: Path, b: Path) -> bool:
+    """Swap two paths atomically with Linux ``renameat2(RENAME_EXCHANGE)``; False where unsupported."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    at_fdcwd, rename_exchange = -100, 2
+    if fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+        return False
+    raise OSError(code, os.strerror(code), str(b))
+
+
+def _swap_in(staging: Path, target: Path) -> Path | None:
+    """Put ``staging`` at ``target`` atomically; returns the path now holding the old content (to delete)."""
+    if not target.exists():
+        os.rename(staging, target)
+        return None
+    if _rename_exchange(staging, target):
+        return staging
+    old = staging.with_name(staging.name + ".old")
+    os.rename(target, old)
+    os.rename(staging, target)
+    return old
+
+
+def _step_from_trainer_state(folder: Path) -> int | None:
+    try:
+        return int(json.loads((folder / "trainer_state.json").read_text())["global_step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The securer
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class Securer:
+    """Pushes checkpoints and the final model to one destination, verifies them, fetches them back.
+
+    Args:
+        destination: a ``Destination`` or ``--push-to`` text (see ``parse_destination``).
+        api: the ``huggingface_hub.HfApi`` to use (Hub destinations); default ``HfApi(token=token)``.
+        token: Hub token for the default ``api``; default: ``HF_TOKEN`` or the stored login.
+        clock: monotonic seconds; ``deadline`` arguments are values of this clock.
+        sleep: waits between attempts (seconds).
+        log: the logger (default ``guard.hub``).
+        backoff_s: first wait between attempts; doubles up to ``max_backoff_s`` (seconds).
+
+    Raises:
+        UsageError: ``destination`` text that ``parse_destination`` refuses.
+    """
+
+    def __init__(self, destination: Destination | str, *, api: HfApi | None = None, token: str | None = None,
+                 clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
+                 log: logging.Logger = logger, backoff_s: float = 1.0, max_backoff_s: float = 8.0) -> None:
+        self.destination = destination if isinstance(destination, Destination) else parse_destination(destination)
+        self._api, self._token = api, token
+        self._clock, self._sleep, self._log = clock, sleep, log
+        self._backoff_s, self._max_backoff_s = backoff_s, max_backoff_s
+        self._repo_ready = False
+
+    # -- public API -------------------------------------------------------------------------------------------
+
+    def push_checkpoint(self, local_dir: str | os.PathLike[str], *, step: int, deadline: float) -> PushResult:
+        """Secure a complete checkpoint folder as ``DEST/last-checkpoint/`` (replacing the previous one), verified.
+
+        Args:
+            local_dir: the checkpoint folder (e.g. ``output/checkpoint-120``); must not change meanwhile.
+            step: its training step (in the commit message / manifest).
+            deadline: clock value by which the push, retries included, must be over.
+
+        Returns:
+            The verified ``PushResult`` (``revision``: Hub commit id, or the ``last-checkpoint`` folder).
+
+        Raises:
+            PushFailedError: no time left, a non-retryable Hub error (auth, permission), a local read error,
+                or the retries ran out of time; its message lists every attempt.
+        """
+        folder = Path(local_dir)
+        files = _list_files(folder) if folder.is_dir() else []
+        what = f"checkpoint step {step}"
+        if not files:
+            raise PushFailedError(f"cannot secure {what}: {folder} has no files", destination=str(self.destination),
+                                  hint="the guard only pushes complete checkpoint folders; check --output-dir")
+        if self.destination.kind == "folder":
+            attempt = lambda: self._folder_push_checkpoint(folder, files, step)  # noqa: E731
+        else:
+            message = f"guard: {what}"
+            attempt = lambda: self._hub_push(folder, files, f"{CHECKPOINT_FOLDER}/", message, replace=True)  # noqa: E731
+        return self._push(what, folder, files, step, attempt, deadline)
+
+    def push_final(self, output_dir: str | os.PathLike[str], *, deadline: float) -> PushResult:
+        """Secure the final model files of ``output_dir`` (see ``final_model_files``) at the destination's root,
+        verified; unchanged files are not uploaded again (the Hub client compares oids at preupload; a folder
+        destination compares size and sha256).
+
+        Raises:
+            PushFailedError: as ``push_checkpoint``; also when ``output_dir`` has no final model files.
+        """
+        folder = Path(output_dir)
+        files = final_model_files(folder) if folder.is_dir() else []
+        if not files:
+            raise PushFailedError(f"cannot secure the final model: {folder} has no model files",
+                                  destination=str(self.destination),
+                                  hint="the job wrote no final model to its output folder; check --output-dir")
+        if self.destination.kind == "folder":
+            attempt = lambda: self._folder_push_final(folder, files)  # noqa: E731
+        else:
+            attempt = lambda: self._hub_push(folder, files, "", "guard: final model", replace=False)  # noqa: E731
+        return self._push("the final model", folder, files, None, attempt, deadline)
+
+    def fetch_last_checkpoint(self, into_dir: str | os.PathLike[str], *, deadline: float) -> FetchedCheckpoint | None:
+        """Download the destination's ``last-checkpoint/`` (newest commit), verify every file, and place it as
+        ``into_dir/checkpoint-<step>``.
+
+        Returns:
+            The fetched checkpoint, or None when the destination (or its ``last-checkpoint/``) does not exist.
+
+        Raises:
+            HubError: a file differs from what the destination records (corrupt or partial download), the step
+                cannot be told, ``checkpoint-<step>`` already exists there, or the deadline passed.
+        """
+        into = Path(into_dir)
+        into.mkdir(parents=True, exist_ok=True)
+        fetch = self._folder_fetch if self.destination.kind == "folder" else self._hub_fetch
+        result, _ = self._with_retries(f"fetching {CHECKPOINT_FOLDER}", lambda: fetch(into), deadline, push=False)
+        return result
+
+    # -- retries ----------------------------------------------------------------------------------------------
+
+    def _push(self, what: str, folder: Path, files: list[str], step: int | None, attempt: Callable[[], str],
+              deadline: float) -> PushResult:
+        start = self._clock()
+        self._log.info("securing %s (%d files) at %s", what, len(files), self.destination)
+        revision, attempts = self._with_retries(f"securing {what}", attempt, deadline, push=True)
+        size = sum((folder / rel).stat().st_size for rel in files)
+        result = PushResult(str(self.destination), revision, tuple(files), size, self._clock() - start, attempts, step)
+        self._log.info("secured %s at %s in %.1fs (%.1f MB/s)", what, result.pushed, result.elapsed_s,
+                       result.bytes_per_s / 1e6)
+        return result
+
+    def _with_retries(self, what: str, attempt: Callable[[], T], deadline: float, *, push: bool) -> tuple[T, int]:
+        tried: list[str] = []
+        pause, mismatches = self._backoff_s, 0
+
+        def fail(reason: str, hint: str, cause: BaseException | None = None) -> HubError:
+            message = f"{what} at {self.destination} failed: {reason}" + (f" (tried: {'; '.join(tried)})" if tried else "")
+            if push:
+                return PushFailedError(message, destination=str(self.destination), attempts=len(tried), hint=hint)
+            return HubError(message, destination=str(self.destination), hint=hint)
+
+        while True:
+            left = deadline - self._clock()
+            if left <= 0:
+                raise fail("no time left before the deadline", "a larger --margin leaves more time to secure it")
+            try:
+                with _bounded(lambda: deadline - self._clock()):
+                    return attempt(), len(tried) + 1
+            except HubError:
+                raise
+            except Exception as err:  # noqa: BLE001 - classified below; unknown errors are fatal
+                kind, text = _classify(err)
+            tried.append(f"#{len(tried) + 1} {text}")
+            self._log.warning("%s: attempt %d failed: %s", what, len(tried), text)
+            if kind == "deadline":
+                raise fail("the deadline was reached", "a larger --margin leaves more time to secure it")
+            if kind == "fatal" or (kind == "mismatch" and (mismatches or not push)):
+                raise fail(text, _fatal_hint(text) if kind == "fatal" else
+                           "the destination does not hold what was sent; check it (a .gitignore?) and retry")
+            mismatches += kind == "mismatch"
+            left = deadline - self._clock()
+            wait = min(pause, left / 2)
+            if left - wait < _MIN_ATTEMPT_S:
+                raise fail("no time left for another attempt", "a larger --margin leaves more time to secure it")
+            self._sleep(wait)
+            pause = min(pause * 2, self._max_backoff_s)
+
+    # -- Hub --------------------------------------------------------------------------------------------------
+
+    def _hub(self) -> HfApi:
+        install_request_bounds()
+        if self._api is None:
+            from huggingface_hub import HfApi
+
+            self._api = HfApi(token=self._token)
+        return self._api
+
+    def _hub_push(self, folder: Path, files: list[str], prefix: str, message: str, *, replace: bool) -> str:
+        from huggingface_hub import CommitOperationAdd, CommitOperationDelete, RepoFile
+        from huggingface_hub.errors import EntryNotFoundError
+
+        api, repo_id, repo_type = self._hub(), self.destination.repo_id, self.destination.repo_type
+        assert repo_id is not None and repo_type is not None
+        if not self._repo_ready:
+            api.create_repo(repo_id, repo_type=repo_type, private=True, exist_ok=True)
+            self._repo_ready = True
+        adds = [CommitOperationAdd(path_in_repo=prefix + rel, path_or_fileobj=str(folder / rel)) for rel in files]
+        deletes = []
+        if replace:
+            try:
+                remote = [e.path for e in api.list_repo_tree(repo_id, path_in_repo=prefix.rstrip("/"),
+                                                             recursive=True, repo_type=repo_type)
+                          if isinstance(e, RepoFile)]
+            except EntryNotFoundError:
+                remote = []
+            keep = {op.path_in_repo for op in adds}
+            deletes = [CommitOperationDelete(path_in_repo=p) for p in remote if p not in keep]
+        info = api.create_commit(repo_id, deletes + adds, commit_message=message, repo_type=repo_type,
+                                 commit_description=f"Secured by jobguard: {len(files)} files from {folder.name}.")
+        self._verify_hub(api, info.oid, adds)
+        return info.oid
+
+    def _verify_hub(self, api: HfApi, revision: str, adds: list[CommitOperationAdd]) -> None:
+        from huggingface_hub.utils.sha import git_hash
+
+        remote: dict[str, Any] = {}
+        paths = [op.path_in_repo for op in adds]
+        for i in range(0, len(paths), 100):
+            # lfs (sha256, size) comes without expand=True, which would only add last-commit data
+            for entry in api.get_paths_info(self.destination.repo_id, paths[i:i + 100], revision=revision,
+                                            repo_type=self.destination.repo_type):
+                remote[entry.path] = entry
+        problems = []
+        for op in adds:
+            entry, size = remote.get(op.path_in_repo), op.upload_info.size
+            if entry is None or not hasattr(entry, "blob_id"):
+                problems.append(f"{op.path_in_repo} missing")
+            elif entry.size != size:
+                problems.append(f"{op.path_in_repo} has {entry.size} bytes, local {size}")
+            elif entry.lfs is not None and entry.lfs.sha256 != op.upload_info.sha256.hex():
+                problems.append(f"{op.path_in_repo} sha256 {entry.lfs.sha256[:12]}.. differs")
+            elif entry.lfs is None and entry.blob_id != git_hash(Path(str(op.path_or_fileobj)).read_bytes()):
+                problems.append(f"{op.path_in_repo} git sha1 {entry.blob_id[:12]}.. differs")
+        if problems:
+            raise _Mismatch(problems)
+
+    def _hub_fetch(self, into: Path) -> FetchedCheckpoint | None:
+        from huggingface_hub import RepoFile
+        from huggingface_hub.errors import EntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError
+        from huggingface_hub.utils.sha import git_hash
+
+        api, repo_id, repo_type = self._hub(), self.destination.repo_id, self.destination.repo_type
+        assert repo_id is not None
+        try:
+            sha = api.repo_info(repo_id, repo_type=repo_type).sha
+            entries = [e for e in api.list_repo_tree(repo_id, path_in_repo=CHECKPOINT_FOLDER, recursive=True,
+                                                     revision=sha, repo_type=repo_type) if isinstance(e, RepoFile)]
+        except (RepositoryNotFoundError, RevisionNotFoundError, EntryNotFoundError):
+            return None
+        if not entries or sha is None:
+            return None
+        staging = Path(tempfile.mkdtemp(prefix=".guard-fetch-", dir=into))
+        try:
+            api.snapshot_download(repo_id, repo_type=repo_type, revision=sha, local_dir=staging,
+                                  cache_dir=staging / ".cache" / "hub", allow_patterns=[f"{CHECKPOINT_FOLDER}/*"])
+            problems = []
+            for entry in entries:
+                local = staging / entry.path
+                if not local.is_file():
+                    problems.append(f"{entry.path} missing")
+                elif local.stat().st_size != entry.size:
+                    problems.append(f"{entry.path} has {local.stat().st_size} bytes, expected {entry.size}")
+                elif entry.lfs is not None and _hash_file(local)[1] != entry.lfs.sha256:
+                    problems.append(f"{entry.path} sha256 differs from the recorded {entry.lfs.sha256[:12]}..")
+                elif entry.lfs is None and git_hash(local.read_bytes()) != entry.blob_id:
+                    problems.append(f"{entry.path} git sha1 differs from the recorded {entry.blob_id[:12]}..")
+            if problems:
+                raise _Mismatch(problems)
+            fetched = staging / CHECKPOINT_FOLDER
+            step = _step_from_trainer_state(fetched)
+            if step is None:
+                for commit in api.list_repo_commits(repo_id, revision=sha, repo_type=repo_type):
+                    if match := _STEP_IN_TITLE.search(commit.title):
+                        step = int(match[1])
+                        break
+            files = [e.path[len(CHECKPOINT_FOLDER) + 1:] for e in entries]
+            return self._place(fetched, into, step, sha, files, sum(e.size for e in entries))
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+
+    def _place(self, fetched: Path, into: Path, step: int | None, revision: str, files: list[str],
+               size: int) -> FetchedCheckpoint:
+        if step is None:
+            raise HubError(f"cannot tell the step of {self.destination}/{CHECKPOINT_FOLDER}",
+                           destination=str(self.destination),
+                           hint="it has no trainer_state.json and was not pushed by the guard")
+        target = into / f"checkpoint-{step}"
+        if target.exists():
+            raise HubError(f"{target} already exists; not replacing it with the fetched checkpoint",
+                           destination=str(self.destination), hint="remove it, or fetch into another folder")
+        os.rename(fetched, target)
+        _fsync_dir(into)
+        self._log.info("fetched %s/%s (step %d) into %s", self.destination, CHECKPOINT_FOLDER, step, target)
+        return FetchedCheckpoint(target, step, revision, tuple(sorted(files)), size)
+
+    # -- folders ----------------------------------------------------------------------------------------------
+
+    def _folder_push_checkpoint(self, folder: Path, files: list[str], step: int) -> str:
+        root = self.destination.path
+        assert root is not None
+        root.mkdir(parents=True, exist_ok=True)
+        target = root / CHECKPOINT_FOLDER
+        staging = Path(tempfile.mkdtemp(prefix=f".{CHECKPOINT_FOLDER}.tmp-", dir=root))
+        try:
+            sums = {rel: _copy_and_hash(folder / rel, staging / rel) for rel in files}
+            manifest = {"step": step, "source": str(folder),
+                        "files": {rel: {"size": size, "sha256": sha} for rel, (size, sha) in sums.items()}}
+            with open(staging / MANIFEST_NAME, "w") as out:
+                json.dump(manifest, out, indent=1)
+                out.flush()
+                os.fsync(out.fileno())
+            for dirpath, _, _ in sorted(os.walk(staging), key=lambda w: -len(w[0])):
+                _fsync_dir(Path(dirpath))
+            old = _swap_in(staging, target)
+            _fsync_dir(root)
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        self._verify_folder(target, {rel: sums[rel] for rel in files}, exclude={MANIFEST_NAME})
+        return str(target)
+
+    def _folder_push_final(self, folder: Path, files: list[str]) -> str:
+        root = self.destination.path
+        assert root is not None
+        sums = {}
+        for rel in files:
+            src, dst = folder / rel, root / rel
+            sums[rel] = _hash_file(src)
+            if dst.is_file() and _hash_file(dst) == sums[rel]:
+                continue  # unchanged
+            tmp = dst.with_name(f".{dst.name}.guard-tmp")
+            copied = _copy_and_hash(src, tmp)
+            if copied != sums[rel]:
+                tmp.unlink()
+                raise _Mismatch([f"{rel} changed while it was copied"])
+            os.replace(tmp, dst)
+            _fsync_dir(dst.parent)
+        self._verify_folder(root, sums, exclude=None)
+        return str(root)
+
+    def _verify_folder(self, target: Path, expected: dict[str, tuple[int, str]], exclude: set[str] | None) -> None:
+        problems = [f"{rel} differs" for rel, want in expected.items()
+                    if not (target / rel).is_file() or _hash_file(target / rel) != want]
+        if exclude is not None:  # the checkpoint folder must hold exactly these files
+            problems += [f"{rel} unexpected" for rel in _list_files(target) if rel not in expected and rel not in exclude]
+        if problems:
+            raise _Mismatch(problems)
+
+    def _folder_fetch(self, into: Path) -> FetchedCheckpoint | None:
+        assert self.destination.path is not None
+        source = self.destination.path / CHECKPOINT_FOLDER
+        if not source.is_dir():
+            return None
+        manifest: dict[str, Any] = {}
+        with contextlib.suppress(OSError, ValueError):
+            manifest = json.loads((source / MANIFEST_NAME).read_text())
+        recorded = manifest.get("files") or {}
+        files = sorted(set(recorded) | {rel for rel in _list_files(source) if rel != MANIFEST_NAME})
+        staging = Path(tempfile.mkdtemp(prefix=".guard-fetch-", dir=into))
+        try:
+            fetched, problems = staging / CHECKPOINT_FOLDER, []
+            for rel in files:
+                if not (source / rel).is_file():
+                    problems.append(f"{rel} missing")
+                    continue
+                size, sha = _copy_and_hash(source / rel, fetched / rel)
+                want = recorded.get(rel)
+                if want is not None and (want.get("size"), want.get("sha256")) != (size, sha):
+                    problems.append(f"{rel} differs from the manifest")
+                elif want is None and _hash_file(fetched / rel) != (size, sha):
+                    problems.append(f"{rel} differs from its copy")
+            if problems:
+                raise _Mismatch(problems)
+            step = _step_from_trainer_state(fetched)
+            if step is None and isinstance(manifest.get("step"), int):
+                step = manifest["step"]
+            size_total = sum((fetched / rel).stat().st_size for rel in files)
+            return self._place(fetched, into, step, str(source), files, size_total)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)

@@ -1,0 +1,246 @@
+"""Preflight: every check a paid job needs, before the job starts, with no silent skips.
+
+``run_preflight(opts)`` runs the check groups side by side (a thread pool; every network call bounded by
+``opts.network_timeout_s``) and returns a ``PreflightReport``: one ``CheckResult`` row per finding, in the order
+of ``CHECK_NAMES``. A check that does not apply is an ``n/a`` row with its reason; ``--skip-check NAME=REASON``
+turns a whole group into one ``n/a`` row carrying the reason. Any ``fail`` row means the job must not start:
+``VERDICT: FAIL reason=preflight check=<row name> exit=3``.
+
+Modules: ``script`` (static analysis, PEP 723), ``env``, ``hub``, ``gpu``, ``storage``, ``python_env``,
+``trainer``, ``misc`` (budget, distributed, tracking). Nothing here imports ``huggingface_hub`` unless a Hub
+check runs, nor ``pynvml`` unless the GPU check runs, nor ever ``torch``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import time
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from guard.errors import UsageError
+from guard.preflight._common import NoAnswer, call_bounded, one_line
+from guard.preflight._job import HubTarget, JobView, parse_push_to
+from guard.preflight._models import CHECK_NAMES, CheckResult, PreflightOptions, PreflightReport, Status
+from guard.preflight.env import check_env
+from guard.preflight.gpu import GpuInfo, check_gpus
+from guard.preflight.hub import HubProbe, RepoRef, check_hub_auth, check_hub_repos
+from guard.preflight.misc import check_budget, check_distributed, check_tracking
+from guard.preflight.python_env import check_imports, check_pep723
+from guard.preflight.script import ScriptFacts, analyze_script
+from guard.preflight.storage import check_cache, check_free_space, check_shm, check_writable
+from guard.preflight.trainer import check_trainer_config
+
+__all__ = [
+    "CHECK_NAMES",
+    "CheckResult",
+    "GpuInfo",
+    "HubTarget",
+    "PreflightOptions",
+    "PreflightReport",
+    "ScriptFacts",
+    "Status",
+    "check_trainer_config",
+    "parse_push_to",
+    "render_table",
+    "run_preflight",
+]
+
+log = logging.getLogger("guard.preflight")
+
+#: NVML normally answers in well under a second; a lost GPU can hang a query, so the whole group is bounded.
+GPU_TIMEOUT_S = 10.0
+
+
+def _skipped(name: str, reason: str) -> list[CheckResult]:
+    return [CheckResult(name, "n/a", f"skipped by --skip-check: {reason}")]
+
+
+def _crashed(name: str, exc: BaseException) -> list[CheckResult]:
+    log.debug("preflight check %s raised", name, exc_info=exc)
+    return [CheckResult(name, "warn", f"the check itself failed: {type(exc).__name__}: {one_line(exc, 200)}",
+                        f"a guard bug: report it (GUARD_DEBUG=1 shows the traceback); --skip-check {name}=REASON "
+                        "silences it")]
+
+
+def run_preflight(
+    opts: PreflightOptions,
+    *,
+    environ: Mapping[str, str] = os.environ,
+    nvml: Any = None,
+    hf_api: Any = None,
+    runner: Callable[..., Any] = subprocess.run,
+    clock: Callable[[], float] = time.monotonic,
+) -> PreflightReport:
+    """Run every check group and return the rows.
+
+    Args:
+        opts: what the job asks for (see ``PreflightOptions``).
+        environ: the job's environment (read only; values are never printed).
+        nvml: the ``pynvml`` module or a stand-in; None imports ``pynvml`` when the GPU check runs.
+        hf_api: a ``huggingface_hub.HfApi``; None creates one (``HF_ENDPOINT``) when a Hub check runs.
+        runner: ``subprocess.run`` or a stand-in, for the import check's child process.
+        clock: monotonic seconds, for ``elapsed_s``.
+
+    Returns:
+        The report; ``report.failed`` is the first ``fail`` row.
+
+    Raises:
+        UsageError: ``opts.skip_checks`` names a check that does not exist.
+    """
+    start = clock()
+    unknown = sorted(set(opts.skip_checks) - set(CHECK_NAMES))
+    if unknown:
+        raise UsageError(f"--skip-check: no check named {unknown[0]!r}; the checks are: {', '.join(CHECK_NAMES)}",
+                         option="--skip-check")
+    facts: ScriptFacts | None = None
+    script_error: CheckResult | None = None
+    if opts.script is not None:
+        try:
+            facts = analyze_script(opts.script)
+        except OSError as exc:
+            script_error = CheckResult("python", "fail", f"cannot read {opts.script}: {exc.strerror or exc}",
+                                       "check the script's path")
+    job = JobView.build(opts, facts, environ)
+    probe = HubProbe(environ, hf_api, opts.network_timeout_s)
+    skip = opts.skip_checks
+    rows: dict[str, list[CheckResult]] = {}
+
+    def guarded(name: str, fn: Callable[[], list[CheckResult]]) -> list[CheckResult]:
+        if name in skip:
+            return _skipped(name, skip[name])
+        try:
+            return fn()
+        except Exception as exc:  # noqa: BLE001 - a bug in one check must not hide the others
+            return _crashed(name, exc)
+
+    def gpu_task() -> tuple[list[CheckResult], list[GpuInfo] | None]:
+        if "gpu" in skip:
+            return _skipped("gpu", skip["gpu"]), None
+        try:
+            return call_bounded(check_gpus, GPU_TIMEOUT_S, opts, environ=environ, nvml=nvml)
+        except NoAnswer:
+            status: Status = "fail" if opts.require_gpus else "warn"
+            return [CheckResult("gpu", status, f"NVML gave no answer in {GPU_TIMEOUT_S:g} s",
+                                "a GPU may be lost: run nvidia-smi; drain the node if it hangs too")], None
+        except Exception as exc:  # noqa: BLE001
+            return _crashed("gpu", exc), None
+
+    def repos_task() -> tuple[list[CheckResult], int | None]:
+        if "hub-repos" in skip:
+            return _skipped("hub-repos", skip["hub-repos"]), None
+        try:
+            return check_hub_repos(_repo_refs(opts, facts), environ=environ, probe=probe)
+        except Exception as exc:  # noqa: BLE001
+            return _crashed("hub-repos", exc), None
+
+    with ThreadPoolExecutor(max_workers=8, thread_name_prefix="guard-preflight") as pool:
+        f_gpu: Future = pool.submit(gpu_task)
+        f_repos: Future = pool.submit(repos_task)
+        f_auth = pool.submit(guarded, "hub-auth", lambda: check_hub_auth(job.hub_target, environ=environ, probe=probe))
+        f_python = pool.submit(guarded, "python", lambda: _python_rows(facts, script_error, environ, runner))
+        f_tracking = pool.submit(guarded, "tracking", lambda: check_tracking(
+            job, environ=environ, space_private=None if _offline_or_skipped(environ, skip) else probe.space_private))
+        f_dist = pool.submit(guarded, "distributed", lambda: check_distributed(
+            opts, environ=environ, gpus=f_gpu.result()[1]))
+        rows["env"] = guarded("env", lambda: check_env(opts, job, environ=environ))
+        rows["budget"] = guarded("budget", lambda: [check_budget(opts)])
+        rows["storage"] = guarded("storage", lambda: _storage_rows(opts, job, environ, f_repos))
+        gpu_rows, gpus = f_gpu.result()
+        rows["gpu"] = gpu_rows
+        rows["trainer-config"] = guarded("trainer-config", lambda: check_trainer_config(
+            job.config, gpus=gpus, timeout_known=opts.timeout_s is not None, environ=environ) if facts else [
+            CheckResult("trainer-config", "n/a", "no script given: checked when the Trainer is built")])
+        rows["hub-repos"] = f_repos.result()[0]
+        rows["hub-auth"] = f_auth.result()
+        rows["python"] = f_python.result()
+        rows["tracking"] = f_tracking.result()
+        rows["distributed"] = f_dist.result()
+    results = tuple(row for name in CHECK_NAMES for row in rows.get(name, []))
+    return PreflightReport(results=results, elapsed_s=clock() - start, facts=facts,
+                           gpus=tuple(gpus) if gpus is not None else None)
+
+
+def _offline_or_skipped(environ: Mapping[str, str], skip: Mapping[str, str]) -> bool:
+    from guard.preflight._common import hf_offline  # noqa: PLC0415
+
+    return bool(hf_offline(environ)) or "hub-auth" in skip
+
+
+def _repo_refs(opts: PreflightOptions, facts: ScriptFacts | None) -> list[RepoRef]:
+    refs = [RepoRef("model", rid, "--require-model") for rid in opts.require_models]
+    refs += [RepoRef("dataset", rid, "--require-dataset") for rid in opts.require_datasets]
+    if facts is not None:
+        refs += [RepoRef("model", rid, f"named in {facts.path.name}") for rid in facts.models]
+        refs += [RepoRef("dataset", rid, f"named in {facts.path.name}") for rid in facts.datasets]
+    unique: dict[tuple[str, str], RepoRef] = {}
+    for ref in refs:
+        unique.setdefault((ref.repo_type, ref.repo_id), ref)
+    return list(unique.values())
+
+
+def _python_rows(facts: ScriptFacts | None, script_error: CheckResult | None, environ: Mapping[str, str],
+                 runner: Callable[..., Any]) -> list[CheckResult]:
+    if script_error is not None:
+        return [script_error]
+    if facts is not None and facts.syntax_error:
+        return [CheckResult("python", "fail", f"{facts.path.name} does not parse: {facts.syntax_error}",
+                            f"fix the syntax error (python -m py_compile {facts.path.name})")] + check_pep723(facts)
+    if facts is None:
+        return [CheckResult("python", "n/a", "no script given: no PEP 723 block or imports to check")]
+    return check_pep723(facts) + [check_imports(facts, environ=environ, runner=runner)]
+
+
+def _storage_rows(opts: PreflightOptions, job: JobView, environ: Mapping[str, str],
+                  f_repos: Future) -> list[CheckResult]:
+    rows: list[CheckResult] = []
+    if job.output_dir is not None:
+        rows.append(check_writable("output folder", job.output_dir,
+                                   hint="choose a writable --output-dir (and output_dir=) on a persistent disk"))
+    else:
+        rows.append(CheckResult("storage", "n/a", "no output folder known (no --output-dir, no output_dir= literal)"))
+    if job.folder_target is not None:
+        rows.append(check_writable("--push-to folder", job.folder_target, hint="--push-to a folder you can write to"))
+    rows.append(check_cache(environ))
+    rows.append(check_shm())
+    size = None
+    if opts.min_free_disk_bytes is None:
+        size = f_repos.result()[1]
+    rows.insert(1, check_free_space(job.output_dir or Path.cwd(), min_free_bytes=opts.min_free_disk_bytes,
+                                    model_size_bytes=size))
+    return rows
+
+
+_STATUS_WIDTH = 6
+_SEEN_MAX = 72
+
+
+def render_table(report_or_results: PreflightReport | Iterable[CheckResult]) -> str:
+    """The rows as a plain-text table with the columns check, status, seen, hint.
+
+    A ``seen`` longer than the column puts its hint on the next line, under the hint column. Example row::
+
+        gpu             n/a    no NVIDIA driver: libnvidia-ml not found
+
+    Returns:
+        The table, lines joined with ``\\n`` (no trailing newline).
+    """
+    results = list(report_or_results.results if isinstance(report_or_results, PreflightReport) else report_or_results)
+    name_width = max([len("check")] + [len(r.name) for r in results]) + 2
+    seen_width = min(_SEEN_MAX, max([len("seen")] + [len(r.seen) for r in results])) + 2
+    lines = ["check".ljust(name_width) + "status".ljust(_STATUS_WIDTH + 1) + "seen".ljust(seen_width) + "hint"]
+    for row in results:
+        seen = " ".join(row.seen.split())
+        head = row.name.ljust(name_width) + row.status.ljust(_STATUS_WIDTH + 1)
+        if not row.hint:
+            lines.append((head + seen).rstrip())
+        elif len(seen) <= seen_width - 2:
+            lines.append(head + seen.ljust(seen_width) + row.hint)
+        else:
+            lines.append(head + seen)
+            lines.append(" " * (name_width + _STATUS_WIDTH + 1 + seen_width) + row.hint)
+    return "\n".join(lines)

@@ -1,0 +1,118 @@
+"""What the checks need to know about the job, derived once from the options and the script's facts."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from guard.preflight._models import PreflightOptions
+from guard.preflight.script import ScriptFacts
+
+__all__ = ["HubTarget", "JobView", "parse_push_to"]
+
+_REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+@dataclass(frozen=True)
+class HubTarget:
+    """Where the job writes on the Hub.
+
+    Attributes:
+        repo_type: ``model``, ``dataset`` or ``space``.
+        repo_id: ``namespace/name``, or None when the Trainer picks the name (``push_to_hub`` without
+            ``hub_model_id``: the token's own namespace).
+        origin: what asked for it, for messages (``--push-to hf://acme/x``, ``hub_model_id='acme/x'``).
+    """
+
+    repo_type: str
+    repo_id: str | None
+    origin: str
+
+    @property
+    def namespace(self) -> str | None:
+        """The namespace written to, or None for "the token's user"."""
+        return self.repo_id.split("/", 1)[0] if self.repo_id else None
+
+
+def parse_push_to(text: str | None) -> HubTarget | Path | None:
+    """Read a ``--push-to`` value (the contract's forms).
+
+    ``hf://NS/NAME`` and bare ``NS/NAME`` are model repos, ``hf://datasets/NS/NAME`` a dataset repo
+    (``hf://models/...`` and ``hf://spaces/...`` too); an absolute path, ``./``, ``../``, ``~/`` or ``file://`` is
+    a folder. Anything else: None (the command line rejects it before the preflight).
+    """
+    if not text or not text.strip():
+        return None
+    raw = text.strip()
+    if raw.startswith("file://"):
+        return Path(raw[len("file://"):])
+    if raw.startswith(("/", "./", "../", "~/")):
+        return Path(raw).expanduser()
+    origin = f"--push-to {raw}"
+    if raw.startswith("hf://"):
+        parts = raw[len("hf://"):].strip("/").split("/")
+        if len(parts) == 3 and parts[0] in ("models", "datasets", "spaces"):
+            repo_type, repo_id = parts[0][:-1], "/".join(parts[1:])
+        elif len(parts) == 2:
+            repo_type, repo_id = "model", "/".join(parts)
+        else:
+            return None
+        return HubTarget(repo_type, repo_id, origin) if _REPO_ID.match(repo_id) else None
+    if _REPO_ID.match(raw):
+        return HubTarget("model", raw, origin)
+    return None
+
+
+@dataclass(frozen=True)
+class JobView:
+    """The job as the checks see it.
+
+    Attributes:
+        config: the Trainer settings known statically (``ScriptFacts.trainer_config``), ``{}`` without a script.
+        hub_target: where the job writes on the Hub, or None.
+        folder_target: the ``--push-to`` folder, or None.
+        output_dir: ``--output-dir``, else the script's ``output_dir=`` literal, else None.
+        trackers: ``wandb``, ``mlflow``, ``trackio``: what the job reports to.
+        trackio_space_id: the trackio Space (script literal or ``TRACKIO_SPACE_ID``), or None.
+        trackio_private: whether that Space is asked to be private (None: not said, so public by default).
+    """
+
+    config: Mapping[str, Any] = field(default_factory=dict)
+    hub_target: HubTarget | None = None
+    folder_target: Path | None = None
+    output_dir: Path | None = None
+    trackers: frozenset[str] = frozenset()
+    trackio_space_id: str | None = None
+    trackio_private: bool | None = None
+
+    @classmethod
+    def build(cls, opts: PreflightOptions, facts: ScriptFacts | None, environ: Mapping[str, str]) -> JobView:
+        """Combine the options, the script's facts and the environment."""
+        config = dict(facts.trainer_config) if facts else {}
+        dest = parse_push_to(opts.push_to)
+        hub_target = dest if isinstance(dest, HubTarget) else None
+        if hub_target is None and config.get("push_to_hub") is True:
+            repo_id = config.get("hub_model_id")
+            origin = f"hub_model_id={repo_id!r}" if repo_id else "push_to_hub=True"
+            hub_target = HubTarget("model", repo_id if isinstance(repo_id, str) and "/" in repo_id else None, origin)
+        output = opts.output_dir or (Path(config["output_dir"]) if isinstance(config.get("output_dir"), str) else None)
+        report_to = config.get("report_to") or []
+        trackers = {str(t).lower() for t in report_to if str(t).lower() in ("wandb", "mlflow", "trackio")}
+        trackers |= set(facts.trackers) if facts else set()
+        space = (facts.trackio_space_id if facts else None) or config.get("trackio_space_id") or \
+            environ.get("TRACKIO_SPACE_ID") or None
+        private = facts.trackio_private if facts and facts.trackio_private is not None else None
+        if private is None and isinstance(config.get("hub_private_repo"), bool):
+            private = config["hub_private_repo"]
+        return cls(
+            config=config,
+            hub_target=hub_target,
+            folder_target=dest if isinstance(dest, Path) else None,
+            output_dir=output,
+            trackers=frozenset(trackers),
+            trackio_space_id=space if isinstance(space, str) else None,
+            trackio_private=private,
+        )

@@ -1,0 +1,87 @@
+"""Environment checks: the variables the job needs are set. Names only: a value is never printed.
+
+Needed: every ``--require-env`` name; ``HF_TOKEN`` when the job writes to the Hub; ``WANDB_API_KEY`` when it
+reports to Weights & Biases; ``MLFLOW_TRACKING_URI`` when it reports to MLflow.
+"""
+
+from __future__ import annotations
+
+import netrc
+from collections.abc import Mapping
+from pathlib import Path
+from urllib.parse import urlparse
+
+from guard.preflight._common import hf_token
+from guard.preflight._job import JobView
+from guard.preflight._models import CheckResult, PreflightOptions
+
+__all__ = ["check_env"]
+
+NAME = "env"
+
+
+def _set(environ: Mapping[str, str], name: str) -> bool:
+    return bool((environ.get(name) or "").strip())
+
+
+def _wandb_netrc(environ: Mapping[str, str]) -> Path | None:
+    """The netrc file holding a W&B login (``wandb login`` writes ``machine api.wandb.ai``), or None."""
+    host = urlparse(environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").hostname or "api.wandb.ai"
+    home = Path(environ.get("HOME") or Path.home())
+    path = Path(environ["NETRC"]).expanduser() if environ.get("NETRC") else home / ".netrc"
+    try:
+        return path if netrc.netrc(str(path)).authenticators(host) else None
+    except (OSError, netrc.NetrcParseError):
+        return None
+
+
+def check_env(opts: PreflightOptions, job: JobView, *, environ: Mapping[str, str]) -> list[CheckResult]:
+    """Rows for the variables the job needs.
+
+    Returns:
+        One ``fail`` row per missing variable, one ``pass`` row listing the ones set (with why each is needed),
+        or one ``n/a`` row when nothing is needed.
+    """
+    needed: list[tuple[str, str]] = [(name, "--require-env") for name in dict.fromkeys(opts.require_env)]
+    found: list[str] = []
+    rows: list[CheckResult] = []
+    for name, why in needed:
+        if _set(environ, name):
+            found.append(f"{name} ({why})")
+        else:
+            state = "set but empty" if name in environ else "not set"
+            rows.append(CheckResult(NAME, "fail", f"{name} {state} ({why})",
+                                    f"export {name}=... (on HF Jobs: -s {name}; Slurm: export it before sbatch)"))
+    if job.hub_target is not None:
+        why = f"pushing to the Hub: {job.hub_target.origin}"
+        token, where = hf_token(environ)
+        if token:
+            label = where if where in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN") else f"saved token {where}"
+            found.append(f"{label} ({why})")
+        else:
+            rows.append(CheckResult(NAME, "fail", f"HF_TOKEN not set and no saved token ({why})",
+                                    "pass a write token: hf jobs run -s HF_TOKEN ..., or export HF_TOKEN=hf_..."))
+    if "wandb" in job.trackers:
+        mode = (environ.get("WANDB_MODE") or "").strip().lower()
+        if mode in ("offline", "disabled", "dryrun") or (environ.get("WANDB_DISABLED") or "").lower() in ("1", "true"):
+            found.append(f"no W&B key needed (WANDB_MODE={mode or 'disabled'})")
+        elif _set(environ, "WANDB_API_KEY"):
+            found.append("WANDB_API_KEY (reports to wandb)")
+        elif (path := _wandb_netrc(environ)) is not None:
+            found.append(f"W&B login in {path} (reports to wandb)")
+        else:
+            rows.append(CheckResult(NAME, "fail", "WANDB_API_KEY not set and no wandb login (reports to wandb)",
+                                    "pass WANDB_API_KEY as a secret, or set WANDB_MODE=offline"))
+    if "mlflow" in job.trackers:
+        if _set(environ, "MLFLOW_TRACKING_URI"):
+            found.append("MLFLOW_TRACKING_URI (reports to mlflow)")
+        else:
+            rows.append(CheckResult(NAME, "fail", "MLFLOW_TRACKING_URI not set (reports to mlflow): runs would "
+                                    "go to ./mlruns inside the job and be lost with it",
+                                    "export MLFLOW_TRACKING_URI=https://your-mlflow-server"))
+    if found:
+        rows.insert(0, CheckResult(NAME, "pass", "set: " + ", ".join(found)))
+    if not rows:
+        rows.append(CheckResult(NAME, "n/a", "no variable needed (no --require-env, no Hub push, no wandb/mlflow)"))
+    return rows
+

@@ -1,0 +1,198 @@
+"""Budget, distributed and tracking checks.
+
+Sources: HF Jobs' default timeout is 30 minutes ("Jobs have a default timeout (30 minutes)", hub-docs
+``jobs-configuration.md``); torchrun sets ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``RANK``, ``MASTER_ADDR`` and
+``MASTER_PORT`` (torch.distributed.elastic); Slurm sets ``SLURM_NTASKS``, ``SLURM_NTASKS_PER_NODE``,
+``SLURM_JOB_NUM_NODES`` (sbatch(1) OUTPUT ENVIRONMENT VARIABLES); a trackio Space is public unless
+``private=True`` (``trackio.init(private=None)``; ``TrainingArguments.hub_private_repo`` docs).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import socket
+from collections.abc import Callable, Mapping, Sequence
+from importlib import metadata
+
+from guard.preflight._common import NoAnswer, call_bounded, fmt_duration, hf_token
+from guard.preflight._job import JobView
+from guard.preflight._models import CheckResult, PreflightOptions
+from guard.preflight.gpu import GpuInfo
+
+__all__ = ["EXPECTED_FACTOR", "check_budget", "check_distributed", "check_tracking"]
+
+#: ``--expected-duration D`` fails when the timeout is under ``EXPECTED_FACTOR`` x D.
+EXPECTED_FACTOR = 1.3
+
+_PLATFORM_DEFAULT = {
+    "hf_jobs": "HF Jobs stops a job after its default timeout of 30 minutes unless hf jobs run got --timeout",
+    "slurm": "Slurm applies the partition's time limit (SLURM_JOB_END_TIME is not set: Slurm older than 23.02?)",
+    "kubernetes": "Kubernetes applies activeDeadlineSeconds if the Job sets one",
+    "torchrun": "no platform limit is known",
+    "local": "no platform limit is known",
+}
+_PLATFORM_HINT = {
+    "hf_jobs": "pass the same --timeout to the guard as to hf jobs run (e.g. --timeout 2h)",
+    "slurm": "pass --timeout with the job's --time",
+}
+
+
+def check_budget(opts: PreflightOptions) -> CheckResult:
+    """The job's time budget: unknown is a warning naming the platform default; too short for the job fails."""
+    name = "budget"
+    expected = opts.expected_duration_s
+    if opts.timeout_s is None:
+        default = _PLATFORM_DEFAULT.get(opts.platform, _PLATFORM_DEFAULT["local"])
+        extra = ""
+        if expected is not None and opts.platform == "hf_jobs" and expected * EXPECTED_FACTOR > 1800:
+            extra = f"; expected {fmt_duration(expected)} would not fit in 30 minutes"
+        return CheckResult(name, "warn", f"no timeout known: {default}{extra}",
+                           _PLATFORM_HINT.get(opts.platform, "pass --timeout so the guard can secure a checkpoint "
+                                              "before the deadline"))
+    source = f" (from {opts.timeout_source})" if opts.timeout_source else ""
+    seen = f"timeout {fmt_duration(opts.timeout_s)}{source}"
+    if expected is not None:
+        need = expected * EXPECTED_FACTOR
+        if opts.timeout_s < need:
+            return CheckResult(name, "fail", f"{seen} is under {EXPECTED_FACTOR} x the expected "
+                               f"{fmt_duration(expected)} ({fmt_duration(need)})",
+                               f"raise the timeout to at least {fmt_duration(need)}, or shorten the run (max_steps)")
+        seen += f", expected {fmt_duration(expected)} (x{opts.timeout_s / expected:.1f})"
+    return CheckResult(name, "pass", seen)
+
+
+def _int(environ: Mapping[str, str], key: str) -> int | None:
+    text = (environ.get(key) or "").strip()
+    m = re.match(r"^(\d+)", text)  # SLURM_NTASKS_PER_NODE may read "4(x2)"
+    return int(m.group(1)) if m else None
+
+
+def check_distributed(
+    opts: PreflightOptions,
+    *,
+    environ: Mapping[str, str],
+    gpus: Sequence[GpuInfo] | None,
+    resolve: Callable[..., object] = socket.getaddrinfo,
+) -> list[CheckResult]:
+    """Under torchrun or Slurm: world sizes against the visible GPUs, ``MASTER_ADDR`` resolves.
+
+    Args:
+        opts: the options (``network_timeout_s`` bounds the name lookup).
+        environ: the job's environment.
+        gpus: the GPUs the job sees, None when unknown.
+        resolve: ``socket.getaddrinfo`` or a stand-in.
+    """
+    name = "distributed"
+    torchrun = "WORLD_SIZE" in environ or "LOCAL_WORLD_SIZE" in environ
+    slurm = "SLURM_JOB_ID" in environ and ("SLURM_NTASKS" in environ or "SLURM_PROCID" in environ)
+    if not torchrun and not slurm and opts.platform not in ("torchrun", "slurm"):
+        return [CheckResult(name, "n/a", "not a distributed run (no WORLD_SIZE, not under Slurm)")]
+    rows: list[CheckResult] = []
+    facts: list[str] = []
+    for key in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        if key in environ and not (environ[key] or "").strip().isdigit():
+            rows.append(CheckResult(name, "fail", f"{key}={environ[key]!r} is not a whole number",
+                                    "let torchrun set it, or fix the launcher"))
+    world = _int(environ, "WORLD_SIZE") or _int(environ, "SLURM_NTASKS")
+    local = _int(environ, "LOCAL_WORLD_SIZE")
+    local_source = "LOCAL_WORLD_SIZE"
+    if local is None and _int(environ, "SLURM_NTASKS_PER_NODE") is not None and "WORLD_SIZE" not in environ:
+        local, local_source = _int(environ, "SLURM_NTASKS_PER_NODE"), "SLURM_NTASKS_PER_NODE"
+    if world is not None:
+        facts.append(f"world size {world}")
+    rank = _int(environ, "RANK")
+    if world is not None and rank is not None and rank >= world:
+        rows.append(CheckResult(name, "fail", f"RANK={rank} but WORLD_SIZE={world}", "fix the launcher's ranks"))
+    if local is not None:
+        facts.append(f"{local} per node ({local_source})")
+        if world is not None and local > world:
+            rows.append(CheckResult(name, "fail", f"{local_source}={local} > world size {world}",
+                                    "fix --nproc-per-node / --nnodes"))
+        if gpus is not None and gpus and local > len(gpus):
+            rows.append(CheckResult(
+                name, "fail", f"{local_source}={local} processes on this node, {len(gpus)} GPU"
+                f"{'s' if len(gpus) != 1 else ''} visible: ranks would share or miss a GPU",
+                "set --nproc-per-node to the GPU count, or request more GPUs"))
+        elif gpus is not None and len(gpus) > local:
+            rows.append(CheckResult(name, "warn", f"{len(gpus)} GPUs visible, {local} processes on this node: "
+                                    f"{len(gpus) - local} GPU{'s' if len(gpus) - local != 1 else ''} idle",
+                                    "set --nproc-per-node to the GPU count"))
+    addr = (environ.get("MASTER_ADDR") or "").strip()
+    if addr:
+        port = (environ.get("MASTER_PORT") or "").strip()
+        if port and not (port.isdigit() and 0 < int(port) < 65536):
+            rows.append(CheckResult(name, "fail", f"MASTER_PORT={port!r} is not a port", "use a port 1-65535"))
+        try:
+            call_bounded(resolve, opts.network_timeout_s, addr, None)
+            facts.append(f"MASTER_ADDR {addr} resolves")
+        except NoAnswer:
+            rows.append(CheckResult(name, "warn", f"MASTER_ADDR {addr}: no DNS answer in {opts.network_timeout_s:g} s",
+                                    "check the cluster's name service"))
+        except OSError as exc:
+            rows.append(CheckResult(name, "fail", f"MASTER_ADDR {addr} does not resolve ({exc})",
+                                    "set MASTER_ADDR to the first node's host name or IP "
+                                    "(Slurm: scontrol show hostnames $SLURM_JOB_NODELIST | head -n1)"))
+    elif world is not None and world > 1 and torchrun:
+        rows.append(CheckResult(name, "fail", f"WORLD_SIZE={world} but MASTER_ADDR is not set",
+                                "launch with torchrun, or export MASTER_ADDR and MASTER_PORT"))
+    if not any(row.status == "fail" for row in rows):
+        rows.insert(0, CheckResult(name, "pass", "; ".join(facts) or "distributed launcher detected"))
+    return rows
+
+
+def _installed(module: str) -> str | None:
+    if importlib.util.find_spec(module) is None:
+        return None
+    try:
+        return metadata.version(module)
+    except metadata.PackageNotFoundError:
+        return "installed"
+
+
+def check_tracking(
+    job: JobView,
+    *,
+    environ: Mapping[str, str],
+    space_private: Callable[[str], bool | None] | None = None,
+) -> list[CheckResult]:
+    """The trackers the job reports to are installed and set up; a trackio Space that would be public warns.
+
+    Credentials in environment variables (``WANDB_API_KEY``, ``MLFLOW_TRACKING_URI``) are the env check's rows.
+
+    Args:
+        job: the job (trackers, trackio Space and privacy).
+        environ: the job's environment.
+        space_private: asks the Hub whether an existing Space is private (None: unknown or missing).
+    """
+    name = "tracking"
+    if not job.trackers and not job.trackio_space_id:
+        return [CheckResult(name, "n/a", "no tracker (no report_to wandb/mlflow/trackio, none used in the script)")]
+    rows: list[CheckResult] = []
+    for tracker in sorted(job.trackers | ({"trackio"} if job.trackio_space_id else set())):
+        version = _installed(tracker)
+        if version is None:
+            rows.append(CheckResult(name, "fail", f"reports to {tracker}, but {tracker} is not installed",
+                                    f"pip install {tracker}, or remove it from report_to"))
+            continue
+        if tracker != "trackio":
+            rows.append(CheckResult(name, "pass", f"{tracker} {version} installed (credentials: env rows)"))
+            continue
+        space = job.trackio_space_id
+        if not space:
+            rows.append(CheckResult(name, "pass", f"trackio {version}: logs locally (no Space)"))
+            continue
+        token, _where = hf_token(environ)
+        if not token:
+            rows.append(CheckResult(name, "fail", f"trackio Space {space} needs an HF token with write access; none found",
+                                    "pass HF_TOKEN as a secret, or drop space_id to log locally"))
+            continue
+        existing = space_private(space) if (space_private and job.trackio_private is not True) else None
+        if job.trackio_private is True or existing is True:
+            why = "private=True" if job.trackio_private is True else "the Space exists and is private"
+            rows.append(CheckResult(name, "pass", f"trackio {version}: Space {space} private ({why})"))
+        else:
+            state = "is public" if existing is False else "would be created public (private not set)"
+            rows.append(CheckResult(name, "warn", f"trackio Space {space} {state}: metrics and config visible to all",
+                                    "pass private=True to trackio.init (Trainer: hub_private_repo=True)"))
+    return rows

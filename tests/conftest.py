@@ -1,0 +1,96 @@
+"""Shared fixtures: isolation from the real environment, and a helper to run the guard as a real process."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+JOBS = Path(__file__).resolve().parent / "jobs"
+
+
+@pytest.fixture(autouse=True)
+def _isolated_env(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No real tokens, no real Hub, a private HF cache; GUARD_* from the developer's shell never leak in."""
+    home = tmp_path_factory.mktemp("hfhome")
+    for name in list(os.environ):
+        if name.startswith("GUARD_") or name in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "SLURM_JOB_ID",
+                                                 "JOB_ID", "KUBERNETES_SERVICE_HOST"):
+            monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HF_HOME", str(home))
+    monkeypatch.setenv("HF_HUB_DISABLE_TELEMETRY", "1")
+    monkeypatch.setenv("HF_HUB_DISABLE_XET", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
+
+
+@dataclass
+class GuardRun:
+    returncode: int
+    stdout: str
+    stderr: str
+
+    @property
+    def verdict(self) -> str:
+        lines = [line for line in self.stdout.splitlines() if line.strip()]
+        return lines[-1] if lines else ""
+
+    def fields(self) -> dict[str, str]:
+        import shlex
+
+        parts = shlex.split(self.verdict[len("VERDICT: "):])
+        return {"status": parts[0], **dict(p.split("=", 1) for p in parts[1:])}
+
+
+def guard_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    env.update(extra or {})
+    return env
+
+
+def run_guard(args: list[str], *, env: dict[str, str] | None = None, cwd: Path | None = None,
+              timeout_s: float = 120) -> GuardRun:
+    """Run ``python -m guard ARGS`` to its end; returns exit code, stdout and stderr."""
+    proc = subprocess.run([sys.executable, "-m", "guard", *args], capture_output=True, text=True,
+                          env=guard_env(env), cwd=cwd, timeout=timeout_s)
+    return GuardRun(proc.returncode, proc.stdout, proc.stderr)
+
+
+def start_guard(args: list[str], *, env: dict[str, str] | None = None, cwd: Path | None = None) -> subprocess.Popen:
+    """Start ``python -m guard ARGS`` with its output on pipes (for signal tests and streaming checks)."""
+    return subprocess.Popen([sys.executable, "-m", "guard", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=guard_env(env), cwd=cwd, start_new_session=True)
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie is not running
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.fixture
+def jobs() -> Path:
+    return JOBS
+
+
+def kill_quietly(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
