@@ -538,6 +538,7 @@ class MarginEstimator:
         size_hint_bytes: checkpoint size expected before the first save (a config hint), or None.
         default_size_bytes: the size when nothing else is known (default 1e9).
         history: how many recent saves and steps to remember (default 5).
+        log_changes: log the margin whenever it changes (default True; off when the job has no deadline).
 
     Raises:
         BudgetError: a negative or non-finite setting, or ``safety_factor < 1``.
@@ -546,7 +547,7 @@ class MarginEstimator:
     def __init__(self, *, fixed_margin_s: float | None = None, safety_factor: float = 1.5, floor_s: float = 60.0,
                  overhead_s: float = 15.0, default_push_bytes_per_s: float = 20e6, default_save_s: float | None = None,
                  default_save_bytes_per_s: float = 200e6, size_hint_bytes: float | None = None,
-                 default_size_bytes: float = 1e9, history: int = 5) -> None:
+                 default_size_bytes: float = 1e9, history: int = 5, log_changes: bool = True) -> None:
         for name, value in (("fixed_margin_s", fixed_margin_s), ("floor_s", floor_s), ("overhead_s", overhead_s),
                             ("default_save_s", default_save_s), ("size_hint_bytes", size_hint_bytes)):
             if value is not None and not (math.isfinite(value) and value >= 0):
@@ -572,6 +573,7 @@ class MarginEstimator:
         self._push_bytes_per_s: float | None = None
         self._seen_size_bytes: float | None = None
         self._logged_margin_s: float | None = None
+        self.log_changes = log_changes
 
     # -- observations ------------------------------------------------------------------------------------------
 
@@ -669,6 +671,8 @@ class MarginEstimator:
         return margin.margin_s
 
     def _maybe_log(self) -> None:
+        if not self.log_changes:
+            return
         margin = self.estimate()
         last = self._logged_margin_s
         if last is None or abs(margin.margin_s - last) > 0.05 * max(last, 1.0):

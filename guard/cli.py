@@ -204,14 +204,14 @@ def _emit_verdict(result: RunResult, masker: Masker, report: str | None) -> int:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-class _EarlySignals:
+class EarlySignals:
     """Flags for termination signals that arrive before the job starts (preflight, resume)."""
 
     def __init__(self) -> None:
         self.received: list[int] = []
         self._old: dict[int, Any] = {}
 
-    def __enter__(self) -> _EarlySignals:
+    def __enter__(self) -> EarlySignals:
         for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP):
             try:
                 self._old[signum] = signal.signal(signum, lambda s, f: self.received.append(s))

@@ -551,8 +551,10 @@ class Securer:
             if kind == "deadline":
                 raise fail("the deadline was reached", "a larger --margin leaves more time to secure it")
             if kind == "fatal" or (kind == "mismatch" and (mismatches or not push)):
-                raise fail(text, _fatal_hint(text) if kind == "fatal" else
-                           "the destination does not hold what was sent; check it (a .gitignore?) and retry")
+                hint = (_fatal_hint(text) if kind == "fatal" else
+                        "the destination does not hold what was sent; check it (a .gitignore?)" if push else
+                        "the copy at the destination is corrupt or incomplete; resume from a local checkpoint")
+                raise fail(text, hint)
             mismatches += kind == "mismatch"
             left = deadline - self._clock()
             wait = min(pause, left / 2)

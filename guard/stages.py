@@ -1,32 +1,187 @@
-"""The stages of one guard run, in order: preflight, resume, the supervised job, securing; each returns data.
+"""The stages of one guard run, in order; each returns data for the next.
 
-``run_job`` is what ``python -m guard SCRIPT.py`` does after the command line is parsed; ``preflight_only`` is
-``python -m guard preflight``.
+``run_job`` is ``python -m guard SCRIPT.py`` after the command line is parsed: the time budget is resolved,
+preflight runs (the job is not started on a ``fail``), a secured checkpoint is fetched when resuming, the
+supervisor runs the job, and its ``RunResult`` comes back. ``preflight_only`` is ``python -m guard preflight``.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
-from guard.config import Config
+from guard import budget
+from guard.config import Config, env_name
 from guard.masking import Masker
-from guard.verdict import RunResult
+from guard.platform import PlatformInfo, detect
+from guard.verdict import EXIT_PREFLIGHT, RunResult, signal_name
 
-__all__ = ["preflight_only", "run_job"]
+__all__ = ["preflight_only", "resolve_budget", "run_job"]
 
 log = logging.getLogger("guard.stages")
 
 
+def resolve_budget(config: Config, platform: PlatformInfo) -> budget.Deadline:
+    """The job's deadline from ``--timeout``/``--started-at``, Slurm or HF Jobs (see ``budget.resolve_deadline``).
+
+    Raises:
+        UsageError: a malformed ``--started-at``.
+        BudgetError: malformed scheduler variables.
+    """
+    started_at_s = None
+    started_source = "--started-at"
+    if config.started_at is not None:
+        option = "--started-at" if config.sources["started_at"] == "flag" else env_name("started_at")
+        started_at_s = budget.parse_started_at(config.started_at, option=option)
+        started_source = option
+    timeout_source = "--timeout" if config.sources["timeout"] == "flag" else env_name("timeout")
+    return budget.resolve_deadline(timeout_s=config.timeout_s, timeout_source=timeout_source,
+                                   started_at_s=started_at_s, started_at_source=started_source,
+                                   environ=config.environ, platform=platform, now_s=time.time())
+
+
+def _preflight_options(config: Config, deadline: budget.Deadline, platform: PlatformInfo) -> Any:
+    from guard.preflight import PreflightOptions
+
+    return PreflightOptions(
+        script=config.script, script_args=config.script_args, require_env=config.require_env,
+        require_models=config.require_model, require_datasets=config.require_dataset,
+        require_gpus=config.require_gpus, gpu_type=config.gpu_type, min_free_disk_bytes=config.min_free_disk,
+        expected_duration_s=config.expected_duration, timeout_s=deadline.timeout_s,
+        timeout_source=deadline.source if deadline.timeout_s is not None else None,
+        output_dir=Path(config.output_dir) if config.output_dir else None, push_to=config.push_to,
+        skip_checks=dict(config.skip_check), platform=platform.name,
+    )
+
+
+def _run_preflight(config: Config, deadline: budget.Deadline, platform: PlatformInfo) -> Any:
+    """Run the checks, log the table; returns the report (None with ``--no-preflight``)."""
+    from guard.preflight import render_table, run_preflight
+
+    if config.no_preflight:
+        log.warning("preflight skipped (--no-preflight): no check ran")
+        return None
+    report = run_preflight(_preflight_options(config, deadline, platform), environ=config.environ)
+    log.info("preflight (%.1fs):\n%s", report.elapsed_s,
+             "\n".join("[guard]   " + line for line in render_table(report).splitlines()))
+    return report
+
+
+def _preflight_failed(report: Any, started: float) -> RunResult:
+    row = report.failed
+    log.error("preflight failed: %s: %s", row.name, row.seen)
+    return RunResult("FAIL", "preflight", EXIT_PREFLIGHT, time.monotonic() - started, hint=row.hint,
+                     extra={"check": row.name}, details={"preflight": report.to_json()})
+
+
+def _securer_factory(environ: Mapping[str, str]) -> Any:
+    def make(text: str) -> Any:
+        from guard import hub
+
+        hub.install_request_bounds()
+        return hub.Securer(text, token=environ.get("HF_TOKEN") or None)
+
+    return make
+
+
+def _resume(config: Config, securer: Any, deadline: budget.Deadline, platform: PlatformInfo) -> tuple[str | None, Any]:
+    """Fetch ``DEST/last-checkpoint`` when resuming; returns (folder or None, fetched info or None).
+
+    Raises:
+        PreflightError: a corrupt or partial download (``check=resume``), unless ``--resume if-valid``.
+    """
+    from guard.errors import GuardError, PreflightError
+
+    mode = config.resume
+    if mode == "auto":
+        restarts = config.environ.get("SLURM_RESTART_COUNT", "0")
+        mode = "on" if platform.name == "slurm" and restarts.isdigit() and int(restarts) > 0 else "off"
+        if mode == "on":
+            log.info("Slurm requeued this job (SLURM_RESTART_COUNT=%s): resuming", restarts)
+    if mode == "off":
+        return None, None
+    if securer is None:
+        raise PreflightError("--resume needs a destination to fetch from", check="resume",
+                             hint="pass --push-to DEST (the same as the run that secured the checkpoint)")
+    if not config.output_dir:
+        raise PreflightError("--resume needs --output-dir: the folder the job reads checkpoints from",
+                             check="resume", hint="pass --output-dir, the job's output folder")
+    try:
+        fetched = securer.fetch_last_checkpoint(config.output_dir, deadline=time.monotonic() + 900)
+    except GuardError as exc:
+        if mode == "if-valid":
+            log.warning("the secured checkpoint is not usable (%s): starting fresh (--resume if-valid)", exc.message)
+            return None, None
+        raise PreflightError(f"cannot resume: {exc.message}", check="resume",
+                             hint="the checkpoint at the destination is damaged; --resume if-valid starts fresh") from exc
+    if fetched is None:
+        log.info("nothing secured at %s yet: starting fresh", securer.destination)
+        return None, None
+    log.info("resuming from %s (step %s, revision %s)", fetched.path, fetched.step, fetched.revision)
+    return str(fetched.path), fetched
+
+
 def run_job(config: Config, masker: Masker, started: float) -> RunResult:
-    """Preflight, then the supervised job. Raises ``GuardError`` subclasses for the CLI's boundary."""
+    """Budget, preflight, resume, the supervised job. Raises ``GuardError`` subclasses for the CLI's boundary."""
+    from guard.cli import EarlySignals
+    from guard.secure import Securing
     from guard.supervisor import Supervisor
 
-    supervisor = Supervisor(config, masker=masker)
-    return supervisor.run()
+    platform = detect(config.environ)
+    with EarlySignals() as early:
+        deadline = resolve_budget(config, platform)
+        factory = _securer_factory(config.environ)
+        securer = factory(config.push_to) if config.push_to else None
+        report = _run_preflight(config, deadline, platform)
+        if report is not None and report.failed is not None:
+            return _preflight_failed(report, started)
+        resume_path, fetched = _resume(config, securer, deadline, platform)
+    if early.received:
+        signum = early.received[0]
+        log.warning("%s received before the job started: not starting it", signal_name(signum))
+        return RunResult("INTERRUPTED", "signal", 128 + signum, time.monotonic() - started,
+                         extra={"signal": signal_name(signum)})
+
+    estimator = budget.MarginEstimator(fixed_margin_s=config.margin_s, log_changes=deadline.deadline_s is not None)
+    securing = Securing(deadline=deadline, estimator=estimator, securer=securer, securer_factory=factory,
+                        output_dir=config.output_dir, grace_s=config.grace_s,
+                        refresher=budget.SlurmRefresher.from_environ(config.environ) if platform.name == "slurm" else None)
+    gpus = report.gpus if report is not None else None
+
+    def trainer_check(trainer_config: Mapping[str, Any]) -> list[Any]:
+        from guard.preflight import check_trainer_config
+
+        return check_trainer_config(trainer_config, gpus=gpus, timeout_known=deadline.deadline_s is not None,
+                                    environ=config.environ)
+
+    env_extra = {}
+    if resume_path:
+        from guard import protocol
+
+        env_extra[protocol.ENV_RESUME_PATH] = resume_path
+    supervisor = Supervisor(config, masker=masker, securer=securing, trainer_config_check=trainer_check,
+                            env_extra=env_extra)
+    result = supervisor.run()
+    if fetched is not None:
+        result.extra["resumed_from"] = f"{fetched.path}@{fetched.revision}"
+    if report is not None:
+        result.details["preflight"] = report.to_json()
+    return result
 
 
 def preflight_only(config: Config, masker: Masker, started: float) -> RunResult:
-    """``python -m guard preflight``: the checks, the table, a VERDICT."""
-    return RunResult("PASS", "ok", 0, time.monotonic() - started)
+    """``python -m guard preflight``: the checks, the table, a VERDICT (PASS ok, or FAIL preflight exit 3)."""
+    platform = detect(config.environ)
+    deadline = resolve_budget(config, platform)
+    report = _run_preflight(config, deadline, platform)
+    if report is None:
+        return RunResult("PASS", "ok", 0, time.monotonic() - started)
+    if report.failed is not None:
+        return _preflight_failed(report, started)
+    warnings = sum(row.status == "warn" for row in report.results)
+    log.info("preflight passed (%d warning%s)", warnings, "" if warnings == 1 else "s")
+    return RunResult("PASS", "ok", 0, time.monotonic() - started, details={"preflight": report.to_json()})
+

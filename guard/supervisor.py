@@ -189,6 +189,16 @@ class Supervisor:
         self._sel.register(self._wakeup_r, selectors.EVENT_READ, "wakeup")
         env = self._job_env(sock_path)
         self.job = JobProcess(self.config.command, env, **({"spawner": self.spawner} if self.spawner else {}))
+        if self.securer is not None and self.securer.output_dir:
+            found = None
+            try:
+                from guard.checkpoints import newest_complete
+
+                found = newest_complete(self.securer.output_dir, now_s=time.time())
+            except OSError:
+                pass
+            if found is not None:
+                self.securer.estimator.observe_size(found.size_bytes)
         try:
             self.job.start()
         except OSError as exc:

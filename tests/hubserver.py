@@ -13,7 +13,8 @@ How tests point the client here (chosen: **in-process, endpoint passed explicitl
   ``api.snapshot_download`` pass ``endpoint`` through). Never patch ``constants.ENDPOINT``.
 - ``HF_HUB_DISABLE_XET`` and ``HF_HUB_DISABLE_TELEMETRY`` are read on each call: in-process tests set
   ``huggingface_hub.constants.HF_HUB_DISABLE_XET = True`` (xet uploads cannot work here) and
-  ``HF_HUB_DISABLE_TELEMETRY = True``; ``client_env()`` below sets the environment for code imported later.
+  ``HF_HUB_DISABLE_TELEMETRY = True`` (``with client_constants():``); ``client_env()`` gives the environment for
+  code imported later.
 - Subprocesses (the guard end to end) get ``hub.env(token=...)`` merged into their environment, which sets
   ``HF_ENDPOINT`` before their first import.
 
@@ -46,12 +47,12 @@ import secrets
 import socket
 import threading
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, Iterator, NamedTuple
 from urllib.parse import parse_qs, unquote, urlsplit
 
 from tests.hubstate import TOKENS, CommitRecord, HttpError, HubState, Identity, Repo
 
-__all__ = ["TOKENS", "CommitRecord", "HubServer", "RequestRecord", "client_env"]
+__all__ = ["TOKENS", "CommitRecord", "HubServer", "RequestRecord", "client_constants", "client_env"]
 
 _TYPES = {"models": "model", "datasets": "dataset", "spaces": "space"}
 _WRITE_METHODS = ("POST", "PUT", "DELETE")
@@ -63,12 +64,31 @@ def client_env(hub_url: str | None = None) -> dict[str, str]:
     """Environment for ``huggingface_hub`` talking to the local server (set it before the first import).
 
     Returns:
-        ``HF_HUB_DISABLE_XET=1``, ``HF_HUB_DISABLE_TELEMETRY=1`` and, when given, ``HF_ENDPOINT``.
+        ``HF_HUB_DISABLE_XET=1``, ``HF_HUB_DISABLE_TELEMETRY=1``, ``HF_HUB_OFFLINE=0`` and, when given,
+        ``HF_ENDPOINT``.
     """
-    env = {"HF_HUB_DISABLE_XET": "1", "HF_HUB_DISABLE_TELEMETRY": "1"}
+    env = {"HF_HUB_DISABLE_XET": "1", "HF_HUB_DISABLE_TELEMETRY": "1", "HF_HUB_OFFLINE": "0"}
     if hub_url:
         env["HF_ENDPOINT"] = hub_url
     return env
+
+
+@contextlib.contextmanager
+def client_constants() -> Iterator[None]:
+    """Set, for the ``with`` block, the ``huggingface_hub.constants`` that are read on each call: xet off (the
+    local Hub cannot take xet uploads), telemetry off (no calls to other hosts), offline mode off (the tests'
+    conftest sets ``HF_HUB_OFFLINE=1`` against the real Hub). Restores them afterwards."""
+    from huggingface_hub import constants
+
+    names = ("HF_HUB_DISABLE_XET", "HF_HUB_DISABLE_TELEMETRY", "HF_HUB_OFFLINE")
+    saved = {name: getattr(constants, name) for name in names}
+    for name, value in zip(names, (True, True, False)):
+        setattr(constants, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(constants, name, value)
 
 
 class RequestRecord(NamedTuple):

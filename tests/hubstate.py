@@ -140,7 +140,7 @@ class StoredFile:
     """One file version. ``size``, ``sha256`` and ``git_oid`` are what the Hub *recorded*; ``data`` is what it
     serves (``HubServer.corrupt`` changes ``data`` only)."""
 
-    data: bytes
+    data: bytes = field(repr=False)
     size: int
     sha256: str
     git_oid: str  # git blob sha1 of the content (regular) or of the LFS pointer (lfs)
@@ -177,7 +177,7 @@ class CommitRecord:
     message: str
     author: str
     date: str
-    files: dict[str, StoredFile]
+    files: dict[str, StoredFile] = field(repr=False)
     added: tuple[str, ...]
     deleted: tuple[str, ...]
 

@@ -222,7 +222,8 @@ _SEEN_MAX = 72
 def render_table(report_or_results: PreflightReport | Iterable[CheckResult]) -> str:
     """The rows as a plain-text table with the columns check, status, seen, hint.
 
-    A ``seen`` longer than the column puts its hint on the next line, under the hint column. Example row::
+    A ``seen`` longer than the column puts its hint on the next line, under the seen column, as
+    ``hint: ...``. Example row::
 
         gpu             n/a    no NVIDIA driver: libnvidia-ml not found
 
@@ -242,5 +243,5 @@ def render_table(report_or_results: PreflightReport | Iterable[CheckResult]) -> 
             lines.append(head + seen.ljust(seen_width) + row.hint)
         else:
             lines.append(head + seen)
-            lines.append(" " * (name_width + _STATUS_WIDTH + 1 + seen_width) + row.hint)
+            lines.append(" " * (name_width + _STATUS_WIDTH + 1) + "hint: " + row.hint)
     return "\n".join(lines)

@@ -38,14 +38,27 @@ class HubTarget:
 
 
 def parse_push_to(text: str | None) -> HubTarget | Path | None:
-    """Read a ``--push-to`` value (the contract's forms).
+    """Read a ``--push-to`` value (the contract's forms) with ``guard.hub.parse_destination``.
 
-    ``hf://NS/NAME`` and bare ``NS/NAME`` are model repos, ``hf://datasets/NS/NAME`` a dataset repo
-    (``hf://models/...`` and ``hf://spaces/...`` too); an absolute path, ``./``, ``../``, ``~/`` or ``file://`` is
-    a folder. Anything else: None (the command line rejects it before the preflight).
+    ``hf://NS/NAME`` and bare ``NS/NAME`` are model repos, ``hf://datasets/NS/NAME`` a dataset repo; an absolute
+    path, ``./``, ``../`` or ``file://`` is a folder. None for no value.
+
+    Raises:
+        UsageError: the text is none of these forms (from ``parse_destination``).
     """
     if not text or not text.strip():
         return None
+    try:
+        from guard.hub import parse_destination  # noqa: PLC0415 - guard.hub imports huggingface_hub lazily
+    except ImportError:  # pragma: no cover - guard.hub is part of the package
+        return _parse_push_to_fallback(text)
+    dest = parse_destination(text)
+    if dest.kind == "folder" and dest.path is not None:
+        return dest.path
+    return HubTarget(dest.repo_type or "model", dest.repo_id, f"--push-to {text.strip()}")
+
+
+def _parse_push_to_fallback(text: str) -> HubTarget | Path | None:
     raw = text.strip()
     if raw.startswith("file://"):
         return Path(raw[len("file://"):])

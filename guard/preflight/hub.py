@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from guard.preflight._common import NoAnswer, call_bounded, hf_offline, hf_token, one_line
+from guard.preflight._common import NoAnswer, call_bounded, fmt_bytes, hf_offline, hf_token, one_line
 from guard.preflight._job import HubTarget
 from guard.preflight._models import CheckResult
 
@@ -212,10 +212,12 @@ def _check_repo(ref: RepoRef, probe: HubProbe, *, want_size: bool) -> tuple[Chec
     except Exception as exc:  # noqa: BLE001 - mapped below
         kind = type(exc).__name__
         if kind == "GatedRepoError":
-            who = "without a token" if not probe.token else "and the token's user has no access"
-            return CheckResult(name, "fail", f"{label} is gated {who} ({ref.origin})",
+            if not probe.token:
+                return CheckResult(name, "fail", f"{label} is gated and no HF token was sent ({ref.origin})",
+                                   "pass HF_TOKEN of a user who was granted access to it"), None
+            return CheckResult(name, "fail", f"{label} is gated and the token's user has no access ({ref.origin})",
                                "request access on the repo's page and wait for approval, or use a token of a user "
-                               "who has it (HF_TOKEN)"), None
+                               "who has it"), None
         if kind in ("RepositoryNotFoundError", "RevisionNotFoundError") or _status(exc) == 404:
             guesses = _did_you_mean(ref, probe)
             guess = f"; did you mean: {', '.join(guesses)}?" if guesses else ""
@@ -228,7 +230,7 @@ def _check_repo(ref: RepoRef, probe: HubProbe, *, want_size: bool) -> tuple[Chec
         return CheckResult(name, "warn", f"{label}: could not check: {one_line(exc, 200)}",
                            "check HF_ENDPOINT and the network"), None
     size = _model_size(ref, probe) if want_size else None
-    size_text = f", weights {size / 1e9:.2f} GB" if size else ""
+    size_text = f", weights {fmt_bytes(size)}" if size else ""
     return CheckResult(name, "pass", f"{label} accessible ({ref.origin}){size_text}"), size
 
 

@@ -121,11 +121,13 @@ def _import_name(dist: str) -> str | None:
         top = metadata.distribution(dist).read_text("top_level.txt")
     except metadata.PackageNotFoundError:
         return None
+    normalized = dist.replace("-", "_").replace(".", "_").lower()
     if top:
         names = [line.strip() for line in top.splitlines() if line.strip() and not line.startswith("_")]
-        if names:
-            return names[0]
-    return dist.replace("-", "_").replace(".", "_").lower()
+        if normalized in names or not names:
+            return normalized
+        return names[0]
+    return normalized
 
 
 def key_imports(facts: ScriptFacts) -> list[str]:

@@ -1,0 +1,318 @@
+"""Tests for ``guard.config`` (durations, sizes, flag > env > default) and ``guard.cli.build_config``."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from guard import protocol
+from guard.cli import build_config
+from guard.config import (
+    OPTIONS,
+    agent_settings,
+    debug_enabled,
+    env_name,
+    log_level,
+    parse_duration,
+    parse_size,
+    resolve,
+    split_repeat,
+)
+from guard.errors import UsageError
+
+NO_FLAGS: dict[str, object] = {}
+
+
+@pytest.fixture
+def script(tmp_path: Path) -> Path:
+    path = tmp_path / "train.py"
+    path.write_text("print('hello')\n")
+    return path
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# DURATION and SIZE
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [
+        ("7200", 7200.0),
+        ("0", 0.0),
+        ("45s", 45.0),
+        ("90m", 5400.0),
+        ("1.5h", 5400.0),
+        ("2h", 7200.0),
+        ("1d", 86400.0),
+        ("45S", 45.0),
+        (" 2h ", 7200.0),
+        ("01:30:00", 5400.0),
+        ("1:30:05", 5405.0),
+        ("100:00:00", 360000.0),
+        ("1-02:03:04", 86400.0 + 2 * 3600 + 3 * 60 + 4),
+        ("0-00:00:30", 30.0),
+    ],
+)
+def test_every_duration_form_of_the_contract(text: str, seconds: float) -> None:
+    assert parse_duration(text) == seconds
+
+
+@pytest.mark.parametrize("text", ["banana", "-5", "-5s", "1:99:00", "1:00:60", "5x", "", "h", "1e3", "inf", "nan",
+                                  "1-2", "1::00"])
+def test_bad_durations_are_usage_errors_naming_the_option(text: str) -> None:
+    with pytest.raises(UsageError) as info:
+        parse_duration(text, option="--stall-timeout")
+    assert info.value.option == "--stall-timeout"
+    assert "--stall-timeout" in str(info.value)
+    assert "HH:MM:SS" in str(info.value)  # the accepted forms are listed
+
+
+@pytest.mark.parametrize(
+    ("text", "size_bytes"),
+    [
+        ("1000000", 1_000_000),
+        ("500MB", 500_000_000),
+        ("10GB", 10_000_000_000),
+        ("10gb", 10_000_000_000),
+        ("1.5GiB", int(1.5 * 1024**3)),
+        ("1KiB", 1024),
+        ("2T", 2_000_000_000_000),
+        ("3 MB", 3_000_000),
+    ],
+)
+def test_sizes(text: str, size_bytes: int) -> None:
+    assert parse_size(text) == size_bytes
+
+
+@pytest.mark.parametrize("text", ["banana", "-1", "5XB", "GB", "1.5.2GB"])
+def test_bad_sizes(text: str) -> None:
+    with pytest.raises(UsageError, match="--min-free-disk"):
+        parse_size(text, option="--min-free-disk")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Resolution: flag > env > default
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_defaults_when_nothing_is_given() -> None:
+    values, sources = resolve(NO_FLAGS, {})
+    assert set(values) == {o.name for o in OPTIONS} == set(sources)
+    assert set(sources.values()) == {"default"}
+    assert values["grace"] == 30.0
+    assert values["stall_timeout"] == 1800.0
+    assert values["sanity_steps"] == 5
+    assert values["check_every"] == 10
+    assert values["timeout"] is None
+    assert values["margin"] is None  # auto
+    assert values["dry_run"] is False
+    assert values["require_env"] == ()
+
+
+def test_flag_wins_over_env_which_wins_over_default() -> None:
+    environ = {"GUARD_TIMEOUT": "2h", "GUARD_GRACE": "10s"}
+    values, sources = resolve({"timeout": "90m"}, environ)
+    assert (values["timeout"], sources["timeout"]) == (5400.0, "flag")
+    assert (values["grace"], sources["grace"]) == (10.0, "env")
+    assert (values["stall_timeout"], sources["stall_timeout"]) == (1800.0, "default")
+
+
+def test_env_name_rule() -> None:
+    assert env_name("stall_timeout") == "GUARD_STALL_TIMEOUT"
+    assert env_name("push_to") == "GUARD_PUSH_TO"
+
+
+def test_blank_env_value_falls_back_to_the_default() -> None:
+    values, sources = resolve(NO_FLAGS, {"GUARD_GRACE": "  "})
+    assert (values["grace"], sources["grace"]) == (30.0, "default")
+
+
+def test_switch_from_flag_and_from_env() -> None:
+    values, sources = resolve({"dry_run": True}, {})
+    assert (values["dry_run"], sources["dry_run"]) == (True, "flag")
+    values, sources = resolve(NO_FLAGS, {"GUARD_DRY_RUN": "yes"})
+    assert (values["dry_run"], sources["dry_run"]) == (True, "env")
+    values, _ = resolve(NO_FLAGS, {"GUARD_DRY_RUN": "off"})
+    assert values["dry_run"] is False
+    with pytest.raises(UsageError, match="GUARD_DRY_RUN"):
+        resolve(NO_FLAGS, {"GUARD_DRY_RUN": "perhaps"})
+
+
+def test_repeatable_option_from_a_comma_list_in_the_env() -> None:
+    values, sources = resolve(NO_FLAGS, {"GUARD_REQUIRE_ENV": "HF_TOKEN, WANDB_API_KEY,,DATA_DIR"})
+    assert values["require_env"] == ("HF_TOKEN", "WANDB_API_KEY", "DATA_DIR")
+    assert sources["require_env"] == "env"
+
+
+def test_repeatable_flags_win_over_the_env_list() -> None:
+    values, sources = resolve({"require_env": ["A", "B"]}, {"GUARD_REQUIRE_ENV": "C,D"})
+    assert values["require_env"] == ("A", "B")
+    assert sources["require_env"] == "flag"
+
+
+def test_skip_check_name_reason() -> None:
+    values, _ = resolve({"skip_check": ["gpu=no GPU on this runner", " disk = scratch is fine "]}, {})
+    assert values["skip_check"] == (("gpu", "no GPU on this runner"), ("disk", "scratch is fine"))
+    values, _ = resolve(NO_FLAGS, {"GUARD_SKIP_CHECK": "gpu=cpu run,hub=offline"})
+    assert values["skip_check"] == (("gpu", "cpu run"), ("hub", "offline"))
+
+
+@pytest.mark.parametrize("text", ["gpu", "gpu=", "=reason", " = "])
+def test_skip_check_without_a_reason_is_a_usage_error(text: str) -> None:
+    with pytest.raises(UsageError) as info:
+        resolve({"skip_check": [text]}, {})
+    assert info.value.option == "--skip-check"
+    assert "NAME=REASON" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("flags", "environ", "needle"),
+    [
+        ({"timeout": "banana"}, {}, "--timeout"),
+        ({"sanity_steps": "-1"}, {}, "--sanity-steps"),
+        ({"sanity_steps": "two"}, {}, "--sanity-steps"),
+        ({}, {"GUARD_GRACE": "soon"}, "GUARD_GRACE"),
+        ({}, {"GUARD_CHECK_EVERY": "1.5"}, "GUARD_CHECK_EVERY"),
+        ({}, {"GUARD_MIN_FREE_DISK": "lots"}, "GUARD_MIN_FREE_DISK"),
+        ({}, {"GUARD_RESUME": "sometimes"}, "GUARD_RESUME"),
+        ({"output_dir": "  "}, {}, "--output-dir"),
+    ],
+)
+def test_malformed_values_name_the_flag_or_the_variable(flags: dict, environ: dict, needle: str) -> None:
+    with pytest.raises(UsageError) as info:
+        resolve(flags, environ)
+    assert info.value.option == needle
+    assert needle in info.value.message
+
+
+def test_margin_auto_or_duration() -> None:
+    assert resolve({"margin": "auto"}, {})[0]["margin"] is None
+    assert resolve({"margin": "5m"}, {})[0]["margin"] == 300.0
+
+
+def test_resume_modes() -> None:
+    assert resolve({"resume": "1"}, {})[0]["resume"] == "on"
+    assert resolve({"resume": "no"}, {})[0]["resume"] == "off"
+    assert resolve({"resume": "if-valid"}, {})[0]["resume"] == "if-valid"
+
+
+def test_split_repeat() -> None:
+    assert split_repeat(["A,B", " C ", ","]) == ("A", "B", "C")
+
+
+def test_other_guard_variables() -> None:
+    assert debug_enabled({"GUARD_DEBUG": "1"}) is True
+    assert debug_enabled({"GUARD_DEBUG": "0"}) is False
+    assert debug_enabled({}) is False
+    assert log_level({"GUARD_LOG_LEVEL": "debug"}) == "DEBUG"
+    assert log_level({}) == "INFO"
+
+
+def test_agent_settings_from_the_supervisor_variables() -> None:
+    settings = agent_settings({protocol.ENV_SOCKET: "/tmp/x.sock", protocol.ENV_SANITY_STEPS: "3",
+                               protocol.ENV_CHECK_EVERY: "0", protocol.ENV_RESUME_PATH: "/ckpt"})
+    assert settings.socket_path == "/tmp/x.sock"
+    assert settings.sanity_steps == 3
+    assert settings.check_every == 1  # never 0: it divides the steps
+    assert settings.resume_path == "/ckpt"
+    broken = agent_settings({protocol.ENV_SANITY_STEPS: "many"})
+    assert (broken.socket_path, broken.sanity_steps, broken.check_every) == (None, 5, 10)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# cli.build_config: where the guard's options end and the job begins
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_script_form_options_after_the_script_belong_to_the_job(script: Path) -> None:
+    config = build_config(["--sanity-steps", "3", str(script), "--timeout", "5", "--lr", "1e-4"], {})
+    assert config.values["sanity_steps"] == 3
+    assert config.sources["sanity_steps"] == "flag"
+    assert config.values["timeout"] is None  # the job's --timeout, not the guard's
+    assert config.script == script
+    assert config.script_args == ("--timeout", "5", "--lr", "1e-4")
+    assert config.command == (sys.executable, str(script), "--timeout", "5", "--lr", "1e-4")
+
+
+def test_switches_and_equals_forms_before_the_script(script: Path) -> None:
+    config = build_config(["--dry-run", "--timeout=2h", str(script), "--dry-run"], {})
+    assert config.values["dry_run"] is True
+    assert config.values["timeout"] == 7200.0
+    assert config.script_args == ("--dry-run",)
+
+
+def test_a_value_that_looks_like_the_script_is_the_option_value(script: Path) -> None:
+    config = build_config(["--output-dir", "out", str(script)], {})
+    assert config.values["output_dir"] == "out"
+    assert config.script == script
+
+
+def test_command_form_splits_at_double_dash() -> None:
+    config = build_config(["--grace", "5s", "--", sys.executable, "-c", "pass", "--grace", "9"], {})
+    assert config.values["grace"] == 5.0
+    assert config.script is None
+    assert config.command == (sys.executable, "-c", "pass", "--grace", "9")
+
+
+def test_double_dash_after_the_script_belongs_to_the_job(script: Path) -> None:
+    config = build_config([str(script), "--", "x"], {})
+    assert config.script_args == ("--", "x")
+
+
+def test_env_and_sources_reach_the_config(script: Path) -> None:
+    config = build_config(["--stall-timeout", "10m", str(script)], {"GUARD_STALL_TIMEOUT": "1h",
+                                                                      "GUARD_GRACE": "1m"})
+    assert (config.stall_timeout_s, config.sources["stall_timeout"]) == (600.0, "flag")
+    assert (config.grace_s, config.sources["grace"]) == (60.0, "env")
+    assert config.sources["timeout"] == "default"
+    rows = {flag: (value, source) for flag, value, source in config.describe()}
+    assert rows["--stall-timeout"] == ("10m", "flag")
+    assert rows["--grace"] == ("1m", "env")
+    assert rows["--margin"] == ("auto", "default")
+
+
+@pytest.mark.parametrize(
+    ("argv", "option"),
+    [
+        (["--timeout", "banana", "SCRIPT"], "--timeout"),
+        (["--timeout", "-5", "SCRIPT"], "--timeout"),
+        (["--timeout", "0", "SCRIPT"], "--timeout"),
+        (["--grace", "0s", "SCRIPT"], "--grace"),
+        (["--sanity-steps", "-1", "SCRIPT"], "--sanity-steps"),
+        (["--stall-timeout", "1:99:00", "SCRIPT"], "--stall-timeout"),
+        (["--skip-check", "gpu", "SCRIPT"], "--skip-check"),
+        (["does_not_exist.py"], "SCRIPT"),
+        ([], "SCRIPT"),
+        (["--"], "--"),
+        (["--", "no-such-command-xyz-123"], "COMMAND"),
+    ],
+)
+def test_usage_errors_name_the_option(script: Path, argv: list[str], option: str) -> None:
+    argv = [str(script) if a == "SCRIPT" else a for a in argv]
+    with pytest.raises(UsageError) as info:
+        build_config(argv, {})
+    assert info.value.option == option
+    assert info.value.hint
+
+
+def test_unknown_option_is_a_usage_error(script: Path) -> None:
+    with pytest.raises(UsageError, match="--bogus"):
+        build_config(["--bogus", str(script)], {})
+
+
+def test_a_folder_and_a_broken_script_are_usage_errors(tmp_path: Path) -> None:
+    with pytest.raises(UsageError, match="is a folder"):
+        build_config([str(tmp_path)], {})
+    broken = tmp_path / "broken.py"
+    broken.write_text("x = 1\ndef f(:\n")
+    with pytest.raises(UsageError, match="line 2"):
+        build_config([str(broken)], {})
+
+
+def test_preflight_subcommand_needs_no_script() -> None:
+    config = build_config(["--sanity-steps", "2"], {}, subcommand="preflight")
+    assert config.subcommand == "preflight"
+    assert config.command == ()

@@ -1,0 +1,112 @@
+"""Tests for ``guard.masking``: which values are secret, their encoded forms, and ``safe_len``."""
+
+from __future__ import annotations
+
+import json
+import urllib.parse
+
+import pytest
+
+from guard.masking import MASK, Masker, secret_values
+
+HF = "hf_" + "abcdefghijklmnopqrstuvwxyzABCDEFGH"  # 34 letters, as real tokens
+
+
+@pytest.mark.parametrize("name", ["HF_TOKEN", "hf_token", "MY_API_KEY", "apikey", "Aws_Secret_Access",
+                                  "DB_PASSWORD", "password", "WANDB_API_KEY", "GH_TOKEN_2"])
+def test_secret_names_any_case(name: str) -> None:
+    assert secret_values({name: "value-12345"}) == ["value-12345"]
+
+
+def test_other_names_short_values_and_blank_values_are_not_secret() -> None:
+    environ = {
+        "HOME": "/home/someone-long",
+        "PATH": "/usr/bin:/bin",
+        "MY_TOKEN": "short7!",  # 7 characters: ignored (it would mangle ordinary output)
+        "MY_KEY": "        ",  # whitespace only
+        "AN_API_KEY": "exactly8",
+    }
+    assert secret_values(environ) == ["exactly8"]
+
+
+def test_masker_from_environ_masks_the_values() -> None:
+    masker = Masker.from_environ({"MY_API_TOKEN": "s3cr3t-Value-1234567", "USER": "alice-the-user"})
+    assert masker.mask(b"token=s3cr3t-Value-1234567 user=alice-the-user") == b"token=*** user=alice-the-user"
+    assert masker.mask_text("a s3cr3t-Value-1234567 b") == "a *** b"
+
+
+def test_short_values_given_directly_are_ignored() -> None:
+    masker = Masker(["abc"])
+    assert masker.mask(b"abc abc") == b"abc abc"
+
+
+def test_every_occurrence_is_masked() -> None:
+    masker = Masker(["0123456789"])
+    assert masker.mask(b"0123456789 and 0123456789!") == b"*** and ***!"
+
+
+def test_url_quoted_and_json_escaped_forms() -> None:
+    secret = 'p@ss w/rd"\\x+y'
+    masker = Masker([secret])
+    quoted = urllib.parse.quote(secret, safe="")
+    plus = urllib.parse.quote_plus(secret)
+    escaped = json.dumps(secret)[1:-1]
+    assert len({secret, quoted, plus, escaped}) == 4  # four different texts
+    for form in (secret, quoted, plus, escaped):
+        data = f"before {form} after".encode()
+        assert masker.mask(data) == b"before *** after", form
+    assert masker.mask(json.dumps({"url": f"https://u:{secret}@host"}).encode()) == b'{"url": "https://u:***@host"}'
+
+
+def test_a_value_containing_another_is_masked_whole() -> None:
+    masker = Masker(["abcdefgh", "abcdefgh-and-more"])
+    assert masker.mask(b"x abcdefgh-and-more y") == b"x *** y"
+
+
+def test_hf_tokens_are_masked_without_being_in_the_environment() -> None:
+    masker = Masker()
+    assert masker.mask(f"token {HF} end".encode()) == b"token *** end"
+    assert masker.mask(b"hf_" + b"a" * 30) == MASK
+    assert masker.mask(b"hf_" + b"a" * 29) == b"hf_" + b"a" * 29  # too short for a token
+    assert masker.mask(b"hf_hub_download") == b"hf_hub_download"
+
+
+def test_safe_len_holds_back_the_start_of_a_secret() -> None:
+    masker = Masker(["s3cr3t-Value-1234567"])
+    assert masker.safe_len(b"hello world") == len(b"hello world")
+    assert masker.safe_len(b"hello s3cr") == len(b"hello ")
+    assert masker.safe_len(b"hello s") == len(b"hello ")
+    assert masker.safe_len(b"s3cr3t-Value-123456") == 0  # everything but the last character
+    # A complete secret at the end is not held: masking it now is safe.
+    whole = b"hello s3cr3t-Value-1234567"
+    assert masker.safe_len(whole) == len(whole)
+    assert masker.safe_len(b"") == 0
+
+
+def test_safe_len_holds_back_a_possible_hf_token() -> None:
+    masker = Masker()
+    assert masker.safe_len(b"load h") == len(b"load ")
+    assert masker.safe_len(b"load hf") == len(b"load ")
+    assert masker.safe_len(b"load hf_abcdEFG") == len(b"load ")
+    assert masker.safe_len(("load " + HF).encode()) == len(b"load ")  # more letters may follow
+    assert masker.safe_len(b"load hf_abc ") == len(b"load hf_abc ")  # a space ends it
+
+
+def test_safe_len_holds_the_start_of_an_encoded_form() -> None:
+    secret = "p@ss w/rd-123"
+    masker = Masker([secret])
+    quoted = urllib.parse.quote(secret, safe="").encode()
+    data = b"url: " + quoted[:6]
+    assert masker.safe_len(data) == len(b"url: ")
+
+
+def test_split_secret_never_leaks_through_safe_len_at_any_offset() -> None:
+    secret = b"s3cr3t-Value-1234567"
+    masker = Masker([secret.decode()])
+    line = b"the secret is " + secret + b" in full\n"
+    for cut in range(len(line)):
+        head, tail = line[:cut], line[cut:]
+        safe = masker.safe_len(head)
+        written = masker.mask(head[:safe]) + masker.mask(head[safe:] + tail)
+        assert secret not in written, cut
+        assert written == b"the secret is *** in full\n", cut
