@@ -28,7 +28,7 @@ from tests.hubserver import TOKENS, HubServer, client_env  # noqa: E402
 def make_checkpoint(root: Path, size_mb: int) -> Path:
     folder = root / "checkpoint-100"
     folder.mkdir(parents=True)
-    mb = 1024 * 1024
+    mb = 1_000_000
     weights_mb = size_mb * 3 // 4
     sizes = {"model.safetensors": weights_mb * mb, "optimizer.pt": (size_mb - weights_mb - 2) * mb,
              "rng_state.pth": 1 * mb, "scheduler.pt": 1 * mb - 4096}
@@ -44,40 +44,49 @@ def make_checkpoint(root: Path, size_mb: int) -> Path:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3, help="rounds of each variant (default 3)")
-    parser.add_argument("--size-mb", type=int, default=200, help="checkpoint size in MB (default 200)")
+    parser.add_argument("--size-mb", type=int, default=200, help="checkpoint size in MB of 10^6 bytes (default 200)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed rounds of each variant first (default 1)")
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory(prefix="bench-push-") as tmp, HubServer() as hub:
         os.environ.update({**client_env(hub.url), "HF_HOME": str(Path(tmp) / "hf")})
         from huggingface_hub import HfApi  # after HF_ENDPOINT is set
 
-        from guard.hub import Securer
+        from guard.hub import Securer, install_request_bounds
 
+        # Both variants share the process's HTTP client: install the guard's bounded one (it also turns progress
+        # bars off) before the first round, so (a) and (b) differ only by what Securer does on top of the upload.
+        install_request_bounds()
         api = HfApi(endpoint=hub.url, token=TOKENS["write"])
         folder = make_checkpoint(Path(tmp), args.size_mb)
-        size_bytes = sum(p.stat().st_size for p in folder.iterdir())
+        file_sizes = {p.name: p.stat().st_size for p in folder.iterdir()}
+        size_bytes = sum(file_sizes.values())
         bare_s: list[float] = []
         secured_s: list[float] = []
-        for round_no in range(args.rounds):
-            repo_a = f"alice/bench-bare-{round_no}"
+        for round_no in range(-args.warmup, args.rounds):  # negative rounds: warm-up, not counted
+            repo_a = f"alice/bench-bare-{round_no + args.warmup}"
             api.create_repo(repo_a, private=True)
             start = time.perf_counter()
             api.upload_folder(repo_id=repo_a, folder_path=folder, path_in_repo="last-checkpoint")
-            bare_s.append(time.perf_counter() - start)
+            elapsed_a = time.perf_counter() - start
             api.delete_repo(repo_a)
 
-            repo_b = f"alice/bench-secured-{round_no}"
+            repo_b = f"alice/bench-secured-{round_no + args.warmup}"
             start = time.perf_counter()
             result = Securer(repo_b, api=api).push_checkpoint(folder, step=100, deadline=time.monotonic() + 600)
-            secured_s.append(time.perf_counter() - start)
+            elapsed_b = time.perf_counter() - start
             assert result.attempts == 1 and result.size_bytes == size_bytes
             api.delete_repo(repo_b)
-            print(f"round {round_no + 1}: bare {bare_s[-1]:.3f}s, secured {secured_s[-1]:.3f}s", file=sys.stderr)
+            label = "warm-up" if round_no < 0 else f"round {round_no + 1}"
+            print(f"{label}: bare {elapsed_a:.3f}s, secured {elapsed_b:.3f}s", file=sys.stderr)
+            if round_no >= 0:
+                bare_s.append(elapsed_a)
+                secured_s.append(elapsed_b)
 
     bare, secured = statistics.median(bare_s), statistics.median(secured_s)
     mb = size_bytes / 1e6
-    print(f"checkpoint: {mb:.0f} MB in {len(list(folder.parent.glob('checkpoint-100/*')))} files, "
-          f"{args.rounds} rounds each, alternating")
+    print(f"checkpoint: {mb:.0f} MB in {len(file_sizes)} files (largest {max(file_sizes.values()) / 1e6:.0f} MB), "
+          f"{args.rounds} rounds each, alternating, after {args.warmup} warm-up round(s)")
     print()
     print("| variant | median s | min s | max s | MB/s (median) |")
     print("|---|---:|---:|---:|---:|")

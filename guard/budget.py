@@ -539,6 +539,9 @@ class MarginEstimator:
         default_size_bytes: the size when nothing else is known (default 1e9).
         history: how many recent saves and steps to remember (default 5).
         log_changes: log the margin whenever it changes (default True; off when the job has no deadline).
+        max_margin_s: the largest automatic margin (default None: no cap). For a short budget the defaults above
+            (a 1 GB checkpoint at 20 MB/s) would ask for the checkpoint at once; the guard caps the margin at half
+            the budget and scales the floor down to a quarter of it.
 
     Raises:
         BudgetError: a negative or non-finite setting, or ``safety_factor < 1``.
@@ -547,7 +550,8 @@ class MarginEstimator:
     def __init__(self, *, fixed_margin_s: float | None = None, safety_factor: float = 1.5, floor_s: float = 60.0,
                  overhead_s: float = 15.0, default_push_bytes_per_s: float = 20e6, default_save_s: float | None = None,
                  default_save_bytes_per_s: float = 200e6, size_hint_bytes: float | None = None,
-                 default_size_bytes: float = 1e9, history: int = 5, log_changes: bool = True) -> None:
+                 default_size_bytes: float = 1e9, history: int = 5, log_changes: bool = True,
+                 max_margin_s: float | None = None) -> None:
         for name, value in (("fixed_margin_s", fixed_margin_s), ("floor_s", floor_s), ("overhead_s", overhead_s),
                             ("default_save_s", default_save_s), ("size_hint_bytes", size_hint_bytes)):
             if value is not None and not (math.isfinite(value) and value >= 0):
@@ -574,6 +578,7 @@ class MarginEstimator:
         self._seen_size_bytes: float | None = None
         self._logged_margin_s: float | None = None
         self.log_changes = log_changes
+        self.max_margin_s = max_margin_s
 
     # -- observations ------------------------------------------------------------------------------------------
 
@@ -660,7 +665,10 @@ class MarginEstimator:
             return MarginEstimate(self.fixed_margin_s, step_s, save_s, push_s, size, self.push_bytes_per_s,
                                   self.safety_factor, fixed=True)
         raw_s = (step_s + save_s + push_s) * self.safety_factor + self.overhead_s
-        return MarginEstimate(max(raw_s, self.floor_s), step_s, save_s, push_s, size, self.push_bytes_per_s,
+        margin_s = max(raw_s, self.floor_s)
+        if self.max_margin_s is not None:
+            margin_s = min(margin_s, self.max_margin_s)
+        return MarginEstimate(margin_s, step_s, save_s, push_s, size, self.push_bytes_per_s,
                               self.safety_factor, floored=raw_s < self.floor_s)
 
     def margin_s(self) -> float:

@@ -10,7 +10,7 @@ A push is secured only once verified: every file's size and sha256 at the destin
   local bytes. Nothing is downloaded again.
 - **Folder**: a copy into a temporary folder beside the target, fsynced, then swapped in atomically as
   ``last-checkpoint`` (``renameat2(RENAME_EXCHANGE)`` on Linux, else two renames), then re-hashed. The copy holds a
-  manifest, ``guard_checkpoint.json`` (step, size and sha256 of each file), which fetching verifies against.
+  manifest, ``guard_manifest.json`` (step, size and sha256 of each file), which fetching verifies against.
 - **Fetch** downloads ``last-checkpoint/`` at the newest commit and checks every file against the tree listing
   (sha256 of LFS files, git sha1 of regular ones) or the folder's manifest. The step comes from the checkpoint's
   ``trainer_state.json`` (``global_step``), else from the newest commit titled ``... checkpoint step N`` (every
@@ -57,7 +57,7 @@ logger = logging.getLogger("guard.hub")
 T = TypeVar("T")
 
 CHECKPOINT_FOLDER = "last-checkpoint"
-MANIFEST_NAME = "guard_checkpoint.json"
+MANIFEST_NAME = "guard_manifest.json"
 #: Per-operation timeouts (seconds) for every Hub request made in this process when the caller gives none.
 REQUEST_TIMEOUTS_S = {"connect": 10.0, "read": 60.0, "write": 60.0, "pool": 10.0}
 _RETRY_STATUSES = (408, 429, 500, 502, 503, 504)  # what huggingface_hub's http_backoff retries
@@ -300,8 +300,9 @@ def _classify(err: BaseException) -> tuple[str, str]:
     for item in chain:
         status = getattr(getattr(item, "response", None), "status_code", None)
         if isinstance(status, int):
-            first_line = (str(item).strip().splitlines() or [type(item).__name__])[0]
-            return ("transient" if status in _RETRY_STATUSES else "fatal"), f"HTTP {status}: {first_line}"
+            text = getattr(item, "server_message", None) or (str(item).strip().splitlines() or [type(item).__name__])[0]
+            text = text.strip().removeprefix(f"{status} ")
+            return ("transient" if status in _RETRY_STATUSES else "fatal"), f"HTTP {status}: {text}"
         if isinstance(item, OSError) and "Consistency check failed" in str(item):  # a truncated download
             return "transient", str(item).splitlines()[0]
     return "fatal", f"{type(err).__name__}: {err}"
@@ -502,9 +503,12 @@ class Securer:
         Returns:
             The fetched checkpoint, or None when the destination (or its ``last-checkpoint/``) does not exist.
 
+        A ``checkpoint-<step>`` already there is kept when it holds the same files, else moved aside to a hidden
+        ``.checkpoint-<step>.replaced-<time>-<pid>`` folder (never deleted).
+
         Raises:
             HubError: a file differs from what the destination records (corrupt or partial download), the step
-                cannot be told, ``checkpoint-<step>`` already exists there, or the deadline passed.
+                cannot be told, or the deadline passed.
         """
         into = Path(into_dir)
         into.mkdir(parents=True, exist_ok=True)
@@ -517,9 +521,9 @@ class Securer:
     def _push(self, what: str, folder: Path, files: list[str], step: int | None, attempt: Callable[[], str],
               deadline: float) -> PushResult:
         start = self._clock()
-        self._log.info("securing %s (%d files) at %s", what, len(files), self.destination)
+        size = sum((folder / rel).stat().st_size for rel in files)  # before: the job may rotate the folder out later
+        self._log.info("securing %s (%d files, %.1f MB) at %s", what, len(files), size / 1e6, self.destination)
         revision, attempts = self._with_retries(f"securing {what}", attempt, deadline, push=True)
-        size = sum((folder / rel).stat().st_size for rel in files)
         result = PushResult(str(self.destination), revision, tuple(files), size, self._clock() - start, attempts, step)
         self._log.info("secured %s at %s in %.1fs (%.1f MB/s)", what, result.pushed, result.elapsed_s,
                        result.bytes_per_s / 1e6)
@@ -529,8 +533,11 @@ class Securer:
         tried: list[str] = []
         pause, mismatches = self._backoff_s, 0
 
-        def fail(reason: str, hint: str, cause: BaseException | None = None) -> HubError:
-            message = f"{what} at {self.destination} failed: {reason}" + (f" (tried: {'; '.join(tried)})" if tried else "")
+        def fail(reason: str, hint: str) -> HubError:
+            message = f"{what} at {self.destination} failed: {reason}"
+            if tried and not (len(tried) == 1 and tried[0].endswith(reason)):
+                shown = tried if len(tried) <= 5 else [*tried[:2], f"... {len(tried) - 4} more", *tried[-2:]]
+                message += f" (attempts: {'; '.join(shown)})"
             if push:
                 return PushFailedError(message, destination=str(self.destination), attempts=len(tried), hint=hint)
             return HubError(message, destination=str(self.destination), hint=hint)
@@ -559,7 +566,8 @@ class Securer:
             left = deadline - self._clock()
             wait = min(pause, left / 2)
             if left - wait < _MIN_ATTEMPT_S:
-                raise fail("no time left for another attempt", "a larger --margin leaves more time to secure it")
+                raise fail("no time left for another attempt",
+                           "the destination kept failing (see the attempts); check the network and the Hub's status")
             self._sleep(wait)
             pause = min(pause * 2, self._max_backoff_s)
 
@@ -674,8 +682,13 @@ class Securer:
                            hint="it has no trainer_state.json and was not pushed by the guard")
         target = into / f"checkpoint-{step}"
         if target.exists():
-            raise HubError(f"{target} already exists; not replacing it with the fetched checkpoint",
-                           destination=str(self.destination), hint="remove it, or fetch into another folder")
+            mine = {rel: _hash_file(target / rel) for rel in _list_files(target)}
+            if mine == {rel: _hash_file(fetched / rel) for rel in _list_files(fetched)}:
+                self._log.info("%s already holds the secured checkpoint (step %d): keeping it", target, step)
+                return FetchedCheckpoint(target, step, revision, tuple(sorted(files)), size)
+            aside = into / f".{target.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+            os.rename(target, aside)  # a partial or different local copy: kept aside (hidden), not deleted
+            self._log.warning("%s differs from the secured checkpoint: moved it to %s", target, aside)
         os.rename(fetched, target)
         _fsync_dir(into)
         self._log.info("fetched %s/%s (step %d) into %s", self.destination, CHECKPOINT_FOLDER, step, target)

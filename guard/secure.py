@@ -39,6 +39,7 @@ log = logging.getLogger("guard.secure")
 
 SAFETY_S = 1.0  # end securing this long before the kill
 POLL_S = 0.2  # how often a running push is polled
+STOP_BEFORE_S = 2.0  # after securing, SIGTERM the job this long before securing's end if it is still running
 
 
 class Securing:
@@ -216,9 +217,10 @@ class Securing:
             self.requested = sent > 0
         if self.requested:
             fallback = self._newest_on_disk()
-            reserve_s = (self.estimator.secure_estimate_s(fallback.size_bytes) if fallback
-                         else self.estimator.overhead_s)
-            self.wait_save_until = now + max(0.0, self.secure_by - now - reserve_s)
+            left_s = self.secure_by - now
+            # Keep enough time to push the fallback, but give the job's fresh save at least half of what is left.
+            reserve_s = self.estimator.secure_estimate_s(fallback.size_bytes) if fallback else 0.0
+            self.wait_save_until = now + max(0.5 * left_s, left_s - reserve_s, 0.0)
             log.info("waiting up to %.0fs for the job's checkpoint", self.wait_save_until - now)
         else:
             if kind == "signal" and job_alive and sup.job is not None:
@@ -290,11 +292,15 @@ class Securing:
             self._finish(sup, now)
 
     def _finish(self, sup: Any, now: float) -> None:
+        """Securing is over: the job was asked to stop; it may end on its own until shortly before the kill."""
         self.done = True
         if sup.job is not None and sup.job.alive():
-            left = self.secure_by + SAFETY_S - now
             sup.broadcast({"t": "stop"})
-            sup._stop_job(now, grace_s=max(1.0, min(self.grace_s, left if math.isfinite(left) else self.grace_s)))
+            end = self.secure_by - STOP_BEFORE_S if math.isfinite(self.secure_by) else now + self.grace_s
+            sup.stop_at = max(now, end)
+            sup.stop_grace_s = 1.0
+            if sup.stop_at > now:
+                log.info("the job may end on its own for %.0fs; then SIGTERM", sup.stop_at - now)
 
     # -- the verdict ------------------------------------------------------------------------------------------
 

@@ -145,7 +145,11 @@ def run_job(config: Config, masker: Masker, started: float) -> RunResult:
         return RunResult("INTERRUPTED", "signal", 128 + signum, time.monotonic() - started,
                          extra={"signal": signal_name(signum)})
 
-    estimator = budget.MarginEstimator(fixed_margin_s=config.margin_s, log_changes=deadline.deadline_s is not None)
+    limits: dict[str, float] = {}
+    if deadline.timeout_s is not None:  # a short budget: scale the floor and cap the automatic margin
+        limits = {"floor_s": min(60.0, 0.25 * deadline.timeout_s), "max_margin_s": 0.5 * deadline.timeout_s}
+    estimator = budget.MarginEstimator(fixed_margin_s=config.margin_s, log_changes=deadline.deadline_s is not None,
+                                       **limits)
     securing = Securing(deadline=deadline, estimator=estimator, securer=securer, securer_factory=factory,
                         output_dir=config.output_dir, grace_s=config.grace_s,
                         refresher=budget.SlurmRefresher.from_environ(config.environ) if platform.name == "slurm" else None)

@@ -129,7 +129,8 @@ class Supervisor:
         self.job: JobProcess | None = None
         self.exited_at: float | None = None
         self.next_sample = self.started
-        self.stop_at: float | None = None
+        self.stop_at: float | None = None  # a scheduled SIGTERM (the job may end on its own before)
+        self.stop_grace_s: float | None = None
         self._closed_out = False
         self._sel = selectors.DefaultSelector()
         self._listener: socket.socket | None = None
@@ -328,7 +329,8 @@ class Supervisor:
             self.stop_at = now + 1.0  # give the agents a moment to print their stacks
         if self.stop_at is not None and now >= self.stop_at:
             self.stop_at = None
-            self._stop_job(now)
+            if self.job is not None and self.job.alive():
+                self._stop_job(now, self.stop_grace_s)
         if self.securer is not None:
             self.securer.tick(self, now)
         if self.escalation.kill_due(now) and self.job is not None:

@@ -329,6 +329,23 @@ def test_fetch_round_trip(hub, api, repo_id, tmp_path, trainer_state):
 
 
 @pytest.mark.hub
+def test_fetch_keeps_an_identical_local_copy_and_moves_a_partial_one_aside(hub, api, repo_id, tmp_path):
+    ckpt = make_checkpoint(tmp_path / "src", 30)
+    securer = Securer(repo_id, api=api)
+    securer.push_checkpoint(ckpt, step=30, deadline=time.monotonic() + 60)
+    out = tmp_path / "out"
+    first = securer.fetch_last_checkpoint(out, deadline=time.monotonic() + 60)
+    inode = first.path.stat().st_ino
+    again = securer.fetch_last_checkpoint(out, deadline=time.monotonic() + 60)
+    assert again.path == first.path and first.path.stat().st_ino == inode
+    (first.path / "optimizer.pt").unlink()  # a save killed half way
+    fixed = securer.fetch_last_checkpoint(out, deadline=time.monotonic() + 60)
+    assert local_files(fixed.path) == local_files(ckpt)
+    (aside,) = [p for p in out.iterdir() if p.name.startswith(".checkpoint-30.replaced-")]
+    assert "optimizer.pt" not in local_files(aside)
+
+
+@pytest.mark.hub
 def test_fetch_refuses_a_corrupt_copy(hub, api, repo_id, tmp_path):
     securer = Securer(repo_id, api=api)
     securer.push_checkpoint(make_checkpoint(tmp_path / "src", 8), step=8, deadline=time.monotonic() + 60)

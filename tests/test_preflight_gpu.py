@@ -300,3 +300,8 @@ def test_skipping_gpu_never_calls_nvml() -> None:
 def test_other_init_failures_fail_when_required(code: int) -> None:
     rows, _ = run(FakeNvml(init_error=code), require_gpus=1)
     assert statuses(rows) == ["fail"] and rows[0].hint
+
+
+def test_gpu_type_without_nvml_fails() -> None:
+    rows, _ = run(FakeNvml(init_error=pynvml.NVML_ERROR_LIBRARY_NOT_FOUND), gpu_type="H100")
+    assert statuses(rows) == ["fail"] and rows[0].seen.endswith("; --gpu-type H100")

@@ -103,7 +103,28 @@ def test_an_import_that_kills_the_child_fails(tmp_path: Path) -> None:
     job.mkdir()
     facts = analyze_script(script(job, None, "import crashy_guard_mod\n"))
     row = check_imports(facts, environ={"PYTHONPATH": str(lib)})
-    assert row.status == "fail" and "killed the child process (exit 7)" in row.seen
+    assert row.status == "fail" and "import crashy_guard_mod killed the child process (exit 7)" in row.seen
+
+
+def test_each_module_gets_its_own_child(tmp_path: Path) -> None:
+    lib = tmp_path / "lib"
+    lib.mkdir()
+    (lib / "crashy_guard_mod.py").write_text("import os\nos._exit(7)\n")
+    (lib / "fine_guard_mod.py").write_text("__version__ = '1.2'\n")
+    job = tmp_path / "job"
+    job.mkdir()
+    facts = analyze_script(script(job, None, "import fine_guard_mod\nimport crashy_guard_mod\n"))
+    commands: list[list[str]] = []
+
+    def recording_runner(cmd: list[str], **kwargs: Any) -> Any:
+        commands.append(cmd)
+        return subprocess.run(cmd, **kwargs)
+
+    row = check_imports(facts, environ={"PYTHONPATH": str(lib)}, runner=recording_runner)
+    assert sorted(cmd[-1] for cmd in commands) == ["crashy_guard_mod", "fine_guard_mod"]
+    assert row.status == "fail" and row.seen.startswith("import crashy_guard_mod killed")
+    ok = check_imports(analyze_script(script(job, None, "import fine_guard_mod\n")), environ={"PYTHONPATH": str(lib)})
+    assert ok.status == "pass" and ok.seen.startswith("imports ok: fine_guard_mod 1.2 (slowest: fine_guard_mod")
 
 
 def test_an_import_past_the_timeout_warns(tmp_path: Path) -> None:

@@ -137,7 +137,8 @@ def test_trackers_and_trackio_space_privacy(tmp_path: Path) -> None:
     '''))
     assert facts.trackers == frozenset({"trackio", "wandb", "mlflow"})
     assert facts.trackio_space_id == "acme/dash" and facts.trackio_private is None
-    private = analyze_script(write(tmp_path, 'import trackio\ntrackio.init(project="p", space_id="a/b", private=True)\n'))
+    text = 'import trackio\ntrackio.init(project="p", space_id="a/b", private=True)\n'
+    private = analyze_script(write(tmp_path, text))
     assert private.trackio_private is True
 
 
@@ -194,3 +195,31 @@ def test_pep723_bare_comment_lines_and_wrong_types() -> None:
     assert ok is not None and ok.dependencies == ("a>=1",) and ok.error is None
     bad = read_pep723('# /// script\n# dependencies = "a"\n# ///\n')
     assert bad is not None and bad.error is not None and "not a list" in bad.error
+
+
+def test_an_evaluator_counts_as_evaluation_data(tmp_path: Path) -> None:
+    facts = analyze_script(write(tmp_path, '''
+        from sentence_transformers import SentenceTransformerTrainer, SentenceTransformerTrainingArguments
+        args = SentenceTransformerTrainingArguments(output_dir="o", eval_strategy="steps")
+        SentenceTransformerTrainer(model=model, args=args, train_dataset=ds, evaluator=dev_evaluator)
+    '''))
+    assert facts.trainer_config["has_eval_dataset"] is True
+
+
+def test_explicit_push_to_hub_calls_are_hub_writes(tmp_path: Path) -> None:
+    from guard.preflight import PreflightOptions
+    from guard.preflight._job import HubTarget, JobView
+
+    facts = analyze_script(write(tmp_path, '''
+        from transformers import AutoModel
+        model = AutoModel.from_pretrained("acme/base")
+        model.push_to_hub("acme/finetuned", private=True)
+    '''))
+    assert facts.push_calls == ("acme/finetuned",)
+    view = JobView.build(PreflightOptions(script=facts.path), facts, {})
+    assert view.hub_target == HubTarget("model", "acme/finetuned", "push_to_hub('acme/finetuned') in train.py")
+    bare = analyze_script(write(tmp_path, 'from transformers import TrainingArguments\n'
+                                          'args = TrainingArguments(output_dir="o", hub_model_id="acme/m")\n'
+                                          'trainer.push_to_hub()\n'))
+    view = JobView.build(PreflightOptions(script=bare.path), bare, {})
+    assert view.hub_target is not None and view.hub_target.repo_id == "acme/m"

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from guard.errors import UsageError
-from guard.preflight._common import NoAnswer, call_bounded, one_line
+from guard.preflight._common import NoAnswer, call_bounded, hf_offline, one_line
 from guard.preflight._job import HubTarget, JobView, parse_push_to
 from guard.preflight._models import CHECK_NAMES, CheckResult, PreflightOptions, PreflightReport, Status
 from guard.preflight.env import check_env
@@ -166,8 +166,6 @@ def run_preflight(
 
 
 def _offline_or_skipped(environ: Mapping[str, str], skip: Mapping[str, str]) -> bool:
-    from guard.preflight._common import hf_offline  # noqa: PLC0415
-
     return bool(hf_offline(environ)) or "hub-auth" in skip
 
 

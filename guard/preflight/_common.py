@@ -92,7 +92,10 @@ def hf_offline(environ: Mapping[str, str]) -> str | None:
 
 
 def hf_home(environ: Mapping[str, str]) -> Path:
-    """``HF_HOME``, else ``$XDG_CACHE_HOME/huggingface``, else ``~/.cache/huggingface`` (``huggingface_hub.constants``)."""
+    """``HF_HOME``, else ``$XDG_CACHE_HOME/huggingface``, else ``~/.cache/huggingface``.
+
+    Source: ``huggingface_hub.constants.HF_HOME``.
+    """
     home = environ.get("HF_HOME")
     if home:
         return Path(os.path.expandvars(home)).expanduser()

@@ -111,6 +111,11 @@ class JobView:
             repo_id = config.get("hub_model_id")
             origin = f"hub_model_id={repo_id!r}" if repo_id else "push_to_hub=True"
             hub_target = HubTarget("model", repo_id if isinstance(repo_id, str) and "/" in repo_id else None, origin)
+        if hub_target is None and facts is not None and facts.push_calls:
+            named = next((repo for repo in facts.push_calls if repo), "")
+            repo_id = named or config.get("hub_model_id") or None
+            origin = f"push_to_hub({named!r}) in {facts.path.name}" if named else f"push_to_hub() in {facts.path.name}"
+            hub_target = HubTarget("model", repo_id if isinstance(repo_id, str) and "/" in repo_id else None, origin)
         output = opts.output_dir or (Path(config["output_dir"]) if isinstance(config.get("output_dir"), str) else None)
         report_to = config.get("report_to") or []
         trackers = {str(t).lower() for t in report_to if str(t).lower() in ("wandb", "mlflow", "trackio")}

@@ -17,6 +17,7 @@ Facts used (nvidia-ml-py 13.615.71, ``pynvml.py``; NVML API reference "Device Qu
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -108,51 +109,52 @@ def check_gpus(
         ``(rows, gpus)``: the table rows (all named ``gpu``) and the GPUs the job will see, or None when NVML
         gave no answer (no driver, library missing, init failed).
     """
-    required = opts.require_gpus or 0
+    required = opts.require_gpus or (1 if opts.gpu_type else 0)  # a GPU type asks for at least one GPU
+    need = f"--require-gpus {opts.require_gpus}" if opts.require_gpus else (
+        f"--gpu-type {opts.gpu_type}" if opts.gpu_type else None)
     if nvml is None:
         try:
             import pynvml as nvml  # noqa: PLC0415 - lazy on purpose
         except ImportError:
-            return [_no_nvml("nvidia-ml-py is not installed (module pynvml)", required, "pip install nvidia-ml-py")], None
+            row = _no_nvml("nvidia-ml-py is not installed (module pynvml)", need, "pip install nvidia-ml-py")
+            return [row], None
     nvml_error = getattr(nvml, "NVMLError", Exception)
     try:
         nvml.nvmlInit()
     except nvml_error as exc:
-        return [_init_failure(nvml, exc, required)], None
+        return [_init_failure(nvml, exc, need)], None
     except OSError as exc:  # a broken library file raises from ctypes
-        return [_no_nvml(f"NVML could not be loaded: {one_line(exc)}", required, None)], None
+        return [_no_nvml(f"NVML could not be loaded: {one_line(exc)}", need, None)], None
     try:
         return _inspect(nvml, opts, environ, required)
     finally:
-        try:
+        with contextlib.suppress(nvml_error):
             nvml.nvmlShutdown()
-        except nvml_error:
-            pass
 
 
-def _no_nvml(seen: str, required: int, hint: str | None) -> CheckResult:
-    if required:
-        return CheckResult(NAME, "fail", f"{seen}; --require-gpus {required}",
+def _no_nvml(seen: str, need: str | None, hint: str | None) -> CheckResult:
+    if need:
+        return CheckResult(NAME, "fail", f"{seen}; {need}",
                            hint or "run on a GPU machine with the NVIDIA driver (container: --gpus all)")
     return CheckResult(NAME, "n/a", seen)
 
 
-def _init_failure(nvml: Any, exc: BaseException, required: int) -> CheckResult:
+def _init_failure(nvml: Any, exc: BaseException, need: str | None) -> CheckResult:
     code = _err_value(exc)
     if code == _code(nvml, "NVML_ERROR_LIBRARY_NOT_FOUND", _LIBRARY_NOT_FOUND):
-        return _no_nvml("no NVIDIA driver: libnvidia-ml not found", required,
+        return _no_nvml("no NVIDIA driver: libnvidia-ml not found", need,
                         "run on a GPU machine; in a container start it with the NVIDIA runtime (--gpus all)")
     if code == _code(nvml, "NVML_ERROR_LIB_RM_VERSION_MISMATCH", _VERSION_MISMATCH):
         return CheckResult(
-            NAME, "fail" if required else "warn",
+            NAME, "fail" if need else "warn",
             f"NVIDIA driver/library version mismatch: the NVML library and the loaded kernel module differ ({exc})",
             "the driver was upgraded without a reboot: reboot the node or reload the nvidia kernel module",
         )
     if code == _code(nvml, "NVML_ERROR_DRIVER_NOT_LOADED", _DRIVER_NOT_LOADED):
-        return CheckResult(NAME, "fail" if required else "warn",
+        return CheckResult(NAME, "fail" if need else "warn",
                            "libnvidia-ml is present but the NVIDIA kernel driver is not loaded",
                            "load the driver (modprobe nvidia) or run on a machine where nvidia-smi works")
-    return CheckResult(NAME, "fail" if required else "warn", f"NVML init failed: {one_line(exc)}",
+    return CheckResult(NAME, "fail" if need else "warn", f"NVML init failed: {one_line(exc)}",
                        "check that nvidia-smi works on this machine")
 
 
@@ -204,11 +206,11 @@ def _inspect(
     if visibility_row:
         rows.append(visibility_row)
 
-    if required and len(visible) < required:
+    if opts.require_gpus and len(visible) < opts.require_gpus:
         where = " (after CUDA_VISIBLE_DEVICES)" if environ.get("CUDA_VISIBLE_DEVICES") is not None else ""
         rows.append(CheckResult(
             NAME, "fail", f"{len(visible)} GPU{'s' if len(visible) != 1 else ''} visible{where}, "
-            f"--require-gpus {required}",
+            f"--require-gpus {opts.require_gpus}",
             "request more GPUs (Slurm --gres=gpu:N, HF Jobs a larger flavor) or lower --require-gpus"))
     if opts.gpu_type:
         wrong = [info for _, _, info in visible if opts.gpu_type.lower() not in info.name.lower()]
@@ -299,7 +301,8 @@ def _health(nvml: Any, handle: Any, label: str, query: Any, notes: list[str]) ->
     active = [text for bit, text in _THROTTLE_BITS.items() if reasons is not None and int(reasons) & bit]
     if active:
         rows.append(CheckResult(NAME, "warn", f"{label}: throttling active: {', '.join(active)}",
-                                "check cooling and power limits (nvidia-smi -q -d PERFORMANCE); the job will run slower"))
+                                "check cooling and power limits (nvidia-smi -q -d PERFORMANCE); "
+                                "the job will run slower"))
     procs = list(query(["nvmlDeviceGetComputeRunningProcesses"], handle) or [])
     procs += list(query(["nvmlDeviceGetGraphicsRunningProcesses"], handle) or [])
     if procs:

@@ -116,7 +116,8 @@ def token_can_write(info: Mapping[str, Any], target: HubTarget) -> tuple[str, st
         return "read_only", f"read-only token of {user}: cannot write to {where}"
     if member_role is None:
         member_of = ", ".join(sorted(orgs)) or "no org"
-        return "no_namespace", f"no access to namespace {namespace}: the token's user {user} is not a member (member of: {member_of})"
+        return "no_namespace", (f"no access to namespace {namespace}: the token's user {user} is not a member "
+                                f"(member of: {member_of})")
     if member_role != "owner" and member_role.lower() not in _WRITE_ROLES_IN_ORG:
         return "no_namespace", f"no write access to namespace {namespace}: {user} has role {member_role!r} there"
     if role == "fineGrained":
@@ -135,7 +136,8 @@ def token_can_write(info: Mapping[str, Any], target: HubTarget) -> tuple[str, st
             f"{(s.get('entity') or {}).get('type')} {(s.get('entity') or {}).get('name')}"
             for s in fine.get("scoped") or [] if "repo.write" in (s.get("permissions") or [])
         ) or "nothing"
-        return "fine_grained_scope", f"fine-grained token of {user} has no repo.write for {where} (it may write to: {scopes})"
+        return "fine_grained_scope", (f"fine-grained token of {user} has no repo.write for {where} "
+                                      f"(it may write to: {scopes})")
     return "ok", f"token of {user} (role {role or 'unknown'}) can write to {where}"
 
 
@@ -240,7 +242,8 @@ def _model_size(ref: RepoRef, probe: HubProbe) -> int | None:
         info = probe.call("model_info", ref.repo_id, files_metadata=True, timeout=probe.timeout_s)
     except Exception:  # noqa: BLE001 - size is optional
         return None
-    files = [(s.rfilename, s.size or 0) for s in getattr(info, "siblings", None) or [] if _WEIGHT_FILE.search(s.rfilename)]
+    siblings = getattr(info, "siblings", None) or []
+    files = [(s.rfilename, s.size or 0) for s in siblings if _WEIGHT_FILE.search(s.rfilename)]
     safetensors = [size for path, size in files if path.endswith(".safetensors")]
     total = sum(safetensors) if safetensors else sum(size for _, size in files)
     return total or None

@@ -184,7 +184,8 @@ def check_tracking(
             continue
         token, _where = hf_token(environ)
         if not token:
-            rows.append(CheckResult(name, "fail", f"trackio Space {space} needs an HF token with write access; none found",
+            rows.append(CheckResult(name, "fail",
+                                    f"trackio Space {space} needs an HF token with write access; none found",
                                     "pass HF_TOKEN as a secret, or drop space_id to log locally"))
             continue
         existing = space_private(space) if (space_private and job.trackio_private is not True) else None

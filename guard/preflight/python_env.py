@@ -12,6 +12,7 @@ import platform
 import subprocess
 import sys
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -20,13 +21,16 @@ from guard.preflight._common import one_line
 from guard.preflight._models import CheckResult
 from guard.preflight.script import Pep723Block, ScriptFacts
 
-__all__ = ["IMPORT_TIMEOUT_S", "check_imports", "check_pep723", "key_imports"]
+__all__ = ["IMPORT_TIMEOUT_S", "IMPORT_WORKERS", "check_imports", "check_pep723", "key_imports"]
 
 NAME = "python"
 
 #: How long the child process may take to import the job's key modules (torch on a cold network filesystem can
 #: take tens of seconds). Past it the row is a warning, not a failure: slow is not broken.
 IMPORT_TIMEOUT_S = 120.0
+
+#: How many import children run at once.
+IMPORT_WORKERS = 4
 
 #: Modules worth importing even when the script imports them only indirectly: the job's framework.
 _KEY_FIRST = ("torch", "transformers")
@@ -70,7 +74,8 @@ def check_pep723(facts: ScriptFacts | None) -> list[CheckResult]:
     if block is None:
         return [CheckResult(NAME, "n/a", f"no `# /// script` block (PEP 723) in {name}")]
     if block.error:
-        return [CheckResult(NAME, "fail", f"{name}: {block.error}", "fix the block: uv and hf jobs uv run refuse it too")]
+        return [CheckResult(NAME, "fail", f"{name}: {block.error}",
+                            "fix the block: uv and hf jobs uv run refuse it too")]
     rows: list[CheckResult] = []
     problems: list[str] = []
     if block.requires_python:
@@ -168,13 +173,16 @@ def check_imports(
     timeout_s: float = IMPORT_TIMEOUT_S,
     modules: Sequence[str] | None = None,
 ) -> CheckResult:
-    """Try the job's key imports in a child process (``sys.executable -c ...``) with a timeout.
+    """Try the job's key imports, each in its own child process (``sys.executable -c ...``), side by side.
+
+    One child per module keeps the wall time near the slowest single import (torch) instead of the sum, and a
+    module that kills its interpreter cannot hide the others' results. At most ``IMPORT_WORKERS`` run at once.
 
     Args:
         facts: the script's facts (its imports and PEP 723 block).
-        environ: the job's environment, given to the child.
+        environ: the job's environment, given to the children.
         runner: ``subprocess.run`` or a stand-in with its signature.
-        timeout_s: the child's time limit; past it the row is ``warn``.
+        timeout_s: each child's time limit; past it the row is ``warn`` (slow is not broken).
         modules: the modules to try; None: ``key_imports(facts)``.
     """
     if facts is None and modules is None:
@@ -183,29 +191,37 @@ def check_imports(
     if not names:
         return CheckResult(NAME, "n/a", "the script imports no third-party module at top level")
     folder = str(facts.path.parent.absolute()) if facts is not None else str(Path.cwd())
-    try:
-        proc = runner([sys.executable, "-c", _CHILD, folder, *names], capture_output=True, text=True,
-                      timeout=timeout_s, env=dict(environ), cwd=folder)
-    except subprocess.TimeoutExpired:
-        return CheckResult(NAME, "warn", f"importing {', '.join(names)} did not finish in {timeout_s:g} s",
-                           "a slow filesystem or a hanging import; check with python -c 'import <name>'")
-    except OSError as exc:
-        return CheckResult(NAME, "fail", f"could not start {sys.executable}: {exc}", "check the Python interpreter")
-    payload = None
-    for line in (proc.stdout or "").splitlines():
-        if line.startswith(_MARK):
-            payload = json.loads(line[len(_MARK):])
-    if payload is None:
+
+    def one(name: str) -> dict[str, Any]:
+        try:
+            proc = runner([sys.executable, "-c", _CHILD, folder, name], capture_output=True, text=True,
+                          timeout=timeout_s, env=dict(environ), cwd=folder)
+        except subprocess.TimeoutExpired:
+            return {"timeout": True}
+        except OSError as exc:
+            return {"ok": False, "error": f"could not start {sys.executable}: {exc}"}
+        for line in (proc.stdout or "").splitlines():
+            if line.startswith(_MARK):
+                return json.loads(line[len(_MARK):]).get(name, {"ok": False, "error": "no answer"})
         lines = (proc.stderr or proc.stdout or "").strip().splitlines()
-        tail = one_line(lines[-1] if lines else "no output", 200)
-        return CheckResult(NAME, "fail", f"importing {', '.join(names)} killed the child process "
-                           f"(exit {proc.returncode}): {tail}", "run python -c 'import <name>' to see the crash")
-    failed = {name: info for name, info in payload.items() if not info.get("ok")}
+        return {"ok": False, "crash": proc.returncode, "error": lines[-1] if lines else "no output"}
+
+    with ThreadPoolExecutor(max_workers=min(IMPORT_WORKERS, len(names)), thread_name_prefix="guard-imports") as pool:
+        results = dict(zip(names, pool.map(one, names), strict=True))
+    failed = [n for n in names if not results[n].get("ok") and not results[n].get("timeout")]
     if failed:
-        first, info = next(iter(failed.items()))
-        others = f" (also: {', '.join(list(failed)[1:])})" if len(failed) > 1 else ""
+        first, info = failed[0], results[failed[0]]
+        others = f" (also: {', '.join(failed[1:])})" if len(failed) > 1 else ""
+        if "crash" in info:
+            return CheckResult(NAME, "fail", f"import {first} killed the child process (exit {info['crash']}): "
+                               f"{one_line(info['error'], 200)}{others}",
+                               f"run python -c 'import {first}' to see the crash")
         return CheckResult(NAME, "fail", f"import {first} failed: {one_line(info.get('error'), 200)}{others}",
                            f"install or repair {first} in this environment (pip install ...)")
-    done = ", ".join(f"{n} {payload[n]['version']}".strip() for n in names)
-    slowest = max(payload.values(), key=lambda info: info.get("s", 0.0))
-    return CheckResult(NAME, "pass", f"imports ok: {done} (slowest {slowest.get('s', 0.0):.1f} s)")
+    slow = [n for n in names if results[n].get("timeout")]
+    if slow:
+        return CheckResult(NAME, "warn", f"importing {', '.join(slow)} did not finish in {timeout_s:g} s",
+                           "a slow filesystem or a hanging import; check with python -c 'import <name>'")
+    done = ", ".join(f"{n} {results[n].get('version', '')}".strip() for n in names)
+    slowest = max(names, key=lambda n: results[n].get("s", 0.0))
+    return CheckResult(NAME, "pass", f"imports ok: {done} (slowest: {slowest} {results[slowest].get('s', 0.0):.2f} s)")

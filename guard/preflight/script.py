@@ -76,6 +76,8 @@ class ScriptFacts:
             a Trainer's ``model="..."``, ``snapshot_download``/``hf_hub_download``).
         datasets: Hub dataset ids named as literals (``load_dataset``, downloads with ``repo_type="dataset"``).
         hub_model_ids: ``hub_model_id=`` literals: where the Trainer pushes (checked by hub-auth, not hub-repos).
+        push_calls: one entry per ``x.push_to_hub(...)`` call: its repo id literal, or ``""`` when it names none
+            (``trainer.push_to_hub()`` pushes to ``hub_model_id``).
         trainer_config: ``TrainingArguments`` keyword literals in the agent's dict shape (keys only when known:
             ``output_dir, push_to_hub, hub_model_id, hub_strategy, save_strategy, eval_strategy, report_to (list),
             bf16, fp16, torch_compile, gradient_checkpointing, has_eval_dataset, max_steps, loss_class``, plus
@@ -93,6 +95,7 @@ class ScriptFacts:
     models: tuple[str, ...] = ()
     datasets: tuple[str, ...] = ()
     hub_model_ids: tuple[str, ...] = ()
+    push_calls: tuple[str, ...] = ()
     trainer_config: Mapping[str, Any] = field(default_factory=dict)
     trackers: frozenset[str] = frozenset()
     trackio_space_id: str | None = None
@@ -180,6 +183,7 @@ def analyze_source(source: str, *, path: Path) -> ScriptFacts:
         models=hub_ids(visitor.models),
         datasets=hub_ids(visitor.datasets),
         hub_model_ids=tuple(dict.fromkeys(visitor.hub_model_ids)),
+        push_calls=tuple(visitor.push_calls),
         trainer_config=config,
         trackers=frozenset(visitor.trackers),
         trackio_space_id=visitor.trackio_space_id,
@@ -253,6 +257,7 @@ class _Visitor(ast.NodeVisitor):
         self.models: list[str] = []
         self.datasets: list[str] = []
         self.hub_model_ids: list[str] = []
+        self.push_calls: list[str] = []
         self.written: set[str] = set()
         self.trackers: set[str] = set()
         self.trackio_space_id: str | None = None
@@ -300,7 +305,8 @@ class _Visitor(ast.NodeVisitor):
             first = self.arg(node, 0, "pretrained_model_name_or_path")
             text = self.text(first)
             if text is None:  # PeftModel.from_pretrained(model, "adapter-id")
-                text = next((t for t in map(self.text, node.args) if t), None) or self.text(self.arg(node, 1, "model_id"))
+                text = next((t for t in map(self.text, node.args) if t), None)
+                text = text or self.text(self.arg(node, 1, "model_id"))
             if text:
                 self.models.append(text)
         elif name == "load_dataset":
@@ -319,6 +325,8 @@ class _Visitor(ast.NodeVisitor):
                 self.datasets.append(text)
             elif text and repo_type == "model":
                 self.models.append(text)
+        elif name == "push_to_hub" and owner != "":
+            self.push_calls.append(self.text(self.arg(node, 0, "repo_id")) or "")
         elif name in _SAVE_CALLS:
             if text := self.text(self.arg(node, 0)):
                 self.written.add(text)
@@ -371,8 +379,9 @@ class _Visitor(ast.NodeVisitor):
         if any(kw.arg is None for kw in node.keywords):  # Trainer(**kwargs): eval dataset unknown
             self.trainer_eval.append(None)
         else:
-            value = self.arg(node, 99, "eval_dataset")
-            self.trainer_eval.append(value is not None and self.literal(value) is not None)
+            # sentence-transformers evaluates with an ``evaluator=`` alone, no eval dataset needed
+            values = [self.arg(node, 99, "eval_dataset"), self.arg(node, 99, "evaluator")]
+            self.trainer_eval.append(any(v is not None and self.literal(v) is not None for v in values))
         loss = self.arg(node, 99, "loss")
         if isinstance(loss, ast.Call) and (loss_name := _call_name(loss)):
             self.trainer_losses.append(loss_name)

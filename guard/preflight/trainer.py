@@ -57,7 +57,8 @@ def check_trainer_config(
         Rows named ``trainer-config``: one ``pass`` summary when nothing is wrong, ``n/a`` for an empty config.
     """
     if not config:
-        return [CheckResult(NAME, "n/a", "no TrainingArguments literals found (checked again when the Trainer is built)")]
+        return [CheckResult(NAME, "n/a",
+                            "no TrainingArguments literals found (checked again when the Trainer is built)")]
     rows: list[CheckResult] = []
     eval_strategy = _strategy(config.get("eval_strategy"))
     if eval_strategy not in (None, "no") and config.get("has_eval_dataset") is False:

@@ -1,0 +1,356 @@
+"""What the guard costs a supervised run, measured in one run of this script and reported as ratios.
+
+1. ``step``: per-step overhead of the in-job agent on a tiny CPU training loop (~10 ms steps,
+   ``jobs/train_loop.py``): the loop's own time under ``python -m guard`` over plain ``python``. The job times only
+   its loop and prints it, so start-up does not count. Runs alternate (plain, guard, guard, plain, ...); the
+   median of ``--runs`` each is compared. Target: ratio <= 1.02.
+2. ``lines``: output passthrough: wall time of ``python -m guard print_lines.py`` over ``python print_lines.py``
+   for 1M lines written with ``print()``, stdout to a file in both cases. Target: ratio <= 1.10. A diagnostic
+   row runs the plain job with ``PYTHONUNBUFFERED=1``, as the guard runs its job, to tell the job's own cost of
+   unbuffered writes apart from the guard's pumping.
+3. ``first_line``: time added before the job's first output line: from just before the process is started to
+   the first line read on its stdout pipe, guard minus plain (medians). Target: <= 0.3 s. Preflight is left out
+   (``--no-preflight``, when the guard has it).
+4. ``rss``: the guard process's own peak resident memory (``VmHWM`` of ``/proc/PID/status``, sampled every
+   20 ms while it runs; the job is a separate process and does not count), the largest over every guarded run
+   above. Target: <= 60 MB (10^6 bytes).
+
+Every guarded run must end with exit 0 and a ``VERDICT: PASS`` line, and the step benchmark checks that the guard
+saw the sanity pass (so the agent's hook was really on); otherwise the script stops with an error.
+
+Run: ``python benchmarks/bench_run.py [--runs 5] [--steps 300] [--lines 1000000] [--only step,lines,...] [--json]``
+``--profile lines|first_line|step`` runs that benchmark's guarded command once under ``cProfile`` and prints the
+top functions (where the guard process spends its time) instead of the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+JOBS = Path(__file__).resolve().parent / "jobs"
+BENCHMARKS = ("step", "lines", "first_line", "rss")
+TARGETS = {"step": 1.02, "lines": 1.10, "first_line": 0.3, "rss": 60e6}
+
+
+def base_env() -> dict[str, str]:
+    """The environment of every run: no ``GUARD_*`` from the shell, no network, the repo importable."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GUARD_") and k != "PYTHONUNBUFFERED"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    env.update({"HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1", "HF_HUB_DISABLE_XET": "1"})
+    return env
+
+
+def guard_argv() -> list[str]:
+    """``python -m guard``, with ``--no-preflight`` when this version of the guard has it."""
+    help_text = subprocess.run([sys.executable, "-m", "guard", "--help"], capture_output=True, text=True,
+                               env=base_env(), cwd=REPO).stdout
+    return [sys.executable, "-m", "guard"] + (["--no-preflight"] if "--no-preflight" in help_text else [])
+
+
+class HwmSampler(threading.Thread):
+    """Reads ``VmHWM`` (peak resident set, kB) of one process every ``every_s`` until it exits."""
+
+    def __init__(self, pid: int, every_s: float = 0.02) -> None:
+        super().__init__(daemon=True)
+        self.path = f"/proc/{pid}/status"
+        self.every_s = every_s
+        self.peak_bytes = 0
+        self._done = threading.Event()
+
+    def run(self) -> None:
+        while not self._done.is_set():
+            self.read()
+            self._done.wait(self.every_s)
+
+    def read(self) -> None:
+        try:
+            with open(self.path) as handle:
+                for line in handle:
+                    if line.startswith("VmHWM:"):
+                        self.peak_bytes = max(self.peak_bytes, int(line.split()[1]) * 1024)
+                        return
+        except (OSError, ValueError):
+            pass
+
+    def stop(self) -> int:
+        self._done.set()
+        self.join()
+        return self.peak_bytes
+
+
+@dataclass
+class Run:
+    argv: list[str]
+    returncode: int
+    wall_s: float
+    stdout: str = ""
+    stderr: str = ""
+    peak_rss_bytes: int = 0
+
+
+def run(argv: list[str], *, env: dict[str, str], stdout_path: Path | None = None, sample_rss: bool = False) -> Run:
+    """Run one command to its end; stdout to ``stdout_path`` (a file) or captured, stderr to a temporary file."""
+    with tempfile.TemporaryFile() as err, (open(stdout_path, "wb") if stdout_path else tempfile.TemporaryFile()) as out:
+        started = time.perf_counter()
+        proc = subprocess.Popen(argv, stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=env, cwd=REPO)
+        sampler = HwmSampler(proc.pid) if sample_rss else None
+        if sampler:
+            sampler.start()
+        proc.wait()
+        wall_s = time.perf_counter() - started
+        peak = sampler.stop() if sampler else 0
+        err.seek(0)
+        stderr = err.read().decode("utf-8", "replace")
+        stdout = ""
+        if stdout_path is None:
+            out.seek(0)
+            stdout = out.read().decode("utf-8", "replace")
+    return Run(argv, proc.returncode, wall_s, stdout, stderr, peak)
+
+
+def check_guarded(result: Run, what: str) -> None:
+    lines = [line for line in result.stdout.splitlines() if line.strip()]
+    verdict = lines[-1] if lines else ""
+    if result.returncode != 0 or not verdict.startswith("VERDICT: PASS"):
+        sys.exit(f"bench_run: the guarded {what} run failed (exit {result.returncode}, last stdout line "
+                 f"{verdict!r}):\n{result.stderr[-3000:]}")
+
+
+@dataclass
+class Results:
+    rows: dict[str, dict[str, Any]] = field(default_factory=dict)
+    rss_peaks: dict[str, int] = field(default_factory=dict)
+
+
+def order(i: int) -> tuple[str, str]:
+    """Alternate which variant goes first: plain, guard, guard, plain, plain, guard, ..."""
+    return ("plain", "guard") if i % 2 == 0 else ("guard", "plain")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The benchmarks
+# ---------------------------------------------------------------------------------------------------------------
+
+_LOOP = re.compile(r"bench: steps=(\d+) loop_s=([0-9.]+)")
+
+
+def bench_step(res: Results, guard: list[str], runs: int, steps: int) -> None:
+    job = [str(JOBS / "train_loop.py"), "--steps", str(steps)]
+    loop_s: dict[str, list[float]] = {"plain": [], "guard": []}
+    peak = 0
+    for i in range(runs):
+        for variant in order(i):
+            if variant == "plain":
+                result = run([sys.executable, *job], env=base_env())
+            else:
+                argv = [*guard, "--sanity-steps", "5", "--check-every", "10", *job]
+                result = run(argv, env=base_env(), sample_rss=True)
+                check_guarded(result, "train_loop")
+                if "sanity pass" not in result.stderr:
+                    sys.exit("bench_run: the guard did not see the training loop's losses (no sanity pass):\n"
+                             + result.stderr[-3000:])
+                peak = max(peak, result.peak_rss_bytes)
+            match = _LOOP.search(result.stdout)
+            if result.returncode != 0 or match is None:
+                sys.exit(f"bench_run: train_loop ({variant}) printed no loop time:\n{result.stderr[-3000:]}")
+            loop_s[variant].append(float(match.group(2)))
+    plain, guarded = statistics.median(loop_s["plain"]), statistics.median(loop_s["guard"])
+    res.rows["step"] = {
+        "what": f"per-step time, CPU loop ({steps} steps)",
+        "plain": f"{steps / plain:.1f} steps/s ({plain / steps * 1000:.2f} ms)",
+        "guard": f"{steps / guarded:.1f} steps/s ({guarded / steps * 1000:.2f} ms)",
+        "value": guarded / plain, "shown": f"ratio {guarded / plain:.3f}", "target": "<= 1.02",
+        "ok": guarded / plain <= TARGETS["step"], "samples": loop_s,
+    }
+    res.rss_peaks["step"] = peak
+
+
+def bench_lines(res: Results, guard: list[str], runs: int, lines: int, tmp: Path) -> None:
+    job = [str(JOBS / "print_lines.py"), "--lines", str(lines)]
+    out = tmp / "lines.out"
+    wall: dict[str, list[float]] = {"plain": [], "guard": [], "plain_unbuffered": []}
+    peak = 0
+    for i in range(runs):
+        for variant in order(i):
+            if variant == "plain":
+                result = run([sys.executable, *job], env=base_env(), stdout_path=out)
+                expected = lines
+            else:
+                result = run([*guard, *job], env=base_env(), stdout_path=out, sample_rss=True)
+                expected = lines + 1  # the VERDICT line
+                peak = max(peak, result.peak_rss_bytes)
+            with open(out, "rb") as handle:
+                text = handle.read()
+            written = text.count(b"\n")
+            if result.returncode != 0 or written != expected:
+                sys.exit(f"bench_run: print_lines ({variant}) wrote {written} lines, not {expected} "
+                         f"(exit {result.returncode}):\n{result.stderr[-3000:]}")
+            if variant == "guard":
+                check_guarded(Run([], result.returncode, 0, text[-500:].decode()), "print_lines")
+            wall[variant].append(result.wall_s)
+        unbuffered = {**base_env(), "PYTHONUNBUFFERED": "1"}
+        wall["plain_unbuffered"].append(run([sys.executable, *job], env=unbuffered, stdout_path=out).wall_s)
+    plain, guarded = statistics.median(wall["plain"]), statistics.median(wall["guard"])
+    unbuffered_s = statistics.median(wall["plain_unbuffered"])
+    res.rows["lines"] = {
+        "what": f"output passthrough, {lines:,} lines to a file (wall)",
+        "plain": f"{plain:.2f} s", "guard": f"{guarded:.2f} s",
+        "value": guarded / plain, "shown": f"ratio {guarded / plain:.2f}", "target": "<= 1.10",
+        "ok": guarded / plain <= TARGETS["lines"], "samples": wall,
+        "diagnostic": f"plain with PYTHONUNBUFFERED=1 (as the guard runs its job): {unbuffered_s:.2f} s, "
+                      f"ratio {unbuffered_s / plain:.2f}; guard over that: {guarded / unbuffered_s:.2f}",
+    }
+    res.rss_peaks["lines"] = peak
+
+
+def first_line_s(argv: list[str]) -> float:
+    started = time.perf_counter()
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
+                            env=base_env(), cwd=REPO)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    took_s = time.perf_counter() - started
+    proc.stdout.read()
+    proc.wait()
+    if line.strip() != b"ready" or proc.returncode != 0:
+        sys.exit(f"bench_run: first_line run failed: first line {line!r}, exit {proc.returncode}")
+    return took_s
+
+
+def bench_first_line(res: Results, guard: list[str], runs: int) -> None:
+    job = str(JOBS / "first_line.py")
+    took: dict[str, list[float]] = {"plain": [], "guard": []}
+    for i in range(runs):
+        for variant in order(i):
+            took[variant].append(first_line_s([sys.executable, job] if variant == "plain" else [*guard, job]))
+    plain, guarded = statistics.median(took["plain"]), statistics.median(took["guard"])
+    res.rows["first_line"] = {
+        "what": "time to the job's first output line",
+        "plain": f"{plain:.3f} s", "guard": f"{guarded:.3f} s",
+        "value": guarded - plain, "shown": f"+{guarded - plain:.3f} s", "target": "<= 0.3 s",
+        "ok": guarded - plain <= TARGETS["first_line"], "samples": took,
+    }
+
+
+def rss_row(res: Results) -> None:
+    if not res.rss_peaks:
+        return
+    worst = max(res.rss_peaks, key=lambda k: res.rss_peaks[k])
+    peak = res.rss_peaks[worst]
+    res.rows["rss"] = {
+        "what": "guard process peak RSS (VmHWM)",
+        "plain": "-", "guard": ", ".join(f"{k}: {v / 1e6:.1f} MB" for k, v in res.rss_peaks.items()),
+        "value": peak, "shown": f"{peak / 1e6:.1f} MB", "target": "<= 60 MB", "ok": peak <= TARGETS["rss"],
+        "samples": res.rss_peaks,
+    }
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Report
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def machine() -> dict[str, Any]:
+    try:
+        import torch  # noqa: PLC0415 (only for its version)
+
+        torch_version = torch.__version__
+    except ImportError:
+        torch_version = "not installed"
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform(),
+        "torch": torch_version,
+    }
+
+
+def markdown(res: Results, info: dict[str, Any]) -> str:
+    lines = [f"Measured {info['date']} on {info['cpus']} CPUs, Python {info['python']}, torch {info['torch']} "
+             f"({info['platform']}).", "",
+             "| # | benchmark | plain `python` | `python -m guard` | result | target | met |",
+             "|---|---|---|---|---|---|---|"]
+    for i, key in enumerate(BENCHMARKS, start=1):
+        row = res.rows.get(key)
+        if row:
+            lines.append(f"| {i} | {row['what']} | {row['plain']} | {row['guard']} | {row['shown']} | "
+                         f"{row['target']} | {'yes' if row['ok'] else '**no**'} |")
+    for row in res.rows.values():
+        if row.get("diagnostic"):
+            lines.append(f"\n{row['what']}: {row['diagnostic']}")
+    return "\n".join(lines)
+
+
+def profile(which: str, guard: list[str], steps: int, lines: int, tmp: Path) -> None:
+    import pstats
+
+    job = {"lines": [str(JOBS / "print_lines.py"), "--lines", str(lines)],
+           "first_line": [str(JOBS / "first_line.py")],
+           "step": [str(JOBS / "train_loop.py"), "--steps", str(steps)]}[which]
+    prof = tmp / "guard.prof"
+    argv = [sys.executable, "-m", "cProfile", "-o", str(prof), *guard[1:], *job]
+    result = run(argv, env=base_env(), stdout_path=tmp / "profile.out")
+    print(f"guarded {which}: exit {result.returncode}, wall {result.wall_s:.2f} s (under cProfile)")
+    stats = pstats.Stats(str(prof))
+    stats.sort_stats("tottime").print_stats(20)
+    stats.sort_stats("cumulative").print_stats(25)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", type=int, default=5, help="runs of each variant (median; default 5)")
+    parser.add_argument("--first-line-runs", type=int, default=9, help="runs for the first-line benchmark")
+    parser.add_argument("--steps", type=int, default=300, help="training steps per run (default 300)")
+    parser.add_argument("--lines", type=int, default=1_000_000, help="lines for the passthrough (default 1M)")
+    parser.add_argument("--only", default=",".join(BENCHMARKS), help="comma list of: " + ", ".join(BENCHMARKS))
+    parser.add_argument("--json", action="store_true", help="print the results as JSON instead of Markdown")
+    parser.add_argument("--profile", choices=("lines", "first_line", "step"),
+                        help="profile the guard process of one benchmark with cProfile instead")
+    args = parser.parse_args(argv)
+    only = {name.strip() for name in args.only.split(",") if name.strip()}
+    unknown = only - set(BENCHMARKS)
+    if unknown:
+        parser.error(f"--only: unknown benchmark(s) {', '.join(sorted(unknown))}")
+    guard = guard_argv()
+    res = Results()
+    with tempfile.TemporaryDirectory(prefix="bench-run-") as folder:
+        tmp = Path(folder)
+        if args.profile:
+            profile(args.profile, guard, args.steps, args.lines, tmp)
+            return 0
+        if "step" in only:
+            bench_step(res, guard, args.runs, args.steps)
+        if "lines" in only:
+            bench_lines(res, guard, args.runs, args.lines, tmp)
+        if "first_line" in only:
+            bench_first_line(res, guard, args.first_line_runs)
+        if "rss" in only and not res.rss_peaks:  # rss alone: sample one guarded run of each heavy job
+            bench_step(res, guard, 1, args.steps)
+            bench_lines(res, guard, 1, args.lines, tmp)
+            res.rows.pop("step"), res.rows.pop("lines")
+        if "rss" in only:
+            rss_row(res)
+    info = machine()
+    if args.json:
+        print(json.dumps({"machine": info, "guard_argv": guard[1:], "results": res.rows}, indent=2, default=str))
+    else:
+        print(markdown(res, info))
+    return 0 if all(row["ok"] for row in res.rows.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

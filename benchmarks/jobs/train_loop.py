@@ -1,0 +1,49 @@
+"""A tiny CPU training loop with ~10 ms steps (2 cores, one torch thread), for ``bench_run.py``'s step overhead.
+
+It times only its own loop (``time.perf_counter`` around the steps, after the model is built and one warm-up
+step is done) and prints it as the last line: ``bench: steps=N loop_s=SECONDS step_ms=MS``, so that start-up
+(interpreter, torch import, the guard) does not count. Nothing is printed inside the loop: output costs are
+measured by ``print_lines.py``.
+
+Run: ``python benchmarks/jobs/train_loop.py [--steps 300] [--hidden 512] [--batch 256] [--threads 1]``
+"""
+
+import argparse
+import time
+
+import torch
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--steps", type=int, default=300)
+parser.add_argument("--hidden", type=int, default=512)
+parser.add_argument("--batch", type=int, default=256)
+parser.add_argument("--threads", type=int, default=1)
+args = parser.parse_args()
+
+torch.set_num_threads(args.threads)
+torch.manual_seed(0)
+width = args.hidden
+model = torch.nn.Sequential(
+    torch.nn.Linear(width, width), torch.nn.ReLU(),
+    torch.nn.Linear(width, width), torch.nn.ReLU(),
+    torch.nn.Linear(width, 1),
+)
+opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+x, y = torch.randn(args.batch, width), torch.randn(args.batch, 1)
+
+
+def step() -> torch.Tensor:
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()
+    return loss
+
+
+step()  # warm-up: first-call allocations; under the guard this is the first sanity step
+started = time.perf_counter()
+for _ in range(args.steps):
+    loss = step()
+loop_s = time.perf_counter() - started
+print(f"bench: steps={args.steps} loop_s={loop_s:.6f} step_ms={loop_s / args.steps * 1000:.3f} "
+      f"final_loss={loss.item():.4f}", flush=True)

@@ -1,0 +1,53 @@
+"""A slow transformers Trainer job (--step-s per step) that saves every --save-steps into --output-dir."""
+
+import argparse
+import time
+
+import torch
+from transformers import Trainer, TrainerCallback, TrainingArguments
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--output-dir", required=True)
+parser.add_argument("--max-steps", type=int, default=10000)
+parser.add_argument("--step-s", type=float, default=0.1)
+parser.add_argument("--save-steps", type=int, default=50)
+parser.add_argument("--push-to-hub", action="store_true")
+parser.add_argument("--hub-model-id")
+parser.add_argument("--resume", action="store_true")
+args = parser.parse_args()
+
+
+class Tiny(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(16, 1)
+
+    def forward(self, x, labels=None):
+        return {"loss": torch.nn.functional.mse_loss(self.linear(x).squeeze(-1), labels)}
+
+
+class Data(torch.utils.data.Dataset):
+    def __len__(self):
+        return 4096
+
+    def __getitem__(self, i):
+        g = torch.Generator().manual_seed(i)
+        x = torch.randn(16, generator=g)
+        return {"x": x, "labels": x.sum()}
+
+
+class Slow(TrainerCallback):
+    def on_step_end(self, args, state, control, **kwargs):
+        time.sleep(ARGS_STEP_S)
+
+
+ARGS_STEP_S = args.step_s
+training_args = TrainingArguments(
+    output_dir=args.output_dir, max_steps=args.max_steps, per_device_train_batch_size=8, logging_steps=10,
+    save_strategy="steps", save_steps=args.save_steps, report_to="none", learning_rate=1e-2, use_cpu=True,
+    disable_tqdm=True, push_to_hub=args.push_to_hub, hub_model_id=args.hub_model_id, seed=0,
+)
+trainer = Trainer(model=Tiny(), args=training_args, train_dataset=Data(), callbacks=[Slow()])
+out = trainer.train(resume_from_checkpoint=True if args.resume else None)
+print(f"trainer finished at step {out.global_step}", flush=True)
+trainer.save_model()

@@ -1,0 +1,425 @@
+"""Tests for ``guard.protocol`` and the in-job agent (``guard.agent``): ``LossWatch``, the socket client, the API."""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import socket
+import tempfile
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import guard
+from guard import agent as agent_module
+from guard import protocol
+from guard.agent import Agent, LossWatch
+from guard.config import AgentSettings
+
+# ---------------------------------------------------------------------------------------------------------------
+# protocol
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_encode_decode_round_trip() -> None:
+    message = {"t": "step", "step": 3, "loss": 2.5, "finite": True, "n": 1, "source": "backward", "x": "é"}
+    data = protocol.encode(message)
+    assert isinstance(data, bytes)
+    assert b" " not in data  # compact
+    assert protocol.decode(data) == message
+
+
+def test_non_finite_losses_travel() -> None:
+    decoded = protocol.decode(protocol.encode({"t": "step", "loss": math.nan, "other": -math.inf}))
+    assert decoded is not None
+    assert math.isnan(decoded["loss"]) and decoded["other"] == -math.inf
+
+
+def test_unknown_objects_become_text() -> None:
+    decoded = protocol.decode(protocol.encode({"t": "checkpoint_saved", "path": Path("/a/b")}))
+    assert decoded == {"t": "checkpoint_saved", "path": "/a/b"}
+
+
+@pytest.mark.parametrize("data", [b"", b"not json", b"\xff\xfe", b"[1, 2]", b'"t"', b'{"x": 1}', b'{"t": 5}',
+                                  b'{"t": null}'])
+def test_decode_refuses_what_is_not_a_message(data: bytes) -> None:
+    assert protocol.decode(data) is None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# LossWatch with a fake agent
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class FakeAgent:
+    """Records what ``LossWatch`` sends; ``send`` succeeds unless ``ok`` is False."""
+
+    def __init__(self, ok: bool = True) -> None:
+        self.sent: list[dict[str, Any]] = []
+        self.waits = 0
+        self.ok = ok
+
+    def send(self, message: dict[str, Any]) -> bool:
+        self.sent.append(message)
+        return self.ok
+
+    def wait_stop(self) -> None:
+        self.waits += 1
+
+
+def _steps(fake: FakeAgent) -> list[tuple[int, int, bool]]:
+    return [(m["step"], m["n"], m["finite"]) for m in fake.sent]
+
+
+def test_float_losses_one_by_one_in_the_sanity_pass_then_every_check_every() -> None:
+    fake = FakeAgent()
+    watch = LossWatch(fake, sanity_steps=3, check_every=4)  # type: ignore[arg-type]
+    for step in range(1, 12):
+        watch.observe(10.0 - step, None, "report")
+    assert _steps(fake) == [(1, 1, True), (2, 1, True), (3, 1, True), (7, 4, True), (11, 4, True)]
+    assert [m["loss"] for m in fake.sent] == [9.0, 8.0, 7.0, 3.0, -1.0]
+    assert {m["source"] for m in fake.sent} == {"report"}
+    assert {m["t"] for m in fake.sent} == {"step"}
+    assert fake.waits == 0
+
+
+def test_explicit_steps_are_kept() -> None:
+    fake = FakeAgent()
+    watch = LossWatch(fake, sanity_steps=2, check_every=2)  # type: ignore[arg-type]
+    for step in (100, 200, 300, 400):
+        watch.observe(1.0, step, "trainer")
+    assert [m["step"] for m in fake.sent] == [100, 200, 400]
+    assert watch.step == 400
+
+
+def test_a_float_nan_between_checks_is_sent_at_once_and_waits_for_the_stop() -> None:
+    fake = FakeAgent()
+    watch = LossWatch(fake, sanity_steps=2, check_every=10)  # type: ignore[arg-type]
+    for step in range(1, 6):
+        watch.observe(math.nan if step == 5 else 1.0, None, "report")
+    assert _steps(fake) == [(1, 1, True), (2, 1, True), (5, 3, False)]
+    assert math.isnan(fake.sent[-1]["loss"])
+    assert fake.waits == 1
+
+
+def test_a_nan_in_the_sanity_pass_is_sent_with_its_step() -> None:
+    fake = FakeAgent()
+    watch = LossWatch(fake, sanity_steps=5, check_every=10)  # type: ignore[arg-type]
+    watch.observe(1.0, None, "backward")
+    watch.observe(math.inf, None, "backward")
+    assert _steps(fake) == [(1, 1, True), (2, 1, False)]
+    assert fake.waits == 1
+
+
+def test_no_wait_when_the_message_was_not_sent() -> None:
+    fake = FakeAgent(ok=False)
+    watch = LossWatch(fake, sanity_steps=1, check_every=10)  # type: ignore[arg-type]
+    watch.observe(math.nan, None, "report")
+    assert fake.waits == 0
+
+
+def test_flush_sends_what_is_pending_and_nothing_twice() -> None:
+    fake = FakeAgent()
+    watch = LossWatch(fake, sanity_steps=1, check_every=10)  # type: ignore[arg-type]
+    for _ in range(4):
+        watch.observe(2.0, None, "report")
+    watch.flush("report")
+    watch.flush("report")
+    assert _steps(fake) == [(1, 1, True), (4, 3, True)]
+
+
+try:
+    import torch
+except ImportError:  # the tests that need tensors are skipped
+    torch = None
+
+needs_torch = pytest.mark.skipif(torch is None, reason="torch is not installed")
+
+
+@pytest.fixture
+def syncs(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Counts every way a tensor's value reaches the host (``item``, ``float()``, ``bool()``, ``tolist``)."""
+    calls: list[str] = []
+    for name in ("item", "__float__", "__bool__", "tolist", "__int__", "numpy"):
+        original = getattr(torch.Tensor, name)
+
+        def counted(self: Any, *args: Any, _original: Any = original, _name: str = name, **kwargs: Any) -> Any:
+            calls.append(_name)
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    return calls
+
+
+@needs_torch
+def test_tensor_losses_have_no_host_sync_per_step_after_the_sanity_pass(syncs: list[str]) -> None:
+    fake = FakeAgent()
+    sanity, every = 3, 10
+    watch = LossWatch(fake, sanity_steps=sanity, check_every=every)  # type: ignore[arg-type]
+    per_step = []
+    for step in range(1, 44):
+        before = len(syncs)
+        watch.observe(torch.tensor(5.0 - step * 0.01, requires_grad=True) * 1.0, None, "backward")
+        per_step.append(len(syncs) - before)
+    flush_steps = {sanity + every * k for k in range(1, 5)}  # 13, 23, 33, 43
+    for step, count in enumerate(per_step, start=1):
+        if step <= sanity or step in flush_steps:
+            assert count >= 1, step
+        else:
+            assert count == 0, (step, syncs)
+    assert sum(per_step) <= sanity + 2 * len(flush_steps)
+    assert _steps(fake) == [(1, 1, True), (2, 1, True), (3, 1, True)] + [(s, every, True) for s in sorted(flush_steps)]
+    assert fake.sent[-1]["loss"] == pytest.approx(5.0 - 43 * 0.01)
+
+
+@needs_torch
+def test_a_tensor_nan_between_checks_is_still_reported_as_not_finite(syncs: list[str]) -> None:
+    fake = FakeAgent()
+    watch = LossWatch(fake, sanity_steps=2, check_every=5)  # type: ignore[arg-type]
+    for step in range(1, 13):
+        loss = torch.tensor(math.nan if step == 4 else 1.0 / step)
+        watch.observe(loss, None, "backward")
+    # Step 4's NaN is in the window 3..7: the message at step 7 carries step 7's (finite) loss but says not finite.
+    assert _steps(fake) == [(1, 1, True), (2, 1, True), (7, 5, False), (12, 5, True)]
+    assert fake.sent[2]["loss"] == pytest.approx(1.0 / 7)
+    assert fake.waits == 1
+
+
+@needs_torch
+def test_backward_hook_reports_scalar_losses_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    from guard.agent import _torch
+
+    monkeypatch.setattr(torch.Tensor, "backward", torch.Tensor.backward)  # restored after the test
+    seen: list[tuple[Any, Any, str]] = []
+
+    class HookAgent:
+        backward_hook = True
+
+        def on_loss(self, loss: Any, step: Any, source: str) -> None:
+            seen.append((loss, step, source))
+
+    monkeypatch.setattr(agent_module, "get", lambda: HookAgent())
+    _torch.patch(torch)
+    wrapped = torch.Tensor.backward
+    _torch.patch(torch)  # idempotent
+    assert torch.Tensor.backward is wrapped
+    w = torch.ones(3, requires_grad=True)
+    (w * 2).sum().backward()
+    (w * 2).backward(torch.ones(3))  # a vector: not a loss
+    assert len(seen) == 1 and seen[0][1:] == (None, "backward")
+    assert w.grad is not None and torch.equal(w.grad, torch.full((3,), 4.0))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The agent's client against a real SOCK_SEQPACKET socket
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class Server:
+    """A listening supervisor socket in a short temporary folder (Unix socket paths are limited to 107 bytes)."""
+
+    def __init__(self) -> None:
+        self.folder = tempfile.mkdtemp(prefix="gt-")
+        self.path = os.path.join(self.folder, "agent.sock")
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.listener.bind(self.path)
+        self.listener.listen(8)
+        self.listener.settimeout(10.0)
+        self.conns: list[socket.socket] = []
+
+    def accept(self) -> socket.socket:
+        conn, _ = self.listener.accept()
+        conn.settimeout(10.0)
+        self.conns.append(conn)
+        return conn
+
+    def close(self) -> None:
+        for conn in self.conns:
+            conn.close()
+        self.listener.close()
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def recv(conn: socket.socket) -> dict[str, Any]:
+    message = protocol.decode(conn.recv(protocol.MAX_MESSAGE_BYTES))
+    assert message is not None
+    return message
+
+
+@pytest.fixture
+def server() -> Iterator[Server]:
+    srv = Server()
+    yield srv
+    srv.close()
+
+
+@pytest.fixture
+def agents() -> Iterator[list[Agent]]:
+    """Agents made by a test; their sockets are closed afterwards (their reader threads then end)."""
+    made: list[Agent] = []
+    yield made
+    for agent in made:
+        if agent._sock is not None:
+            agent._sock.close()
+
+
+def _agent(agents: list[Agent], path: str | None, **kwargs: Any) -> Agent:
+    agent = Agent(AgentSettings(socket_path=path, **kwargs))
+    agents.append(agent)
+    return agent
+
+
+def test_first_send_connects_and_says_hello(server: Server, agents: list[Agent]) -> None:
+    agent = _agent(agents, server.path)
+    assert agent.send({"t": "train_begin", "max_steps": 10}) is True
+    conn = server.accept()
+    hello = recv(conn)
+    assert hello["t"] == "hello" and hello["pid"] == os.getpid()
+    assert {"rank", "local_rank", "world_size", "node_rank"} <= set(hello)
+    assert recv(conn) == {"t": "train_begin", "max_steps": 10}
+
+
+def test_sends_never_block_when_nobody_reads(server: Server, agents: list[Agent]) -> None:
+    agent = _agent(agents, server.path)
+    results: list[bool] = []
+    payload = {"t": "step", "step": 0, "loss": 1.0, "finite": True, "n": 1, "source": "report", "pad": "x" * 200}
+
+    def flood() -> None:
+        for i in range(20_000):
+            results.append(agent.send({**payload, "step": i}))
+
+    thread = threading.Thread(target=flood, daemon=True)
+    thread.start()
+    thread.join(timeout=60)  # a hang guard, not a timing assertion: a blocking send would never return
+    assert not thread.is_alive(), "agent.send blocked on a full socket"
+    assert len(results) == 20_000
+    assert results[0] is True
+    assert results.count(False) == agent.dropped > 0  # the buffer filled; the rest was dropped, not waited for
+    assert not agent.dead
+    conn = server.accept()
+    assert recv(conn)["t"] == "hello"
+    assert recv(conn)["step"] == 0  # what was sent before the buffer filled arrives whole, in order
+    assert recv(conn)["step"] == 1
+
+
+def test_commands_from_the_supervisor(server: Server, agents: list[Agent]) -> None:
+    agent = _agent(agents, server.path)
+    for step in range(1, 4):
+        agent.on_loss(1.0, step, "report")
+    conn = server.accept()
+    conn.send(protocol.encode({"t": "checkpoint", "at_step": 5}))
+    conn.send(protocol.encode({"t": "ack"}))
+    assert agent._acked.wait(10)
+    assert agent.checkpoint_request == {"t": "checkpoint", "at_step": 5}
+    assert not agent.checkpoint_due()  # at step 3 of 5
+    agent.on_loss(1.0, 5, "report")
+    assert agent.checkpoint_due()
+    conn.send(protocol.encode({"t": "stop"}))
+    assert agent._stopped.wait(10)
+    assert agent.stop_requested
+
+
+def test_a_closed_supervisor_makes_the_agent_silent(server: Server, agents: list[Agent]) -> None:
+    agent = _agent(agents, server.path)
+    assert agent.send({"t": "train_begin"})
+    conn = server.accept()
+    conn.close()
+    assert agent._stopped.wait(10)  # the reader saw the end: waits in the job are released
+    assert agent.dead
+    assert agent.send({"t": "train_end"}) is False
+    agent.wait_stop()  # returns at once
+
+
+def test_no_listener_means_unwatched_not_broken(agents: list[Agent], tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    agent = _agent(agents, str(tmp_path / "nobody.sock"))
+    assert agent.send({"t": "hello"}) is False
+    assert agent.send({"t": "hello"}) is False
+    assert agent.dead
+    err = capsys.readouterr().err
+    assert err.count("cannot reach the supervisor") <= 1
+
+
+def test_a_forked_child_stays_silent(server: Server, agents: list[Agent], monkeypatch: pytest.MonkeyPatch) -> None:
+    agent = _agent(agents, server.path)
+    monkeypatch.setattr(agent_module, "_AGENT", agent)
+    assert agent.send({"t": "train_begin"})
+    pid = os.fork()
+    if pid == 0:  # the child: a DataLoader worker
+        code = 0 if (agent.send({"t": "step"}) is False and agent_module.get() is None) else 1
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert agent_module.get() is agent
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# get() and the public API
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_get_returns_none_without_a_supervisor(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(agent_module, "_AGENT", None)
+    monkeypatch.delenv(protocol.ENV_SOCKET, raising=False)
+    assert agent_module.get() is None
+
+
+def test_get_makes_one_agent_per_process(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(agent_module, "_AGENT", None)
+    monkeypatch.setenv(protocol.ENV_SOCKET, str(tmp_path / "s.sock"))
+    monkeypatch.setenv(protocol.ENV_CHECK_EVERY, "7")
+    first = agent_module.get()
+    assert first is not None and first is agent_module.get()
+    assert first.settings.check_every == 7
+    assert first._sock is None  # no connection until there is something to say
+
+
+@needs_torch
+def test_public_api_is_a_no_op_without_a_supervisor(monkeypatch: pytest.MonkeyPatch, syncs: list[str]) -> None:
+    monkeypatch.setattr(agent_module, "_AGENT", None)
+    monkeypatch.delenv(protocol.ENV_SOCKET, raising=False)
+    assert guard.report(step=1, loss=2.0) is None
+    assert guard.report(step=2, loss=torch.tensor(2.0)) is None
+    assert guard.report(loss=None) is None
+    assert guard.should_checkpoint() is False
+    assert guard.should_stop() is False
+    assert guard.checkpoint_saved("/nowhere", step=3) is None
+    assert guard.resume_path() is None
+    assert syncs == []  # not even a read of the tensor
+    assert agent_module._AGENT is None
+
+
+def test_public_api_with_a_supervisor(server: Server, agents: list[Agent], monkeypatch: pytest.MonkeyPatch,
+                                      tmp_path: Path) -> None:
+    monkeypatch.setattr(agent_module, "_AGENT", None)
+    monkeypatch.setenv(protocol.ENV_SOCKET, server.path)
+    monkeypatch.setenv(protocol.ENV_SANITY_STEPS, "1")
+    monkeypatch.setenv(protocol.ENV_RESUME_PATH, str(tmp_path / "resume"))
+    agent = agent_module.get()
+    assert agent is not None
+    agents.append(agent)
+    assert guard.resume_path() == str(tmp_path / "resume")
+    guard.report(step=1, loss=2.5)
+    assert agent.backward_hook is False  # report() takes over from the .backward() hook
+    conn = server.accept()
+    assert recv(conn)["t"] == "hello"
+    assert recv(conn) == {"t": "step", "step": 1, "loss": 2.5, "finite": True, "n": 1, "source": "report"}
+    assert not guard.should_checkpoint() and not guard.should_stop()
+    conn.send(protocol.encode({"t": "checkpoint", "stop": True}))
+    for _ in range(1000):
+        if guard.should_checkpoint():
+            break
+        threading.Event().wait(0.01)
+    assert guard.should_checkpoint()
+    guard.report(step=2, loss=2.0)  # pending: one step since the last send
+    guard.checkpoint_saved(tmp_path / "ckpt")
+    assert recv(conn) == {"t": "step", "step": 2, "loss": 2.0, "finite": True, "n": 1, "source": "report"}
+    saved = recv(conn)
+    assert saved["t"] == "checkpoint_saved"
+    assert (saved["path"], saved["step"], saved["requested"]) == (str(tmp_path / "ckpt"), 2, True)
+    assert guard.should_stop()  # the request said: then stop
+    assert not guard.should_checkpoint()

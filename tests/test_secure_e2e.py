@@ -1,0 +1,161 @@
+"""End to end: the time budget and secured checkpoints, against the local Hub test server and folders."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import JOBS, REPO, kill_quietly, run_guard, start_guard
+from tests.hubserver import TOKENS, HubServer
+
+pytestmark = [pytest.mark.slow]
+
+FAST = ["--skip-check", "python=imports are checked by the other tests", "--grace", "10s"]
+
+
+@pytest.fixture
+def hub():
+    with HubServer() as server:
+        yield server
+
+
+def hub_env(hub: HubServer, tmp_path: Path, token: str = TOKENS["write"]) -> dict[str, str]:
+    return hub.env(token=token, hf_home=tmp_path / "hf")
+
+
+def sha256s(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.hub
+def test_slow_trainer_with_a_40s_timeout_is_secured_on_the_hub(hub: HubServer, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    started = time.monotonic()
+    run = run_guard([*FAST, "--timeout", "40s", "--push-to", "hf://alice/slow-run", str(JOBS / "slow_trainer.py"),
+                     "--output-dir", str(out), "--step-s", "0.1"], env=hub_env(hub, tmp_path), timeout_s=90)
+    took_s = time.monotonic() - started
+    assert run.returncode == 75, run.stderr[-3000:]
+    fields = run.fields()
+    assert (fields["status"], fields["reason"], fields["secured"]) == ("TIMEOUT", "deadline", "yes")
+    assert took_s < 40
+    local = Path(fields["checkpoint"])
+    remote = hub.repo_files("alice/slow-run")
+    on_server = {path[len("last-checkpoint/"):]: hashlib.sha256(data).hexdigest()
+                 for path, data in remote.items() if path.startswith("last-checkpoint/")}
+    assert on_server == sha256s(local)
+    commit = fields["pushed"].rsplit("@", 1)[1]
+    assert len(commit) == 40 and commit in [c.oid for c in hub.commits("alice/slow-run")]
+
+
+@pytest.mark.hub
+def test_sigterm_mid_run_secures_a_checkpoint(hub: HubServer, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    proc = start_guard([*FAST, "--push-to", "alice/interrupted", str(JOBS / "slow_trainer.py"), "--output-dir",
+                        str(out), "--step-s", "0.05", "--save-steps", "20"], env=hub_env(hub, tmp_path))
+    try:
+        deadline = time.monotonic() + 60
+        while not (out / "checkpoint-20").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        kill_quietly(proc)
+    last = stdout.strip().splitlines()[-1]
+    assert proc.returncode == 75, stderr[-3000:]
+    assert last.startswith("VERDICT: INTERRUPTED reason=signal exit=75")
+    assert "signal=SIGTERM" in last and "secured=yes" in last
+    assert any(p.startswith("last-checkpoint/") for p in hub.repo_files("alice/interrupted"))
+
+
+def test_custom_loop_with_the_api_and_a_folder_destination(tmp_path: Path) -> None:
+    dest = tmp_path / "dest"
+    run = run_guard([*FAST, "--timeout", "16s", "--margin", "5s", "--push-to", str(dest),
+                     str(REPO / "examples" / "train_loop.py"), "--steps", "100000", "--save-every", "100000",
+                     "--output-dir", str(tmp_path / "out")], timeout_s=60)
+    assert run.returncode == 75, run.stderr[-3000:]
+    fields = run.fields()
+    assert fields["status"] == "TIMEOUT"
+    secured = dest / "last-checkpoint"
+    manifest = json.loads((secured / "guard_manifest.json").read_text())
+    local = Path(fields["checkpoint"])
+    assert local.name == f"checkpoint-{manifest['step']}"
+    assert {k: v for k, v in sha256s(secured).items() if k != "guard_manifest.json"} == sha256s(local)
+
+
+@pytest.mark.hub
+def test_hub_500s_then_success(hub: HubServer, tmp_path: Path) -> None:
+    hub.inject(status=500, count=2, methods=("POST",), path_contains="/commit/")
+    run = run_guard([*FAST, "--timeout", "30s", "--margin", "12s", "--push-to", "alice/flaky",
+                     str(JOBS / "slow_trainer.py"), "--output-dir", str(tmp_path / "out"), "--step-s", "0.05"],
+                    env=hub_env(hub, tmp_path), timeout_s=90)
+    assert run.returncode == 75, run.stderr[-3000:]
+    assert sum(r.status == 500 for r in hub.requests) == 2
+    assert "attempt" in run.stderr
+
+
+@pytest.mark.hub
+def test_hub_unreachable_is_push_failed_not_a_hang(hub: HubServer, tmp_path: Path) -> None:
+    url = hub.url
+    started = time.monotonic()
+    proc = start_guard([*FAST, "--skip-check", "hub-auth=checked in other tests", "--timeout", "25s", "--margin", "8s",
+                        "--push-to", "alice/unreachable", str(JOBS / "slow_trainer.py"), "--output-dir",
+                        str(tmp_path / "out"), "--step-s", "0.05"], env=hub_env(hub, tmp_path))
+    try:
+        time.sleep(5)
+        hub.set_down(True)
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        kill_quietly(proc)
+    assert url
+    assert proc.returncode == 6, stderr[-3000:]
+    last = stdout.strip().splitlines()[-1]
+    assert "reason=push_failed" in last and "secured=no" in last
+    assert time.monotonic() - started < 40
+
+
+def test_a_partial_checkpoint_is_never_pushed(tmp_path: Path) -> None:
+    out, dest = tmp_path / "out", tmp_path / "dest"
+    proc = start_guard(["--grace", "6s", "--skip-check", "python=not needed", "--push-to", str(dest),
+                        "--output-dir", str(out), str(JOBS / "partial_checkpoint.py"), "--output-dir", str(out)])
+    try:
+        deadline = time.monotonic() + 30
+        while not (out / "checkpoint-20").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        kill_quietly(proc)
+    assert proc.returncode == 75, stderr[-3000:]
+    assert "checkpoint-20" in stderr and "skipped" in stderr
+    assert json.loads((dest / "last-checkpoint" / "trainer_state.json").read_text())["global_step"] == 10
+    assert "checkpoint=" + str(out / "checkpoint-10") in stdout
+
+
+@pytest.mark.hub
+def test_success_pushes_the_final_model(hub: HubServer, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    run = run_guard([*FAST, "--push-to", "hf://alice/final-model", str(JOBS / "slow_trainer.py"), "--output-dir",
+                     str(out), "--step-s", "0", "--max-steps", "12", "--save-steps", "100"],
+                    env=hub_env(hub, tmp_path), timeout_s=90)
+    assert run.returncode == 0, run.stderr[-3000:]
+    fields = run.fields()
+    assert fields["status"] == "PASS" and "pushed" in fields
+    remote = hub.repo_files("alice/final-model")
+    assert hashlib.sha256(remote["model.safetensors"]).hexdigest() == \
+        hashlib.sha256((out / "model.safetensors").read_bytes()).hexdigest()
+
+
+@pytest.mark.hub
+def test_read_only_token_fails_preflight_before_the_job_starts(hub: HubServer, tmp_path: Path) -> None:
+    run = run_guard([*FAST, "--push-to", "alice/nope", str(JOBS / "exits.py")], env=hub_env(hub, tmp_path, TOKENS["read"]))
+    assert run.returncode == 3, run.stderr[-3000:]
+    assert run.fields()["check"] == "hub-auth"
+    assert "step 1 loss" not in run.stdout
