@@ -90,7 +90,8 @@ def main() -> int:
     print()
     print("| variant | median s | min s | max s | MB/s (median) |")
     print("|---|---:|---:|---:|---:|")
-    for name, runs in (("(a) HfApi.upload_folder", bare_s), ("(b) Securer.push_checkpoint (upload + verify)", secured_s)):
+    variants = (("(a) HfApi.upload_folder", bare_s), ("(b) Securer.push_checkpoint (upload + verify)", secured_s))
+    for name, runs in variants:
         median = statistics.median(runs)
         print(f"| {name} | {median:.3f} | {min(runs):.3f} | {max(runs):.3f} | {mb / median:.0f} |")
     print()

@@ -210,6 +210,8 @@ OPTIONS: tuple[Option, ...] = (
     # --- resume, watch internals ---
     Option("resume", "fetch DEST/last-checkpoint before the job starts: on, off, if-valid, auto", "auto",
            _parse_resume, "MODE"),
+    Option("requeue", "after a secured TIMEOUT/INTERRUPTED under Slurm, run `scontrol requeue $SLURM_JOB_ID`", False,
+           _parse_bool, flag_only_bool=True),
     Option("check_every", "after the sanity pass, read the loss from the device every N steps", 10,
            _parse_count, "N"),
     Option("heartbeat", "interval of the [guard] heartbeat line", 300.0,

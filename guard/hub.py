@@ -43,7 +43,8 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, TypeVar
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from guard.errors import HubError, PushFailedError, UsageError
 
@@ -211,14 +212,17 @@ def _bounded(remaining_s: Callable[[], float]) -> Iterator[None]:
 def install_request_bounds() -> None:
     """Make ``huggingface_hub``'s shared HTTP client bounded (idempotent; see the module docstring).
 
-    Uses ``huggingface_hub.set_client_factory`` (2.x, httpx2-based); with an older client, logs a warning and
-    leaves it alone.
+    Uses ``huggingface_hub.set_client_factory`` (1.x with httpx, 2.x with httpx2); with an older client (requests),
+    logs a warning and leaves it alone.
     """
     global _INSTALLED
     if _INSTALLED:
         return
     try:
-        import httpx2 as httpx
+        try:
+            import httpx2 as httpx  # huggingface_hub 2.x
+        except ImportError:  # pragma: no cover - huggingface_hub 1.x uses httpx
+            import httpx
         from huggingface_hub import set_client_factory
         from huggingface_hub.utils import disable_progress_bars
     except ImportError:  # pragma: no cover - depends on the installed client
@@ -744,7 +748,8 @@ class Securer:
         problems = [f"{rel} differs" for rel, want in expected.items()
                     if not (target / rel).is_file() or _hash_file(target / rel) != want]
         if exclude is not None:  # the checkpoint folder must hold exactly these files
-            problems += [f"{rel} unexpected" for rel in _list_files(target) if rel not in expected and rel not in exclude]
+            allowed = set(expected) | exclude
+            problems += [f"{rel} unexpected" for rel in _list_files(target) if rel not in allowed]
         if problems:
             raise _Mismatch(problems)
 

@@ -65,9 +65,55 @@ def _run_preflight(config: Config, deadline: budget.Deadline, platform: Platform
         log.warning("preflight skipped (--no-preflight): no check ran")
         return None
     report = run_preflight(_preflight_options(config, deadline, platform), environ=config.environ)
+    if config.requeue:
+        report = _with_requeue_row(report, platform)
     log.info("preflight (%.1fs):\n%s", report.elapsed_s,
              "\n".join("[guard]   " + line for line in render_table(report).splitlines()))
     return report
+
+
+def _with_requeue_row(report: Any, platform: PlatformInfo) -> Any:
+    """Add the ``--requeue`` row: ``scontrol`` must exist in the container, and the job must run under Slurm."""
+    import dataclasses
+    import shutil
+
+    from guard.preflight import CheckResult
+
+    if platform.name != "slurm":
+        row = CheckResult("budget", "warn", "--requeue given, but this is not a Slurm job (no SLURM_JOB_ID)",
+                          "drop --requeue, or run the guard inside the Slurm job")
+    elif shutil.which("scontrol") is None:
+        row = CheckResult("budget", "warn", "--requeue given, but scontrol is not on PATH inside the container",
+                          "install the Slurm client in the image or bind-mount scontrol; else requeue from sbatch")
+    else:
+        row = CheckResult("budget", "pass", f"--requeue: scontrol found at {shutil.which('scontrol')}")
+    return dataclasses.replace(report, results=(*report.results, row))
+
+
+def requeue(config: Config, result: RunResult, *, runner: Any = None) -> None:
+    """``--requeue``: after a secured stop (exit 75) under Slurm, ``scontrol requeue $SLURM_JOB_ID`` (bounded).
+
+    ``scontrol requeue`` puts the job back in the queue with the same id; Slurm then ends this instance with
+    SIGTERM/KillWait/SIGKILL (``scontrol.1``), so the VERDICT is printed first by the caller's flow.
+    """
+    import subprocess
+
+    job_id = config.environ.get("SLURM_JOB_ID")
+    if not config.requeue or result.exit_code != 75 or not job_id:
+        return
+    run = runner or subprocess.run
+    try:
+        done = run(["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=15)
+    except (OSError, subprocess.SubprocessError) as exc:
+        log.error("scontrol requeue %s failed: %s; requeue the job by hand (sbatch --requeue)", job_id, exc)
+        result.details["requeue"] = f"failed: {exc}"
+        return
+    if done.returncode == 0:
+        log.info("requeued Slurm job %s: the next run resumes from %s", job_id, result.extra.get("pushed"))
+        result.details["requeue"] = "requeued"
+    else:
+        log.error("scontrol requeue %s exited %d: %s", job_id, done.returncode, (done.stderr or "").strip()[:300])
+        result.details["requeue"] = f"failed: exit {done.returncode}"
 
 
 def _preflight_failed(report: Any, started: float) -> RunResult:
@@ -173,6 +219,7 @@ def run_job(config: Config, masker: Masker, started: float) -> RunResult:
         result.extra["resumed_from"] = f"{fetched.path}@{fetched.revision}"
     if report is not None:
         result.details["preflight"] = report.to_json()
+    requeue(config, result)
     return result
 
 

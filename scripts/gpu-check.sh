@@ -4,8 +4,10 @@
 #   scripts/gpu-check.sh [--require-gpus N] [--gpu-type NAME] [--skip-check NAME=REASON]... [SCRIPT.py]
 #
 # Defaults: --require-gpus 1 (this is the check for a GPU machine). Exit code: 0 when no check fails, 3 when one
-# does (the contract's `preflight` code), 2 on a usage error. Calls guard.preflight directly, so it works whether
-# or not `python -m guard preflight` is wired; the Python used is $PYTHON, else the repo's .venv, else python3.
+# does (the contract's `preflight` code), 2 on a usage error. Calls guard.preflight directly (the table on stdout,
+# then the VERDICT line), so it works whether or not the CLI is wired; GPU_CHECK_VIA_CLI=1 runs
+# `python -m guard preflight --require-gpus 1 ARGS` instead (the table in the [guard] log on stderr).
+# The Python used is $PYTHON, else the repo's .venv, else python3.
 set -euo pipefail
 
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -14,6 +16,10 @@ if [[ -z "$python" ]]; then
   if [[ -x "$repo/.venv/bin/python" ]]; then python="$repo/.venv/bin/python"; else python="python3"; fi
 fi
 export PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}"
+
+if [[ "${GPU_CHECK_VIA_CLI:-0}" == "1" ]]; then
+  exec "$python" -m guard preflight --require-gpus 1 "$@"
+fi
 
 exec "$python" - "$@" <<'PY'
 import argparse

@@ -71,7 +71,8 @@ def test_parse_refuses_other_forms(text):
 
 def test_final_model_files_skip_checkpoints_runs_and_private_files(tmp_path):
     for rel in ("model.safetensors", "config.json", "sub/tokenizer.json", "checkpoint-5/model.safetensors",
-                "last-checkpoint/x.bin", "runs/events.out", ".hidden", "_tmp/x", "sub/.DS_Store", "checkpoint-notes.txt"):
+                "last-checkpoint/x.bin", "runs/events.out", ".hidden", "_tmp/x", "sub/.DS_Store",
+                "checkpoint-notes.txt"):
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text(rel)
     assert final_model_files(tmp_path) == ["checkpoint-notes.txt", "config.json", "model.safetensors",
@@ -110,7 +111,8 @@ def repo_id():
     return f"alice/run-{uuid.uuid4().hex[:10]}"
 
 
-def make_checkpoint(root: Path, step: int, *, trainer_state: bool = True, extra: dict[str, bytes] | None = None) -> Path:
+def make_checkpoint(root: Path, step: int, *, trainer_state: bool = True,
+                    extra: dict[str, bytes] | None = None) -> Path:
     folder = root / f"checkpoint-{step}"
     folder.mkdir(parents=True)
     (folder / "config.json").write_text(json.dumps({"hidden_size": 8, "step": step}))
@@ -446,6 +448,6 @@ def test_folder_fetch_refuses_a_corrupt_copy_and_empty_is_none(tmp_path):
     data = bytearray(weights.read_bytes())
     data[0] ^= 0xFF
     weights.write_bytes(bytes(data))
-    with pytest.raises(HubError, match="model.safetensors differs from the manifest"):
+    with pytest.raises(HubError, match=r"model\.safetensors differs from the manifest"):
         securer.fetch_last_checkpoint(tmp_path / "resume", deadline=time.monotonic() + 60)
     assert os.listdir(tmp_path / "resume") == []

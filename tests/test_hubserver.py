@@ -63,7 +63,8 @@ def test_whoami_per_token(api, token, user, role):
     assert [o["name"] for o in info["orgs"]] == (["acme"] if user == "alice" else [])
     if role == "fineGrained":
         scoped = info["auth"]["accessToken"]["fineGrained"]["scoped"]
-        assert scoped == [{"entity": {"type": "user", "name": "alice"}, "permissions": ["repo.content.read", "repo.write"]}]
+        permissions = ["repo.content.read", "repo.write"]
+        assert scoped == [{"entity": {"type": "user", "name": "alice"}, "permissions": permissions}]
 
 
 def test_invalid_token_is_refused(api):

@@ -305,3 +305,13 @@ def test_other_init_failures_fail_when_required(code: int) -> None:
 def test_gpu_type_without_nvml_fails() -> None:
     rows, _ = run(FakeNvml(init_error=pynvml.NVML_ERROR_LIBRARY_NOT_FOUND), gpu_type="H100")
     assert statuses(rows) == ["fail"] and rows[0].seen.endswith("; --gpu-type H100")
+
+
+def test_a_device_count_failure_is_a_row_not_a_crash() -> None:
+    class NoCount(FakeNvml):
+        def nvmlDeviceGetCount(self) -> int:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_UNKNOWN)
+
+    rows, gpus = run(NoCount(), require_gpus=1)
+    assert statuses(rows) == ["fail"] and rows[0].seen.startswith("NVML cannot count the GPUs")
+    assert gpus is None

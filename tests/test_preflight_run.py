@@ -160,3 +160,37 @@ def test_no_hub_client_torch_or_nvml_import_without_those_checks(tmp_path: Path)
                           timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"
+
+
+def _has_nvml() -> bool:
+    import pynvml
+
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:
+        return False
+    pynvml.nvmlShutdown()
+    return True
+
+
+def gpu_check(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(REPO / "scripts" / "gpu-check.sh"), *args], capture_output=True, text=True,
+                          cwd=REPO, timeout=120)
+
+
+def test_gpu_check_script_prints_the_table_and_exits_by_the_verdict() -> None:
+    ok = gpu_check("--require-gpus", "0")
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    lines = ok.stdout.splitlines()
+    assert lines[0].split() == ["check", "status", "seen", "hint"]
+    assert lines[-1].startswith("VERDICT: PASS reason=ok exit=0")
+    usage = gpu_check("--skip-check", "bogus=x")
+    assert usage.returncode == 2 and usage.stdout.startswith("VERDICT: FAIL reason=usage exit=2")
+
+
+@pytest.mark.skipif(_has_nvml(), reason="this machine has an NVIDIA driver")
+def test_gpu_check_script_fails_without_a_gpu() -> None:
+    proc = gpu_check()
+    assert proc.returncode == 3
+    assert proc.stdout.splitlines()[-1].startswith("VERDICT: FAIL reason=preflight exit=3")
+    assert "check=gpu" in proc.stdout.splitlines()[-1]

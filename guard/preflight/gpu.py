@@ -160,7 +160,7 @@ def _init_failure(nvml: Any, exc: BaseException, need: str | None) -> CheckResul
 
 def _inspect(
     nvml: Any, opts: PreflightOptions, environ: Mapping[str, str], required: int
-) -> tuple[list[CheckResult], list[GpuInfo]]:
+) -> tuple[list[CheckResult], list[GpuInfo] | None]:
     nvml_error = getattr(nvml, "NVMLError", Exception)
     rows: list[CheckResult] = []
     notes: list[str] = []
@@ -182,7 +182,11 @@ def _inspect(
         return None
 
     driver = _text(query(["nvmlSystemGetDriverVersion"]) or "unknown")
-    count = int(nvml.nvmlDeviceGetCount())
+    try:
+        count = int(nvml.nvmlDeviceGetCount())
+    except nvml_error as exc:
+        return [CheckResult(NAME, "fail" if required else "warn", f"NVML cannot count the GPUs: {one_line(exc)}",
+                            "check nvidia-smi; a GPU may have fallen off the bus")], None
     devices: list[tuple[int, Any, GpuInfo]] = []
     for index in range(count):
         try:

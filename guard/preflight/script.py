@@ -325,7 +325,7 @@ class _Visitor(ast.NodeVisitor):
                 self.datasets.append(text)
             elif text and repo_type == "model":
                 self.models.append(text)
-        elif name == "push_to_hub" and owner != "":
+        elif name == "push_to_hub" and isinstance(node.func, ast.Attribute):
             self.push_calls.append(self.text(self.arg(node, 0, "repo_id")) or "")
         elif name in _SAVE_CALLS:
             if text := self.text(self.arg(node, 0)):

@@ -37,7 +37,13 @@ class Data(torch.utils.data.Dataset):
 
 
 class Slow(TrainerCallback):
+    steps_this_run = 0
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        print(f"train_begin global_step={state.global_step}", flush=True)
+
     def on_step_end(self, args, state, control, **kwargs):
+        Slow.steps_this_run += 1
         time.sleep(ARGS_STEP_S)
 
 
@@ -49,5 +55,5 @@ training_args = TrainingArguments(
 )
 trainer = Trainer(model=Tiny(), args=training_args, train_dataset=Data(), callbacks=[Slow()])
 out = trainer.train(resume_from_checkpoint=True if args.resume else None)
-print(f"trainer finished at step {out.global_step}", flush=True)
+print(f"trainer finished at step {out.global_step}; steps_this_run={Slow.steps_this_run}", flush=True)
 trainer.save_model()

@@ -1,0 +1,97 @@
+"""End to end: a run stopped by its deadline secures step N; the next run with --resume continues from it."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from conftest import JOBS, REPO, run_guard
+from tests.hubserver import TOKENS, HubServer
+
+pytestmark = [pytest.mark.slow]
+
+FAST = ["--skip-check", "python=imports are checked by the other tests", "--grace", "10s"]
+MAX_STEPS = 400
+
+
+@pytest.fixture
+def hub():
+    with HubServer() as server:
+        yield server
+
+
+@pytest.mark.hub
+def test_trainer_resumes_from_the_secured_step_and_ends_at_max_steps(hub: HubServer, tmp_path: Path) -> None:
+    env = hub.env(token=TOKENS["write"], hf_home=tmp_path / "hf")
+    first = run_guard([*FAST, "--timeout", "14s", "--margin", "5s", "--push-to", "alice/resumable",
+                       str(JOBS / "slow_trainer.py"), "--output-dir", str(tmp_path / "run1"), "--step-s", "0.05",
+                       "--max-steps", str(MAX_STEPS)], env=env, timeout_s=60)
+    assert first.returncode == 75, first.stderr[-3000:]
+    secured_step = int(re.search(r"checkpoint-(\d+)", first.fields()["checkpoint"]).group(1))
+    assert 0 < secured_step < MAX_STEPS
+
+    second = run_guard([*FAST, "--resume", "on", "--push-to", "alice/resumable", "--output-dir",
+                        str(tmp_path / "run2"), str(JOBS / "slow_trainer.py"), "--output-dir", str(tmp_path / "run2"),
+                        "--step-s", "0", "--max-steps", str(MAX_STEPS)], env=env, timeout_s=90)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert f"train_begin global_step={secured_step}" in second.stdout
+    steps_run2 = int(re.search(r"steps_this_run=(\d+)", second.stdout).group(1))
+    assert secured_step + steps_run2 == MAX_STEPS  # the same optimizer steps in all as an uninterrupted run
+    fields = second.fields()
+    assert fields["step"] == str(MAX_STEPS)
+    assert fields["resumed_from"].startswith(str(tmp_path / "run2" / f"checkpoint-{secured_step}"))
+
+
+def test_custom_loop_resumes_through_resume_path(tmp_path: Path) -> None:
+    dest = tmp_path / "dest"
+    first = run_guard([*FAST, "--timeout", "14s", "--margin", "5s", "--push-to", str(dest),
+                       str(REPO / "examples" / "train_loop.py"), "--steps", "100000", "--save-every", "100000",
+                       "--output-dir", str(tmp_path / "run1")], timeout_s=60)
+    assert first.returncode == 75, first.stderr[-3000:]
+    step = int(re.search(r"checkpoint-(\d+)", first.fields()["checkpoint"]).group(1))
+    second = run_guard([*FAST, "--resume", "on", "--push-to", str(dest), "--output-dir", str(tmp_path / "run2"),
+                        str(REPO / "examples" / "train_loop.py"), "--steps", str(step + 5), "--output-dir",
+                        str(tmp_path / "run2"), "--save-every", "1000"], timeout_s=90)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert f"at step {step}" in second.stdout
+    assert "resumed_from=" in second.verdict
+
+
+@pytest.mark.hub
+def test_a_damaged_checkpoint_on_the_server_is_refused(hub: HubServer, tmp_path: Path) -> None:
+    env = hub.env(token=TOKENS["write"], hf_home=tmp_path / "hf")
+    first = run_guard([*FAST, "--timeout", "12s", "--margin", "5s", "--push-to", "alice/damaged",
+                       str(JOBS / "slow_trainer.py"), "--output-dir", str(tmp_path / "run1"), "--step-s", "0.05"],
+                      env=env, timeout_s=60)
+    assert first.returncode == 75, first.stderr[-3000:]
+    hub.corrupt("alice/damaged", "last-checkpoint/model.safetensors")
+    second = run_guard([*FAST, "--resume", "on", "--push-to", "alice/damaged", "--output-dir", str(tmp_path / "run2"),
+                        str(JOBS / "slow_trainer.py"), "--output-dir", str(tmp_path / "run2")], env=env, timeout_s=60)
+    assert second.returncode == 3, second.stderr[-3000:]
+    assert second.fields()["check"] == "resume"
+    assert "train_begin" not in second.stdout
+    fresh = run_guard([*FAST, "--resume", "if-valid", "--push-to", "alice/damaged", "--output-dir",
+                       str(tmp_path / "run3"), str(JOBS / "slow_trainer.py"), "--output-dir", str(tmp_path / "run3"),
+                       "--step-s", "0", "--max-steps", "5", "--save-steps", "100"], env=env, timeout_s=60)
+    assert fresh.returncode == 0, fresh.stderr[-3000:]
+    assert "train_begin global_step=0" in fresh.stdout
+
+
+def test_requeue_runs_scontrol_after_a_secured_stop(tmp_path: Path) -> None:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    calls = tmp_path / "scontrol-calls"
+    scontrol = bin_dir / "scontrol"
+    scontrol.write_text(f"#!/bin/sh\necho \"$@\" >> {calls}\nexit 0\n")
+    scontrol.chmod(0o755)
+    import os
+
+    env = {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "SLURM_JOB_ID": "4242", "SLURM_RESTART_COUNT": "0"}
+    run = run_guard([*FAST, "--requeue", "--timeout", "12s", "--margin", "5s", "--push-to", str(tmp_path / "dest"),
+                     str(REPO / "examples" / "train_loop.py"), "--steps", "100000", "--save-every", "100000",
+                     "--output-dir", str(tmp_path / "out")], env=env, timeout_s=60)
+    assert run.returncode == 75, run.stderr[-3000:]
+    assert "requeue 4242" in calls.read_text()
+    assert "platform: slurm" in run.stderr
