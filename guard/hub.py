@@ -502,13 +502,11 @@ class Securer:
 
     def fetch_last_checkpoint(self, into_dir: str | os.PathLike[str], *, deadline: float) -> FetchedCheckpoint | None:
         """Download the destination's ``last-checkpoint/`` (newest commit), verify every file, and place it as
-        ``into_dir/checkpoint-<step>``.
+        ``into_dir/checkpoint-<step>``. A ``checkpoint-<step>`` already there is kept when it holds the same files,
+        else moved aside to a hidden ``.checkpoint-<step>.replaced-<time>-<pid>`` folder (never deleted).
 
         Returns:
             The fetched checkpoint, or None when the destination (or its ``last-checkpoint/``) does not exist.
-
-        A ``checkpoint-<step>`` already there is kept when it holds the same files, else moved aside to a hidden
-        ``.checkpoint-<step>.replaced-<time>-<pid>`` folder (never deleted).
 
         Raises:
             HubError: a file differs from what the destination records (corrupt or partial download), the step
