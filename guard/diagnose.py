@@ -65,7 +65,7 @@ def job_result(sup: Any) -> RunResult:
         details["sanity_status"] = "passed"
     else:
         details["sanity_status"] = f"incomplete ({len(sup.sanity)} of {sup.config.sanity_steps} steps)"
-    if sup.last_exception:
+    if sup.last_exception and sup.outcome is None:  # after the guard stopped the job, exceptions are its echo
         log.error("the job's last exception: %s", sup.last_exception)
 
     outcome = sup.outcome
@@ -95,6 +95,10 @@ def job_result(sup: Any) -> RunResult:
                                hint=(f"the job died of {signal_name(signum)}, not sent by the guard: check the "
                                      "platform's events (OOM killer, eviction, a user's kill)"))
     result.step, result.loss, result.sanity = sup.step, sup.loss, list(sup.sanity)
+    if sup.node_rank is not None:
+        result.extra.setdefault("node", sup.node_rank)
+    if sup.job is not None and sup.job.reaped:
+        details["orphans_reaped"] = sup.job.reaped
     result.details.update(details)
     if sup.securer is not None:
         sup.securer.finish(sup, result)

@@ -123,6 +123,8 @@ class JobProcess:
         self.known_pids: set[int] = set()
         self.peak_rss_bytes = 0
         self.last_rss_bytes = 0
+        self.reaped = 0
+        self._zombies_seen: set[int] = set()
 
     def start(self) -> None:
         """Start the job.
@@ -168,14 +170,30 @@ class JobProcess:
             children = psutil.Process().children()
         except psutil.Error:
             return
+        as_init = os.getpid() == 1
+        zombies_now: set[int] = set()
         for child in children:
-            if child.pid == self.pid or child.pid not in self.known_pids:
+            if child.pid == self.pid:
                 continue
+            if child.pid not in self.known_pids:
+                if not as_init:
+                    continue
+                # As PID 1 every orphan of the container is ours to reap; a zombie seen twice in a row is not a
+                # child some thread of the guard is about to wait for itself.
+                try:
+                    if child.status() == psutil.STATUS_ZOMBIE:
+                        zombies_now.add(child.pid)
+                        if child.pid not in self._zombies_seen:
+                            continue
+                except psutil.Error:
+                    continue
             try:
                 if child.status() == psutil.STATUS_ZOMBIE:
                     os.waitpid(child.pid, os.WNOHANG)
+                    self.reaped += 1
             except (psutil.Error, ChildProcessError, OSError):
                 pass
+        self._zombies_seen = zombies_now
 
     def descendants(self) -> list[psutil.Process]:
         """Every live process of the job's tree: under the job, or re-parented to the guard (subreaper)."""

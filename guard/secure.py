@@ -84,6 +84,8 @@ class Securing:
         self.latest_reported: checkpoints.CheckpointInfo | None = None
         self.none_found = False
         self.last_step_at: float | None = None
+        self.at_step: int | None = None
+        self.saved_ranks: dict[Any, set[int]] = {}
         self._seen: set[tuple[str, str]] = set()
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="guard-push")
         if deadline.deadline_s is not None:
@@ -171,6 +173,12 @@ class Securing:
         path = message.get("path")
         if not path:
             return
+        rank = message.get("rank")
+        if rank is not None:
+            self.saved_ranks.setdefault(message.get("step"), set()).add(int(rank))
+        if not message.get("zero", True):  # another rank's part of the save: the push waits for every rank
+            self._maybe_push_saved(sup)
+            return
         try:
             info = checkpoints.describe(path, step=message.get("step"))
         except GuardError as exc:
@@ -182,9 +190,22 @@ class Securing:
             self.estimator.observe_size(info.size_bytes)
         self.latest_reported = info
         log.info("checkpoint saved by the job: %s (step %s, %.1f MB)", info.path, info.step, info.size_bytes / 1e6)
-        if self.trigger is not None and not self.done and self.future is None:
-            self.wait_save_until = None
-            self._start_push(sup, info)
+        self._maybe_push_saved(sup)
+
+    def _maybe_push_saved(self, sup: Any) -> None:
+        """While securing: push the job's fresh checkpoint once every training rank has reported its save."""
+        info = self.latest_reported
+        if self.trigger is None or self.done or self.future is not None or info is None or not self.requested:
+            return
+        if self.at_step is not None and (info.step or 0) < self.at_step:
+            return  # an older save; the requested one comes at at_step
+        missing = sup.training_ranks() - self.saved_ranks.get(info.step, set())
+        if missing and len(sup.training_ranks()) > 1:
+            log.info("checkpoint %s: waiting for rank(s) %s to finish their part", info.step,
+                     ",".join(map(str, sorted(missing))))
+            return
+        self.wait_save_until = None
+        self._start_push(sup, info)
 
     def on_job_exit(self, sup: Any, now: float) -> None:
         if self.trigger is not None and not self.done and self.future is None:
@@ -213,7 +234,15 @@ class Securing:
                         self.grace_s)
         job_alive = sup.job is not None and sup.job.returncode is None
         if job_alive and sup.agents:
-            sent = sup.broadcast({"t": "checkpoint", "stop": True})
+            request: dict[str, Any] = {"t": "checkpoint", "stop": True}
+            ranks = sup.training_ranks()
+            if len(ranks) > 1:
+                # Collective saves (DDP, FSDP, DeepSpeed) deadlock unless every rank saves at the same step: name a
+                # step ahead of every rank (the supervisor hears of steps every --check-every steps at most).
+                ahead = max(step for step, _ in sup.rank_progress.values()) + sup.config.check_every + 2
+                request["at_step"] = self.at_step = ahead
+                log.info("%d ranks: each saves at step %d", len(ranks), ahead)
+            sent = sup.broadcast(request)
             self.requested = sent > 0
         if self.requested:
             fallback = self._newest_on_disk()
@@ -249,6 +278,11 @@ class Securing:
 
     def _start_push(self, sup: Any, info: checkpoints.CheckpointInfo) -> None:
         self.secured_checkpoint = info
+        node = sup.node_rank
+        if node not in (None, 0) and self.securer is not None:
+            log.info("node %d: the guard of node 0 secures the checkpoint; this one does not push", node)
+            self._finish(sup, self.clock())
+            return
         if self.securer is None:
             log.info("no destination (--push-to): checkpoint %s stays on this machine only", info.path)
             self._finish(sup, self.clock())
@@ -263,6 +297,9 @@ class Securing:
         output_dir = self.output_dir
         if not output_dir:
             log.warning("the job ended; no output folder known (--output-dir), so the final model is not pushed")
+            return
+        if sup.node_rank not in (None, 0):
+            log.info("node %d: the guard of node 0 pushes the final model", sup.node_rank)
             return
         self.final = True
         size = sum(f.stat().st_size for f in Path(output_dir).glob("*") if f.is_file())

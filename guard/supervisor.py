@@ -120,6 +120,8 @@ class Supervisor:
         self.sanity_done = False
         self.loss_source: str | None = None
         self.primary_agent: int | None = None
+        self.rank_progress: dict[int, tuple[int, float]] = {}  # rank -> (last step, when)
+        self.rank_begun: dict[int, int] = {}  # rank -> steps begun, from the answers to a stack dump
         self.last_exception: str | None = None
         self.cuda_oom = False
         self.trainer_config: dict[str, Any] | None = None
@@ -223,6 +225,9 @@ class Supervisor:
         env[protocol.ENV_CHECK_EVERY] = str(self.config.check_every)
         env[protocol.ENV_PKG_ROOT] = pkg_root
         env.setdefault("PYTHONUNBUFFERED", "1")  # pipes would otherwise block-buffer the job's prints
+        # torchrun waits TORCH_ELASTIC_SHUTDOWN_TIMEOUT (default 30 s) between its SIGTERM and SIGKILL to the
+        # workers (torch/distributed/run.py, --shutdown-timeout): fit it to --grace.
+        env.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(max(1, int(self.config.grace_s))))
         return env
 
     def _teardown(self) -> None:
@@ -320,9 +325,14 @@ class Supervisor:
             what = "no training step" if self.stall.first_step_seen else "no output and no training step"
             log.error("%s for %.0fs (--stall-timeout %.0fs): the job looks hung", what, silent,
                       self.config.stall_timeout_s)
+            stuck = self.stuck_rank()
+            extra = {"rank": stuck} if stuck is not None else {}
+            if stuck is not None:
+                log.error("rank %d reported the fewest steps (%d); asking every rank how far it got",
+                          stuck, self.rank_progress[stuck][0])
             self.broadcast({"t": "dump"})
             self._dump_stacks()
-            self._decide(Outcome("FAIL", "stalled", EXIT_STALLED, hint=(
+            self._decide(Outcome("FAIL", "stalled", EXIT_STALLED, extra=extra, hint=(
                 f"{what} for {silent:.0f}s: look at the stacks above for where it waits (a collective, a "
                 "DataLoader worker, I/O); raise --stall-timeout if a step or the first output can take that long")),
                 stop=False)
@@ -340,6 +350,32 @@ class Supervisor:
             if self.job.alive() and not self.escalation.started and not self._securing():
                 log.info("the job exited but left processes holding its output open: stopping them")
                 self._stop_job(now)
+
+    def stuck_rank(self) -> int | None:
+        """With several ranks: the one that fell behind (lowest step, then the oldest report); else None."""
+        if len(self.rank_progress) < 2:
+            return None
+        steps = {rank: step for rank, (step, _) in self.rank_progress.items()}
+        if len(set(steps.values())) == 1:
+            return min(self.rank_progress, key=lambda r: self.rank_progress[r][1])
+        return min(steps, key=lambda r: (steps[r], r))
+
+    def training_ranks(self) -> set[int]:
+        """Ranks that reported training steps."""
+        return set(self.rank_progress)
+
+    @property
+    def node_rank(self) -> int | None:
+        """This machine's node rank: from the agents (torchrun's ``GROUP_RANK``), else the guard's environment
+        (``NODE_RANK``, ``GROUP_RANK``, Slurm's ``SLURM_NODEID``); None on a single machine that does not say."""
+        for conn in self.agents.values():
+            if conn.info.get("node_rank") is not None:
+                return int(conn.info["node_rank"])
+        for name in ("NODE_RANK", "GROUP_RANK", "SLURM_NODEID"):
+            value = self.config.environ.get(name, "")
+            if value.isdigit():
+                return int(value)
+        return None
 
     def _securing(self) -> bool:
         return self.securer is not None and self.securer.busy()
@@ -481,6 +517,7 @@ class Supervisor:
         elif kind == "trainer_config":
             self._on_trainer_config(fd, message.get("config") or {})
         elif kind == "checkpoint_saved":
+            message = {**message, "rank": conn.info.get("rank")}
             self.checkpoints.append(message)
             if self.securer is not None:
                 self.securer.on_checkpoint_saved(self, message)
@@ -492,8 +529,25 @@ class Supervisor:
             self.trainer_push = message
             if not message.get("ok"):
                 log.error("the Trainer's background push to the Hub failed: %s", message.get("error"))
+        elif kind == "progress":
+            self._on_progress(conn, message)
         elif kind == "train_end":
             log.debug("training ended at step %s", message.get("step"))
+
+    def _on_progress(self, conn: AgentConn, message: dict[str, Any]) -> None:
+        """A rank's answer to a stack dump: how many steps it has begun. Names the rank that holds up the rest."""
+        rank = conn.info.get("rank")
+        if rank is None or not isinstance(message.get("begun"), int):
+            return
+        self.rank_begun[int(rank)] = message["begun"]
+        if self.outcome is None or self.outcome.reason != "stalled" or len(self.rank_begun) < 2:
+            return
+        fewest = min(self.rank_begun.values())
+        behind = [r for r, n in self.rank_begun.items() if n == fewest]
+        if len(behind) == 1 and self.outcome.extra.get("rank") != behind[0]:
+            self.outcome.extra["rank"] = behind[0]
+            log.error("rank %d has begun fewer steps (%d) than the others: it is the one stuck; the others wait "
+                      "for it in a collective", behind[0], fewest)
 
     def _on_trainer_config(self, fd: int, config: dict[str, Any]) -> None:
         if self.trainer_config is None:
@@ -543,6 +597,8 @@ class Supervisor:
                     "lower the learning rate or add warmup, clip gradients (max_grad_norm), prefer bf16 over fp16, "
                     f"and check the batch at step {self.step} for empty or corrupt inputs")))
             return
+        if rank is not None and step is not None:
+            self.rank_progress[int(rank)] = (int(step), now)
         if self.primary_agent is None and fd is not None:
             self.primary_agent = fd
         if fd is not None and fd != self.primary_agent and rank not in (None, 0):

@@ -1,9 +1,10 @@
 """A tiny CPU training loop with ~10 ms steps (2 cores, one torch thread), for ``bench_run.py``'s step overhead.
 
 It times only its own loop (``time.perf_counter`` around the steps, after the model is built and one warm-up
-step is done) and prints it as the last line: ``bench: steps=N loop_s=SECONDS step_ms=MS``, so that start-up
-(interpreter, torch import, the guard) does not count. Nothing is printed inside the loop: output costs are
-measured by ``print_lines.py``.
+step is done) and prints it as the last line: ``bench: steps=N loop_s=SECONDS cpu_s=SECONDS step_ms=MS ...``,
+so that start-up (interpreter, torch import, the guard) does not count. Nothing is printed inside the loop: output costs are
+measured by ``print_lines.py``. ``cpu_s`` is the process's CPU time over the loop (``time.process_time``): it
+shows the agent's own work per step even when other processes share the cores.
 
 Run: ``python benchmarks/jobs/train_loop.py [--steps 300] [--hidden 512] [--batch 256] [--threads 1]``
 """
@@ -41,9 +42,9 @@ def step() -> torch.Tensor:
 
 
 step()  # warm-up: first-call allocations; under the guard this is the first sanity step
-started = time.perf_counter()
+started, cpu_started = time.perf_counter(), time.process_time()
 for _ in range(args.steps):
     loss = step()
-loop_s = time.perf_counter() - started
-print(f"bench: steps={args.steps} loop_s={loop_s:.6f} step_ms={loop_s / args.steps * 1000:.3f} "
+loop_s, cpu_s = time.perf_counter() - started, time.process_time() - cpu_started
+print(f"bench: steps={args.steps} loop_s={loop_s:.6f} cpu_s={cpu_s:.6f} step_ms={loop_s / args.steps * 1000:.3f} "
       f"final_loss={loss.item():.4f}", flush=True)

@@ -119,6 +119,7 @@ class Agent:
         self.dropped = 0
         self.dead = False
         self.backward_hook = True  # off once a Trainer or guard.report() provides the losses
+        self.begun = 0  # steps (or micro-batches) this process has begun: a cheap counter, never sent per step
         self.checkpoint_request: dict[str, Any] | None = None
         self.stop_requested = False
         self.watch = LossWatch(self, settings.sanity_steps, settings.check_every)
@@ -192,6 +193,9 @@ class Agent:
                 self._stopped.set()
             elif kind == "dump":
                 _dump_threads()
+                # How far this rank got: a rank blocked outside a collective has begun fewer steps than the
+                # ranks waiting for it inside one.
+                self.send({"t": "progress", "begun": self.begun, "step": self.watch.step})
 
     def wait_stop(self, timeout_s: float = 10.0) -> None:
         """Wait (bounded) for the supervisor's stop after a non-finite loss."""
@@ -215,13 +219,13 @@ class Agent:
         at_step = request.get("at_step")
         return at_step is None or self.watch.step >= int(at_step)
 
-    def checkpoint_done(self, path: str, step: int | None, *, save_s: float | None = None) -> None:
+    def checkpoint_done(self, path: str, step: int | None, *, save_s: float | None = None, zero: bool = True) -> None:
         request, self.checkpoint_request = self.checkpoint_request, None
         if request is not None and request.get("stop"):
             self.stop_requested = True
         self.watch.flush("report")
         self.send({"t": "checkpoint_saved", "path": os.path.abspath(path), "step": step, "save_s": save_s,
-                   "requested": request is not None})
+                   "requested": request is not None, "zero": zero})
 
 
 def _dump_threads() -> None:

@@ -27,6 +27,8 @@ def patch(torch: Any) -> None:
     @functools.wraps(original)
     def backward(self: Any, *args: Any, **kwargs: Any) -> Any:
         agent = agent_module.get()
+        if agent is not None:
+            agent.begun += 1
         if agent is not None and agent.backward_hook and self.numel() == 1:
             try:
                 agent.on_loss(self, None, "backward")

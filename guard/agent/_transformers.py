@@ -88,14 +88,15 @@ def patch(trainer_module: Any) -> None:
         def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             save_s = time.monotonic() - self.save_started_s if self.save_started_s is not None else None
             self.save_started_s = None
-            if not state.is_world_process_zero:
-                return
+            # Every rank reports its part of the save (DDP/FSDP/DeepSpeed write per-rank files); the supervisor
+            # pushes once every training rank has reported, taking the path from the world's process zero.
             path = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+            zero = bool(state.is_world_process_zero)
             if self.requested:
                 self.requested = False
-                self.agent.checkpoint_done(path, state.global_step, save_s=save_s)
+                self.agent.checkpoint_done(path, state.global_step, save_s=save_s, zero=zero)
             else:
-                self.agent.send({"t": "checkpoint_saved", "path": os.path.abspath(path),
+                self.agent.send({"t": "checkpoint_saved", "path": os.path.abspath(path), "zero": zero,
                                  "step": state.global_step, "save_s": save_s, "requested": False})
 
         def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -128,6 +129,7 @@ def _instrument(trainer: Any, agent: Any, callback: Any) -> None:
 
     @functools.wraps(step_fn)
     def training_step(*args: Any, **kwargs: Any) -> Any:
+        agent.begun += 1
         loss = step_fn(*args, **kwargs)
         if hasattr(loss, "detach"):
             callback.micro.append(loss.detach())
