@@ -19,12 +19,21 @@ Importing ``guard`` loads only the standard library (never torch or huggingface_
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any
 
 from guard import agent as _agent
 
 __version__ = "0.1.0"
-__all__ = ["__version__", "checkpoint_saved", "report", "resume_path", "should_checkpoint", "should_stop"]
+__all__ = [
+    "__version__",
+    "checkpoint_saved",
+    "protect",
+    "report",
+    "resume_path",
+    "should_checkpoint",
+    "should_stop",
+]
 
 
 def report(step: int | None = None, loss: Any = None) -> None:
@@ -78,3 +87,35 @@ def resume_path() -> str | None:
     """The checkpoint folder the guard fetched for this run to resume from (``--resume``), or None."""
     agent = _agent.get()
     return agent.settings.resume_path if agent is not None else None
+
+
+def protect(*options: str) -> None:
+    """Re-run this script under the guard when it was started without one: one line at the top of a script, for
+    launchers whose command cannot be changed.
+
+    ``guard.protect("--timeout", "2h")`` replaces the current process (``os.execv``, same PID, so a container's
+    PID 1 stays PID 1) with ``python -m guard OPTIONS SCRIPT ARGS``; ``GUARD_*`` variables work as usual. Under
+    the guard (the agent is present) it does nothing, so it never loops. Under a launcher that starts one process
+    per rank (torchrun: ``LOCAL_RANK`` is set) it does nothing but warn: put the guard around the launcher instead
+    (``python -m guard -- torchrun ...``). Call it before anything heavy is imported.
+
+    Args:
+        options: guard options, as on the command line (e.g. ``"--push-to", "hf://me/run"``).
+    """
+    if _agent.get() is not None:
+        return
+    if os.environ.get("LOCAL_RANK") is not None or os.environ.get("TORCHELASTIC_RUN_ID"):
+        sys.stderr.write("[guard] protect(): one process per rank (torchrun); run the guard around the launcher "
+                         "instead: python -m guard -- torchrun ...\n")
+        return
+    script = getattr(sys.modules.get("__main__"), "__file__", None)
+    if not script:
+        sys.stderr.write("[guard] protect(): no script file (interactive session); nothing to re-run\n")
+        return
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    argv = [sys.executable, "-m", "guard", *options, os.path.abspath(script), *sys.argv[1:]]
+    os.execv(sys.executable, argv)

@@ -674,7 +674,7 @@ class MarginEstimator:
     def margin_s(self) -> float:
         """Seconds to keep free before the deadline for the final step, save and push."""
         margin = self.estimate()
-        if self._logged_margin_s is None:
+        if self._logged_margin_s is None and self.log_changes:
             self._log(margin)
         return margin.margin_s
 

@@ -150,10 +150,8 @@ class JobProcess:
         return int(self.proc.stderr.fileno())
 
     def poll(self) -> int | None:
-        """Reap the job (and orphans of its tree) without blocking; the job's ``returncode`` once it exited.
-
-        ``returncode`` follows ``subprocess``: negative for a death by signal.
-        """
+        """Reap the job without blocking; the job's ``returncode`` once it exited (negative: died of a signal,
+        as in ``subprocess``). Cheap: one ``waitpid`` call."""
         if self.returncode is None:
             try:
                 pid, status = os.waitpid(self.pid, os.WNOHANG)
@@ -162,38 +160,45 @@ class JobProcess:
             if pid == self.pid:
                 self.returncode = os.waitstatus_to_exitcode(status)
                 self.proc.returncode = self.returncode
-        self._reap_orphans()
         return self.returncode
 
-    def _reap_orphans(self) -> None:
+    @property
+    def zombies_pending(self) -> bool:
+        """Zombies were seen at the last ``reap_orphans`` and wait for the next one."""
+        return bool(self._zombies_seen)
+
+    def reap_orphans(self, *, final: bool = False) -> int:
+        """Reap zombies re-parented to the guard (it is a subreaper, or PID 1). Returns how many were reaped.
+
+        A zombie is reaped only when it was already a zombie at the previous call: a child that a thread of the
+        guard itself waits for (``subprocess.run``) is gone by then, so its exit status is never stolen.
+        ``final=True`` (at the guard's exit, when no thread of the guard runs a subprocess) reaps every zombie.
+        """
         try:
             children = psutil.Process().children()
         except psutil.Error:
-            return
-        as_init = os.getpid() == 1
+            return 0
         zombies_now: set[int] = set()
+        reaped = 0
         for child in children:
             if child.pid == self.pid:
                 continue
-            if child.pid not in self.known_pids:
-                if not as_init:
-                    continue
-                # As PID 1 every orphan of the container is ours to reap; a zombie seen twice in a row is not a
-                # child some thread of the guard is about to wait for itself.
-                try:
-                    if child.status() == psutil.STATUS_ZOMBIE:
-                        zombies_now.add(child.pid)
-                        if child.pid not in self._zombies_seen:
-                            continue
-                except psutil.Error:
-                    continue
             try:
-                if child.status() == psutil.STATUS_ZOMBIE:
-                    os.waitpid(child.pid, os.WNOHANG)
-                    self.reaped += 1
-            except (psutil.Error, ChildProcessError, OSError):
-                pass
+                if child.status() != psutil.STATUS_ZOMBIE:
+                    continue
+            except psutil.Error:
+                continue
+            zombies_now.add(child.pid)
+            if final or child.pid in self._zombies_seen or child.pid in self.known_pids:
+                try:
+                    if os.waitpid(child.pid, os.WNOHANG)[0] == child.pid:
+                        reaped += 1
+                        zombies_now.discard(child.pid)
+                except (ChildProcessError, OSError):
+                    pass
         self._zombies_seen = zombies_now
+        self.reaped += reaped
+        return reaped
 
     def descendants(self) -> list[psutil.Process]:
         """Every live process of the job's tree: under the job, or re-parented to the guard (subreaper)."""

@@ -49,6 +49,7 @@ log = logging.getLogger("guard.supervisor")
 PARTIAL_FLUSH_S = 0.1  # an unfinished line is written after this long without a newline
 DRAIN_AFTER_EXIT_S = 2.0  # after the job exits, how long its leftover processes may keep its pipes open
 SAMPLE_EVERY_S = 2.0  # job tree memory sampling
+REAP_EVERY_S = 2.0  # orphans are reaped on SIGCHLD (at most twice a second) and at least this often
 READ_BYTES = 1 << 16
 OOM_NEAR_LIMIT = 0.9  # a SIGKILL with the job's memory above this share of the cgroup limit is an OOM kill
 
@@ -121,6 +122,7 @@ class Supervisor:
         self.loss_source: str | None = None
         self.primary_agent: int | None = None
         self.rank_progress: dict[int, tuple[int, float]] = {}  # rank -> (last step, when)
+        self.seen_node_rank: int | None = None
         self.rank_begun: dict[int, int] = {}  # rank -> steps begun, from the answers to a stack dump
         self.last_exception: str | None = None
         self.cuda_oom = False
@@ -133,6 +135,8 @@ class Supervisor:
         self.next_sample = self.started
         self.stop_at: float | None = None  # a scheduled SIGTERM (the job may end on its own before)
         self.stop_grace_s: float | None = None
+        self._child_exited = False  # SIGCHLD seen: orphans may need reaping
+        self._next_reap = self.started
         self._closed_out = False
         self._sel = selectors.DefaultSelector()
         self._listener: socket.socket | None = None
@@ -175,7 +179,9 @@ class Supervisor:
             self._old_handlers[signum] = signal.signal(signum, self._on_signal)
 
     def _on_signal(self, signum: int, frame: Any) -> None:  # only sets a flag; the loop acts
-        if signum != signal.SIGCHLD:
+        if signum == signal.SIGCHLD:
+            self._child_exited = True
+        else:
             self.signals.append(signum)
 
     def _start(self) -> None:
@@ -251,10 +257,16 @@ class Supervisor:
         self._sel.close()
 
     def _kill_leftovers(self) -> None:
-        """No process the guard started survives it: TERM, a bounded wait, then KILL."""
+        """No process the guard started survives it: TERM, a bounded wait, then KILL; then reap what is left."""
         job = self.job
         assert job is not None
         job.poll()
+        try:
+            self._stop_leftovers(job)
+        finally:
+            job.reap_orphans(final=True)
+
+    def _stop_leftovers(self, job: JobProcess) -> None:
         if not job.alive():
             return
         log.info("stopping what the job left running")
@@ -293,6 +305,11 @@ class Supervisor:
             now = self.clock()
             self._handle_signals(now)
             job.poll()
+            if ((self._child_exited or job.zombies_pending) and now >= self._next_reap) \
+                    or now >= self._next_reap + REAP_EVERY_S:
+                self._child_exited = False
+                self._next_reap = now + 0.5
+                job.reap_orphans()
             if job.returncode is not None and self.exited_at is None:
                 self.exited_at = now
                 self._on_job_exit(now)
@@ -368,9 +385,8 @@ class Supervisor:
     def node_rank(self) -> int | None:
         """This machine's node rank: from the agents (torchrun's ``GROUP_RANK``), else the guard's environment
         (``NODE_RANK``, ``GROUP_RANK``, Slurm's ``SLURM_NODEID``); None on a single machine that does not say."""
-        for conn in self.agents.values():
-            if conn.info.get("node_rank") is not None:
-                return int(conn.info["node_rank"])
+        if self.seen_node_rank is not None:
+            return self.seen_node_rank
         for name in ("NODE_RANK", "GROUP_RANK", "SLURM_NODEID"):
             value = self.config.environ.get(name, "")
             if value.isdigit():
@@ -508,6 +524,8 @@ class Supervisor:
         now = self.clock()
         if kind == "hello":
             conn.info = message
+            if message.get("node_rank") is not None and self.seen_node_rank is None:
+                self.seen_node_rank = int(message["node_rank"])
             log.debug("agent connected: pid %s rank %s", message.get("pid"), message.get("rank"))
         elif kind == "step":
             loss = message.get("loss")

@@ -250,7 +250,8 @@ def test_signal_all_then_sigkill_ends_a_sigterm_ignoring_grandchild(subreaper: N
         job.signal_all(signal.SIGKILL)
         wait_for(lambda: not job.alive(), "the grandchild's end")
         assert not pid_running(grandchild)
-        job.poll()  # reaps the orphan (this process is its subreaper)
+        job.poll()
+        job.reap_orphans()  # the orphan's zombie is this process's (its subreaper), and a known pid: reaped
         wait_for(lambda: not Path(f"/proc/{grandchild}").exists(), "the grandchild reaped")
     finally:
         for pid in (job.pid, grandchild):

@@ -8,6 +8,7 @@ import shutil
 import socket
 import tempfile
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -194,24 +195,24 @@ def test_backward_hook_reports_scalar_losses_only(monkeypatch: pytest.MonkeyPatc
     from guard.agent import _torch
 
     monkeypatch.setattr(torch.Tensor, "backward", torch.Tensor.backward)  # restored after the test
+    agent = Agent(AgentSettings(socket_path=None, sanity_steps=5))  # a real agent with nobody to talk to
     seen: list[tuple[Any, Any, str]] = []
-
-    class HookAgent:
-        backward_hook = True
-
-        def on_loss(self, loss: Any, step: Any, source: str) -> None:
-            seen.append((loss, step, source))
-
-    monkeypatch.setattr(agent_module, "get", lambda: HookAgent())
+    monkeypatch.setattr(agent, "on_loss", lambda loss, step, source: seen.append((loss, step, source)))
+    monkeypatch.setattr(agent_module, "get", lambda: agent)
     _torch.patch(torch)
     wrapped = torch.Tensor.backward
     _torch.patch(torch)  # idempotent
     assert torch.Tensor.backward is wrapped
     w = torch.ones(3, requires_grad=True)
-    (w * 2).sum().backward()
+    loss = (w * 2).sum()
+    loss.backward()
     (w * 2).backward(torch.ones(3))  # a vector: not a loss
-    assert len(seen) == 1 and seen[0][1:] == (None, "backward")
-    assert w.grad is not None and torch.equal(w.grad, torch.full((3,), 4.0))
+    assert len(seen) == 1
+    assert seen[0][0] is loss and seen[0][1:] == (None, "backward")
+    assert w.grad is not None and torch.equal(w.grad, torch.full((3,), 4.0))  # the real backward still ran
+    agent.backward_hook = False  # a Trainer or guard.report() took over
+    (w * 2).sum().backward()
+    assert len(seen) == 1
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -306,21 +307,29 @@ def test_sends_never_block_when_nobody_reads(server: Server, agents: list[Agent]
     assert recv(conn)["step"] == 1
 
 
+def wait_until(condition: Any, what: str, limit_s: float = 10.0) -> None:
+    """Poll until ``condition()`` (the agent's reader thread acts on its own); a hang guard, not a timing assertion."""
+    end = time.monotonic() + limit_s
+    while not condition():
+        if time.monotonic() > end:
+            raise AssertionError(f"still waiting for: {what}")
+        time.sleep(0.005)
+
+
 def test_commands_from_the_supervisor(server: Server, agents: list[Agent]) -> None:
     agent = _agent(agents, server.path)
     for step in range(1, 4):
         agent.on_loss(1.0, step, "report")
     conn = server.accept()
     conn.send(protocol.encode({"t": "checkpoint", "at_step": 5}))
-    conn.send(protocol.encode({"t": "ack"}))
-    assert agent._acked.wait(10)
+    wait_until(lambda: agent.checkpoint_request is not None, "the checkpoint request")
     assert agent.checkpoint_request == {"t": "checkpoint", "at_step": 5}
     assert not agent.checkpoint_due()  # at step 3 of 5
     agent.on_loss(1.0, 5, "report")
     assert agent.checkpoint_due()
+    assert not agent.stop_requested
     conn.send(protocol.encode({"t": "stop"}))
-    assert agent._stopped.wait(10)
-    assert agent.stop_requested
+    wait_until(lambda: agent.stop_requested, "the stop request")
 
 
 def test_a_closed_supervisor_makes_the_agent_silent(server: Server, agents: list[Agent]) -> None:
@@ -328,10 +337,10 @@ def test_a_closed_supervisor_makes_the_agent_silent(server: Server, agents: list
     assert agent.send({"t": "train_begin"})
     conn = server.accept()
     conn.close()
-    assert agent._stopped.wait(10)  # the reader saw the end: waits in the job are released
-    assert agent.dead
+    wait_until(lambda: agent.dead, "the reader to see the end of the channel")
     assert agent.send({"t": "train_end"}) is False
-    agent.wait_stop()  # returns at once
+    agent.wait_stop()  # returns at once: nobody is left to stop the job
+    agent.wait_ack()
 
 
 def test_no_listener_means_unwatched_not_broken(agents: list[Agent], tmp_path: Path,
@@ -410,11 +419,7 @@ def test_public_api_with_a_supervisor(server: Server, agents: list[Agent], monke
     assert recv(conn) == {"t": "step", "step": 1, "loss": 2.5, "finite": True, "n": 1, "source": "report"}
     assert not guard.should_checkpoint() and not guard.should_stop()
     conn.send(protocol.encode({"t": "checkpoint", "stop": True}))
-    for _ in range(1000):
-        if guard.should_checkpoint():
-            break
-        threading.Event().wait(0.01)
-    assert guard.should_checkpoint()
+    wait_until(guard.should_checkpoint, "the checkpoint request")
     guard.report(step=2, loss=2.0)  # pending: one step since the last send
     guard.checkpoint_saved(tmp_path / "ckpt")
     assert recv(conn) == {"t": "step", "step": 2, "loss": 2.0, "finite": True, "n": 1, "source": "report"}

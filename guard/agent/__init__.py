@@ -126,7 +126,7 @@ class Agent:
         self._sock: socket.socket | None = None
         self._lock = threading.Lock()
         self._acked = threading.Event()
-        self._stopped = threading.Event()
+        self._closed = threading.Event()
 
     # -- channel ------------------------------------------------------------------------------------------------
 
@@ -178,7 +178,7 @@ class Agent:
             if not data:
                 self.dead = True
                 self._acked.set()
-                self._stopped.set()
+                self._closed.set()
                 return
             message = protocol.decode(data)
             if message is None:
@@ -190,7 +190,6 @@ class Agent:
                 self.checkpoint_request = message
             elif kind == "stop":
                 self.stop_requested = True
-                self._stopped.set()
             elif kind == "dump":
                 _dump_threads()
                 # How far this rank got: a rank blocked outside a collective has begun fewer steps than the
@@ -198,9 +197,12 @@ class Agent:
                 self.send({"t": "progress", "begun": self.begun, "step": self.watch.step})
 
     def wait_stop(self, timeout_s: float = 10.0) -> None:
-        """Wait (bounded) for the supervisor's stop after a non-finite loss."""
+        """After a non-finite loss: wait (bounded) for the supervisor's SIGTERM, so that the job does not train on.
+
+        Returns early only when the supervisor is gone (the channel closed).
+        """
         if not self.dead:
-            self._stopped.wait(timeout_s)
+            self._closed.wait(timeout_s)
 
     def wait_ack(self) -> None:
         """Wait (bounded) for the supervisor's go-ahead after ``trainer_config``."""

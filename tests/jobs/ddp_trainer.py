@@ -46,4 +46,6 @@ training_args = TrainingArguments(
     save_strategy="steps", save_steps=args.save_steps, report_to="none", use_cpu=True, ddp_backend="gloo",
     disable_tqdm=True, dataloader_num_workers=0,
 )
-Trainer(model=Tiny(), args=training_args, train_dataset=Data(), callbacks=[Slow()]).train()
+trainer = Trainer(model=Tiny(), args=training_args, train_dataset=Data(), callbacks=[Slow()])
+trainer.train()
+trainer.save_model()

@@ -1,0 +1,150 @@
+"""End to end: torchrun with 2 ranks on the CPU (gloo), two "nodes" on localhost, and the guard as PID 1."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from conftest import JOBS, guard_env, kill_quietly, pid_alive, run_guard, start_guard
+
+pytestmark = [pytest.mark.slow]
+
+TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
+FAST = ["--no-preflight", "--grace", "8s"]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_nan_on_rank_1_stops_every_rank(tmp_path: Path) -> None:
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    run = run_guard([*FAST, "--", TORCHRUN, "--standalone", "--nproc-per-node", "2", str(JOBS / "ddp_loop.py"),
+                     "--nan-rank", "1", "--nan-at", "3", "--pid-dir", str(pids)], timeout_s=120)
+    assert run.returncode == 4, run.stderr[-3000:]
+    fields = run.fields()
+    assert (fields["reason"], fields["rank"], fields["step"]) == ("non_finite_loss", "1", "3")
+    ranks = [int(p.read_text()) for p in pids.iterdir()]
+    assert len(ranks) == 2 and not any(pid_alive(pid) for pid in ranks)
+
+
+def test_sigterm_during_ddp_trainer_saves_every_rank_at_the_same_step(tmp_path: Path) -> None:
+    out, dest = tmp_path / "out", tmp_path / "dest"
+    proc = start_guard([*FAST, "--grace", "25s", "--push-to", str(dest), "--", TORCHRUN, "--standalone",
+                        "--nproc-per-node", "2", str(JOBS / "ddp_trainer.py"), "--output-dir", str(out),
+                        "--step-s", "0.05"])
+    try:
+        deadline = time.monotonic() + 90
+        seen = ""
+        while "sanity pass" not in seen and time.monotonic() < deadline:
+            seen += proc.stderr.readline()
+        time.sleep(1)
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=90)
+    finally:
+        kill_quietly(proc)
+    assert proc.returncode == 75, (seen + stderr)[-3000:]
+    assert "INTERRUPTED reason=signal exit=75" in stdout
+    saves = re.findall(r"rank (\d): saved at step (\d+)", stdout)
+    steps = {rank: int(step) for rank, step in saves}
+    assert set(steps) == {"0", "1"} and steps["0"] == steps["1"], saves
+    secured = dest / "last-checkpoint"
+    assert (secured / "rng_state_0.pth").exists() and (secured / "rng_state_1.pth").exists()
+    assert json.loads((secured / "trainer_state.json").read_text())["global_step"] == steps["0"]
+
+
+def test_one_rank_blocked_outside_a_collective_is_named(tmp_path: Path) -> None:
+    run = run_guard([*FAST, "--grace", "3s", "--stall-timeout", "6s", "--check-every", "2", "--", TORCHRUN,
+                     "--standalone", "--nproc-per-node", "2", str(JOBS / "ddp_loop.py"), "--block-rank", "1",
+                     "--block-at", "12", "--step-s", "0.05"], timeout_s=120)
+    assert run.returncode == 5, run.stderr[-3000:]
+    assert run.fields()["rank"] == "1"
+    assert "stacks of pid" in run.stderr and "(rank 1)" in run.stderr
+
+
+def test_two_nodes_on_localhost_only_node_0_pushes(tmp_path: Path) -> None:
+    port = free_port()
+    runs = []
+    for node in (0, 1):
+        out = tmp_path / f"out{node}"
+        runs.append(start_guard([*FAST, "--push-to", str(tmp_path / "dest"), "--output-dir", str(out), "--",
+                                 TORCHRUN, "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1",
+                                 "--master-addr", "127.0.0.1", "--master-port", str(port), str(JOBS / "ddp_trainer.py"),
+                                 "--output-dir", str(out), "--step-s", "0", "--max-steps", "6"]))
+    results = []
+    try:
+        for proc in runs:
+            stdout, stderr = proc.communicate(timeout=150)
+            results.append((proc.returncode, stdout.strip().splitlines()[-1], stderr))
+    finally:
+        for proc in runs:
+            kill_quietly(proc)
+    (rc0, verdict0, err0), (rc1, verdict1, err1) = results
+    assert rc0 == 0 and rc1 == 0, (err0 + err1)[-3000:]
+    assert "node=0" in verdict0 and "pushed=" in verdict0
+    assert "node=1" in verdict1 and "pushed=" not in verdict1
+    assert "guard of node 0 pushes" in err1
+    assert (tmp_path / "dest" / "model.safetensors").exists()
+
+
+def _unshare_works() -> str | None:
+    if shutil.which("unshare") is None:
+        return "unshare is not installed"
+    try:
+        done = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "true"], capture_output=True, timeout=10)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"unshare failed: {exc}"
+    return None if done.returncode == 0 else f"unshare --pid is not permitted here: {done.stderr.decode()[:200]}"
+
+
+def test_guard_as_pid_1_reaps_orphans_and_secures_on_sigterm(tmp_path: Path) -> None:
+    why = _unshare_works()
+    if why:
+        pytest.skip(why)
+    out, dest, report = tmp_path / "out", tmp_path / "dest", tmp_path / "report.json"
+    proc = subprocess.Popen(["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-m", "guard",
+                             *FAST, "--report", str(report), "--push-to", str(dest), "--output-dir", str(out),
+                             str(JOBS / "orphans.py"), "--output-dir", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=guard_env())
+    try:
+        deadline = time.monotonic() + 60
+        guard_pid = None
+        while time.monotonic() < deadline and not (out / "checkpoint-10").exists():
+            time.sleep(0.2)
+        for child in psutil.Process(proc.pid).children(recursive=True):
+            if "guard" in " ".join(child.cmdline()):
+                guard_pid = child.pid
+                break
+        assert guard_pid is not None
+        os.kill(guard_pid, signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        kill_quietly(proc)
+    assert "INTERRUPTED reason=signal exit=75" in stdout, stderr[-3000:]
+    data = json.loads(report.read_text())
+    assert data["details"].get("orphans_reaped", 0) >= 3
+    assert (dest / "last-checkpoint" / "weights.bin").exists()
+
+
+def test_protect_reruns_a_script_under_the_guard(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, str(JOBS / "protected.py"), "--flag", "x"], capture_output=True, text=True,
+                          env=guard_env(), timeout=60)
+    last = proc.stdout.strip().splitlines()[-1]
+    assert proc.returncode == 4, proc.stderr[-2000:]
+    assert last.startswith("VERDICT: FAIL reason=non_finite_loss exit=4") and "step=2" in last
+    assert "step 1 argv=['--flag', 'x']" in proc.stdout
+    assert proc.stdout.count("VERDICT:") == 1
