@@ -27,7 +27,7 @@ __all__ = ["JOB_VERDICT_PREFIX", "OutputEvents", "StreamFilter", "parse_losses"]
 JOB_VERDICT_PREFIX = b"[job] "
 _VERDICT = b"VERDICT:"
 _LINE_VERDICT = re.compile(rb"(?m)^VERDICT:")
-_KEYWORDS = (b"loss", b"Loss", b"Traceback", b"Error", b"VERDICT:")
+_KEYWORDS = (b"loss", b"Loss", b"Traceback", b"Error", b"Exception", b"Interrupt", b"VERDICT:")
 
 # `{'loss': 2.3}`, `{'loss': '2.3'}` (transformers 5 prints strings), `loss=2.3`, `loss: 2.3`, `loss 2.3`, nan/inf.
 # `eval_loss`/`train_loss` are not training-step losses: the name must not follow a letter, digit or underscore.
@@ -129,16 +129,19 @@ class StreamFilter:
 
     def _emit(self, data: bytes, *, line_complete: bool) -> bytes:
         out = self.masker.mask(data)
-        if any(k in out for k in _KEYWORDS):
-            out = self._inspect(out)
+        head = self._line_head
+        if self._in_traceback or any(k in out for k in _KEYWORDS) or (head and any(k in head for k in _KEYWORDS)):
+            out = self._inspect(out, line_complete)
         if line_complete:
             self._at_line_start = out.endswith(b"\n")
             self._line_head = b""
         else:
+            # A partial line went out early: keep it, so the whole line is parsed once its end arrives.
             self._at_line_start = False
+            self._line_head = (head + out)[-4096:]
         return out
 
-    def _inspect(self, out: bytes) -> bytes:
+    def _inspect(self, out: bytes, line_complete: bool) -> bytes:
         lines = out.splitlines(keepends=True)
         result = []
         for i, raw in enumerate(lines):
@@ -148,12 +151,12 @@ class StreamFilter:
             if at_start and text.startswith(_VERDICT):
                 self.events.job_verdicts.append(text[len(_VERDICT) :].strip().decode("utf-8", "replace"))
                 raw = JOB_VERDICT_PREFIX + raw
-            if self.parse and b"oss" in full:
-                self.events.losses.extend(parse_losses(full))
-            self._scan_errors(full)
+            ended = line_complete or raw.endswith((b"\n", b"\r"))
+            if ended:  # parse whole lines only: a partial one is parsed when its end arrives
+                if self.parse and b"oss" in full:
+                    self.events.losses.extend(parse_losses(full))
+                self._scan_errors(full)
             result.append(raw)
-        if not out.endswith((b"\n", b"\r")) and lines:
-            self._line_head = (self._line_head + lines[-1])[-4096:]
         return b"".join(result)
 
     def _scan_errors(self, line: bytes) -> None:

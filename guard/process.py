@@ -68,12 +68,14 @@ def _read_int(path: Path) -> int | None:
 
 def cgroup_memory(root: Path = Path("/sys/fs/cgroup")) -> CgroupMemory | None:
     """Read this process's cgroup memory (v2, then v1); None when neither can be read."""
-    rel = ""
+    rel = v1_rel = ""
     try:
         for line in Path("/proc/self/cgroup").read_text().splitlines():
             parts = line.split(":", 2)
             if len(parts) == 3 and parts[0] == "0":
                 rel = parts[2].lstrip("/")
+            elif len(parts) == 3 and "memory" in parts[1].split(","):
+                v1_rel = parts[2].lstrip("/")
     except OSError:
         pass
     for base in (root / rel, root):
@@ -88,6 +90,8 @@ def cgroup_memory(root: Path = Path("/sys/fs/cgroup")) -> CgroupMemory | None:
                 pass
             return CgroupMemory(_read_int(base / "memory.max"), _read_int(base / "memory.current"), kills)
     v1 = root / "memory"
+    if v1_rel and (v1 / v1_rel / "memory.limit_in_bytes").exists():
+        v1 = v1 / v1_rel  # this process's own group (without a cgroup namespace, ROOT/memory is the host's)
     if (v1 / "memory.limit_in_bytes").exists():
         limit = _read_int(v1 / "memory.limit_in_bytes")
         if limit is not None and limit >= 2**60:

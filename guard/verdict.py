@@ -131,9 +131,12 @@ def render_line(result: RunResult, masker: Masker | None = None) -> str:
     for key, value in result.extra.items():
         if key not in fields and value is not None:
             fields[key] = value
-    parts = [result.status] + [f"{key}={shlex.quote(_format_value(value))}" for key, value in fields.items()]
+    def text(value: Any) -> str:
+        shown = " ".join(_format_value(value).splitlines())  # one line, whatever a hint contained
+        return masker.mask_text(shown) if masker else shown  # masked before quoting, so quoting can't hide it
+
+    parts = [result.status] + [f"{key}={shlex.quote(text(value))}" for key, value in fields.items()]
     line = "VERDICT: " + " ".join(parts)
-    line = " ".join(line.splitlines())  # one line, whatever a hint contained
     return masker.mask_text(line) if masker else line
 
 

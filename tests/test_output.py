@@ -195,17 +195,12 @@ def test_a_loss_split_across_reads_is_parsed_once() -> None:
     assert flt.events.losses == [(4, 1.25)]
 
 
-@pytest.mark.xfail(strict=True, reason="guard/output.py: a line partly written by flush_partial is parsed only "
-                   "in pieces (_line_head is updated only when the written part holds a keyword), so the step "
-                   "before the flush is lost")
 def test_step_from_the_same_line_after_a_partial_flush() -> None:
     flt = make()
     run(flt, b"step 5 ", b"loss=2.3\n")
     assert flt.events.losses == [(5, 2.3)]
 
 
-@pytest.mark.xfail(strict=True, reason="guard/output.py: when flush_partial wrote 'loss=' and the number comes in "
-                   "the next read, the rest holds no keyword, _inspect is skipped and the loss is lost")
 def test_loss_value_after_a_partial_flush() -> None:
     flt = make()
     run(flt, b"loss=", b"nan\n")
@@ -254,8 +249,6 @@ def test_an_exception_without_error_in_its_name_read_whole() -> None:
     assert flt.events.last_exception == "Exception: boom"
 
 
-@pytest.mark.xfail(strict=True, reason="guard/output.py: _KEYWORDS has no word that 'Exception: boom' or "
-                   "'KeyboardInterrupt' contains, so read on its own the traceback's last line is never inspected")
 @pytest.mark.parametrize("last", [b"Exception: boom\n", b"KeyboardInterrupt\n"])
 def test_an_exception_without_error_in_its_name_read_line_by_line(last: bytes) -> None:
     flt = make()

@@ -86,9 +86,6 @@ def _v1_memory_path() -> str:
 
 
 @pytest.mark.skipif(not _v1_memory_path(), reason="this process is not in a cgroup v1 memory sub-group")
-@pytest.mark.xfail(strict=True, reason="guard/process.py cgroup_memory: for cgroup v1 it reads ROOT/memory only, "
-                   "never ROOT/memory/<path of the memory line in /proc/self/cgroup>; without a cgroup namespace "
-                   "that is the host's root group (no limit, other oom_kill counter)")
 def test_cgroup_v1_reads_the_process_own_group(tmp_path: Path) -> None:
     own = f"memory/{_v1_memory_path()}"
     write(tmp_path, {

@@ -437,9 +437,6 @@ def test_public_api_with_a_supervisor(server: Server, agents: list[Agent], monke
 
 @pytest.mark.slow
 @needs_torch
-@pytest.mark.xfail(strict=True, reason="guard/agent/__init__.py: LossWatch's pending steps (after the last "
-                   "check_every flush) are never flushed when the job exits normally (no atexit hook; only the "
-                   "excepthook flushes), so a NaN in the last < check_every steps is missed: PASS exit 0 step=2")
 def test_a_nan_in_the_last_steps_before_a_normal_exit_is_caught() -> None:
     from conftest import JOBS, run_guard
 

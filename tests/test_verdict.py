@@ -95,9 +95,6 @@ def test_secrets_are_masked_in_the_line() -> None:
     assert parsed["hint"] == "push to https://user:***@host failed; ***"
 
 
-@pytest.mark.xfail(strict=True, reason="guard/verdict.py render_line: the line is masked after shlex.quote, and a "
-                   "secret with a single quote is quoted as pa'\"'\"'ss..., so it is not found; shlex.split gives "
-                   "the secret back")
 def test_a_secret_with_a_single_quote_is_masked() -> None:
     secret = "pa'ss-word-123"
     line = render_line(RunResult("FAIL", "crash", 1, 0.0, hint=f"url https://u:{secret}@h failed"), Masker([secret]))

@@ -259,6 +259,16 @@ def _warn_once(text: str) -> None:
             pass
 
 
+def _flush_at_exit() -> None:
+    """Report the steps checked since the last flush (a NaN in the last steps before a normal exit counts)."""
+    agent = _AGENT
+    if agent is not None and agent.pid == os.getpid():
+        try:
+            agent.watch.flush("exit")
+        except Exception as exc:  # the job is ending: never raise
+            _warn_once(f"last loss check failed: {exc!r}")
+
+
 def get() -> Agent | None:
     """The agent of this process, or None when the job runs without a supervisor (every call is a no-op)."""
     global _AGENT
@@ -341,6 +351,9 @@ def install() -> None:
         previous(exc_type, exc, tb)
 
     sys.excepthook = excepthook
+    import atexit
+
+    atexit.register(_flush_at_exit)
     agent = get()
     if agent is not None:  # connect now: the supervisor learns the agent is alive and can ask it for stacks
         with agent._lock:
