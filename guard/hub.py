@@ -192,6 +192,28 @@ _ACTIVE_BOUNDS: list[Callable[[], float]] = []
 _INSTALLED = False
 
 
+class _UploadProgress:
+    """Bytes sent by the push in progress, logged every ``every_s`` seconds (``[guard] ... MB of ... MB``)."""
+
+    def __init__(self, what: str, total_bytes: int, log: logging.Logger, clock: Callable[[], float],
+                 every_s: float = 10.0) -> None:
+        self.what, self.total_bytes, self.log, self.clock, self.every_s = what, total_bytes, log, clock, every_s
+        self.sent_bytes = 0
+        self.started_s = self.last_log_s = clock()
+
+    def add(self, n: int) -> None:
+        self.sent_bytes += n
+        now = self.clock()
+        if now - self.last_log_s >= self.every_s:
+            self.last_log_s = now
+            rate = self.sent_bytes / max(now - self.started_s, 1e-6)
+            self.log.info("%s: %.1f of %.1f MB sent (%.1f MB/s)", self.what, self.sent_bytes / 1e6,
+                          self.total_bytes / 1e6, rate / 1e6)
+
+
+_PROGRESS: list[_UploadProgress] = []
+
+
 def _remaining_s() -> float | None:
     with _BOUNDS_LOCK:
         bounds = list(_ACTIVE_BOUNDS)
@@ -236,14 +258,16 @@ def install_request_bounds() -> None:
         hooks = []
 
     class _DeadlineStream(httpx.SyncByteStream):
-        def __init__(self, inner: Any, what: str) -> None:
-            self._inner, self._what = inner, what
+        def __init__(self, inner: Any, what: str, upload: bool = False) -> None:
+            self._inner, self._what, self._upload = inner, what, upload
 
         def __iter__(self) -> Iterator[bytes]:
             for chunk in self._inner:
                 left = _remaining_s()
                 if left is not None and left <= 0:
                     raise _DeadlineExceeded(f"deadline reached during {self._what}")
+                if self._upload and _PROGRESS:
+                    _PROGRESS[-1].add(len(chunk))
                 yield chunk
 
         def close(self) -> None:
@@ -264,7 +288,7 @@ def install_request_bounds() -> None:
                 return super().handle_request(request)
             if left <= 0:
                 raise _DeadlineExceeded(f"deadline reached before {what}")
-            request.stream = _DeadlineStream(request.stream, what)
+            request.stream = _DeadlineStream(request.stream, what, upload=request.method in ("PUT", "POST"))
             try:
                 response = super().handle_request(request)
             except httpx.TransportError as err:
@@ -525,7 +549,11 @@ class Securer:
         start = self._clock()
         size = sum((folder / rel).stat().st_size for rel in files)  # before: the job may rotate the folder out later
         self._log.info("securing %s (%d files, %.1f MB) at %s", what, len(files), size / 1e6, self.destination)
-        revision, attempts = self._with_retries(f"securing {what}", attempt, deadline, push=True)
+        _PROGRESS.append(_UploadProgress(f"securing {what}", size, self._log, self._clock))
+        try:
+            revision, attempts = self._with_retries(f"securing {what}", attempt, deadline, push=True)
+        finally:
+            _PROGRESS.pop()
         result = PushResult(str(self.destination), revision, tuple(files), size, self._clock() - start, attempts, step)
         self._log.info("secured %s at %s in %.1fs (%.1f MB/s)", what, result.pushed, result.elapsed_s,
                        result.bytes_per_s / 1e6)

@@ -451,3 +451,22 @@ def test_folder_fetch_refuses_a_corrupt_copy_and_empty_is_none(tmp_path):
     with pytest.raises(HubError, match=r"model\.safetensors differs from the manifest"):
         securer.fetch_last_checkpoint(tmp_path / "resume", deadline=time.monotonic() + 60)
     assert os.listdir(tmp_path / "resume") == []
+
+
+def test_upload_progress_is_logged_with_bytes_and_rate(caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    from guard.hub import _UploadProgress
+
+    now = [100.0]
+    progress = _UploadProgress("securing checkpoint step 7", 300_000_000, logging.getLogger("guard.hub.test"),
+                               lambda: now[0], every_s=10.0)
+    with caplog.at_level(logging.INFO, logger="guard.hub.test"):
+        progress.add(50_000_000)
+        now[0] = 105.0
+        progress.add(50_000_000)
+        assert not caplog.records  # nothing before every_s
+        now[0] = 110.0
+        progress.add(100_000_000)
+    assert [r.getMessage() for r in caplog.records] == [
+        "securing checkpoint step 7: 200.0 of 300.0 MB sent (20.0 MB/s)"]
