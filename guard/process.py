@@ -66,6 +66,18 @@ def _read_int(path: Path) -> int | None:
         return None
 
 
+def _oom_kills(path: Path) -> int:
+    """The ``oom_kill`` counter of a cgroup's ``memory.events`` (v2) or ``memory.oom_control`` (v1); 0 if absent."""
+    try:
+        for line in path.read_text().splitlines():
+            key, _, value = line.partition(" ")
+            if key == "oom_kill":
+                return int(value)
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
 def cgroup_memory(root: Path = Path("/sys/fs/cgroup")) -> CgroupMemory | None:
     """Read this process's cgroup memory (v2, then v1); None when neither can be read."""
     rel = v1_rel = ""
@@ -80,15 +92,8 @@ def cgroup_memory(root: Path = Path("/sys/fs/cgroup")) -> CgroupMemory | None:
         pass
     for base in (root / rel, root):
         if (base / "memory.max").exists() or (base / "memory.current").exists():
-            kills = 0
-            try:
-                for line in (base / "memory.events").read_text().splitlines():
-                    key, _, value = line.partition(" ")
-                    if key == "oom_kill":
-                        kills = int(value)
-            except (OSError, ValueError):
-                pass
-            return CgroupMemory(_read_int(base / "memory.max"), _read_int(base / "memory.current"), kills)
+            return CgroupMemory(_read_int(base / "memory.max"), _read_int(base / "memory.current"),
+                                _oom_kills(base / "memory.events"))
     v1 = root / "memory"
     if v1_rel and (v1 / v1_rel / "memory.limit_in_bytes").exists():
         v1 = v1 / v1_rel  # this process's own group (without a cgroup namespace, ROOT/memory is the host's)
@@ -96,15 +101,7 @@ def cgroup_memory(root: Path = Path("/sys/fs/cgroup")) -> CgroupMemory | None:
         limit = _read_int(v1 / "memory.limit_in_bytes")
         if limit is not None and limit >= 2**60:
             limit = None
-        kills = 0
-        try:
-            for line in (v1 / "memory.oom_control").read_text().splitlines():
-                key, _, value = line.partition(" ")
-                if key == "oom_kill":
-                    kills = int(value)
-        except (OSError, ValueError):
-            pass
-        return CgroupMemory(limit, _read_int(v1 / "memory.usage_in_bytes"), kills)
+        return CgroupMemory(limit, _read_int(v1 / "memory.usage_in_bytes"), _oom_kills(v1 / "memory.oom_control"))
     return None
 
 

@@ -64,7 +64,10 @@ def _run_preflight(config: Config, deadline: budget.Deadline, platform: Platform
     if config.no_preflight:
         log.warning("preflight skipped (--no-preflight): no check ran")
         return None
-    report = run_preflight(_preflight_options(config, deadline, platform), environ=config.environ)
+    options = _preflight_options(config, deadline, platform)
+    log.info("preflight: running the checks (each network call at most %.0fs, side by side)",
+             options.network_timeout_s)
+    report = run_preflight(options, environ=config.environ)
     if config.requeue:
         report = _with_requeue_row(report, platform)
     log.info("preflight (%.1fs):\n%s", report.elapsed_s,

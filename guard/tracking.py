@@ -80,15 +80,23 @@ def verdict_metrics(result: RunResult) -> dict[str, Any]:
     return metrics
 
 
-def verdict_alert(result: RunResult) -> tuple[str, str, str] | None:
+class _MaskText:
+    """Adapts a ``str -> str`` masking function to what ``verdict.render_line`` takes (``mask_text``)."""
+
+    def __init__(self, mask: Callable[[str], str]) -> None:
+        self.mask_text = mask
+
+
+def verdict_alert(result: RunResult, mask: Callable[[str], str] | None = None) -> tuple[str, str, str] | None:
     """``(title, text, level)`` of the alert for a FAIL, TIMEOUT or INTERRUPTED verdict; None for PASS.
 
-    FAIL is ``error``; TIMEOUT and INTERRUPTED are ``warn`` when a checkpoint was secured (exit 75), else ``error``.
+    The text is the VERDICT line, each value masked with ``mask`` before it is quoted. FAIL is ``error``;
+    TIMEOUT and INTERRUPTED are ``warn`` when a checkpoint was secured (exit 75), else ``error``.
     """
     if result.status == "PASS":
         return None
     level = "warn" if result.status != "FAIL" and result.exit_code == EXIT_SECURED else "error"
-    text = render_line(result)
+    text = render_line(result, _MaskText(mask) if mask else None)  # type: ignore[arg-type]
     return f"jobguard {result.status} reason={result.reason}", text, level
 
 
@@ -201,23 +209,33 @@ class TrackioSink:
         with self._cond:
             if self.error is not None or (self.finishing and item[0] != "stop"):
                 return
+            first_drop = False
             if len(self._items) >= self.queue_size:
                 self._items.popleft()
                 self.dropped += 1
-                if self.dropped == 1:
-                    log.warning("trackio is falling behind: dropping its oldest pending entries (the job is not "
-                                "affected)")
+                first_drop = self.dropped == 1
             self._items.append(item)
             self._cond.notify()
+        if first_drop:
+            log.warning("trackio is falling behind: dropping its oldest pending entries (the job is not affected)")
 
     def log(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
         """Queue ``metrics`` (name -> number or short string) for ``step``."""
-        clean = {key: self.mask(value) if isinstance(value, str) else value for key, value in metrics.items()}
+        try:
+            clean = {str(key): self.mask(value) if isinstance(value, str) else value for key, value in metrics.items()}
+        except Exception as exc:  # noqa: BLE001 - a bad call is dropped, never raised into the guard's loop
+            log.debug("trackio: metrics dropped: %r", exc)
+            return
         self._put(("log", (clean, step)))
 
     def alert(self, title: str, text: str | None = None, level: str = "warn", step: int | None = None) -> None:
         """Queue a trackio alert; ``level`` is ``"info"``, ``"warn"`` or ``"error"``."""
-        self._put(("alert", (self.mask(title), self.mask(text) if text else text, level, step)))
+        try:
+            item = (self.mask(str(title)), self.mask(str(text)) if text else None, level, step)
+        except Exception as exc:  # noqa: BLE001 - as in log()
+            log.debug("trackio: alert dropped: %r", exc)
+            return
+        self._put(("alert", item))
 
     def finish(self, result: RunResult | None = None) -> None:
         """Queue the verdict (metrics at its step, and an alert on FAIL, TIMEOUT, INTERRUPTED), then the end of
@@ -226,7 +244,7 @@ class TrackioSink:
             return
         if result is not None:
             self.log(verdict_metrics(result), step=result.step)
-            alert = verdict_alert(result)
+            alert = verdict_alert(result, self.mask)
             if alert is not None:
                 self.alert(*alert, step=result.step)
         self._put(("finish", None))

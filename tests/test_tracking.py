@@ -150,6 +150,16 @@ def test_calls_run_in_order_on_one_worker_thread(capsys: pytest.CaptureFixture[s
     assert not isinstance(sys.stdout, _RoutedStream) and not isinstance(sys.stderr, _RoutedStream)
 
 
+def test_the_verdict_alert_is_masked_before_quoting() -> None:
+    secret = "s3cr3t'value-123"  # a quote in the secret: masking after shlex.quote would miss it
+    fake = FakeTrackio()
+    sink = TrackioSink("proj", module=fake, mask=lambda t: t.replace(secret, "***"))
+    sink.finish(RunResult("FAIL", "crash", 1, 2.0, hint=f"token {secret} rejected"))
+    assert sink.close(timeout_s=10) is True
+    [alert] = [c for c in fake.calls if c[0] == "alert"]
+    assert "s3cr3t" not in alert[2] and "hint='token *** rejected'" in alert[2]
+
+
 def test_a_trackio_that_raises_turns_the_sink_off(caplog: pytest.LogCaptureFixture) -> None:
     fake = FakeTrackio(fail_on_log=2)
     with caplog.at_level(logging.WARNING, logger="guard.tracking"):
