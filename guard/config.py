@@ -214,8 +214,10 @@ OPTIONS: tuple[Option, ...] = (
            _parse_bool, flag_only_bool=True),
     Option("check_every", "after the sanity pass, read the loss from the device every N steps", 10,
            _parse_count, "N"),
-    Option("heartbeat", "interval of the [guard] heartbeat line", 300.0,
+    Option("heartbeat", "interval of the [guard] heartbeat line (0: off)", 300.0,
            lambda t, option: parse_duration(t, option=option), "DURATION"),
+    Option("trackio", "log losses, heartbeats and the verdict into this trackio project (jobguard[trackio])", None,
+           _parse_text, "PROJECT"),
 )
 
 OPTIONS_BY_NAME: Mapping[str, Option] = {o.name: o for o in OPTIONS}

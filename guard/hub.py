@@ -192,26 +192,8 @@ _ACTIVE_BOUNDS: list[Callable[[], float]] = []
 _INSTALLED = False
 
 
-class _UploadProgress:
-    """Bytes sent by the push in progress, logged every ``every_s`` seconds (``[guard] ... MB of ... MB``)."""
-
-    def __init__(self, what: str, total_bytes: int, log: logging.Logger, clock: Callable[[], float],
-                 every_s: float = 10.0) -> None:
-        self.what, self.total_bytes, self.log, self.clock, self.every_s = what, total_bytes, log, clock, every_s
-        self.sent_bytes = 0
-        self.started_s = self.last_log_s = clock()
-
-    def add(self, n: int) -> None:
-        self.sent_bytes += n
-        now = self.clock()
-        if now - self.last_log_s >= self.every_s:
-            self.last_log_s = now
-            rate = self.sent_bytes / max(now - self.started_s, 1e-6)
-            self.log.info("%s: %.1f of %.1f MB sent (%.1f MB/s)", self.what, self.sent_bytes / 1e6,
-                          self.total_bytes / 1e6, rate / 1e6)
-
-
-_PROGRESS: list[_UploadProgress] = []
+#: The push in progress (``telemetry.Progress``); the transport counts the bytes it sends into it.
+_PROGRESS: list[Any] = []
 
 
 def _remaining_s() -> float | None:
@@ -267,7 +249,7 @@ def install_request_bounds() -> None:
                 if left is not None and left <= 0:
                     raise _DeadlineExceeded(f"deadline reached during {self._what}")
                 if self._upload and _PROGRESS:
-                    _PROGRESS[-1].add(len(chunk))
+                    _PROGRESS[-1].update(_PROGRESS[-1].done_bytes + len(chunk))
                 yield chunk
 
         def close(self) -> None:
@@ -549,7 +531,9 @@ class Securer:
         start = self._clock()
         size = sum((folder / rel).stat().st_size for rel in files)  # before: the job may rotate the folder out later
         self._log.info("securing %s (%d files, %.1f MB) at %s", what, len(files), size / 1e6, self.destination)
-        _PROGRESS.append(_UploadProgress(f"securing {what}", size, self._log, self._clock))
+        from guard.telemetry import Progress
+
+        _PROGRESS.append(Progress(f"securing {what}", size, clock=self._clock, logger=self._log))
         try:
             revision, attempts = self._with_retries(f"securing {what}", attempt, deadline, push=True)
         finally:

@@ -74,6 +74,9 @@ TRAINER_FIELDS = (
     "gradient_checkpointing",
     "max_steps",
     "logging_nan_inf_filter",
+    "project",
+    "run_name",
+    "trackio_space_id",
 )
 
 

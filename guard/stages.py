@@ -216,7 +216,7 @@ def run_job(config: Config, masker: Masker, started: float) -> RunResult:
 
         env_extra[protocol.ENV_RESUME_PATH] = resume_path
     supervisor = Supervisor(config, masker=masker, securer=securing, trainer_config_check=trainer_check,
-                            env_extra=env_extra)
+                            env_extra=env_extra, heartbeat=_heartbeat(config, masker, securing))
     result = supervisor.run()
     if fetched is not None:
         result.extra["resumed_from"] = f"{fetched.path}@{fetched.revision}"
@@ -224,6 +224,19 @@ def run_job(config: Config, masker: Masker, started: float) -> RunResult:
         result.details["preflight"] = report.to_json()
     requeue(config, result)
     return result
+
+
+def _heartbeat(config: Config, masker: Masker, securing: Any) -> Any:
+    """The heartbeat (``--heartbeat``), the projection against the deadline, and ``--trackio``."""
+    from guard.telemetry import GpuSampler, Heartbeat
+    from guard.tracking import TrackioSink
+
+    tracker = None
+    if config.trackio:
+        tracker = TrackioSink(config.trackio, run_name=f"jobguard-{time.strftime('%Y%m%d-%H%M%S')}",
+                              mask=masker.mask_text)
+    return Heartbeat(config.heartbeat, deadline_s=lambda: securing.deadline.deadline_s,
+                     margin_s=securing.estimator.margin_s, gpus=GpuSampler(environ=config.environ), tracker=tracker)
 
 
 def preflight_only(config: Config, masker: Masker, started: float) -> RunResult:

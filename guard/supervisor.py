@@ -81,7 +81,8 @@ class Supervisor:
         spawner: ``subprocess.Popen``-like (injected for tests).
         trainer_config_check: called with the Trainer arguments the agent reports; returns preflight rows
             (objects with ``name``, ``status``, ``seen``, ``hint``); a ``fail`` row stops the job.
-        securer: the destination hooks (``guard.securing.Securing``) or None.
+        securer: the securing flow (``guard.secure.Securing``) or None.
+        heartbeat: ``guard.telemetry.Heartbeat`` (heartbeat lines, the projection, trackio) or None.
         out, err: file descriptors for the job's stdout and stderr (default 1 and 2).
     """
 
@@ -95,6 +96,7 @@ class Supervisor:
         trainer_config_check: Callable[[Mapping[str, Any]], list[Any]] | None = None,
         securer: Any = None,
         env_extra: Mapping[str, str] | None = None,
+        heartbeat: Any = None,
         out_fd: int = 1,
         err_fd: int = 2,
     ) -> None:
@@ -105,6 +107,7 @@ class Supervisor:
         self.trainer_config_check = trainer_config_check
         self.securer = securer
         self.env_extra = dict(env_extra or {})
+        self.heartbeat = heartbeat  # guard.telemetry.Heartbeat or None
         self.out_fd, self.err_fd = out_fd, err_fd
         self.started = clock()
         self.outcome: Outcome | None = None
@@ -164,7 +167,26 @@ class Supervisor:
             self._finish_output()
         finally:
             self._teardown()
-        return self._result()
+        result = self._result()
+        if self.heartbeat is not None:
+            self._close_telemetry(result)
+        return result
+
+    def _close_telemetry(self, result: RunResult) -> None:
+        """The verdict into the tracker, within the time left before a kill (a local write takes milliseconds)."""
+        heartbeat = self.heartbeat
+        heartbeat.close()
+        tracker = heartbeat.tracker
+        if tracker is None:
+            return
+        limit_s = 5.0
+        if result.status == "INTERRUPTED":
+            limit_s = 1.0
+        elif result.status == "TIMEOUT" and self.securer is not None and self.securer.deadline.deadline_s:
+            limit_s = max(0.1, min(limit_s, self.securer.deadline.deadline_s - time.time() - 2.0))
+        tracker.finish(result)
+        if not tracker.close(timeout_s=limit_s):
+            log.warning("trackio did not finish within %.0fs; the verdict may be missing there", limit_s)
 
     def _install_signals(self) -> None:
         self._wakeup_r, self._wakeup_w = os.pipe()
@@ -324,6 +346,8 @@ class Supervisor:
             due.append(self.exited_at + DRAIN_AFTER_EXIT_S)
         if self.securer is not None:
             due.append(self.securer.due_at(now))
+        if self.heartbeat is not None:
+            due.append(self.heartbeat.due_at())
         return min(due)
 
     def _timers(self, now: float) -> None:
@@ -337,6 +361,13 @@ class Supervisor:
         if now >= self.next_sample and self.job is not None and self.job.returncode is None:
             self.job.sample()
             self.next_sample = now + SAMPLE_EVERY_S
+        if self.heartbeat is not None and now >= self.heartbeat.due_at():
+            from guard.telemetry import Snapshot
+
+            running = self.job is not None and self.job.returncode is None
+            self.heartbeat.tick(now, Snapshot(
+                tree_rss_bytes=(self.job.last_rss_bytes or None) if running and self.job else None,
+                cgroup=cgroup_memory()))
         if self.stall.expired(now) and self.outcome is None:
             silent = self.stall.silent_for_s(now)
             what = "no training step" if self.stall.first_step_seen else "no output and no training step"
@@ -552,6 +583,18 @@ class Supervisor:
         elif kind == "train_end":
             log.debug("training ended at step %s", message.get("step"))
 
+    def _telemetry_from_trainer(self, config: dict[str, Any]) -> None:
+        """``max_steps`` for the projection; the job's own trackio project when it reports to trackio."""
+        from guard.tracking import TrackioSink, trainer_trackio_target
+
+        self.heartbeat.set_max_steps(config.get("max_steps"))
+        target = trainer_trackio_target(config)
+        if self.heartbeat.tracker is None and target is not None:
+            log.info("the job reports to trackio project %s: the guard logs its figures and verdict there too",
+                     target["project"])
+            self.heartbeat.tracker = TrackioSink(target["project"], run_name=target["run_name"] or "jobguard",
+                                                 space_id=target["space_id"], mask=self.masker.mask_text)
+
     def _on_progress(self, conn: AgentConn, message: dict[str, Any]) -> None:
         """A rank's answer to a stack dump: how many steps it has begun. Names the rank that holds up the rest."""
         rank = conn.info.get("rank")
@@ -575,6 +618,8 @@ class Supervisor:
                      config.get("hub_model_id"), config.get("max_steps"))
             if self.securer is not None:
                 self.securer.on_trainer_config(self, config)
+            if self.heartbeat is not None:
+                self._telemetry_from_trainer(config)
         rows = self.trainer_config_check(config) if self.trainer_config_check else []
         failed = next((row for row in rows if row.status == "fail"), None)
         for row in rows:
@@ -626,6 +671,8 @@ class Supervisor:
         self.stall.step(now)
         if self.securer is not None:
             self.securer.on_step(self, now)
+        if self.heartbeat is not None:
+            self.heartbeat.on_step(now, self.step, value)
         if not self.sanity_done:
             self.sanity.append(value)
             if len(self.sanity) >= self.config.sanity_steps:

@@ -453,20 +453,35 @@ def test_folder_fetch_refuses_a_corrupt_copy_and_empty_is_none(tmp_path):
     assert os.listdir(tmp_path / "resume") == []
 
 
-def test_upload_progress_is_logged_with_bytes_and_rate(caplog: pytest.LogCaptureFixture) -> None:
+@pytest.mark.hub
+def test_a_push_logs_its_progress_in_bytes(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     import logging
 
-    from guard.hub import _UploadProgress
+    from guard import hub as hub_module
 
-    now = [100.0]
-    progress = _UploadProgress("securing checkpoint step 7", 300_000_000, logging.getLogger("guard.hub.test"),
-                               lambda: now[0], every_s=10.0)
-    with caplog.at_level(logging.INFO, logger="guard.hub.test"):
-        progress.add(50_000_000)
-        now[0] = 105.0
-        progress.add(50_000_000)
-        assert not caplog.records  # nothing before every_s
-        now[0] = 110.0
-        progress.add(100_000_000)
-    assert [r.getMessage() for r in caplog.records] == [
-        "securing checkpoint step 7: 200.0 of 300.0 MB sent (20.0 MB/s)"]
+    folder = tmp_path / "checkpoint-3"
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes(os.urandom(3_000_000))
+    (folder / "trainer_state.json").write_text('{"global_step": 3}')
+    seen: list[int] = []
+
+    class Recorder:
+        def __init__(self, *a: object, **k: object) -> None:
+            self.done_bytes = 0
+
+        def update(self, done_bytes: int | None = None) -> None:
+            self.done_bytes = done_bytes or 0
+            seen.append(self.done_bytes)
+
+    with HubServer() as server, client_constants():
+        import guard.telemetry
+
+        original = guard.telemetry.Progress
+        guard.telemetry.Progress = Recorder  # type: ignore[misc]
+        try:
+            api = HfApi(endpoint=server.url, token=TOKENS["write"])
+            hub_module.Securer("alice/progress", api=api).push_checkpoint(folder, step=3,
+                                                                          deadline=time.monotonic() + 60)
+        finally:
+            guard.telemetry.Progress = original  # type: ignore[misc]
+    assert seen and seen == sorted(seen) and seen[-1] >= 3_000_000
