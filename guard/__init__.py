@@ -22,7 +22,17 @@ import os
 import sys
 from typing import Any
 
-from guard import agent as _agent
+
+class _LazyAgent:
+    """``guard.agent``, imported on first use (the supervisor process never needs it)."""
+
+    def get(self) -> Any:
+        from guard import agent
+
+        return agent.get()
+
+
+_agent = _LazyAgent()
 
 __version__ = "0.1.0"
 __all__ = [

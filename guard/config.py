@@ -307,7 +307,10 @@ def resolve(flags: Mapping[str, Any], environ: Mapping[str, str]) -> tuple[dict[
             raw = environ[env_name(opt.name)]
             source, label = "env", env_name(opt.name)
             if opt.repeat:
-                raw = [part for part in raw.split(",") if part.strip()]
+                # A comma list; for NAME=REASON items only a comma before the next NAME= separates, so a reason
+                # may hold commas itself.
+                splitter = r",(?=\s*[\w.-]+=)" if opt.name == "skip_check" else ","
+                raw = [part for part in re.split(splitter, raw) if part.strip()]
         else:
             values[opt.name], sources[opt.name] = opt.default, "default"
             continue

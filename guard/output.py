@@ -27,13 +27,13 @@ __all__ = ["JOB_VERDICT_PREFIX", "OutputEvents", "StreamFilter", "parse_losses"]
 JOB_VERDICT_PREFIX = b"[job] "
 _VERDICT = b"VERDICT:"
 _LINE_VERDICT = re.compile(rb"(?m)^VERDICT:")
-_KEYWORDS = (b"loss", b"Loss", b"Traceback", b"Error", b"Exception", b"Interrupt", b"VERDICT:")
+_KEYWORDS = (b"loss", b"Loss", b"LOSS", b"Traceback", b"Error", b"Exception", b"Interrupt", b"VERDICT:")
 
 # `{'loss': 2.3}`, `{'loss': '2.3'}` (transformers 5 prints strings), `loss=2.3`, `loss: 2.3`, `loss 2.3`, nan/inf.
 # `eval_loss`/`train_loss` are not training-step losses: the name must not follow a letter, digit or underscore.
 _LOSS = re.compile(
     rb"""(?<![\w])['"]?loss['"]?\s*[:=]?\s*['"]?"""
-    rb"""(?P<v>[-+]?(?:nan|inf(?:inity)?|\d+(?:\.\d*)?(?:[eE][-+]?\d+)?|\.\d+(?:[eE][-+]?\d+)?))(?![\w.])""",
+    rb"""(?P<v>[-+]?(?:nan|inf(?:inity)?|\d+(?:\.\d*)?(?:[eE][-+]?\d+)?|\.\d+(?:[eE][-+]?\d+)?))(?!\w|\.\d)""",
     re.IGNORECASE,
 )
 _STEP = re.compile(rb"""(?<![\w])['"]?(?:global_)?step['"]?\s*[:=]?\s*(?P<s>\d+)\b""", re.IGNORECASE)
@@ -153,7 +153,7 @@ class StreamFilter:
                 raw = JOB_VERDICT_PREFIX + raw
             ended = line_complete or raw.endswith((b"\n", b"\r"))
             if ended:  # parse whole lines only: a partial one is parsed when its end arrives
-                if self.parse and b"oss" in full:
+                if self.parse and (b"oss" in full or b"OSS" in full):
                     self.events.losses.extend(parse_losses(full))
                 self._scan_errors(full)
             result.append(raw)

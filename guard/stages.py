@@ -59,11 +59,11 @@ def _preflight_options(config: Config, deadline: budget.Deadline, platform: Plat
 
 def _run_preflight(config: Config, deadline: budget.Deadline, platform: PlatformInfo) -> Any:
     """Run the checks, log the table; returns the report (None with ``--no-preflight``)."""
-    from guard.preflight import render_table, run_preflight
-
     if config.no_preflight:
         log.warning("preflight skipped (--no-preflight): no check ran")
         return None
+    from guard.preflight import render_table, run_preflight
+
     options = _preflight_options(config, deadline, platform)
     log.info("preflight: running the checks (each network call at most %.0fs, side by side)",
              options.network_timeout_s)

@@ -54,6 +54,16 @@ READ_BYTES = 1 << 16
 OOM_NEAR_LIMIT = 0.9  # a SIGKILL with the job's memory above this share of the cgroup limit is an OOM kill
 
 
+def _grow_pipe(fd: int, size_bytes: int = 1 << 20) -> None:
+    """Ask Linux for a 1 MiB pipe buffer (``F_SETPIPE_SZ``, ``fcntl(2)``): fewer wake-ups for chatty jobs."""
+    try:
+        import fcntl
+
+        fcntl.fcntl(fd, getattr(fcntl, "F_SETPIPE_SZ", 1031), size_bytes)
+    except (OSError, ImportError):
+        pass  # above /proc/sys/fs/pipe-max-size, or not Linux: the default 64 KiB works too
+
+
 @dataclass
 class Outcome:
     """What the guard decided (before the job's exit is known)."""
@@ -140,6 +150,7 @@ class Supervisor:
         self.stop_grace_s: float | None = None
         self._child_exited = False  # SIGCHLD seen: orphans may need reaping
         self._next_reap = self.started
+        self._recheck = False  # a decision was taken outside the timers: re-run them at once
         self._closed_out = False
         self._sel = selectors.DefaultSelector()
         self._listener: socket.socket | None = None
@@ -238,6 +249,7 @@ class Supervisor:
         log.info("job started: pid %d, command: %s", self.job.pid, " ".join(self.config.command))
         parse_output = True
         for fd, target in ((self.job.stdout_fd, self.out_fd), (self.job.stderr_fd, self.err_fd)):
+            _grow_pipe(fd)
             self.filters[fd] = StreamFilter(self.masker, parse_losses=parse_output, events=self.events)
             self.targets[fd] = target
             self._sel.register(fd, selectors.EVENT_READ, "pipe")
@@ -252,7 +264,7 @@ class Supervisor:
         env[protocol.ENV_SANITY_STEPS] = str(self.config.sanity_steps)
         env[protocol.ENV_CHECK_EVERY] = str(self.config.check_every)
         env[protocol.ENV_PKG_ROOT] = pkg_root
-        env.setdefault("PYTHONUNBUFFERED", "1")  # pipes would otherwise block-buffer the job's prints
+        # Not PYTHONUNBUFFERED: the agent flushes a Python job's stdout every 0.1 s instead (see guard.agent).
         # torchrun waits TORCH_ELASTIC_SHUTDOWN_TIMEOUT (default 30 s) between its SIGTERM and SIGKILL to the
         # workers (torch/distributed/run.py, --shutdown-timeout): fit it to --grace.
         env.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(max(1, int(self.config.grace_s))))
@@ -311,33 +323,41 @@ class Supervisor:
     def _loop(self) -> None:
         job = self.job
         assert job is not None
+        due = self.clock()
         while True:
             now = self.clock()
-            timeout = max(0.0, min(self._next_due(now) - now, 1.0))
+            timeout = max(0.0, min(due - now, 1.0))
+            busy = False  # anything but job output happened: run the timers and decisions now
             for key, _ in self._sel.select(timeout):
                 kind = key.data
                 if kind == "pipe":
-                    self._read_pipe(key.fd)
-                elif kind == "listen":
-                    self._accept()
-                elif kind == "agent":
-                    self._read_agent(key.fd)
-                elif kind == "wakeup":
-                    self._drain_wakeup()
+                    busy |= self._read_pipe(key.fd)
+                else:
+                    busy = True
+                    if kind == "listen":
+                        self._accept()
+                    elif kind == "agent":
+                        self._read_agent(key.fd)
+                    elif kind == "wakeup":
+                        self._drain_wakeup()
             now = self.clock()
-            self._handle_signals(now)
-            job.poll()
+            if self.signals:
+                self._handle_signals(now)
+            if job.poll() is not None and self.exited_at is None:
+                self.exited_at = now
+                self._on_job_exit(now)
+                busy = True
             if ((self._child_exited or job.zombies_pending) and now >= self._next_reap) \
                     or now >= self._next_reap + REAP_EVERY_S:
                 self._child_exited = False
                 self._next_reap = now + 0.5
                 job.reap_orphans()
-            if job.returncode is not None and self.exited_at is None:
-                self.exited_at = now
-                self._on_job_exit(now)
-            self._timers(now)
-            if self._done(now):
-                return
+            if busy or self._recheck or now >= due or self.partial_since:
+                self._recheck = False
+                self._timers(now)
+                due = self._next_due(now)
+                if self._done(now):
+                    return
 
     def _next_due(self, now: float) -> float:
         due = [self.stall.due_at(), self.escalation.due_at(), self.next_sample, self.stop_at or math.inf]
@@ -444,11 +464,12 @@ class Supervisor:
     # Output
     # ------------------------------------------------------------------------------------------------------------
 
-    def _read_pipe(self, fd: int) -> None:
+    def _read_pipe(self, fd: int) -> bool:
+        """Pass one read of the job's output through; True at the end of the stream."""
         try:
             data = os.read(fd, READ_BYTES)
         except BlockingIOError:
-            return
+            return False
         except OSError:
             data = b""
         flt = self.filters[fd]
@@ -457,7 +478,7 @@ class Supervisor:
             self._write(self.targets[fd], flt.close())
             self._sel.unregister(fd)
             self.partial_since.pop(fd, None)
-            return
+            return True
         self.stall.output(now)
         self._write(self.targets[fd], flt.feed(data))
         if flt.pending:
@@ -465,6 +486,7 @@ class Supervisor:
         else:
             self.partial_since.pop(fd, None)
         self._after_output(now)
+        return False
 
     def _after_output(self, now: float) -> None:
         events = self.events
@@ -693,6 +715,7 @@ class Supervisor:
     def _decide(self, outcome: Outcome, *, stop: bool = True) -> None:
         if self.outcome is not None:
             return
+        self._recheck = True
         self.outcome = outcome
         self.stall.pause()
         if stop:
@@ -700,6 +723,7 @@ class Supervisor:
 
     def _stop_job(self, now: float, grace_s: float | None = None) -> None:
         """SIGTERM to the job's process group (and its escaped descendants); SIGKILL after the grace."""
+        self._recheck = True
         if self.escalation.start(now, grace_s) and self.job is not None:
             self.broadcast({"t": "stop"})
             self.job.signal_all(signal.SIGTERM)

@@ -316,3 +316,8 @@ def test_preflight_subcommand_needs_no_script() -> None:
     config = build_config(["--sanity-steps", "2"], {}, subcommand="preflight")
     assert config.subcommand == "preflight"
     assert config.command == ()
+
+
+def test_skip_check_reasons_may_hold_commas_in_the_environment() -> None:
+    values, _ = resolve({}, {"GUARD_SKIP_CHECK": "gpu=not needed, really,hub-auth=offline"})
+    assert values["skip_check"] == (("gpu", "not needed, really"), ("hub-auth", "offline"))

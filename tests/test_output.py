@@ -314,3 +314,9 @@ def test_100k_lines_with_partial_flushes_come_out_whole_and_in_order() -> None:
             parts.append(flt.flush_partial())
     parts.append(flt.close())
     assert b"".join(parts) == data
+
+
+def test_upper_case_and_sentence_end_losses() -> None:
+    flt = make()
+    run(flt, b"LOSS=2.0\n", b"the loss: 2.3.\n", flush_between=False)
+    assert [v for _, v in flt.events.losses] == [2.0, 2.3]

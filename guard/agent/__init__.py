@@ -15,8 +15,6 @@ Design notes (why it looks like this):
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.util
 import math
 import os
 import socket
@@ -259,6 +257,35 @@ def _warn_once(text: str) -> None:
             pass
 
 
+FLUSH_EVERY_S = 0.1
+
+
+def _start_stdout_flusher() -> None:
+    """Keep the job's stdout block-buffered (fast) yet timely: flush it every 0.1 s from a daemon thread.
+
+    The supervisor does not set ``PYTHONUNBUFFERED``: unbuffered, every ``print`` is a system call of its own
+    (1M lines: 0.6 s -> 3 s). stderr is line-buffered by Python already (3.9+). A job that asked for unbuffered
+    output itself keeps it.
+    """
+    stream = sys.stdout
+    if stream is None or os.environ.get("PYTHONUNBUFFERED"):
+        return
+
+    def flush_forever() -> None:
+        import time
+
+        while True:
+            time.sleep(FLUSH_EVERY_S)
+            try:
+                current = sys.stdout
+                if current is not None:
+                    current.flush()
+            except (OSError, ValueError):  # closed, or a broken pipe: nothing to do
+                pass
+
+    threading.Thread(target=flush_forever, name="guard-flush", daemon=True).start()
+
+
 def _flush_at_exit() -> None:
     """Report the steps checked since the last flush (a NaN in the last steps before a normal exit counts)."""
     agent = _AGENT
@@ -285,7 +312,9 @@ def get() -> Agent | None:
 # -- post-import hooks ----------------------------------------------------------------------------------------
 
 
-class _HookedLoader(importlib.abc.Loader):
+class _HookedLoader:
+    """Wraps a module's loader: runs ``hook(module)`` right after the module executed."""
+
     def __init__(self, loader: Any, hook: Callable[[Any], None]) -> None:
         self._loader = loader
         self._hook = hook
@@ -304,7 +333,10 @@ class _HookedLoader(importlib.abc.Loader):
         return getattr(self._loader, name)
 
 
-class _PostImportFinder(importlib.abc.MetaPathFinder):
+class _PostImportFinder:
+    """A meta path finder (duck-typed, to keep ``importlib.abc`` out of every job's start-up) that wraps the
+    loaders of the hooked modules."""
+
     def __init__(self, hooks: dict[str, Callable[[Any], None]]) -> None:
         self.hooks = hooks
         self._busy: set[str] = set()
@@ -313,6 +345,8 @@ class _PostImportFinder(importlib.abc.MetaPathFinder):
         hook = self.hooks.get(fullname)
         if hook is None or fullname in self._busy:
             return None
+        import importlib.util
+
         self._busy.add(fullname)
         try:
             spec = importlib.util.find_spec(fullname)
@@ -354,6 +388,7 @@ def install() -> None:
     import atexit
 
     atexit.register(_flush_at_exit)
+    _start_stdout_flusher()
     agent = get()
     if agent is not None:  # connect now: the supervisor learns the agent is alive and can ask it for stacks
         with agent._lock:
