@@ -16,14 +16,10 @@ A push is secured only once verified: every file's size and sha256 at the destin
   ``trainer_state.json`` (``global_step``), else from the newest commit titled ``... checkpoint step N`` (every
   push writes one), else from the manifest (folders).
 
-Bounded waiting: ``huggingface_hub`` 2.4.0's shared HTTP client has ``timeout=None``. The first use installs, with
-``huggingface_hub.set_client_factory``, a client whose transport gives every request default timeouts
-(``REQUEST_TIMEOUTS_S``) and, while a push or fetch runs, caps each socket operation and each body chunk at the
-time left before its deadline; then network errors and 408/429/5xx answers raise at once instead of entering the
-client's own backoff (which sleeps up to 8 s), and this module retries them with its own backoff while time
-remains. Limits: the bound is process-wide (with two pushes at once the earlier deadline applies to both), and
-transfers made by ``hf_xet`` (when installed and not disabled) bypass the HTTP client, so only their HTTP calls are
-bounded. The factory also turns off ``huggingface_hub`` progress bars (the guard's stderr is for its own lines).
+Bounded waiting (``guard.hubhttp``): every Hub request has a timeout, and during a push or fetch none outlives its
+deadline; network errors and 408/429/5xx answers are retried here, with backoff, while time remains. Limits: the
+bound is process-wide (with two pushes at once the earlier deadline applies to both), and transfers made by
+``hf_xet`` (when installed and not disabled) bypass the HTTP client, so only their HTTP calls are bounded.
 """
 
 from __future__ import annotations
@@ -39,14 +35,22 @@ import re
 import shutil
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from guard.errors import HubError, PushFailedError, UsageError
+from guard.hubhttp import (
+    PROGRESS,
+    REQUEST_TIMEOUTS_S,
+    Mismatch,
+    bounded,
+    classify,
+    fatal_hint,
+    install_request_bounds,
+)
 
 if TYPE_CHECKING:
     from huggingface_hub import CommitOperationAdd, HfApi
@@ -59,9 +63,6 @@ T = TypeVar("T")
 
 CHECKPOINT_FOLDER = "last-checkpoint"
 MANIFEST_NAME = "guard_manifest.json"
-#: Per-operation timeouts (seconds) for every Hub request made in this process when the caller gives none.
-REQUEST_TIMEOUTS_S = {"connect": 10.0, "read": 60.0, "write": 60.0, "pool": 10.0}
-_RETRY_STATUSES = (408, 429, 500, 502, 503, 504)  # what huggingface_hub's http_backoff retries
 _MIN_ATTEMPT_S = 1.0  # don't start another attempt with less time than this left
 _ACCEPTED_FORMS = ("hf://NS/NAME, hf://datasets/NS/NAME, NS/NAME (a Hub model repo), "
                    "or a folder path (absolute, or starting with ./, ../ or file://)")
@@ -163,169 +164,6 @@ class FetchedCheckpoint:
     revision: str
     files: tuple[str, ...]
     size_bytes: int
-
-
-class _Mismatch(Exception):
-    """Verification found differences (one line per file)."""
-
-    def __init__(self, problems: list[str]) -> None:
-        shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
-        super().__init__(f"verification failed: {shown}")
-        self.problems = problems
-
-
-class _TransientHubError(Exception):
-    """A network error or a 408/429/5xx answer during a bounded call (deliberately not an httpx error, so the
-    client's own backoff does not retry it)."""
-
-
-class _DeadlineExceeded(Exception):
-    """A bounded call reached its deadline."""
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Bounding every request (see the module docstring)
-# ---------------------------------------------------------------------------------------------------------------
-
-_BOUNDS_LOCK = threading.Lock()
-_ACTIVE_BOUNDS: list[Callable[[], float]] = []
-_INSTALLED = False
-
-
-#: The push in progress (``telemetry.Progress``); the transport counts the bytes it sends into it.
-_PROGRESS: list[Any] = []
-
-
-def _remaining_s() -> float | None:
-    with _BOUNDS_LOCK:
-        bounds = list(_ACTIVE_BOUNDS)
-    return min(fn() for fn in bounds) if bounds else None
-
-
-@contextlib.contextmanager
-def _bounded(remaining_s: Callable[[], float]) -> Iterator[None]:
-    with _BOUNDS_LOCK:
-        _ACTIVE_BOUNDS.append(remaining_s)
-    try:
-        yield
-    finally:
-        with _BOUNDS_LOCK:
-            _ACTIVE_BOUNDS.remove(remaining_s)
-
-
-def install_request_bounds() -> None:
-    """Make ``huggingface_hub``'s shared HTTP client bounded (idempotent; see the module docstring).
-
-    Uses ``huggingface_hub.set_client_factory`` (1.x with httpx, 2.x with httpx2); with an older client (requests),
-    logs a warning and leaves it alone.
-    """
-    global _INSTALLED
-    if _INSTALLED:
-        return
-    try:
-        try:
-            import httpx2 as httpx  # huggingface_hub 2.x
-        except ImportError:  # pragma: no cover - huggingface_hub 1.x uses httpx
-            import httpx
-        from huggingface_hub import set_client_factory
-        from huggingface_hub.utils import disable_progress_bars
-    except ImportError:  # pragma: no cover - depends on the installed client
-        logger.warning("huggingface_hub has no set_client_factory: Hub requests are not bounded by the deadline")
-        _INSTALLED = True
-        return
-    try:  # the default client's request hook (offline mode, request ids); private, so optional
-        from huggingface_hub.utils._http import hf_request_event_hook
-        hooks = [hf_request_event_hook]
-    except ImportError:  # pragma: no cover
-        hooks = []
-
-    class _DeadlineStream(httpx.SyncByteStream):
-        def __init__(self, inner: Any, what: str, upload: bool = False) -> None:
-            self._inner, self._what, self._upload = inner, what, upload
-
-        def __iter__(self) -> Iterator[bytes]:
-            for chunk in self._inner:
-                left = _remaining_s()
-                if left is not None and left <= 0:
-                    raise _DeadlineExceeded(f"deadline reached during {self._what}")
-                if self._upload and _PROGRESS:
-                    _PROGRESS[-1].update(_PROGRESS[-1].done_bytes + len(chunk))
-                yield chunk
-
-        def close(self) -> None:
-            if hasattr(self._inner, "close"):
-                self._inner.close()
-
-    class _BoundedTransport(httpx.HTTPTransport):
-        def handle_request(self, request: Any) -> Any:
-            left = _remaining_s()
-            what = f"{request.method} {request.url.path}"
-            timeouts = dict(request.extensions.get("timeout") or {})
-            for key, default_s in REQUEST_TIMEOUTS_S.items():
-                value = timeouts.get(key)
-                value = default_s if value is None else value
-                timeouts[key] = value if left is None else max(min(value, left), 0.001)
-            request.extensions["timeout"] = timeouts
-            if left is None:
-                return super().handle_request(request)
-            if left <= 0:
-                raise _DeadlineExceeded(f"deadline reached before {what}")
-            request.stream = _DeadlineStream(request.stream, what, upload=request.method in ("PUT", "POST"))
-            try:
-                response = super().handle_request(request)
-            except httpx.TransportError as err:
-                left = _remaining_s()
-                if left is not None and left <= 0:
-                    raise _DeadlineExceeded(f"deadline reached during {what}") from err
-                raise _TransientHubError(f"{type(err).__name__} on {what}: {err}") from err
-            if response.status_code in _RETRY_STATUSES:
-                with contextlib.suppress(Exception):
-                    response.read()
-                response.close()
-                message = response.headers.get("X-Error-Message", "")
-                raise _TransientHubError(f"HTTP {response.status_code} on {what}{': ' + message if message else ''}")
-            response.stream = _DeadlineStream(response.stream, what)
-            return response
-
-    def factory() -> Any:
-        return httpx.Client(event_hooks={"request": hooks}, follow_redirects=True,
-                            timeout=httpx.Timeout(**REQUEST_TIMEOUTS_S), transport=_BoundedTransport())
-
-    set_client_factory(factory)
-    disable_progress_bars()
-    _INSTALLED = True
-
-
-def _classify(err: BaseException) -> tuple[str, str]:
-    """-> (``"deadline"|"transient"|"mismatch"|"fatal"``, one-line description), looking through wrapped causes."""
-    seen: BaseException | None = err
-    chain = []
-    while seen is not None and len(chain) < 10:
-        chain.append(seen)
-        seen = seen.__cause__ or seen.__context__
-    for kind, cls in (("deadline", _DeadlineExceeded), ("transient", _TransientHubError), ("mismatch", _Mismatch)):
-        for item in chain:
-            if isinstance(item, cls):
-                return kind, str(item)
-    for item in chain:
-        status = getattr(getattr(item, "response", None), "status_code", None)
-        if isinstance(status, int):
-            text = getattr(item, "server_message", None) or (str(item).strip().splitlines() or [type(item).__name__])[0]
-            text = text.strip().removeprefix(f"{status} ")
-            return ("transient" if status in _RETRY_STATUSES else "fatal"), f"HTTP {status}: {text}"
-        if isinstance(item, OSError) and "Consistency check failed" in str(item):  # a truncated download
-            return "transient", str(item).splitlines()[0]
-    return "fatal", f"{type(err).__name__}: {err}"
-
-
-def _fatal_hint(description: str) -> str:
-    if description.startswith("HTTP 401"):
-        return "set HF_TOKEN to a valid token that can write to the destination"
-    if description.startswith(("HTTP 403", "HTTP 404")):
-        return "use a token with write access to the destination's namespace (role write, or fine-grained repo.write)"
-    if description.split(":")[0].endswith(("OSError", "FileNotFoundError", "PermissionError", "IsADirectoryError")):
-        return "check the local disk and the destination folder"
-    return "check the destination and the network; the checkpoint is still on local disk"
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -533,11 +371,11 @@ class Securer:
         self._log.info("securing %s (%d files, %.1f MB) at %s", what, len(files), size / 1e6, self.destination)
         from guard.telemetry import Progress
 
-        _PROGRESS.append(Progress(f"securing {what}", size, clock=self._clock, logger=self._log))
+        PROGRESS.append(Progress(f"securing {what}", size, clock=self._clock, logger=self._log))
         try:
             revision, attempts = self._with_retries(f"securing {what}", attempt, deadline, push=True)
         finally:
-            _PROGRESS.pop()
+            PROGRESS.pop()
         result = PushResult(str(self.destination), revision, tuple(files), size, self._clock() - start, attempts, step)
         self._log.info("secured %s at %s in %.1fs (%.1f MB/s)", what, result.pushed, result.elapsed_s,
                        result.bytes_per_s / 1e6)
@@ -561,18 +399,18 @@ class Securer:
             if left <= 0:
                 raise fail("no time left before the deadline", "a larger --margin leaves more time to secure it")
             try:
-                with _bounded(lambda: deadline - self._clock()):
+                with bounded(lambda: deadline - self._clock()):
                     return attempt(), len(tried) + 1
             except HubError:
                 raise
             except Exception as err:  # noqa: BLE001 - classified below; unknown errors are fatal
-                kind, text = _classify(err)
+                kind, text = classify(err)
             tried.append(f"#{len(tried) + 1} {text}")
             self._log.warning("%s: attempt %d failed: %s", what, len(tried), text)
             if kind == "deadline":
                 raise fail("the deadline was reached", "a larger --margin leaves more time to secure it")
             if kind == "fatal" or (kind == "mismatch" and (mismatches or not push)):
-                hint = (_fatal_hint(text) if kind == "fatal" else
+                hint = (fatal_hint(text) if kind == "fatal" else
                         "the destination does not hold what was sent; check it (a .gitignore?)" if push else
                         "the copy at the destination is corrupt or incomplete; resume from a local checkpoint")
                 raise fail(text, hint)
@@ -642,7 +480,7 @@ class Securer:
             elif entry.lfs is None and entry.blob_id != git_hash(Path(str(op.path_or_fileobj)).read_bytes()):
                 problems.append(f"{op.path_in_repo} git sha1 {entry.blob_id[:12]}.. differs")
         if problems:
-            raise _Mismatch(problems)
+            raise Mismatch(problems)
 
     def _hub_fetch(self, into: Path) -> FetchedCheckpoint | None:
         from huggingface_hub import RepoFile
@@ -675,7 +513,7 @@ class Securer:
                 elif entry.lfs is None and git_hash(local.read_bytes()) != entry.blob_id:
                     problems.append(f"{entry.path} git sha1 differs from the recorded {entry.blob_id[:12]}..")
             if problems:
-                raise _Mismatch(problems)
+                raise Mismatch(problems)
             fetched = staging / CHECKPOINT_FOLDER
             step = _step_from_trainer_state(fetched)
             if step is None:
@@ -748,7 +586,7 @@ class Securer:
             copied = _copy_and_hash(src, tmp)
             if copied != sums[rel]:
                 tmp.unlink()
-                raise _Mismatch([f"{rel} changed while it was copied"])
+                raise Mismatch([f"{rel} changed while it was copied"])
             os.replace(tmp, dst)
             _fsync_dir(dst.parent)
         self._verify_folder(root, sums, exclude=None)
@@ -761,7 +599,7 @@ class Securer:
             allowed = set(expected) | exclude
             problems += [f"{rel} unexpected" for rel in _list_files(target) if rel not in allowed]
         if problems:
-            raise _Mismatch(problems)
+            raise Mismatch(problems)
 
     def _folder_fetch(self, into: Path) -> FetchedCheckpoint | None:
         assert self.destination.path is not None
@@ -787,7 +625,7 @@ class Securer:
                 elif want is None and _hash_file(fetched / rel) != (size, sha):
                     problems.append(f"{rel} differs from its copy")
             if problems:
-                raise _Mismatch(problems)
+                raise Mismatch(problems)
             step = _step_from_trainer_state(fetched)
             if step is None and isinstance(manifest.get("step"), int):
                 step = manifest["step"]

@@ -53,7 +53,7 @@ class Securing:
         securer_factory: builds a ``Securer`` from destination text (for the Trainer's ``hub_model_id``).
         output_dir: where the job writes checkpoints (``--output-dir``; else the Trainer's ``output_dir``).
         grace_s: ``--grace``.
-        refresher: a ``budget.SlurmRefresher`` or None.
+        refresher: a ``slurm.SlurmRefresher`` or None.
         wall: epoch seconds; clock: monotonic seconds.
     """
 

@@ -201,7 +201,7 @@ def run_job(config: Config, masker: Masker, started: float) -> RunResult:
                                        **limits)
     securing = Securing(deadline=deadline, estimator=estimator, securer=securer, securer_factory=factory,
                         output_dir=config.output_dir, grace_s=config.grace_s,
-                        refresher=budget.SlurmRefresher.from_environ(config.environ) if platform.name == "slurm" else None)
+                        refresher=_slurm_refresher(config, platform))
     gpus = report.gpus if report is not None else None
 
     def trainer_check(trainer_config: Mapping[str, Any]) -> list[Any]:
@@ -224,6 +224,15 @@ def run_job(config: Config, masker: Masker, started: float) -> RunResult:
         result.details["preflight"] = report.to_json()
     requeue(config, result)
     return result
+
+
+def _slurm_refresher(config: Config, platform: PlatformInfo) -> Any:
+    """Under Slurm: the end time refreshed from ``scontrol show job`` (see ``guard.slurm``)."""
+    if platform.name != "slurm":
+        return None
+    from guard.slurm import SlurmRefresher
+
+    return SlurmRefresher.from_environ(config.environ)
 
 
 def _heartbeat(config: Config, masker: Masker, securing: Any) -> Any:

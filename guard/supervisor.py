@@ -12,16 +12,11 @@ the guard stopped it does not change it.
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 import math
 import os
 import selectors
-import shutil
 import signal
-import socket
-import sys
-import tempfile
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -29,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from guard import protocol
+from guard.channel import AgentChannel, AgentConn
 from guard.config import Config
 from guard.masking import Masker
 from guard.output import OutputEvents, StreamFilter
@@ -51,7 +47,6 @@ DRAIN_AFTER_EXIT_S = 2.0  # after the job exits, how long its leftover processes
 SAMPLE_EVERY_S = 2.0  # job tree memory sampling
 REAP_EVERY_S = 2.0  # orphans are reaped on SIGCHLD (at most twice a second) and at least this often
 READ_BYTES = 1 << 16
-OOM_NEAR_LIMIT = 0.9  # a SIGKILL with the job's memory above this share of the cgroup limit is an OOM kill
 
 
 def _grow_pipe(fd: int, size_bytes: int = 1 << 20) -> None:
@@ -73,12 +68,6 @@ class Outcome:
     exit_code: int | None = None
     hint: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class AgentConn:
-    sock: socket.socket
-    info: dict[str, Any] = field(default_factory=dict)
 
 
 class Supervisor:
@@ -127,7 +116,9 @@ class Supervisor:
         self.filters: dict[int, StreamFilter] = {}
         self.targets: dict[int, int] = {}
         self.partial_since: dict[int, float] = {}
-        self.agents: dict[int, AgentConn] = {}
+        self._sel = selectors.DefaultSelector()
+        self.channel = AgentChannel(self._sel)
+        self.agents = self.channel.conns  # fd -> AgentConn
         self.step: int | None = None
         self.loss: float | None = None
         self.sanity: list[float] = []
@@ -152,13 +143,9 @@ class Supervisor:
         self._next_reap = self.started
         self._recheck = False  # a decision was taken outside the timers: re-run them at once
         self._closed_out = False
-        self._sel = selectors.DefaultSelector()
-        self._listener: socket.socket | None = None
-        self._tmpdir: str | None = None
         self._wakeup_r = self._wakeup_w = -1
         self._old_handlers: dict[int, Any] = {}
         self._old_wakeup = -1
-        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self.cgroup_start = cgroup_memory()
 
     # ------------------------------------------------------------------------------------------------------------
@@ -180,24 +167,11 @@ class Supervisor:
             self._teardown()
         result = self._result()
         if self.heartbeat is not None:
-            self._close_telemetry(result)
-        return result
+            from guard.telemetry import close_with_verdict
 
-    def _close_telemetry(self, result: RunResult) -> None:
-        """The verdict into the tracker, within the time left before a kill (a local write takes milliseconds)."""
-        heartbeat = self.heartbeat
-        heartbeat.close()
-        tracker = heartbeat.tracker
-        if tracker is None:
-            return
-        limit_s = 5.0
-        if result.status == "INTERRUPTED":
-            limit_s = 1.0
-        elif result.status == "TIMEOUT" and self.securer is not None and self.securer.deadline.deadline_s:
-            limit_s = max(0.1, min(limit_s, self.securer.deadline.deadline_s - time.time() - 2.0))
-        tracker.finish(result)
-        if not tracker.close(timeout_s=limit_s):
-            log.warning("trackio did not finish within %.0fs; the verdict may be missing there", limit_s)
+            deadline_s = self.securer.deadline.deadline_s if self.securer is not None else None
+            close_with_verdict(self.heartbeat, result, deadline_s)
+        return result
 
     def _install_signals(self) -> None:
         self._wakeup_r, self._wakeup_w = os.pipe()
@@ -221,13 +195,7 @@ class Supervisor:
         from guard.errors import SupervisorError
 
         set_subreaper()
-        self._tmpdir = tempfile.mkdtemp(prefix="guard-")
-        sock_path = os.path.join(self._tmpdir, "agent.sock")
-        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self._listener.bind(sock_path)
-        self._listener.listen(64)
-        self._listener.setblocking(False)
-        self._sel.register(self._listener, selectors.EVENT_READ, "listen")
+        sock_path = self.channel.open()
         self._sel.register(self._wakeup_r, selectors.EVENT_READ, "wakeup")
         env = self._job_env(sock_path)
         self.job = JobProcess(self.config.command, env, **({"spawner": self.spawner} if self.spawner else {}))
@@ -273,14 +241,7 @@ class Supervisor:
     def _teardown(self) -> None:
         if self.job is not None and self.job.proc is not None:
             self._kill_leftovers()
-        for conn in list(self.agents.values()):
-            conn.sock.close()
-        if self._listener is not None:
-            self._listener.close()
-        if self._tmpdir:
-            shutil.rmtree(self._tmpdir, ignore_errors=True)
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+        self.channel.close()
         if self._old_wakeup != -2:
             signal.set_wakeup_fd(self._old_wakeup)
             for signum, handler in self._old_handlers.items():
@@ -335,7 +296,7 @@ class Supervisor:
                 else:
                     busy = True
                     if kind == "listen":
-                        self._accept()
+                        self.channel.accept()
                     elif kind == "agent":
                         self._read_agent(key.fd)
                     elif kind == "wakeup":
@@ -526,51 +487,17 @@ class Supervisor:
     # Agent channel
     # ------------------------------------------------------------------------------------------------------------
 
-    def _accept(self) -> None:
-        assert self._listener is not None
-        while True:
-            try:
-                sock, _ = self._listener.accept()
-            except (BlockingIOError, OSError):
-                return
-            sock.setblocking(False)
-            self.agents[sock.fileno()] = AgentConn(sock)
-            self._sel.register(sock, selectors.EVENT_READ, "agent")
-
     def _read_agent(self, fd: int) -> None:
-        conn = self.agents.get(fd)
-        if conn is None:
-            return
-        for _ in range(256):  # bounded: output and timers get their turn
-            try:
-                data = conn.sock.recv(protocol.MAX_MESSAGE_BYTES)
-            except BlockingIOError:
-                return
-            except OSError:
-                data = b""
-            if not data:
-                self._sel.unregister(conn.sock)
-                conn.sock.close()
-                del self.agents[fd]
-                return
-            message = protocol.decode(data)
-            if message is not None:
-                self._on_message(fd, conn, message)
+        for conn, message in self.channel.receive(fd):
+            self._on_message(fd, conn, message)
 
     def send(self, fd: int, message: dict[str, Any]) -> bool:
-        """Send a command to one agent without blocking (dropped if its socket is full or closed)."""
-        conn = self.agents.get(fd)
-        if conn is None:
-            return False
-        try:
-            conn.sock.send(protocol.encode(message), socket.MSG_DONTWAIT)
-            return True
-        except OSError:
-            return False
+        """Send a command to one agent without blocking (see ``AgentChannel.send``)."""
+        return self.channel.send(fd, message)
 
     def broadcast(self, message: dict[str, Any]) -> int:
         """Send a command to every connected agent; returns how many got it."""
-        return sum(self.send(fd, message) for fd in list(self.agents))
+        return self.channel.broadcast(message)
 
     def _on_message(self, fd: int, conn: AgentConn, message: dict[str, Any]) -> None:
         kind = message["t"]
@@ -605,18 +532,6 @@ class Supervisor:
         elif kind == "train_end":
             log.debug("training ended at step %s", message.get("step"))
 
-    def _telemetry_from_trainer(self, config: dict[str, Any]) -> None:
-        """``max_steps`` for the projection; the job's own trackio project when it reports to trackio."""
-        from guard.tracking import TrackioSink, trainer_trackio_target
-
-        self.heartbeat.set_max_steps(config.get("max_steps"))
-        target = trainer_trackio_target(config)
-        if self.heartbeat.tracker is None and target is not None:
-            log.info("the job reports to trackio project %s: the guard logs its figures and verdict there too",
-                     target["project"])
-            self.heartbeat.tracker = TrackioSink(target["project"], run_name=target["run_name"] or "jobguard",
-                                                 space_id=target["space_id"], mask=self.masker.mask_text)
-
     def _on_progress(self, conn: AgentConn, message: dict[str, Any]) -> None:
         """A rank's answer to a stack dump: how many steps it has begun. Names the rank that holds up the rest."""
         rank = conn.info.get("rank")
@@ -641,7 +556,9 @@ class Supervisor:
             if self.securer is not None:
                 self.securer.on_trainer_config(self, config)
             if self.heartbeat is not None:
-                self._telemetry_from_trainer(config)
+                from guard.telemetry import follow_trainer
+
+                follow_trainer(self.heartbeat, config, self.masker)
         rows = self.trainer_config_check(config) if self.trainer_config_check else []
         failed = next((row for row in rows if row.status == "fail"), None)
         for row in rows:

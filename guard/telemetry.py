@@ -505,3 +505,38 @@ class Progress:
             text = f"{self.what}: done in {fmt_duration(elapsed)}"
         self.log.info("%s", text)
         return text
+
+
+def follow_trainer(heartbeat: Heartbeat, config: Mapping[str, Any], masker: Any) -> None:
+    """When the Trainer's arguments arrive: its ``max_steps`` for the projection, and its own trackio project
+    (``report_to`` trackio) as the tracker when ``--trackio`` gave none."""
+    from guard.tracking import TrackioSink, trainer_trackio_target
+
+    heartbeat.set_max_steps(config.get("max_steps"))
+    target = trainer_trackio_target(config)
+    if heartbeat.tracker is None and target is not None:
+        log.info("the job reports to trackio project %s: the guard logs its figures and verdict there too",
+                 target["project"])
+        heartbeat.tracker = TrackioSink(str(target["project"]), run_name=target["run_name"] or "jobguard",
+                                        space_id=target["space_id"], mask=masker.mask_text)
+
+
+def close_with_verdict(heartbeat: Heartbeat, result: Any, deadline_s: float | None,
+                       wall: Callable[[], float] = time.time) -> None:
+    """End the heartbeat; put the verdict into the tracker, within the time left before a kill.
+
+    A local trackio write takes milliseconds; the wait is at most 5 s, 1 s after a termination signal (the
+    platform's SIGKILL follows within ``--grace``), and never past 2 s before the deadline.
+    """
+    heartbeat.close()
+    tracker = heartbeat.tracker
+    if tracker is None:
+        return
+    limit_s = 5.0
+    if result.status == "INTERRUPTED":
+        limit_s = 1.0
+    elif result.status == "TIMEOUT" and deadline_s:
+        limit_s = max(0.1, min(limit_s, deadline_s - wall() - 2.0))
+    tracker.finish(result)
+    if not tracker.close(timeout_s=limit_s):
+        log.warning("trackio did not finish within %.0fs; the verdict may be missing there", limit_s)

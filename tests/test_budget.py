@@ -14,18 +14,16 @@ from guard.budget import (
     CLOCK_SKEW_S,
     Deadline,
     MarginEstimator,
-    SlurmRefresher,
     checkpoint_due,
     format_duration_s,
     grace_deadline,
-    parse_scontrol_job,
-    parse_slurm_duration_s,
     parse_started_at,
     resolve_deadline,
     save_wait_limit_s,
     time_to_due_s,
 )
 from guard.errors import BudgetError, UsageError
+from guard.slurm import SlurmRefresher, parse_scontrol_job, parse_slurm_duration_s
 
 NOW = 1_787_236_200.0  # 2026-08-20T14:30:00Z
 HOUR = 3600.0
@@ -383,7 +381,7 @@ def test_refresher_timeout_and_errors_are_counted_and_logged_once(caplog):
     runner = FakeRunner(subprocess.TimeoutExpired(["scontrol"], 5), (1, "", "slurm_load_jobs error: timeout\n"),
                         (0, "garbage", ""), RuntimeError("boom"), (0, SCONTROL_EPOCH, ""))
     refresher = SlurmRefresher("4242", runner=runner, interval_s=1)
-    with caplog.at_level(logging.DEBUG, logger="guard.budget"):
+    with caplog.at_level(logging.DEBUG, logger="guard.slurm"):
         results = [refresher.maybe_refresh(float(t)) for t in range(5)]
     assert results == [None, None, None, None, 1787242800]
     assert refresher.failures == 4 and refresher.calls == 5
@@ -395,7 +393,7 @@ def test_refresher_timeout_and_errors_are_counted_and_logged_once(caplog):
 def test_refresher_missing_binary_disables_it_with_one_line(caplog):
     runner = FakeRunner(FileNotFoundError("scontrol"))
     refresher = SlurmRefresher("4242", runner=runner, interval_s=1)
-    with caplog.at_level(logging.INFO, logger="guard.budget"):
+    with caplog.at_level(logging.INFO, logger="guard.slurm"):
         assert refresher.maybe_refresh(0) is None
         assert refresher.maybe_refresh(100) is None
     assert refresher.disabled
