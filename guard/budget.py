@@ -305,16 +305,19 @@ class MarginEstimate:
     safety_factor: float
     fixed: bool = False
     floored: bool = False
+    overhead_s: float = 0.0
+    capped_s: float | None = None  # the cap (half a short budget) when it applied
 
     def describe(self) -> str:
-        """One line for the log: ``"margin now 96s (save 5.0s + push 50.0s of 1000 MB at 20.0 MB/s, x1.5)"``."""
+        """One line for the log: ``"margin now 98s ((save 5.0s + push 50.0s of 1000 MB at 20.0 MB/s) x1.5 + 15s)"``."""
         if self.fixed:
             return f"margin now {self.margin_s:.0f}s (fixed by --margin)"
         step = f"step {self.step_s:.1f}s + " if self.step_s > 0 else ""
-        floor = ", floor" if self.floored else ""
-        return (f"margin now {self.margin_s:.0f}s ({step}save {self.save_s:.1f}s + push {self.push_s:.1f}s of "
-                f"{self.size_bytes / _MB:.0f} MB at {self.push_bytes_per_s / _MB:.1f} MB/s, "
-                f"x{self.safety_factor:g}{floor})")
+        limit = (f", capped at half the budget ({self.capped_s:.0f}s)" if self.capped_s is not None
+                 else ", the floor" if self.floored else "")
+        return (f"margin now {self.margin_s:.0f}s (({step}save {self.save_s:.1f}s + push {self.push_s:.1f}s of "
+                f"{self.size_bytes / _MB:.0f} MB at {self.push_bytes_per_s / _MB:.1f} MB/s) "
+                f"x{self.safety_factor:g} + {self.overhead_s:.0f}s{limit})")
 
 
 class MarginEstimator:
@@ -479,10 +482,12 @@ class MarginEstimator:
                                   self.safety_factor, fixed=True)
         raw_s = (step_s + save_s + push_s) * self.safety_factor + self.overhead_s
         margin_s = max(raw_s, self.floor_s)
-        if self.max_margin_s is not None:
-            margin_s = min(margin_s, self.max_margin_s)
+        capped = self.max_margin_s is not None and margin_s > self.max_margin_s
+        if capped:
+            margin_s = self.max_margin_s  # type: ignore[assignment]
         return MarginEstimate(margin_s, step_s, save_s, push_s, size, self.push_bytes_per_s,
-                              self.safety_factor, floored=raw_s < self.floor_s)
+                              self.safety_factor, floored=raw_s < self.floor_s, overhead_s=self.overhead_s,
+                              capped_s=self.max_margin_s if capped else None)
 
     def margin_s(self) -> float:
         """Seconds to keep free before the deadline for the final step, save and push."""

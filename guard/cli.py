@@ -25,6 +25,7 @@ from guard import __version__
 from guard.config import OPTIONS, Config, debug_enabled, env_name, log_level, resolve
 from guard.errors import GuardError, UsageError
 from guard.masking import Masker
+from guard.output import STDERR
 from guard.platform import detect
 from guard.verdict import EXIT_GUARD_ERROR, RunResult, render_line, signal_name, write_report
 
@@ -145,7 +146,11 @@ class _MaskingFormatter(logging.Formatter):
         self.masker = masker
 
     def format(self, record: logging.LogRecord) -> str:
-        return self.masker.mask_text(super().format(record))
+        text = self.masker.mask_text(super().format(record))
+        if STDERR.mid_line:  # the job's last stderr line is unfinished (a progress bar): start a new line
+            STDERR.mid_line = False
+            text = "\n" + text
+        return text
 
 
 def _setup_logging(masker: Masker, environ: Mapping[str, str]) -> None:

@@ -349,6 +349,7 @@ class AgentSettings:
     sanity_steps: int = 5
     check_every: int = 10
     resume_path: str | None = None
+    resume_step: int = 0
     ack_timeout_s: float = 10.0
 
 
@@ -367,6 +368,7 @@ def agent_settings(environ: Mapping[str, str] | None = None) -> AgentSettings:
         sanity_steps=_int(protocol.ENV_SANITY_STEPS, 5),
         check_every=max(1, _int(protocol.ENV_CHECK_EVERY, 10)),
         resume_path=env.get(protocol.ENV_RESUME_PATH) or None,
+        resume_step=_int(protocol.ENV_RESUME_STEP, 0),
     )
 
 

@@ -49,7 +49,7 @@ def job_result(sup: Any) -> RunResult:
         "job_signal": signal_name(-code) if code is not None and code < 0 else None,
         "last_exception": sup.last_exception,
         "loss_source": sup.loss_source,
-        "agents_seen": len({c.info.get("pid") for c in sup.agents.values()}),
+        "agents_seen": sup.agents_seen,
         "peak_rss_bytes": sup.job.peak_rss_bytes if sup.job is not None else None,
         "checkpoints_reported": [c.get("path") for c in sup.checkpoints][-5:],
     }
@@ -82,7 +82,7 @@ def job_result(sup: Any) -> RunResult:
         else:
             what = f" after {sup.last_exception}" if sup.last_exception else ""
             result = RunResult("FAIL", "crash", code, elapsed_s, hint=(
-                f"the job exited with code {code}{what}: fix the error in the traceback above and rerun"))
+                f"the job exited with code {code}{what}: fix the error its traceback shows in the log and rerun"))
     else:
         signum = -(code if code is not None else -signal.SIGKILL)
         oom, why = _host_oom(sup) if signum == signal.SIGKILL else (False, "")

@@ -59,6 +59,17 @@ def parse_losses(line: bytes) -> list[tuple[int | None, float]]:
     return found
 
 
+class LineState:
+    """Whether the job's output last left the guard's stderr in the middle of a line (a progress bar redrawn with
+    ``\\r``); the guard's own log lines then start on a new line, so that they stay greppable as ``^[guard]``."""
+
+    mid_line = False
+
+
+#: The state of the guard's stderr, shared by the supervisor (which writes the job's stderr) and the log handler.
+STDERR = LineState()
+
+
 @dataclass
 class OutputEvents:
     """What the job's output said (accumulated over the run).

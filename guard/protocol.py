@@ -37,6 +37,7 @@ __all__ = [
     "ENV_CHECK_EVERY",
     "ENV_PKG_ROOT",
     "ENV_RESUME_PATH",
+    "ENV_RESUME_STEP",
     "ENV_SANITY_STEPS",
     "ENV_SOCKET",
     "MAX_MESSAGE_BYTES",
@@ -53,6 +54,8 @@ ENV_SANITY_STEPS = "GUARD_AGENT_SANITY_STEPS"
 ENV_CHECK_EVERY = "GUARD_AGENT_CHECK_EVERY"
 #: A checkpoint folder the job should resume from (set by ``--resume``).
 ENV_RESUME_PATH = "GUARD_AGENT_RESUME_PATH"
+#: The training step of that checkpoint: a plain loop's ``.backward()`` count continues from it.
+ENV_RESUME_STEP = "GUARD_AGENT_RESUME_STEP"
 #: The folder holding the ``guard`` package, appended to ``sys.path`` by the agent's ``sitecustomize``.
 ENV_PKG_ROOT = "GUARD_AGENT_PKG_ROOT"
 

@@ -376,4 +376,4 @@ class Securing:
             if not secured:
                 result.hint = "no checkpoint was secured within --grace: save more often or raise --grace"
         if secured:
-            result.hint = f"resume from {self.result.pushed} (python -m guard --resume on ...)"
+            result.hint = f"the next run resumes from it: python -m guard --resume on --push-to {self.result.destination} ..."

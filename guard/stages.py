@@ -136,7 +136,19 @@ def _securer_factory(environ: Mapping[str, str]) -> Any:
     return make
 
 
-def _resume(config: Config, securer: Any, deadline: budget.Deadline, platform: PlatformInfo) -> tuple[str | None, Any]:
+def _resume_folder(config: Config, report: Any) -> str:
+    """Where a fetched checkpoint goes: ``--output-dir``, else the script's literal ``output_dir=`` (read by
+    preflight, never by running the script), else ``./guard-resume``. A Trainer resumes from any folder."""
+    if config.output_dir:
+        return str(config.output_dir)
+    facts = getattr(report, "facts", None)
+    literal = (getattr(facts, "trainer_config", None) or {}).get("output_dir") if facts is not None else None
+    if isinstance(literal, str) and literal:
+        return literal
+    return "guard-resume"
+
+
+def _resume(config: Config, securer: Any, report: Any, platform: PlatformInfo) -> tuple[str | None, Any]:
     """Fetch ``DEST/last-checkpoint`` when resuming; returns (folder or None, fetched info or None).
 
     Raises:
@@ -155,11 +167,9 @@ def _resume(config: Config, securer: Any, deadline: budget.Deadline, platform: P
     if securer is None:
         raise PreflightError("--resume needs a destination to fetch from", check="resume",
                              hint="pass --push-to DEST (the same as the run that secured the checkpoint)")
-    if not config.output_dir:
-        raise PreflightError("--resume needs --output-dir: the folder the job reads checkpoints from",
-                             check="resume", hint="pass --output-dir, the job's output folder")
+    folder = _resume_folder(config, report)
     try:
-        fetched = securer.fetch_last_checkpoint(config.output_dir, deadline=time.monotonic() + 900)
+        fetched = securer.fetch_last_checkpoint(folder, deadline=time.monotonic() + 900)
     except GuardError as exc:
         if mode == "if-valid":
             log.warning("the secured checkpoint is not usable (%s): starting fresh (--resume if-valid)", exc.message)
@@ -187,7 +197,7 @@ def run_job(config: Config, masker: Masker, started: float) -> RunResult:
         report = _run_preflight(config, deadline, platform)
         if report is not None and report.failed is not None:
             return _preflight_failed(report, started)
-        resume_path, fetched = _resume(config, securer, deadline, platform)
+        resume_path, fetched = _resume(config, securer, report, platform)
     if early.received:
         signum = early.received[0]
         log.warning("%s received before the job started: not starting it", signal_name(signum))
@@ -199,9 +209,15 @@ def run_job(config: Config, masker: Masker, started: float) -> RunResult:
         limits = {"floor_s": min(60.0, 0.25 * deadline.timeout_s), "max_margin_s": 0.5 * deadline.timeout_s}
     estimator = budget.MarginEstimator(fixed_margin_s=config.margin_s, log_changes=deadline.deadline_s is not None,
                                        **limits)
+    if fetched is not None:  # a verified checkpoint: the size for the margin, and a fallback to secure
+        from guard.checkpoints import describe
+
+        estimator.observe_size(fetched.size_bytes)
     securing = Securing(deadline=deadline, estimator=estimator, securer=securer, securer_factory=factory,
                         output_dir=config.output_dir, grace_s=config.grace_s,
                         refresher=_slurm_refresher(config, platform))
+    if fetched is not None:
+        securing.latest_reported = describe(fetched.path, step=fetched.step)
     gpus = report.gpus if report is not None else None
 
     def trainer_check(trainer_config: Mapping[str, Any]) -> list[Any]:
@@ -215,6 +231,7 @@ def run_job(config: Config, masker: Masker, started: float) -> RunResult:
         from guard import protocol
 
         env_extra[protocol.ENV_RESUME_PATH] = resume_path
+        env_extra[protocol.ENV_RESUME_STEP] = str(fetched.step or 0)
     supervisor = Supervisor(config, masker=masker, securer=securing, trainer_config_check=trainer_check,
                             env_extra=env_extra, heartbeat=_heartbeat(config, masker, securing))
     result = supervisor.run()

@@ -27,7 +27,7 @@ from guard import protocol
 from guard.channel import AgentChannel, AgentConn
 from guard.config import Config
 from guard.masking import Masker
-from guard.output import OutputEvents, StreamFilter
+from guard.output import STDERR, OutputEvents, StreamFilter
 from guard.process import JobProcess, cgroup_memory, default_signals, set_subreaper
 from guard.timers import Escalation, StallWatch
 from guard.verdict import (
@@ -127,6 +127,7 @@ class Supervisor:
         self.primary_agent: int | None = None
         self.rank_progress: dict[int, tuple[int, float]] = {}  # rank -> (last step, when)
         self.seen_node_rank: int | None = None
+        self.agents_seen = 0  # agents that said hello (connections close when their process ends)
         self.rank_begun: dict[int, int] = {}  # rank -> steps begun, from the answers to a stack dump
         self.last_exception: str | None = None
         self.cuda_oom = False
@@ -199,7 +200,7 @@ class Supervisor:
         self._sel.register(self._wakeup_r, selectors.EVENT_READ, "wakeup")
         env = self._job_env(sock_path)
         self.job = JobProcess(self.config.command, env, **({"spawner": self.spawner} if self.spawner else {}))
-        if self.securer is not None and self.securer.output_dir:
+        if self.securer is not None and self.securer.output_dir and self.securer.latest_reported is None:
             found = None
             try:
                 from guard.checkpoints import newest_complete
@@ -464,6 +465,8 @@ class Supervisor:
     def _write(self, fd: int, data: bytes) -> None:
         if not data or (fd == self.out_fd and self._closed_out):
             return
+        if fd == self.err_fd:
+            STDERR.mid_line = not data.endswith(b"\n")
         view = memoryview(data)
         while view:
             try:
@@ -504,6 +507,7 @@ class Supervisor:
         now = self.clock()
         if kind == "hello":
             conn.info = message
+            self.agents_seen += 1
             if message.get("node_rank") is not None and self.seen_node_rank is None:
                 self.seen_node_rank = int(message["node_rank"])
             log.debug("agent connected: pid %s rank %s", message.get("pid"), message.get("rank"))
@@ -588,16 +592,17 @@ class Supervisor:
         rank = self.agents[fd].info.get("rank") if fd is not None and fd in self.agents else None
         if not finite or not math.isfinite(value):
             if self.outcome is None:
-                self.step = int(step) if step is not None else self.step
+                self.step = int(step) if step is not None else (self.step or 0) + n
                 self.loss = value
                 where = f"step {self.step}" if n == 1 else f"steps {int(step) - n + 1}..{step}"
                 phase = "sanity pass" if not self.sanity_done else "training"
                 log.error("non-finite loss %s at %s (%s)%s", value, where, phase,
                           f" on rank {rank}" if rank is not None else "")
                 extra = {"rank": rank} if rank is not None else {}
+                batches = f"the batch of step {self.step}" if n == 1 else f"the batches of {where}"
                 self._decide(Outcome("FAIL", "non_finite_loss", EXIT_NON_FINITE, extra=extra, hint=(
                     "lower the learning rate or add warmup, clip gradients (max_grad_norm), prefer bf16 over fp16, "
-                    f"and check the batch at step {self.step} for empty or corrupt inputs")))
+                    f"and check {batches} for empty or corrupt inputs")))
             return
         if rank is not None and step is not None:
             self.rank_progress[int(rank)] = (int(step), now)

@@ -57,6 +57,7 @@ def test_custom_loop_resumes_through_resume_path(tmp_path: Path) -> None:
     assert second.returncode == 0, second.stderr[-3000:]
     assert f"at step {step}" in second.stdout
     assert "resumed_from=" in second.verdict
+    assert second.fields()["step"] == str(step + 5)  # the .backward() count continues from the checkpoint
 
 
 @pytest.mark.hub

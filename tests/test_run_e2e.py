@@ -119,6 +119,7 @@ def test_command_printing_a_nan_loss() -> None:
     assert_one_verdict(run)
     assert run.returncode == 4
     assert run.fields()["reason"] == "non_finite_loss"
+    assert run.fields()["step"] == "2"  # the second printed loss, counted from 1
 
 
 @pytest.mark.parametrize(

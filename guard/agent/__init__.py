@@ -121,6 +121,7 @@ class Agent:
         self.checkpoint_request: dict[str, Any] | None = None
         self.stop_requested = False
         self.watch = LossWatch(self, settings.sanity_steps, settings.check_every)
+        self.watch.step = settings.resume_step  # a resumed plain loop counts on from the checkpoint's step
         self._sock: socket.socket | None = None
         self._lock = threading.Lock()
         self._acked = threading.Event()
