@@ -85,6 +85,7 @@ class Securing:
         self.none_found = False
         self.last_step_at: float | None = None
         self.at_step: int | None = None
+        self.follower = False  # a machine other than node 0 that waits for node 0's checkpoint
         self.saved_ranks: dict[Any, set[int]] = {}
         self._seen: set[tuple[str, str]] = set()
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="guard-push")
@@ -233,15 +234,24 @@ class Securing:
             log.warning("%s received: securing a checkpoint within --grace %.0fs", signal_name(signum or 0),
                         self.grace_s)
         job_alive = sup.job is not None and sup.job.returncode is None
+        if job_alive and sup.follows_node_0:
+            self.follower = True
+            log.info("node %s: node 0's guard asks for the checkpoint (through the job's store); waiting for the "
+                     "job to save and end", sup.node_rank)
+            self._finish(sup, now)
+            return
         if job_alive and sup.agents:
             request: dict[str, Any] = {"t": "checkpoint", "stop": True}
             ranks = sup.training_ranks()
-            if len(ranks) > 1:
+            world_size = max((c.info.get("world_size") or 1 for c in sup.agents.values()), default=1)
+            if len(ranks) > 1 or world_size > 1:
                 # Collective saves (DDP, FSDP, DeepSpeed) deadlock unless every rank saves at the same step: name a
                 # step ahead of every rank (the supervisor hears of steps every --check-every steps at most).
-                ahead = max(step for step, _ in sup.rank_progress.values()) + sup.config.check_every + 2
+                # Ranks on other machines read node 0's request from the store every --check-every steps.
+                every = sup.config.check_every
+                ahead = max(step for step, _ in sup.rank_progress.values()) + 2 * every + 2
                 request["at_step"] = self.at_step = ahead
-                log.info("%d ranks: each saves at step %d", len(ranks), ahead)
+                log.info("%d ranks: each saves at step %d", max(len(ranks), world_size), ahead)
             sent = sup.broadcast(request)
             self.requested = sent > 0
         if self.requested:
@@ -332,7 +342,8 @@ class Securing:
         """Securing is over: the job was asked to stop; it may end on its own until shortly before the kill."""
         self.done = True
         if sup.job is not None and sup.job.alive():
-            sup.broadcast({"t": "stop"})
+            if not self.follower:  # a follower's ranks stop at node 0's checkpoint step, not before
+                sup.broadcast({"t": "stop"})
             end = self.secure_by - STOP_BEFORE_S if math.isfinite(self.secure_by) else now + self.grace_s
             sup.stop_at = max(now, end)
             sup.stop_grace_s = 1.0
@@ -377,3 +388,5 @@ class Securing:
                 result.hint = "no checkpoint was secured within --grace: save more often or raise --grace"
         if secured:
             result.hint = f"the next run resumes from it: python -m guard --resume on --push-to {self.result.destination} ..."
+        elif self.follower:
+            result.hint = "the guard of node 0 secures the checkpoint of every rank: see its VERDICT"

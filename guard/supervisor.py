@@ -390,6 +390,12 @@ class Supervisor:
             return min(self.rank_progress, key=lambda r: self.rank_progress[r][1])
         return min(steps, key=lambda r: (steps[r], r))
 
+    @property
+    def follows_node_0(self) -> bool:
+        """On a machine other than node 0 whose ranks share torch.distributed's store: node 0's guard decides
+        checkpoints (its rank 0 relays them through the store, see ``guard.agent._dist``); this guard only waits."""
+        return self.node_rank not in (None, 0) and any(c.info.get("store") for c in self.agents.values())
+
     def training_ranks(self) -> set[int]:
         """Ranks that reported training steps."""
         return set(self.rank_progress)
@@ -531,6 +537,9 @@ class Supervisor:
             self.trainer_push = message
             if not message.get("ok"):
                 log.error("the Trainer's background push to the Hub failed: %s", message.get("error"))
+        elif kind == "dist":
+            conn.info.update(store=bool(message.get("store")), global_rank=message.get("global_rank"),
+                             world_size=message.get("world_size"))
         elif kind == "progress":
             self._on_progress(conn, message)
         elif kind == "train_end":

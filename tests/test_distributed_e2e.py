@@ -148,3 +148,34 @@ def test_protect_reruns_a_script_under_the_guard(tmp_path: Path) -> None:
     assert last.startswith("VERDICT: FAIL reason=non_finite_loss exit=4") and "step=2" in last
     assert "step 1 argv=['--flag', 'x']" in proc.stdout
     assert proc.stdout.count("VERDICT:") == 1
+
+
+def test_two_nodes_at_the_deadline_save_at_one_step_and_node_0_secures(tmp_path: Path) -> None:
+    port = free_port()
+    dest = tmp_path / "dest"
+    runs = []
+    for node in (0, 1):
+        out = tmp_path / f"out{node}"
+        runs.append(start_guard([*FAST, "--grace", "20s", "--timeout", "35s", "--margin", "12s", "--push-to",
+                                 str(dest), "--output-dir", str(out), "--", TORCHRUN, "--nnodes", "2", "--node-rank",
+                                 str(node), "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port",
+                                 str(port), str(JOBS / "ddp_trainer.py"), "--output-dir", str(out), "--step-s",
+                                 "0.05"]))
+    results = []
+    try:
+        for proc in runs:
+            stdout, stderr = proc.communicate(timeout=150)
+            results.append((proc.returncode, stdout, stderr))
+    finally:
+        for proc in runs:
+            kill_quietly(proc)
+    (rc0, out0, err0), (rc1, out1, err1) = results
+    verdict0, verdict1 = out0.strip().splitlines()[-1], out1.strip().splitlines()[-1]
+    assert rc0 == 75, (err0 + err1)[-4000:]
+    assert "TIMEOUT reason=deadline" in verdict0 and "node=0" in verdict0 and "secured=yes" in verdict0
+    assert "TIMEOUT reason=deadline" in verdict1 and "node=1" in verdict1 and "pushed=" not in verdict1
+    saves = re.findall(r"rank (\d): saved at step (\d+)", out0 + out1)
+    steps = {rank: int(step) for rank, step in saves}
+    assert set(steps) == {"0", "1"} and steps["0"] == steps["1"], saves
+    state = json.loads((dest / "last-checkpoint" / "trainer_state.json").read_text())
+    assert state["global_step"] == steps["0"]

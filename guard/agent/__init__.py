@@ -126,6 +126,9 @@ class Agent:
         self._lock = threading.Lock()
         self._acked = threading.Event()
         self._closed = threading.Event()
+        from guard.agent._dist import DistRelay
+
+        self.relay = DistRelay(self)
 
     # -- channel ------------------------------------------------------------------------------------------------
 
@@ -187,6 +190,8 @@ class Agent:
                 self._acked.set()
             elif kind == "checkpoint":
                 self.checkpoint_request = message
+                self.relay.handled.add((message.get("at_step"), message.get("stop")))
+                self.relay.publish(message)
             elif kind == "stop":
                 self.stop_requested = True
             elif kind == "dump":
@@ -194,6 +199,10 @@ class Agent:
                 # How far this rank got: a rank blocked outside a collective has begun fewer steps than the
                 # ranks waiting for it inside one.
                 self.send({"t": "progress", "begun": self.begun, "step": self.watch.step})
+
+    def warn(self, text: str) -> None:
+        """One ``[guard] agent:`` line on stderr, once per text."""
+        _warn_once(text)
 
     def wait_stop(self, timeout_s: float = 10.0) -> None:
         """After a non-finite loss: wait (bounded) for the supervisor's SIGTERM, so that the job does not train on.
@@ -214,6 +223,9 @@ class Agent:
         self.watch.observe(loss, step, source)
 
     def checkpoint_due(self) -> bool:
+        if not self.relay.probed:
+            self.relay.probe()
+        self.relay.poll(self.watch.count, self.settings.check_every)
         request = self.checkpoint_request
         if request is None:
             return False

@@ -1,0 +1,76 @@
+"""One checkpoint step for every rank of a multi-machine job, through torch.distributed's own store.
+
+Each machine has its own guard, and only node 0's guard decides when to checkpoint. Its request (with a step
+chosen ahead, ``at_step``) reaches global rank 0, which writes it into the job's key-value store (the
+``TCPStore`` torchrun sets up; ``torch.distributed.distributed_c10d._get_default_store()``); every rank checks the
+store every ``check_every`` steps (``Store.check``, a non-blocking round trip) and adopts the request, so all
+ranks save at the same step and collective saves do not deadlock. Without an initialized process group, or when
+the store cannot be reached, nothing happens here and each machine's guard asks its own ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+__all__ = ["KEY", "DistRelay"]
+
+KEY = "jobguard/checkpoint"
+
+
+class DistRelay:
+    """Relays checkpoint requests between ranks through the job's store (see the module docstring)."""
+
+    def __init__(self, agent: Any) -> None:
+        self.agent = agent
+        self.store: Any = None
+        self.rank: int | None = None
+        self.probed = False
+        self.next_poll = 0
+        self.handled: set[Any] = set()
+
+    def probe(self) -> None:
+        """Find the store once the job has initialized torch.distributed (cheap until then)."""
+        if self.probed:
+            return
+        dist = sys.modules.get("torch.distributed")
+        if dist is None or not dist.is_available() or not dist.is_initialized():
+            return
+        self.probed = True
+        world_size = None
+        try:
+            self.rank, world_size = dist.get_rank(), dist.get_world_size()
+            if world_size > 1:
+                self.store = dist.distributed_c10d._get_default_store()
+        except Exception:  # a private API: without it, each machine's guard asks its own ranks
+            self.store = None
+        self.agent.send({"t": "dist", "store": self.store is not None, "global_rank": self.rank,
+                         "world_size": world_size})
+
+    def publish(self, request: dict[str, Any]) -> None:
+        """On global rank 0: put the guard's request where every rank will see it."""
+        if self.store is None or self.rank != 0:
+            return
+        try:
+            self.store.set(KEY, json.dumps(request))
+        except Exception as exc:
+            self.store = None
+            self.agent.warn(f"cannot pass the checkpoint request to the other ranks: {exc!r}")
+
+    def poll(self, count: int, every: int) -> None:
+        """Every ``every`` steps: adopt a request rank 0 published (once per request)."""
+        if self.store is None or count < self.next_poll:
+            return
+        self.next_poll = count + every
+        try:
+            if not self.store.check([KEY]):
+                return
+            request = json.loads(self.store.get(KEY))
+        except Exception:
+            return
+        marker = (request.get("at_step"), request.get("stop"))
+        if marker in self.handled or self.agent.checkpoint_request is not None:
+            return
+        self.handled.add(marker)
+        self.agent.checkpoint_request = request
