@@ -455,7 +455,6 @@ def test_folder_fetch_refuses_a_corrupt_copy_and_empty_is_none(tmp_path):
 
 @pytest.mark.hub
 def test_a_push_logs_its_progress_in_bytes(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    import logging
 
     from guard import hub as hub_module
 

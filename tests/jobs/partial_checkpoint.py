@@ -26,7 +26,7 @@ for name in os.listdir(done):
 partial = os.path.join(args.output_dir, "checkpoint-20")
 os.makedirs(partial, exist_ok=True)
 print("step=10 loss=0.5", flush=True)
-for i in range(10000):
+for _ in range(10000):
     with open(os.path.join(partial, "model.bin"), "ab") as handle:
         handle.write(b"partial" * 100)
     time.sleep(0.1)
