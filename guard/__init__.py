@@ -77,11 +77,30 @@ def checkpoint_saved(path: str | os.PathLike[str], step: int | None = None) -> N
     """Tell the guard a complete checkpoint now lies at ``path`` (a folder), saved at ``step``.
 
     The guard copies it to the destination (``--push-to``) and verifies it. Call it only after every file of
-    the checkpoint is written and closed. Without a supervisor this does nothing.
+    the checkpoint is written and closed. A folder without a Trainer state file gets a small marker,
+    ``guard_checkpoint.json`` (``{"step": N}``), so that it also counts as complete later (when the guard must
+    secure the newest checkpoint on disk). Without a supervisor this does nothing.
     """
     agent = _agent.get()
     if agent is not None:
-        agent.checkpoint_done(os.fspath(path), step if step is not None else agent.watch.step)
+        step = step if step is not None else agent.watch.step
+        _mark_complete(os.fspath(path), step)
+        agent.checkpoint_done(os.fspath(path), step)
+
+
+def _mark_complete(path: str, step: int | None) -> None:
+    import json
+
+    marker = os.path.join(path, "guard_checkpoint.json")
+    if not os.path.isdir(path) or os.path.exists(marker) or os.path.exists(os.path.join(path, "trainer_state.json")):
+        return
+    try:
+        tmp = marker + ".tmp"
+        with open(tmp, "w") as handle:
+            json.dump({"step": step}, handle)
+        os.replace(tmp, marker)
+    except OSError:
+        pass  # a read-only folder: the report alone still counts
 
 
 def should_stop() -> bool:

@@ -444,3 +444,16 @@ def test_a_nan_in_the_last_steps_before_a_normal_exit_is_caught() -> None:
                      "--nan-at", "7"])
     assert run.returncode == 4, run.verdict
     assert run.fields()["reason"] == "non_finite_loss"
+
+
+def test_checkpoint_saved_marks_a_plain_folder_complete(tmp_path, monkeypatch) -> None:
+    from guard import _mark_complete
+    from guard.checkpoints import newest_complete
+
+    folder = tmp_path / "checkpoint-12"
+    folder.mkdir()
+    (folder / "model.pt").write_bytes(b"weights")
+    assert newest_complete(tmp_path, now_s=1e12) is None  # no state file: not complete
+    _mark_complete(str(folder), 12)
+    found = newest_complete(tmp_path, now_s=1e12)
+    assert found is not None and found.step == 12
