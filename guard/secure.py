@@ -142,6 +142,10 @@ class Securing:
         """Start securing on a termination signal; False lets the supervisor forward the signal instead."""
         if signum == signal.SIGHUP or (self.securer is None and self.trigger is None):
             return False
+        if self.final:  # the job ended well and its final model is being pushed: finish that, bounded as it is
+            log.warning("%s received during the final push: finishing it (it ends by %.0fs from now at most)",
+                        signal_name(signum), max(0.0, self.secure_by - now))
+            return True
         if self.trigger is None:
             if sup.outcome is not None:
                 return False
