@@ -209,26 +209,6 @@ def _emit_verdict(result: RunResult, masker: Masker, report: str | None) -> int:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-class EarlySignals:
-    """Flags for termination signals that arrive before the job starts (preflight, resume)."""
-
-    def __init__(self) -> None:
-        self.received: list[int] = []
-        self._old: dict[int, Any] = {}
-
-    def __enter__(self) -> EarlySignals:
-        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP):
-            try:
-                self._old[signum] = signal.signal(signum, lambda s, f: self.received.append(s))
-            except ValueError:
-                break
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for signum, handler in self._old.items():
-            signal.signal(signum, handler)
-
-
 def _run(config: Config, masker: Masker, started: float) -> RunResult:
     from guard.stages import run_job
 

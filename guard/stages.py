@@ -8,6 +8,7 @@ supervisor runs the job, and its ``RunResult`` comes back. ``preflight_only`` is
 from __future__ import annotations
 
 import logging
+import signal
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -22,6 +23,26 @@ from guard.verdict import EXIT_PREFLIGHT, RunResult, signal_name
 __all__ = ["preflight_only", "resolve_budget", "run_job"]
 
 log = logging.getLogger("guard.stages")
+
+
+class EarlySignals:
+    """Flags for termination signals that arrive before the job starts (preflight, resume)."""
+
+    def __init__(self) -> None:
+        self.received: list[int] = []
+        self._old: dict[int, Any] = {}
+
+    def __enter__(self) -> EarlySignals:
+        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP):
+            try:
+                self._old[signum] = signal.signal(signum, lambda s, f: self.received.append(s))
+            except ValueError:
+                break
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for signum, handler in self._old.items():
+            signal.signal(signum, handler)
 
 
 def resolve_budget(config: Config, platform: PlatformInfo) -> budget.Deadline:
@@ -185,7 +206,6 @@ def _resume(config: Config, securer: Any, report: Any, platform: PlatformInfo) -
 
 def run_job(config: Config, masker: Masker, started: float) -> RunResult:
     """Budget, preflight, resume, the supervised job. Raises ``GuardError`` subclasses for the CLI's boundary."""
-    from guard.cli import EarlySignals
     from guard.secure import Securing
     from guard.supervisor import Supervisor
 

@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
-    from guard.preflight.gpu import GpuInfo
     from guard.preflight.script import ScriptFacts
 
 Status = Literal["pass", "warn", "fail", "n/a"]
@@ -115,3 +114,28 @@ class PreflightReport:
     def to_json(self) -> list[dict[str, Any]]:
         """The rows as JSON-ready dicts (``name``, ``status``, ``seen``, ``hint``), for the ``--report`` file."""
         return [row.to_dict() for row in self.results]
+
+
+@dataclass(frozen=True)
+class GpuInfo:
+    """One GPU the job will see.
+
+    Attributes:
+        index: NVML's index of the device (not necessarily CUDA's ordinal).
+        name: the product name, e.g. ``"NVIDIA H200"``.
+        uuid: ``GPU-...`` UUID.
+        compute_capability: ``(major, minor)``, or None when NVML could not tell.
+        memory_total_bytes: total device memory in bytes, or None.
+    """
+
+    index: int
+    name: str
+    uuid: str
+    compute_capability: tuple[int, int] | None = None
+    memory_total_bytes: int | None = None
+
+    @property
+    def cc_text(self) -> str:
+        """``"8.0"``, or ``"unknown"``."""
+        cc = self.compute_capability
+        return f"{cc[0]}.{cc[1]}" if cc else "unknown"

@@ -20,11 +20,10 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from guard.preflight._common import fmt_bytes, one_line
-from guard.preflight._models import CheckResult, PreflightOptions
+from guard.preflight._models import GpuInfo, CheckResult, PreflightOptions
 
 __all__ = ["GpuInfo", "check_gpus", "parse_visible_devices"]
 
@@ -45,31 +44,6 @@ _THROTTLE_BITS = {
     0x40: "hardware thermal slowdown",
     0x80: "hardware power brake",
 }
-
-
-@dataclass(frozen=True)
-class GpuInfo:
-    """One GPU the job will see.
-
-    Attributes:
-        index: NVML's index of the device (not necessarily CUDA's ordinal).
-        name: the product name, e.g. ``"NVIDIA H200"``.
-        uuid: ``GPU-...`` UUID.
-        compute_capability: ``(major, minor)``, or None when NVML could not tell.
-        memory_total_bytes: total device memory in bytes, or None.
-    """
-
-    index: int
-    name: str
-    uuid: str
-    compute_capability: tuple[int, int] | None = None
-    memory_total_bytes: int | None = None
-
-    @property
-    def cc_text(self) -> str:
-        """``"8.0"``, or ``"unknown"``."""
-        cc = self.compute_capability
-        return f"{cc[0]}.{cc[1]}" if cc else "unknown"
 
 
 def parse_visible_devices(text: str | None) -> list[str] | None:
