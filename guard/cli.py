@@ -161,7 +161,7 @@ def _setup_logging(masker: Masker, environ: Mapping[str, str]) -> None:
     handler.setFormatter(_MaskingFormatter(masker))
     logger.addHandler(handler)
     level = log_level(environ)
-    logger.setLevel(level if level in logging.getLevelNamesMapping() else "INFO")
+    logger.setLevel(level if isinstance(logging.getLevelName(level), int) else "INFO")
     logger.propagate = False
 
 
