@@ -29,6 +29,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
+from guard.config import format_duration_s
 from guard.errors import BudgetError, UsageError
 
 __all__ = [
@@ -52,17 +53,6 @@ CLOCK_SKEW_S = 60.0
 #: Slurm sets the end of an UNLIMITED job to start + 365 days; past start + 364 days means "no limit".
 SLURM_UNLIMITED_AFTER_S = 364 * 86400.0
 _MB = 1e6
-
-
-def format_duration_s(seconds: float) -> str:
-    """Render seconds for a human: ``7200`` -> ``"2h"``, ``5400`` -> ``"1h30m"``, ``45`` -> ``"45s"``."""
-    total = int(round(max(0.0, seconds)))
-    parts = []
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60), ("s", 1)):
-        if total >= size:
-            parts.append(f"{total // size}{unit}")
-            total %= size
-    return "".join(parts) or "0s"
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ __all__ = [
     "agent_settings",
     "debug_enabled",
     "env_name",
+    "format_duration_s",
     "log_level",
     "parse_duration",
     "parse_size",
@@ -164,11 +165,19 @@ class Option:
         return "--" + self.name.replace("_", "-")
 
 
-def _format_s(seconds: float) -> str:
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
-        if seconds >= size and seconds % size == 0:
-            return f"{int(seconds // size)}{unit}"
-    return f"{seconds:g}s"
+def format_duration_s(seconds: float) -> str:
+    """Render seconds for a human: ``7200`` -> ``"2h"``, ``5400`` -> ``"1h30m"``, ``45`` -> ``"45s"``,
+    ``0.5`` -> ``"0.5s"`` (under a minute a fraction is kept; negative values count as 0)."""
+    seconds = max(0.0, float(seconds))
+    if seconds < 60 and seconds != int(seconds):
+        return f"{seconds:g}s"
+    total = int(round(seconds))
+    parts = []
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60), ("s", 1)):
+        if total >= size:
+            parts.append(f"{total // size}{unit}")
+            total %= size
+    return "".join(parts) or "0s"
 
 
 def env_name(option_name: str) -> str:
@@ -221,7 +230,6 @@ OPTIONS: tuple[Option, ...] = (
            _parse_text, "PROJECT"),
 )
 
-OPTIONS_BY_NAME: Mapping[str, Option] = {o.name: o for o in OPTIONS}
 
 
 @dataclass(frozen=True)
@@ -276,7 +284,7 @@ class Config:
             elif value is None:
                 text = "auto" if opt.name == "margin" else "-"
             elif opt.metavar and opt.metavar.startswith("DURATION") and isinstance(value, float):
-                text = _format_s(value)
+                text = format_duration_s(value)
             else:
                 text = str(value)
             rows.append((opt.flag, text, self.sources[opt.name]))

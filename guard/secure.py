@@ -76,7 +76,6 @@ class Securing:
         self.requested = False
         self.done = False
         self.future: concurrent.futures.Future[Any] | None = None
-        self.pushing: checkpoints.CheckpointInfo | None = None
         self.final = False
         self.result: Any = None
         self.error: GuardError | None = None
@@ -301,7 +300,6 @@ class Securing:
             log.info("no destination (--push-to): checkpoint %s stays on this machine only", info.path)
             self._finish(sup, self.clock())
             return
-        self.pushing = info
         remaining = self.secure_by - self.clock()
         log.info("securing %s (step %s) at %s, %.0fs left", info.path, info.step, self.securer.destination, remaining)
         self.future = self._pool.submit(self.securer.push_checkpoint, info.path, step=info.step or 0,

@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -67,6 +68,21 @@ def start_guard(args: list[str], *, env: dict[str, str] | None = None, cwd: Path
     """Start ``python -m guard ARGS`` with its output on pipes (for signal tests and streaming checks)."""
     return subprocess.Popen([sys.executable, "-m", "guard", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=guard_env(env), cwd=cwd, start_new_session=True)
+
+
+def signal_when(proc: subprocess.Popen, ready: Path, signum: int, *, settle_s: float = 0.0, wait_s: float = 60.0,
+                timeout_s: float = 60.0) -> tuple[str, str]:
+    """Send ``signum`` to a guard started with ``start_guard`` once ``ready`` exists (and ``settle_s`` later);
+    returns its (stdout, stderr). Whatever happens, nothing is left running."""
+    try:
+        deadline = time.monotonic() + wait_s
+        while not ready.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(settle_s)
+        proc.send_signal(signum)
+        return proc.communicate(timeout=timeout_s)
+    finally:
+        kill_quietly(proc)
 
 
 def pid_alive(pid: int) -> bool:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import JOBS, kill_quietly, pid_alive, run_guard, start_guard
+from conftest import JOBS, pid_alive, run_guard, signal_when, start_guard
 
 pytestmark = pytest.mark.slow
 
@@ -171,15 +171,7 @@ def test_secrets_are_masked_even_when_split_across_reads() -> None:
 def test_sigint_to_the_guard_interrupts_the_job(tmp_path: Path) -> None:
     pid_file = tmp_path / "job.pid"
     proc = start_guard([str(JOBS / "slow_loop.py"), "--pid-file", str(pid_file)])
-    try:
-        deadline = time.monotonic() + 30
-        while not pid_file.exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        time.sleep(0.5)
-        proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=60)
-    finally:
-        kill_quietly(proc)
+    out, err = signal_when(proc, pid_file, signal.SIGINT, settle_s=0.5, wait_s=30)
     last = [line for line in out.splitlines() if line.strip()][-1]
     assert last.startswith("VERDICT: INTERRUPTED reason=signal exit=130"), err
     assert "signal=SIGINT" in last

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import JOBS, REPO, kill_quietly, run_guard, start_guard
+from conftest import JOBS, REPO, kill_quietly, run_guard, signal_when, start_guard
 from tests.hubserver import TOKENS, HubServer
 
 pytestmark = [pytest.mark.slow]
@@ -58,14 +58,7 @@ def test_sigterm_mid_run_secures_a_checkpoint(hub: HubServer, tmp_path: Path) ->
     out = tmp_path / "out"
     proc = start_guard([*FAST, "--push-to", "alice/interrupted", str(JOBS / "slow_trainer.py"), "--output-dir",
                         str(out), "--step-s", "0.05", "--save-steps", "20"], env=hub_env(hub, tmp_path))
-    try:
-        deadline = time.monotonic() + 60
-        while not (out / "checkpoint-20").exists() and time.monotonic() < deadline:
-            time.sleep(0.1)
-        proc.send_signal(signal.SIGTERM)
-        stdout, stderr = proc.communicate(timeout=60)
-    finally:
-        kill_quietly(proc)
+    stdout, stderr = signal_when(proc, out / "checkpoint-20", signal.SIGTERM)
     last = stdout.strip().splitlines()[-1]
     assert proc.returncode == 75, stderr[-3000:]
     assert last.startswith("VERDICT: INTERRUPTED reason=signal exit=75")
@@ -123,15 +116,7 @@ def test_a_partial_checkpoint_is_never_pushed(tmp_path: Path) -> None:
     out, dest = tmp_path / "out", tmp_path / "dest"
     proc = start_guard(["--grace", "6s", "--skip-check", "python=not needed", "--push-to", str(dest),
                         "--output-dir", str(out), str(JOBS / "partial_checkpoint.py"), "--output-dir", str(out)])
-    try:
-        deadline = time.monotonic() + 30
-        while not (out / "checkpoint-20").exists() and time.monotonic() < deadline:
-            time.sleep(0.1)
-        time.sleep(0.5)
-        proc.send_signal(signal.SIGTERM)
-        stdout, stderr = proc.communicate(timeout=60)
-    finally:
-        kill_quietly(proc)
+    stdout, stderr = signal_when(proc, out / "checkpoint-20", signal.SIGTERM, settle_s=0.5, wait_s=30)
     assert proc.returncode == 75, stderr[-3000:]
     assert "checkpoint-20" in stderr and "skipped" in stderr
     assert json.loads((dest / "last-checkpoint" / "trainer_state.json").read_text())["global_step"] == 10

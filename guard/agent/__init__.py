@@ -223,8 +223,6 @@ class Agent:
         self.watch.observe(loss, step, source)
 
     def checkpoint_due(self) -> bool:
-        if not self.relay.probed:
-            self.relay.probe()
         self.relay.poll(self.watch.count, self.settings.check_every)
         request = self.checkpoint_request
         if request is None:

@@ -59,10 +59,14 @@ class DistRelay:
             self.agent.warn(f"cannot pass the checkpoint request to the other ranks: {exc!r}")
 
     def poll(self, count: int, every: int) -> None:
-        """Every ``every`` steps: adopt a request rank 0 published (once per request)."""
-        if self.store is None or count < self.next_poll:
+        """Every ``every`` steps (never per step): find the store once the job has one, then adopt a request
+        rank 0 published (once per request)."""
+        if count < self.next_poll:
             return
         self.next_poll = count + every
+        self.probe()
+        if self.store is None:
+            return
         try:
             if not self.store.check([KEY]):
                 return

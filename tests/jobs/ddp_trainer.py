@@ -3,7 +3,7 @@
 import argparse
 import time
 
-import torch
+from _tiny import Data, Tiny
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 parser = argparse.ArgumentParser()
@@ -12,25 +12,6 @@ parser.add_argument("--max-steps", type=int, default=10000)
 parser.add_argument("--step-s", type=float, default=0.1)
 parser.add_argument("--save-steps", type=int, default=1000)
 args = parser.parse_args()
-
-
-class Tiny(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.linear = torch.nn.Linear(16, 1)
-
-    def forward(self, x, labels=None):
-        return {"loss": torch.nn.functional.mse_loss(self.linear(x).squeeze(-1), labels)}
-
-
-class Data(torch.utils.data.Dataset):
-    def __len__(self):
-        return 100000
-
-    def __getitem__(self, i):
-        g = torch.Generator().manual_seed(i)
-        x = torch.randn(16, generator=g)
-        return {"x": x, "labels": x.sum()}
 
 
 class Slow(TrainerCallback):
@@ -46,6 +27,6 @@ training_args = TrainingArguments(
     save_strategy="steps", save_steps=args.save_steps, report_to="none", use_cpu=True, ddp_backend="gloo",
     disable_tqdm=True, dataloader_num_workers=0,
 )
-trainer = Trainer(model=Tiny(), args=training_args, train_dataset=Data(), callbacks=[Slow()])
+trainer = Trainer(model=Tiny(), args=training_args, train_dataset=Data(100000), callbacks=[Slow()])
 trainer.train()
 trainer.save_model()

@@ -3,7 +3,7 @@
 import argparse
 import time
 
-import torch
+from _tiny import Data, Tiny
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 parser = argparse.ArgumentParser()
@@ -15,25 +15,6 @@ parser.add_argument("--push-to-hub", action="store_true")
 parser.add_argument("--hub-model-id")
 parser.add_argument("--resume", action="store_true")
 args = parser.parse_args()
-
-
-class Tiny(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.linear = torch.nn.Linear(16, 1)
-
-    def forward(self, x, labels=None):
-        return {"loss": torch.nn.functional.mse_loss(self.linear(x).squeeze(-1), labels)}
-
-
-class Data(torch.utils.data.Dataset):
-    def __len__(self):
-        return 4096
-
-    def __getitem__(self, i):
-        g = torch.Generator().manual_seed(i)
-        x = torch.randn(16, generator=g)
-        return {"x": x, "labels": x.sum()}
 
 
 class Slow(TrainerCallback):
@@ -53,7 +34,7 @@ training_args = TrainingArguments(
     save_strategy="steps", save_steps=args.save_steps, report_to="none", learning_rate=1e-2, use_cpu=True,
     disable_tqdm=True, push_to_hub=args.push_to_hub, hub_model_id=args.hub_model_id, seed=0,
 )
-trainer = Trainer(model=Tiny(), args=training_args, train_dataset=Data(), callbacks=[Slow()])
+trainer = Trainer(model=Tiny(), args=training_args, train_dataset=Data(4096), callbacks=[Slow()])
 out = trainer.train(resume_from_checkpoint=True if args.resume else None)
 print(f"trainer finished at step {out.global_step}; steps_this_run={Slow.steps_this_run}", flush=True)
 trainer.save_model()
