@@ -257,6 +257,16 @@ def _swap_in(staging: Path, target: Path) -> Path | None:
     return old
 
 
+def _remove_stale_staging(root: Path) -> None:
+    """Remove ``.last-checkpoint.tmp-<pid>-*`` folders left by a push that was killed (its process is gone)."""
+    import psutil
+
+    for entry in root.glob(f".{CHECKPOINT_FOLDER}.tmp-*"):
+        pid = entry.name[len(f".{CHECKPOINT_FOLDER}.tmp-"):].split("-", 1)[0]
+        if entry.is_dir() and not (pid.isdigit() and psutil.pid_exists(int(pid))):
+            shutil.rmtree(entry, ignore_errors=True)
+
+
 def _step_from_trainer_state(folder: Path) -> int | None:
     try:
         return int(json.loads((folder / "trainer_state.json").read_text())["global_step"])
@@ -290,6 +300,7 @@ class Securer:
                  log: logging.Logger = logger, backoff_s: float = 1.0, max_backoff_s: float = 8.0) -> None:
         self.destination = destination if isinstance(destination, Destination) else parse_destination(destination)
         self._api, self._token = api, token
+        self.token = token  # for worker processes (guard.secure.worker), sent on their stdin
         self._clock, self._sleep, self._log = clock, sleep, log
         self._backoff_s, self._max_backoff_s = backoff_s, max_backoff_s
         self._repo_ready = False
@@ -553,7 +564,8 @@ class Securer:
         assert root is not None
         root.mkdir(parents=True, exist_ok=True)
         target = root / CHECKPOINT_FOLDER
-        staging = Path(tempfile.mkdtemp(prefix=f".{CHECKPOINT_FOLDER}.tmp-", dir=root))
+        _remove_stale_staging(root)
+        staging = Path(tempfile.mkdtemp(prefix=f".{CHECKPOINT_FOLDER}.tmp-{os.getpid()}-", dir=root))
         try:
             sums = {rel: _copy_and_hash(folder / rel, staging / rel) for rel in files}
             manifest = {"step": step, "source": str(folder),
@@ -564,13 +576,14 @@ class Securer:
                 os.fsync(out.fileno())
             for dirpath, _, _ in sorted(os.walk(staging), key=lambda w: -len(w[0])):
                 _fsync_dir(Path(dirpath))
+            # Verified before the swap: a push killed at any point leaves the previous last-checkpoint in place.
+            self._verify_folder(staging, {rel: sums[rel] for rel in files}, exclude={MANIFEST_NAME})
             old = _swap_in(staging, target)
             _fsync_dir(root)
             if old is not None:
                 shutil.rmtree(old, ignore_errors=True)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
-        self._verify_folder(target, {rel: sums[rel] for rel in files}, exclude={MANIFEST_NAME})
         return str(target)
 
     def _folder_push_final(self, folder: Path, files: list[str]) -> str:

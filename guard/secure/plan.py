@@ -20,7 +20,6 @@ The flow (``CONTRACT.md``, "Secured checkpoints"):
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 import math
 import signal
@@ -31,7 +30,7 @@ from typing import Any
 
 from guard.secure import budget
 
-from guard.secure import checkpoints
+from guard.secure import checkpoints, worker
 from guard.errors import GuardError, PushFailedError
 from guard.contract import EXIT_PUSH_FAILED, EXIT_SECURED, EXIT_TIMEOUT_UNSECURED, RunResult, signal_name
 
@@ -77,7 +76,7 @@ class Securing:
         self.wait_save_until: float | None = None
         self.requested = False
         self.done = False
-        self.future: concurrent.futures.Future[Any] | None = None
+        self.future: worker.Handle | None = None
         self.final = False
         self.result: Any = None
         self.error: GuardError | None = None
@@ -89,7 +88,6 @@ class Securing:
         self.follower = False  # a machine other than node 0 that waits for node 0's checkpoint
         self.saved_ranks: dict[Any, set[int]] = {}
         self._seen: set[tuple[str, str]] = set()
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="guard-push")
         if deadline.deadline_s is not None:
             log.info("deadline: %s (%s from now; %s)", time.strftime("%Y-%m-%d %H:%M:%S %Z",
                      time.localtime(deadline.deadline_s)),
@@ -136,7 +134,7 @@ class Securing:
         if self.wait_save_until is not None and now >= self.wait_save_until and self.future is None:
             log.warning("the job did not save a checkpoint in time: securing the newest complete one on disk")
             self._fallback(sup, now)
-        if self.future is not None and self.future.done():
+        if self.future is not None and self.future.poll() is not None:
             self._collect(sup, now)
 
     def on_signal(self, sup: Any, signum: int, now: float) -> bool:
@@ -304,8 +302,9 @@ class Securing:
             return
         remaining = self.secure_by - self.clock()
         log.info("securing %s (step %s) at %s, %.0fs left", info.path, info.step, self.securer.destination, remaining)
-        self.future = self._pool.submit(self.securer.push_checkpoint, info.path, step=info.step or 0,
-                                        deadline=self.secure_by)
+        self.future = worker.start("push_checkpoint", {"local_dir": str(info.path), "step": info.step or 0},
+                                   self.secure_by, destination=str(self.securer.destination),
+                                   token=getattr(self.securer, "token", None), clock=self.clock)
 
     def _push_final(self, sup: Any, now: float) -> None:
         output_dir = self.output_dir
@@ -322,23 +321,24 @@ class Securing:
             bound_s = min(bound_s, self.deadline.deadline_s - self.wall() - SAFETY_S)
         self.secure_by = now + max(bound_s, 5.0)
         log.info("the job ended: securing the final model from %s at %s", output_dir, self.securer.destination)
-        self.future = self._pool.submit(self.securer.push_final, output_dir, deadline=self.secure_by)
+        self.future = worker.start("push_final", {"output_dir": str(output_dir)}, self.secure_by,
+                                   destination=str(self.securer.destination),
+                                   token=getattr(self.securer, "token", None), clock=self.clock)
 
     def _collect(self, sup: Any, now: float) -> None:
-        future, self.future = self.future, None
-        assert future is not None
-        try:
-            self.result = future.result()
-            if self.result.elapsed_s > 0:
-                self.estimator.observe_push(self.result.size_bytes, self.result.elapsed_s)
-            log.info("secured and verified: %s (%d files, %.1f MB in %.1fs)", self.result.pushed,
-                     len(self.result.files), self.result.size_bytes / 1e6, self.result.elapsed_s)
-        except GuardError as exc:
-            self.error = exc
-            log.error("%s", exc.message)
-        except Exception as exc:  # a fault inside the push: reported, never a hang
-            self.error = PushFailedError(f"push failed: {exc!r}", hint="set GUARD_DEBUG=1 and report it")
-            log.error("push failed: %r", exc)
+        handle, self.future = self.future, None
+        assert handle is not None
+        done = handle.poll()
+        assert done is not None
+        if done.ok:
+            self.result = done
+            if done.elapsed_s > 0:
+                self.estimator.observe_push(done.size_bytes, done.elapsed_s)
+            log.info("secured and verified: %s (%d files, %.1f MB in %.1fs)", done.pushed,
+                     len(done.files), done.size_bytes / 1e6, done.elapsed_s)
+        else:
+            self.error = PushFailedError(done.error or "push failed", hint=done.hint)
+            log.error("%s", done.error)
         if not self.final:
             self._finish(sup, now)
 
@@ -358,7 +358,8 @@ class Securing:
 
     def finish(self, sup: Any, result: RunResult) -> None:
         """Fill the result's checkpoint fields, and its exit code for TIMEOUT/INTERRUPTED (75 when secured)."""
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        if self.future is not None:
+            self.future.kill("killed")
         info = self.secured_checkpoint
         if info is not None:
             result.extra["checkpoint"] = str(info.path)
