@@ -350,6 +350,8 @@ class Pusher:
 
 class _JsonLines(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
+        if not record.name.startswith("guard") and record.levelno < logging.WARNING:
+            return  # the HTTP client's request lines and the like: not the guard's log
         try:
             line = json.dumps({"level": record.levelno, "name": record.name, "message": record.getMessage()})
             sys.stderr.write(line + "\n")
@@ -375,8 +377,6 @@ def _child_main() -> int:
     root = logging.getLogger()
     root.handlers[:] = [_JsonLines()]
     root.setLevel(int(request.get("level") or logging.INFO))
-    for noisy in ("httpx", "httpcore", "urllib3", "filelock"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
     from guard.errors import GuardError
     from guard.secure import hub
 
