@@ -205,7 +205,7 @@ def _resume(config: Config, securer: Any, report: Any, platform: PlatformInfo) -
 
 def run_job(config: Config, masker: Masker, started: float) -> RunResult:
     """Budget, preflight, resume, the supervised job. Raises ``GuardError`` subclasses for the CLI's boundary."""
-    from guard.secure.plan import Securing
+    from guard.secure.securing import Securing
     from guard.run.supervisor import Supervisor
 
     platform = detect(config.environ)
@@ -234,7 +234,8 @@ def run_job(config: Config, masker: Masker, started: float) -> RunResult:
         estimator.observe_size(fetched.size_bytes)
     securing = Securing(deadline=deadline, estimator=estimator, securer=securer, securer_factory=factory,
                         output_dir=config.output_dir, grace_s=config.grace_s,
-                        refresher=_slurm_refresher(config, platform))
+                        refresher=_slurm_refresher(config, platform), background=config.background_push,
+                        push_interval_s=config.push_interval)
     if fetched is not None:
         securing.latest_reported = describe(fetched.path, step=fetched.step)
     gpus = report.gpus if report is not None else None
