@@ -200,6 +200,9 @@ class Supervisor:
         self._sel.register(self._wakeup_r, selectors.EVENT_READ, "wakeup")
         env = self._job_env(sock_path)
         self.job = JobProcess(self.config.command, env, **({"spawner": self.spawner} if self.spawner else {}))
+        from guard.secure.worker import RUNNING
+
+        self.job.exclude_pids = RUNNING  # securing workers are the guard's, not the job's
         if self.securer is not None and self.securer.output_dir and self.securer.latest_reported is None:
             found = None
             try:
@@ -542,6 +545,8 @@ class Supervisor:
                              world_size=message.get("world_size"))
         elif kind == "progress":
             self._on_progress(conn, message)
+        elif kind == "api":
+            conn.info["api"] = True  # the script asks for checkpoint requests (guard.should_checkpoint)
         elif kind == "train_end":
             log.debug("training ended at step %s", message.get("step"))
 

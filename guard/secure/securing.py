@@ -107,7 +107,8 @@ class Securing:
     def _can_save(self, sup: Any) -> bool:
         """The job can answer a checkpoint request: a Trainer, or a script that reported a save itself."""
         job_alive = sup.job is not None and sup.job.returncode is None
-        return job_alive and bool(sup.agents) and (sup.trainer_config is not None or bool(sup.checkpoints))
+        return job_alive and bool(sup.agents) and (sup.trainer_config is not None or bool(sup.checkpoints) or any(
+            c.info.get("api") for c in sup.agents.values()))
 
     def _check_node(self, sup: Any) -> None:
         if self._node_checked or self.plan.pusher is None:

@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass, field, is_dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["OPS", "Handle", "Pusher", "WorkResult", "run_bounded", "start"]
+__all__ = ["OPS", "RUNNING", "Handle", "Pusher", "WorkResult", "run_bounded", "start"]
 
 log = logging.getLogger("guard.secure.worker")
 
@@ -44,6 +44,8 @@ OPS = ("push_checkpoint", "push_final", "fetch_last_checkpoint")
 #: The child stops its own retries this long before the deadline, so that it can still report why.
 CHILD_EARLIER_S = 0.5
 POLL_S = 0.1  # how often run_bounded polls
+#: Pids of the workers running now (the supervisor never counts them as the job's processes).
+RUNNING: set[int] = set()
 _RESULT = "RESULT "
 
 
@@ -142,6 +144,7 @@ class Handle:
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.proc, self.op, self.deadline, self.clock = proc, op, deadline, clock
         self.started = clock()
+        RUNNING.add(proc.pid)
         self.result: WorkResult | None = None
         self._buffers: dict[int, bytes] = {}
         self._payload: dict[str, Any] | None = None
@@ -236,6 +239,7 @@ class Handle:
         return self.result
 
     def _close(self) -> None:
+        RUNNING.discard(self.proc.pid)
         for pipe in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
             if pipe is not None:
                 with contextlib.suppress(OSError):

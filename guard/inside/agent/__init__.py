@@ -119,6 +119,7 @@ class Agent:
         self.backward_hook = True  # off once a Trainer or guard.report() provides the losses
         self.begun = 0  # steps (or micro-batches) this process has begun: a cheap counter, never sent per step
         self.checkpoint_request: dict[str, Any] | None = None
+        self.api_announced = False  # the "api" message was sent (the script calls guard.should_checkpoint)
         self.stop_requested = False
         self.watch = LossWatch(self, settings.sanity_steps, settings.check_every)
         self.watch.step = settings.resume_step  # a resumed plain loop counts on from the checkpoint's step
@@ -223,6 +224,8 @@ class Agent:
         self.watch.observe(loss, step, source)
 
     def checkpoint_due(self) -> bool:
+        if not self.api_announced:  # the script asks for checkpoint requests: the guard may ask it to save
+            self.api_announced = self.send({"t": "api", "call": "should_checkpoint"})
         self.relay.poll(self.watch.count, self.settings.check_every)
         request = self.checkpoint_request
         if request is None:
