@@ -7,10 +7,18 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-
 from fakes import FakeClock, FakePusher, ckpt
+
 from guard.secure.budget import MarginEstimator
-from guard.secure.plan import SAFETY_S, Decide, ForwardSignal, Plan, RequestSave, State, StopJob
+from guard.secure.plan import (
+    SAFETY_S,
+    Decide,
+    ForwardSignal,
+    Plan,
+    RequestSave,
+    State,
+    StopJob,
+)
 
 
 def make(clock: FakeClock, pusher: FakePusher | None, *, deadline_at: float | None = 1000.0, grace_s: float = 30.0,

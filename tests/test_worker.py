@@ -10,8 +10,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
 from conftest import pid_alive
+
 from guard.secure import worker
 
 

@@ -8,8 +8,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import JOBS, kill_quietly, run_guard, start_guard
+
 from tests.hubserver import TOKENS, HubServer
 
 pytestmark = [pytest.mark.slow, pytest.mark.hub]

@@ -16,7 +16,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from guard.contract import EXIT_PUSH_FAILED, EXIT_SECURED, EXIT_TIMEOUT_UNSECURED, RunResult, signal_name
+from guard.contract import (
+    EXIT_PUSH_FAILED,
+    EXIT_SECURED,
+    EXIT_TIMEOUT_UNSECURED,
+    RunResult,
+    signal_name,
+)
 from guard.errors import GuardError
 from guard.secure import budget, checkpoints, worker
 from guard.secure.plan import Decide, ForwardSignal, Plan, RequestSave, State, StopJob
