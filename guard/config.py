@@ -138,6 +138,30 @@ def _parse_resume(text: str, *, option: str) -> str:
     raise UsageError(f"{option}: {text!r}; accepted: on, off, if-valid, auto", option=option)
 
 
+def _parse_shards(text: str, *, option: str) -> tuple[str, int | None]:
+    """``GLOB[:MIN]`` -> ``(glob, min or None)``; a ``:`` followed by anything but digits belongs to the glob."""
+    raw = str(text).strip()
+    pattern, sep, count = raw.rpartition(":")
+    if sep and count.strip().isdigit():
+        if not pattern.strip() or int(count) < 1:
+            raise UsageError(f"{option}: {text!r} must be GLOB or GLOB:MIN with MIN >= 1", option=option)
+        return pattern.strip(), int(count)
+    if not raw:
+        raise UsageError(f"{option}: an empty value is not allowed", option=option)
+    return raw, None
+
+
+def _parse_smoke(text: str, *, option: str) -> str:
+    low = str(text).strip().lower()
+    if low in TRUE_VALUES - {""}:
+        return "on"
+    if low in FALSE_VALUES - {""}:
+        return "off"
+    if low == "auto":
+        return "auto"
+    raise UsageError(f"{option}: {text!r}; accepted: auto, on, off", option=option)
+
+
 def _parse_text(text: str, *, option: str) -> str:
     value = str(text).strip()
     if not value:
@@ -215,6 +239,12 @@ OPTIONS: tuple[Option, ...] = (
            None, lambda t, option: parse_duration(t, option=option), "DURATION"),
     Option("skip_check", "turn a preflight check into n/a with a reason (repeatable)", (), _parse_skip,
            "NAME=REASON", repeat=True),
+    Option("require_shards", "local data files the job reads: GLOB[:MIN] files at least, each readable in its "
+           "format (repeatable)", (), _parse_shards, "GLOB[:MIN]", repeat=True),
+    Option("launch_smoke", "before a torchrun/accelerate launch job, a tiny all_reduce under the same launcher: "
+           "auto (more than one process or node), on, off", "auto", _parse_smoke, "auto|on|off"),
+    Option("launch_smoke_timeout", "time limit of the launch smoke", 120.0,
+           lambda t, option: parse_duration(t, option=option), "DURATION"),
     Option("no_preflight", "skip every preflight check (each is listed as n/a)", False, _parse_bool,
            flag_only_bool=True),
     # --- resume, watch internals ---
@@ -279,7 +309,9 @@ class Config:
         rows = []
         for opt in OPTIONS:
             value = self.values[opt.name]
-            if isinstance(value, tuple):
+            if opt.name == "require_shards":
+                text = ",".join(f"{glob}:{count}" if count else glob for glob, count in value) or "-"
+            elif isinstance(value, tuple):
                 text = ",".join("=".join(v) if isinstance(v, tuple) else str(v) for v in value) or "-"
             elif value is None:
                 text = "auto" if opt.name == "margin" else "-"

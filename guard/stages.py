@@ -75,6 +75,8 @@ def _preflight_options(config: Config, deadline: budget.Deadline, platform: Plat
         timeout_source=deadline.source if deadline.timeout_s is not None else None,
         output_dir=Path(config.output_dir) if config.output_dir else None, push_to=config.push_to,
         skip_checks=dict(config.skip_check), platform=platform.name,
+        command=() if config.script else tuple(config.command), require_shards=tuple(config.require_shards),
+        launch_smoke=config.launch_smoke, launch_smoke_timeout_s=float(config.launch_smoke_timeout),
     )
 
 

@@ -6,15 +6,18 @@ of ``CHECK_NAMES``. A check that does not apply is an ``n/a`` row with its reaso
 turns a whole group into one ``n/a`` row carrying the reason. Any ``fail`` row means the job must not start:
 ``VERDICT: FAIL reason=preflight check=<row name> exit=3``.
 
-Modules: ``script`` (static analysis, PEP 723), ``env``, ``hub``, ``gpu``, ``storage``, ``python_env``,
-``trainer``, ``misc`` (budget, distributed, tracking). Nothing here imports ``huggingface_hub`` unless a Hub
+Modules: ``script`` (static analysis, PEP 723), ``env``, ``hub``, ``gpu``, ``storage``, ``data`` (shards, the
+datasets cache), ``python_env``, ``trainer``, ``misc`` (budget, distributed, tracking), ``launch`` (the launcher's
+command, the launch smoke). A launcher command (``-- torchrun ... train.py``) is read for the script it runs. Nothing here imports ``huggingface_hub`` unless a Hub
 check runs, nor ``pynvml`` unless the GPU check runs, nor ever ``torch``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
+import socket
 import subprocess
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -25,14 +28,39 @@ from typing import Any
 from guard.errors import UsageError
 from guard.preflight._common import NoAnswer, call_bounded, hf_offline, one_line
 from guard.preflight._job import HubTarget, JobView, parse_push_to
-from guard.preflight._models import CHECK_NAMES, CheckResult, PreflightOptions, PreflightReport, Status
+from guard.preflight._models import (
+    CHECK_NAMES,
+    CheckResult,
+    PreflightOptions,
+    PreflightReport,
+    Status,
+)
+from guard.preflight.data import (
+    ShardSet,
+    check_data,
+    check_datasets_cache,
+    find_local_data,
+    shard_bytes,
+)
 from guard.preflight.env import check_env
 from guard.preflight.gpu import GpuInfo, check_gpus
 from guard.preflight.hub import HubProbe, RepoRef, check_hub_auth, check_hub_repos
+from guard.preflight.launch import (
+    LaunchCommand,
+    check_launch,
+    parse_launch,
+    run_launch_smoke,
+    smoke_wanted,
+)
 from guard.preflight.misc import check_budget, check_distributed, check_tracking
 from guard.preflight.python_env import check_imports, check_pep723
 from guard.preflight.script import ScriptFacts, analyze_script
-from guard.preflight.storage import check_cache, check_free_space, check_shm, check_writable
+from guard.preflight.storage import (
+    check_cache,
+    check_free_space,
+    check_shm,
+    check_writable,
+)
 from guard.preflight.trainer import check_trainer_config
 
 __all__ = [
@@ -97,6 +125,9 @@ def run_preflight(
     if unknown:
         raise UsageError(f"--skip-check: no check named {unknown[0]!r}; the checks are: {', '.join(CHECK_NAMES)}",
                          option="--skip-check")
+    launch = parse_launch(opts.command) if opts.command else None
+    if opts.script is None and launch is not None and launch.script is not None:
+        opts = dataclasses.replace(opts, script=launch.script, script_args=launch.script_args)
     facts: ScriptFacts | None = None
     script_error: CheckResult | None = None
     if opts.script is not None:
@@ -145,8 +176,9 @@ def run_preflight(
         f_python = pool.submit(guarded, "python", lambda: _python_rows(facts, script_error, environ, runner))
         f_tracking = pool.submit(guarded, "tracking", lambda: check_tracking(
             job, environ=environ, space_private=None if _offline_or_skipped(environ, skip) else probe.space_private))
-        f_dist = pool.submit(guarded, "distributed", lambda: check_distributed(
-            opts, environ=environ, gpus=f_gpu.result()[1]))
+        f_dist = pool.submit(guarded, "distributed", lambda: _distributed_rows(
+            opts, launch, environ=environ, gpus=f_gpu.result()[1]))
+        f_data = pool.submit(guarded, "data", lambda: _data_rows(opts, facts, environ))
         rows["env"] = guarded("env", lambda: check_env(opts, job, environ=environ))
         rows["budget"] = guarded("budget", lambda: [check_budget(opts)])
         rows["storage"] = guarded("storage", lambda: _storage_rows(opts, job, environ, f_repos))
@@ -159,6 +191,7 @@ def run_preflight(
         rows["hub-auth"] = f_auth.result()
         rows["python"] = f_python.result()
         rows["tracking"] = f_tracking.result()
+        rows["data"] = f_data.result()
         rows["distributed"] = f_dist.result()
     results = tuple(row for name in CHECK_NAMES for row in rows.get(name, []))
     return PreflightReport(results=results, elapsed_s=clock() - start, facts=facts,
@@ -191,6 +224,34 @@ def _python_rows(facts: ScriptFacts | None, script_error: CheckResult | None, en
     if facts is None:
         return [CheckResult("python", "n/a", "no script given: no PEP 723 block or imports to check")]
     return check_pep723(facts) + [check_imports(facts, environ=environ, runner=runner)]
+
+
+def _data_rows(opts: PreflightOptions, facts: ScriptFacts | None, environ: Mapping[str, str]) -> list[CheckResult]:
+    required = [ShardSet(pattern, count) for pattern, count in opts.require_shards]
+    found = [s for s in find_local_data(opts.script, opts.script_args)
+             if s.pattern not in {r.pattern for r in required}]
+    rows = check_data([*required, *found])
+    uses_datasets = bool(opts.require_datasets) or (facts is not None and (
+        "datasets" in facts.imports or bool(facts.datasets)))
+    size = shard_bytes([*required, *found]) if uses_datasets else None
+    cache = check_datasets_cache(environ, data_bytes=size, uses_datasets=uses_datasets)
+    return rows + ([cache] if cache is not None else [])
+
+
+def _distributed_rows(opts: PreflightOptions, launch: LaunchCommand | None, *, environ: Mapping[str, str],
+                      gpus: list[GpuInfo] | None) -> list[CheckResult]:
+    """The environment's world (``check_distributed``), the launcher's command, then the launch smoke."""
+    rows = check_distributed(opts, environ=environ, gpus=gpus)
+    if launch is not None:
+        launch_rows = check_launch(launch, gpus=gpus, timeout_s=opts.network_timeout_s, resolve=socket.getaddrinfo)
+        rows = [row for row in rows if row.status != "n/a"] + launch_rows
+    want, why = smoke_wanted(opts.launch_smoke, launch, gpus)
+    if want and any(row.status == "fail" for row in rows):
+        want, why = False, "not run: the world's arguments failed above"
+    if not want or launch is None:
+        return [*rows, CheckResult("distributed", "n/a", f"launch smoke: {why}")]
+    log.info("preflight: launch smoke under %s (at most %.0fs)", launch.launcher, opts.launch_smoke_timeout_s)
+    return [*rows, run_launch_smoke(launch, timeout_s=opts.launch_smoke_timeout_s, environ=environ)]
 
 
 def _storage_rows(opts: PreflightOptions, job: JobView, environ: Mapping[str, str],

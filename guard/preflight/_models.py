@@ -19,6 +19,7 @@ CHECK_NAMES: tuple[str, ...] = (
     "hub-repos",
     "gpu",
     "storage",
+    "data",
     "python",
     "budget",
     "trainer-config",
@@ -69,6 +70,11 @@ class PreflightOptions:
         skip_checks: ``--skip-check NAME=REASON`` pairs; each named check becomes ``n/a`` with the reason.
         platform: ``hf_jobs``, ``slurm``, ``kubernetes``, ``torchrun`` or ``local``.
         network_timeout_s: the limit of each network call, in seconds.
+        command: the job's command (``-- COMMAND``); a launcher command (torchrun, accelerate launch) names the
+            script the ranks run, checked as the script form's.
+        require_shards: ``--require-shards`` as ``(glob, min_count or None)`` pairs.
+        launch_smoke: ``--launch-smoke``: ``auto``, ``on`` or ``off``.
+        launch_smoke_timeout_s: ``--launch-smoke-timeout`` in seconds.
     """
 
     script: Path | None = None
@@ -87,6 +93,10 @@ class PreflightOptions:
     skip_checks: Mapping[str, str] = field(default_factory=dict)
     platform: str = "local"
     network_timeout_s: float = 3.0
+    command: tuple[str, ...] = ()
+    require_shards: tuple[tuple[str, int | None], ...] = ()
+    launch_smoke: str = "auto"
+    launch_smoke_timeout_s: float = 120.0
 
 
 @dataclass(frozen=True)
