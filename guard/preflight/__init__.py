@@ -39,6 +39,8 @@ from guard.preflight.data import (
     ShardSet,
     check_data,
     check_datasets_cache,
+    check_hub_splits,
+    find_hub_splits,
     find_local_data,
     shard_bytes,
 )
@@ -178,7 +180,7 @@ def run_preflight(
             job, environ=environ, space_private=None if _offline_or_skipped(environ, skip) else probe.space_private))
         f_dist = pool.submit(guarded, "distributed", lambda: _distributed_rows(
             opts, launch, environ=environ, gpus=f_gpu.result()[1]))
-        f_data = pool.submit(guarded, "data", lambda: _data_rows(opts, facts, environ))
+        f_data = pool.submit(guarded, "data", lambda: _data_rows(opts, facts, environ, probe))
         rows["env"] = guarded("env", lambda: check_env(opts, job, environ=environ))
         rows["budget"] = guarded("budget", lambda: [check_budget(opts)])
         rows["storage"] = guarded("storage", lambda: _storage_rows(opts, job, environ, f_repos))
@@ -226,7 +228,8 @@ def _python_rows(facts: ScriptFacts | None, script_error: CheckResult | None, en
     return check_pep723(facts) + [check_imports(facts, environ=environ, runner=runner)]
 
 
-def _data_rows(opts: PreflightOptions, facts: ScriptFacts | None, environ: Mapping[str, str]) -> list[CheckResult]:
+def _data_rows(opts: PreflightOptions, facts: ScriptFacts | None, environ: Mapping[str, str],
+               probe: HubProbe) -> list[CheckResult]:
     required = [ShardSet(pattern, count) for pattern, count in opts.require_shards]
     found = [s for s in find_local_data(opts.script, opts.script_args)
              if s.pattern not in {r.pattern for r in required}]
@@ -235,7 +238,15 @@ def _data_rows(opts: PreflightOptions, facts: ScriptFacts | None, environ: Mappi
         "datasets" in facts.imports or bool(facts.datasets)))
     size = shard_bytes([*required, *found]) if uses_datasets else None
     cache = check_datasets_cache(environ, data_bytes=size, uses_datasets=uses_datasets)
-    return rows + ([cache] if cache is not None else [])
+    if cache is not None:
+        rows.append(cache)
+    wants = find_hub_splits(opts.script) if "hub-repos" not in opts.skip_checks and not hf_offline(environ) else []
+    if wants:
+        rows = [row for row in rows if row.status != "n/a"]
+        rows += check_hub_splits(wants, info_of=lambda repo_id: probe.call("dataset_info", repo_id),
+                                 required=opts.require_datasets) or [
+            CheckResult("data", "n/a", "no shards named; the Hub datasets' splits could not be listed")]
+    return rows
 
 
 def _distributed_rows(opts: PreflightOptions, launch: LaunchCommand | None, *, environ: Mapping[str, str],

@@ -28,6 +28,7 @@ import glob
 import gzip
 import io
 import json
+import logging
 import os
 import re
 import tarfile
@@ -45,6 +46,8 @@ __all__ = ["TIME_LIMIT_S", "ShardSet", "check_data", "check_datasets_cache", "fi
            "shard_bytes"]
 
 NAME = "data"
+
+log = logging.getLogger("guard.preflight.data")
 
 #: The time the shard check may take in all, in seconds; past it files are checked by size only.
 TIME_LIMIT_S = 20.0
@@ -416,7 +419,7 @@ def check_datasets_cache(environ: Mapping[str, str], *, data_bytes: int | None, 
     cache_text = environ.get("HF_DATASETS_CACHE")
     cache = Path(os.path.expandvars(cache_text)).expanduser() if cache_text else hf_home(environ) / "datasets"
     if partitions is None:
-        import psutil
+        import psutil  # type: ignore[import-untyped]
 
         def partitions() -> Sequence[Any]:
             return psutil.disk_partitions(all=True)
@@ -439,3 +442,128 @@ def shard_bytes(shard_sets: Iterable[ShardSet], cwd: Path | None = None) -> int:
             except OSError:
                 continue
     return total
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Hub datasets: the config and split the script asks for exist (file listing, no download)
+# ---------------------------------------------------------------------------------------------------------------
+
+#: Split keywords in file and folder names, as ``datasets.data_files`` infers splits without YAML configs
+#: (``KEYWORDS_IN_FILENAME_BASE_PATTERNS``: train/training, validation/valid/dev/val, test/testing/eval/evaluation;
+#: ``DEFAULT_PATTERNS_SPLIT_IN_FILENAME``: ``data/{split}-00000-of-00001.*`` takes any split name).
+_SPLIT_WORDS = {"train": "train", "training": "train", "validation": "validation", "valid": "validation",
+                "dev": "validation", "val": "validation", "test": "test", "testing": "test", "eval": "test",
+                "evaluation": "test"}
+_SPLIT_FILE = re.compile(r"(?:^|/)data/([\w]+?)-\d{5}-of-\d{5}")
+_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
+
+
+@dataclass(frozen=True)
+class HubSplit:
+    """A ``load_dataset("org/name", config, split=...)`` call of the script (literals only)."""
+
+    repo_id: str
+    config: str | None
+    splits: tuple[str, ...]
+
+
+def find_hub_splits(script: Path | None) -> list[HubSplit]:
+    """``load_dataset`` calls whose first argument is a Hub id literal, with their config and split literals."""
+    if script is None:
+        return []
+    try:
+        tree = ast.parse(script.read_bytes(), filename=str(script))
+    except (OSError, SyntaxError, ValueError):
+        return []
+    found: list[HubSplit] = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        func = node.func
+        name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
+        if name != "load_dataset" or not node.args:
+            continue
+        repo = _strings(node.args[0])
+        kw = {k.arg: k.value for k in node.keywords if k.arg}
+        if not repo or not _HUB_ID.match(repo[0]):
+            continue
+        config = _strings(node.args[1] if len(node.args) > 1 else kw.get("name"))
+        split_text = _strings(kw.get("split"))
+        splits = tuple(dict.fromkeys(re.sub(r"\[.*?\]", "", part).strip() for text in split_text
+                                     for part in text.split("+") if part.strip()))
+        if config or splits:
+            found.append(HubSplit(repo[0], config[0] if config else None, splits))
+    return found
+
+
+def _hub_layout(info: Any) -> tuple[dict[str, set[str]] | None, set[str]]:
+    """``(configs -> splits from the YAML configs or None, splits inferred from the file names)``."""
+    card = getattr(info, "card_data", None) or getattr(info, "cardData", None) or {}
+    configs_yaml = card.get("configs") if hasattr(card, "get") else None
+    configs: dict[str, set[str]] | None = None
+    if isinstance(configs_yaml, list) and configs_yaml:
+        configs = {}
+        for entry in configs_yaml:
+            if not isinstance(entry, dict):
+                continue
+            files = entry.get("data_files")
+            names = {str(f.get("split")) for f in files if isinstance(f, dict) and f.get("split")} \
+                if isinstance(files, list) else set()
+            configs[str(entry.get("config_name", "default"))] = names or {"train"}
+    inferred: set[str] = set()
+    for sibling in getattr(info, "siblings", None) or []:
+        path = str(getattr(sibling, "rfilename", "")).lower()
+        if _fmt(Path(path)) is None:
+            continue
+        m = _SPLIT_FILE.search(path)
+        if m:
+            inferred.add(m.group(1))
+            continue
+        for word in re.split(r"[/_.\-\s0-9]+", path):
+            if word in _SPLIT_WORDS:
+                inferred.add(_SPLIT_WORDS[word])
+    return configs, inferred or {"train"}
+
+
+def check_hub_splits(wants: Sequence[HubSplit], *, info_of: Callable[[str], Any],
+                     required: Iterable[str] = ()) -> list[CheckResult]:
+    """One row per Hub dataset whose config or split the script names: they exist in the repo's file listing.
+
+    Args:
+        wants: from ``find_hub_splits``.
+        info_of: ``repo_id -> DatasetInfo`` (``HfApi.dataset_info``, siblings listed, nothing downloaded); it
+            may raise (missing repo, no answer): that dataset is then left to the ``hub-repos`` row.
+        required: ``--require-dataset`` ids: a missing config or split of theirs fails, of others it warns.
+    """
+    must = set(required)
+    rows: list[CheckResult] = []
+    for want in wants:
+        try:
+            info = info_of(want.repo_id)
+        except Exception as exc:  # noqa: BLE001 - access problems are the hub-repos row's to report
+            log.debug("no file listing of %s: %r", want.repo_id, exc)
+            continue
+        configs, inferred = _hub_layout(info)
+        bad: Any = "fail" if want.repo_id in must else "warn"
+        asked = f"{want.repo_id}" + (f" config {want.config!r}" if want.config else "")
+        if configs is not None:
+            if want.config and want.config not in configs:
+                rows.append(CheckResult(NAME, bad, f"{asked}: no such config (configs: {', '.join(sorted(configs))})",
+                                        "pass one of the repo's config names to load_dataset"))
+                continue
+            splits = configs.get(want.config or "default") or next(iter(configs.values()))
+        else:
+            if want.config and want.config != "default" and not any(
+                    str(getattr(s, "rfilename", "")).startswith(want.config + "/") for s in info.siblings or []):
+                rows.append(CheckResult(NAME, bad, f"{asked}: no such config (no YAML configs in its card, no "
+                                        f"folder {want.config}/)", "check the config name on the dataset's page"))
+                continue
+            splits = inferred
+        missing = [s for s in want.splits if s not in splits]
+        if missing:
+            rows.append(CheckResult(NAME, bad, f"{asked}: no split {', '.join(map(repr, missing))} (splits: "
+                                    f"{', '.join(sorted(splits))})", "use one of the listed splits"))
+        else:
+            rows.append(CheckResult(NAME, "pass", f"{asked}: split {', '.join(want.splits) or '(all)'} exists "
+                                    "(file listing)"))
+    return rows

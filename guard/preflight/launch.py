@@ -276,7 +276,7 @@ def check_launch(
 
 def _kill_group(proc: subprocess.Popen, grace_s: float = 3.0) -> None:
     """SIGTERM the smoke's process group and every descendant (some may have left the group), SIGKILL leftovers."""
-    import psutil
+    import psutil  # type: ignore[import-untyped]
 
     try:
         procs = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
