@@ -12,7 +12,6 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from guard.config import resolve
 from guard.errors import UsageError
 from guard.preflight import PreflightOptions, run_preflight
 from guard.preflight.data import (
@@ -23,6 +22,7 @@ from guard.preflight.data import (
     find_local_data,
     inspect_shard,
 )
+from guard.run.config import resolve
 
 HTML = "<!DOCTYPE html>\n<html><head><title>429 Too Many Requests</title></head><body>slow down</body></html>\n"
 
@@ -65,7 +65,7 @@ def test_an_html_page_saved_as_parquet_is_named(tmp_path: Path) -> None:
 
 
 def test_a_truncated_parquet_shard_is_named_by_pyarrow(tmp_path: Path) -> None:
-    [first, second] = parquet_shards(tmp_path / "data", 2)
+    [_, second] = parquet_shards(tmp_path / "data", 2)
     second.write_bytes(second.read_bytes()[:-20])  # the footer is gone
     [row] = rows_for(tmp_path, ShardSet("data/*.parquet"))
     assert row.status == "fail"

@@ -10,11 +10,16 @@ from pathlib import Path
 
 import psutil
 import pytest
-
 from conftest import JOBS, run_guard
+
 from guard.preflight import PreflightOptions, run_preflight
-from guard.preflight.launch import SMOKE_SCRIPT, check_launch, parse_launch, smoke_wanted
 from guard.preflight._models import GpuInfo
+from guard.preflight.launch import (
+    SMOKE_SCRIPT,
+    check_launch,
+    parse_launch,
+    smoke_wanted,
+)
 
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 
@@ -55,8 +60,8 @@ def test_accelerate_launch_counts_processes_over_machines() -> None:
     assert launch.master == ("10.0.0.1", "29500") and launch.script_args == ("--epochs", "1")
     bare = parse_launch(["accelerate", "launch", "train.py"])
     assert bare is not None
-    assert smoke_wanted("auto", bare, None) == (False, "the process count is not on the command line "
-                                                "(accelerate's config file decides): --launch-smoke on tests it")
+    why = "the process count is not on the command line (accelerate's config file decides): --launch-smoke on tests it"
+    assert smoke_wanted("auto", bare, None) == (False, why)
 
 
 def test_the_smoke_command_keeps_the_world_arguments_and_swaps_the_script() -> None:
