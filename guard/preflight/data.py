@@ -11,7 +11,8 @@ only a ``warn``. Formats, by file suffix:
 - Arrow (``.arrow``): the IPC file or stream schema through pyarrow (the magic bytes without it);
 - WebDataset (``.tar``): a valid first tar header (``tarfile``, checksum included).
 
-An HTML page saved under a shard's name (a failed download) is named as such. Only footers and first records
+An HTML page saved under a shard's name (a failed download) is named as such. A Hub dataset the script loads with
+a config or split literal is checked against the repo's file listing (``check_hub_splits``; nothing downloaded). Only footers and first records
 are read, side by side, and within ``TIME_LIMIT_S``: past it the remaining files are checked by size only and the
 row says how many were opened.
 
