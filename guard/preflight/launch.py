@@ -397,8 +397,9 @@ def _smoke_row(launch: LaunchCommand, notes: list[dict[str, object]], *, timed_o
         first = done[0]
         world = first.get("world_size")
         ranks = sorted(int(str(n.get("rank"))) for n in done)
-        mine = f"ranks {_ranks_text(ranks)} on this node of world {world}" if len(ranks) != world else \
-            f"ranks {_ranks_text(ranks)}"
+        label = "rank" if len(ranks) == 1 else "ranks"
+        mine = f"{label} {_ranks_text(ranks)} on this node of world {world}" if len(ranks) != world else \
+            f"{label} {_ranks_text(ranks)}"
         return CheckResult(NAME, "pass", f"launch smoke: world of {world} formed ({first.get('backend')}), "
                            f"all_reduce ok, {mine}, in {took}")
     if timed_out:
