@@ -173,3 +173,41 @@ def test_uv_plan(tmp_path: Path) -> None:
 def test_sync_without_uv_is_an_error_not_an_exception(tmp_path: Path) -> None:
     env = uvenv.sync_script(None, tmp_path / "x.py", {})
     assert env.python is None and env.error == "uv is not on PATH"
+
+
+def dockerfile_instructions(path: Path) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) pairs: comments dropped, backslash continuations joined (Dockerfile reference)."""
+    instructions: list[tuple[str, str]] = []
+    pending = ""
+    for raw in path.read_text().splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        pending += line[:-1] + " " if line.endswith("\\") else line
+        if not line.endswith("\\"):
+            keyword, _, rest = pending.partition(" ")
+            instructions.append((keyword.upper(), rest.strip()))
+            pending = ""
+    return instructions
+
+
+def test_dockerfile_is_well_formed_and_says_where_the_script_comes_from() -> None:
+    import json
+    import shlex
+
+    repo = Path(__file__).resolve().parent.parent
+    path = repo / "docker" / "Dockerfile"
+    steps = dockerfile_instructions(path)
+    assert steps[0][0] == "FROM"
+    for keyword, args in steps:
+        if keyword == "ENV":
+            names = [part.split("=", 1)[0] for part in shlex.split(args)]
+            assert "PYTHONUNBUFFERED" not in names, "PYTHONUNBUFFERED slows the guard's output passthrough"
+        if keyword == "COPY":  # every source is in the build context (the repository root)
+            for source in shlex.split(args)[:-1]:
+                assert (repo / source).exists(), source
+    entrypoint = json.loads(next(args for keyword, args in steps if keyword == "ENTRYPOINT"))
+    assert entrypoint == ["/entrypoint.sh"]
+    assert "exec python -m guard" in (repo / "entrypoint.sh").read_text()
+    comments = path.read_text()
+    assert "-v hf://" in comments and "COPY train.py" in comments

@@ -18,8 +18,8 @@ import zipfile
 from pathlib import Path
 
 import pytest
-
 from conftest import JOBS, REPO, guard_env, run_guard
+
 from tests.hubserver import TOKENS, HubServer
 
 pytestmark = [pytest.mark.slow]
@@ -76,7 +76,7 @@ def test_guard_under_uv_runs_the_script_in_its_own_environment(tmp_path: Path) -
     env.pop("UV", None)
     proc = subprocess.run([UV, "run", "--no-project", "--", sys.executable, "-m", "guard", *FAST,
                            "--report", str(tmp_path / "report.json"), str(JOBS / "pep723_dep.py")],
-                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert fields(proc.stdout)["status"] == "PASS"
     assert "[guard] uv: auto: the guard runs under uv and pep723_dep.py needs tinydep-jobguard==1.0" in proc.stderr
@@ -163,7 +163,7 @@ def test_zero_config_uv_script_runs_under_the_guard_with_its_header_timeout(tmp_
     make_wheel(Path(env["UV_FIND_LINKS"]), "jobguard", "0.1.0", {"jobguard_checkout.pth": f"{REPO}\n{site}\n"})
     clean = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "UV", "VIRTUAL_ENV")}
     proc = subprocess.run([UV, "run", "--script", str(JOBS / "zero_config.py")], capture_output=True, text=True,
-                          env={**clean, **env}, cwd=tmp_path, timeout=300)
+                          env={**clean, **env}, cwd=tmp_path, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert fields(proc.stdout)["status"] == "PASS" and "zero-config done" in proc.stdout
     assert "[tool.hf-jobs] timeout in zero_config.py 20m from" in proc.stderr
@@ -190,7 +190,7 @@ def dry_run(line: str, cwd: Path, env: dict[str, str]) -> tuple[subprocess.Compl
     args = shlex.split(line)
     at = 4 if args[2] == "uv" else 3
     args = [HF, *args[1:at], "--dry-run", *args[at:]]
-    proc = subprocess.run(args, capture_output=True, text=True, env=env, cwd=cwd, timeout=120)
+    proc = subprocess.run(args, capture_output=True, text=True, env=env, cwd=cwd, timeout=120, check=False)
     summary: dict[str, str] = {}
     for row in proc.stdout.splitlines():
         match = re.match(r"^  (\w+)\s{2,}(.*)$", row)
