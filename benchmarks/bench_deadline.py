@@ -33,7 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from guard.budget import Deadline, MarginEstimator, checkpoint_due, save_wait_limit_s  # noqa: E402
+from guard.secure.budget import Deadline, MarginEstimator, checkpoint_due, save_wait_limit_s  # noqa: E402
 
 MB = 1e6
 

@@ -200,9 +200,9 @@ def bench_step(res: Results, guard: list[str], runs: int, steps: int) -> None:
 
 HOOK_COST = r"""
 import time, torch
-from guard import agent as agent_module
-from guard.agent import Agent, _torch
-from guard.config import AgentSettings
+from guard.inside import agent as agent_module
+from guard.inside.agent import Agent, _torch
+from guard.run.config import AgentSettings
 torch.set_num_threads(1)
 agent_module._AGENT = Agent(AgentSettings(socket_path=None, sanity_steps=5, check_every=10))
 original = torch.Tensor.backward

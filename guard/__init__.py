@@ -24,11 +24,10 @@ from typing import Any
 
 
 class _LazyAgent:
-    """``guard.agent``, imported on first use (the supervisor process never needs it)."""
+    """``guard.inside.agent``, imported on first use (the supervisor process never needs it)."""
 
     def get(self) -> Any:
-        from guard import agent
-
+        from guard.inside import agent
         return agent.get()
 
 

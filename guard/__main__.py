@@ -1,8 +1,8 @@
-"""``python -m guard``: see ``guard.cli``."""
+"""``python -m guard``: see ``guard.run.cli``."""
 
 import sys
 
-from guard.cli import main
+from guard.run.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

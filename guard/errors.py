@@ -1,9 +1,9 @@
 """Every error the guard raises, under one root, one family per stage.
 
 Each error carries a one-line ``hint`` (what to do) besides its message (what went wrong). The single error
-boundary is ``guard.cli.main()``: it renders an error as one ``[guard]`` line plus a VERDICT, and maps the
+boundary is ``guard.run.cli.main()``: it renders an error as one ``[guard]`` line plus a VERDICT, and maps the
 family to the contract's exit code (see ``exit_code``). Failures of the *job* are never exceptions: they are
-data (``guard.verdict.RunResult``).
+data (``guard.contract.RunResult``).
 """
 
 from __future__ import annotations

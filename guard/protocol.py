@@ -1,7 +1,7 @@
 """The supervisor <-> agent contract: environment variables, the channel, the messages.
 
 The supervisor creates a Unix ``SOCK_SEQPACKET`` socket in a private temporary folder and names it in
-``GUARD_AGENT_SOCKET``. Every Python process of the job loads the agent at start-up (``guard/_site`` is put
+``GUARD_AGENT_SOCKET``. Every Python process of the job loads the agent at start-up (``guard/inside/_site`` is put
 first on ``PYTHONPATH``; its ``sitecustomize`` chains to any other ``sitecustomize``), and an agent connects
 the first time it has something to say. One datagram is one message: a UTF-8 JSON object with a ``"t"`` (type)
 key. ``SOCK_SEQPACKET`` keeps message boundaries and makes each send all-or-nothing, so the agent can send

@@ -42,9 +42,9 @@ import time
 from collections.abc import Callable, Mapping
 from typing import BinaryIO, Protocol, TextIO
 
-from guard.config import DURATION_FORMS, parse_duration
+from guard.run.config import DURATION_FORMS, parse_duration
 from guard.errors import UsageError
-from guard.verdict import EXIT_USAGE, STATUSES, RunResult, render_line
+from guard.contract import EXIT_USAGE, STATUSES, RunResult, render_line
 
 __all__ = [
     "EXIT_INTERRUPTED",

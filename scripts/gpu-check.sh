@@ -28,10 +28,10 @@ import time
 from pathlib import Path
 
 started = time.monotonic()
-from guard.config import parse_size  # noqa: E402
+from guard.run.config import parse_size  # noqa: E402
 from guard.errors import UsageError  # noqa: E402
 from guard.preflight import PreflightOptions, render_table, run_preflight  # noqa: E402
-from guard.verdict import RunResult, render_line  # noqa: E402
+from guard.contract import RunResult, render_line  # noqa: E402
 
 parser = argparse.ArgumentParser(prog="gpu-check.sh", description="the guard's preflight checks on this machine")
 parser.add_argument("--require-gpus", type=int, default=1)

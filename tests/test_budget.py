@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import psutil
 import pytest
 
-from guard.budget import (
+from guard.secure.budget import (
     CLOCK_SKEW_S,
     Deadline,
     MarginEstimator,
@@ -23,7 +23,7 @@ from guard.budget import (
     time_to_due_s,
 )
 from guard.errors import BudgetError, UsageError
-from guard.slurm import SlurmRefresher, parse_scontrol_job, parse_slurm_duration_s
+from guard.run.slurm import SlurmRefresher, parse_scontrol_job, parse_slurm_duration_s
 
 NOW = 1_787_236_200.0  # 2026-08-20T14:30:00Z
 HOUR = 3600.0
@@ -110,7 +110,7 @@ def test_hf_jobs_platform_may_be_an_enum():
 
 
 def test_hf_jobs_platform_from_detect():
-    from guard.platform import detect
+    from guard.run.platform import detect
 
     platform = detect({"JOB_ID": "699d874f1aad19adb8aaeadc", "CPU_CORES": "8", "MEMORY": "32Gi"})
     deadline = resolve_deadline(timeout_s=1800, environ={}, platform=platform, now_s=NOW, pid1_start_s=NOW - 60)

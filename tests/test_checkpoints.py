@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from guard.checkpoints import (
+from guard.secure.checkpoints import (
     GUARD_MARKER_NAME,
     INCOMPLETE_SENTINEL_NAME,
     TRAINER_STATE_NAME,

@@ -1,4 +1,4 @@
-"""Tests for ``guard.config`` (durations, sizes, flag > env > default) and ``guard.cli.build_config``."""
+"""Tests for ``guard.run.config`` (durations, sizes, flag > env > default) and ``guard.run.cli.build_config``."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from guard import protocol
-from guard.cli import build_config
-from guard.config import (
+from guard.run.cli import build_config
+from guard.run.config import (
     OPTIONS,
     agent_settings,
     debug_enabled,

@@ -1,4 +1,4 @@
-"""guard.hub: destinations, verified pushes, bounded retries, fetching back. Against the local Hub and tmp folders."""
+"""guard.secure.hub: destinations, verified pushes, bounded retries, fetching back. Against the local Hub and tmp folders."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from guard import hub as guard_hub
+from guard.secure import hub as guard_hub
 from guard.errors import HubError, PushFailedError, UsageError
-from guard.hub import MANIFEST_NAME, Destination, Securer, final_model_files, parse_destination
+from guard.secure.hub import MANIFEST_NAME, Destination, Securer, final_model_files, parse_destination
 from tests.hubserver import TOKENS, HubServer, client_constants
 
 pytest.importorskip("huggingface_hub")
@@ -456,8 +456,7 @@ def test_folder_fetch_refuses_a_corrupt_copy_and_empty_is_none(tmp_path):
 @pytest.mark.hub
 def test_a_push_logs_its_progress_in_bytes(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
 
-    from guard import hub as hub_module
-
+    from guard.secure import hub as hub_module
     folder = tmp_path / "checkpoint-3"
     folder.mkdir()
     (folder / "model.safetensors").write_bytes(os.urandom(3_000_000))
@@ -473,14 +472,14 @@ def test_a_push_logs_its_progress_in_bytes(tmp_path: Path, caplog: pytest.LogCap
             seen.append(self.done_bytes)
 
     with HubServer() as server, client_constants():
-        import guard.telemetry
+        import guard.observe.telemetry
 
-        original = guard.telemetry.Progress
-        guard.telemetry.Progress = Recorder  # type: ignore[misc]
+        original = guard.observe.telemetry.Progress
+        guard.observe.telemetry.Progress = Recorder  # type: ignore[misc]
         try:
             api = HfApi(endpoint=server.url, token=TOKENS["write"])
             hub_module.Securer("alice/progress", api=api).push_checkpoint(folder, step=3,
                                                                           deadline=time.monotonic() + 60)
         finally:
-            guard.telemetry.Progress = original  # type: ignore[misc]
+            guard.observe.telemetry.Progress = original  # type: ignore[misc]
     assert seen and seen == sorted(seen) and seen[-1] >= 3_000_000

@@ -1,4 +1,4 @@
-"""Tests for ``guard.masking``: which values are secret, their encoded forms, and ``safe_len``."""
+"""Tests for ``guard.run.masking``: which values are secret, their encoded forms, and ``safe_len``."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import urllib.parse
 
 import pytest
 
-from guard.masking import MASK, Masker, secret_values
+from guard.run.masking import MASK, Masker, secret_values
 
 HF = "hf_" + "abcdefghijklmnopqrstuvwxyzABCDEFGH"  # 34 letters, as real tokens
 

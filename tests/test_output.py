@@ -1,4 +1,4 @@
-"""Tests for ``guard.output``: the job's output on its way through the guard (``StreamFilter``, ``parse_losses``)."""
+"""Tests for ``guard.run.output``: the job's output on its way through the guard (``StreamFilter``, ``parse_losses``)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from guard.masking import Masker
-from guard.output import OutputEvents, StreamFilter, finite, parse_losses
+from guard.run.masking import Masker
+from guard.run.output import OutputEvents, StreamFilter, finite, parse_losses
 
 SECRET = "s3cr3t-Value-1234567"
 HF = "hf_" + "abcdefghijklmnopqrstuvwxyzABCDEFGH"

@@ -1,10 +1,10 @@
-"""Tests for ``guard.platform.detect`` from environment dicts."""
+"""Tests for ``guard.run.platform.detect`` from environment dicts."""
 
 from __future__ import annotations
 
 import pytest
 
-from guard.platform import PlatformInfo, detect
+from guard.run.platform import PlatformInfo, detect
 
 HF_JOBS = {"JOB_ID": "6712ab", "ACCELERATOR": "a10g-small", "CPU_CORES": "4", "MEMORY": "15Gi"}
 SLURM = {"SLURM_JOB_ID": "4242", "SLURM_JOB_PARTITION": "gpu", "SLURM_RESTART_COUNT": "1", "SLURM_PROCID": "0",

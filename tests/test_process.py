@@ -1,4 +1,4 @@
-"""Tests for ``guard.process``: cgroup memory facts on a fake tree, and ``JobProcess`` on real processes."""
+"""Tests for ``guard.run.process``: cgroup memory facts on a fake tree, and ``JobProcess`` on real processes."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from guard.process import CgroupMemory, JobProcess, cgroup_memory, default_signals, set_subreaper
+from guard.run.process import CgroupMemory, JobProcess, cgroup_memory, default_signals, set_subreaper
 
 V1_UNLIMITED = "9223372036854771712"  # what cgroup v1 writes for "no limit" (LONG_MAX rounded to a page)
 

@@ -1,4 +1,4 @@
-"""Tests for ``guard.protocol`` and the in-job agent (``guard.agent``): ``LossWatch``, the socket client, the API."""
+"""Tests for ``guard.protocol`` and the in-job agent (``guard.inside.agent``): ``LossWatch``, the socket client, the API."""
 
 from __future__ import annotations
 
@@ -16,10 +16,10 @@ from typing import Any
 import pytest
 
 import guard
-from guard import agent as agent_module
+from guard.inside import agent as agent_module
 from guard import protocol
-from guard.agent import Agent, LossWatch
-from guard.config import AgentSettings
+from guard.inside.agent import Agent, LossWatch
+from guard.run.config import AgentSettings
 
 # ---------------------------------------------------------------------------------------------------------------
 # protocol
@@ -192,7 +192,7 @@ def test_a_tensor_nan_between_checks_is_still_reported_as_not_finite(syncs: list
 
 @needs_torch
 def test_backward_hook_reports_scalar_losses_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    from guard.agent import _torch
+    from guard.inside.agent import _torch
 
     monkeypatch.setattr(torch.Tensor, "backward", torch.Tensor.backward)  # restored after the test
     agent = Agent(AgentSettings(socket_path=None, sanity_steps=5))  # a real agent with nobody to talk to
@@ -448,7 +448,7 @@ def test_a_nan_in_the_last_steps_before_a_normal_exit_is_caught() -> None:
 
 def test_checkpoint_saved_marks_a_plain_folder_complete(tmp_path, monkeypatch) -> None:
     from guard import _mark_complete
-    from guard.checkpoints import newest_complete
+    from guard.secure.checkpoints import newest_complete
 
     folder = tmp_path / "checkpoint-12"
     folder.mkdir()

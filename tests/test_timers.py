@@ -1,10 +1,10 @@
-"""Tests for ``guard.timers`` driven with plain numbers (no clock, no sleeping)."""
+"""Tests for ``guard.run.timers`` driven with plain numbers (no clock, no sleeping)."""
 
 from __future__ import annotations
 
 import math
 
-from guard.timers import Escalation, StallWatch
+from guard.run.timers import Escalation, StallWatch
 
 
 def test_no_output_at_all_is_a_stall_after_the_timeout() -> None:

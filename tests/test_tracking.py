@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from guard.tracking import TrackioSink, _RoutedStream, trainer_trackio_target, verdict_alert, verdict_metrics
-from guard.verdict import RunResult
+from guard.observe.tracking import TrackioSink, _RoutedStream, trainer_trackio_target, verdict_alert, verdict_metrics
+from guard.contract import RunResult
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -224,8 +224,8 @@ def test_a_stuck_trackio_never_blocks_the_caller() -> None:
 E2E = textwrap.dedent("""
     import json, logging, sys
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="[guard] %(message)s")
-    from guard.tracking import TrackioSink
-    from guard.verdict import RunResult
+    from guard.observe.tracking import TrackioSink
+    from guard.contract import RunResult
 
     sink = TrackioSink("guard-e2e", run_name="sft-guard", mask=lambda t: t.replace("s3cr3tvalue", "***"))
     for step in (1, 2, 3):

@@ -1,4 +1,4 @@
-"""Tests for ``guard.verdict``: the VERDICT line's grammar, and the atomic JSON report."""
+"""Tests for ``guard.contract``: the VERDICT line's grammar, and the atomic JSON report."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from guard.masking import Masker
-from guard.verdict import RunResult, render_line, report_dict, signal_name, write_report
+from guard.run.masking import Masker
+from guard.contract import RunResult, render_line, report_dict, signal_name, write_report
 
 
 def fields(line: str) -> tuple[str, dict[str, str], list[str]]:

@@ -38,7 +38,7 @@ class HubTarget:
 
 
 def parse_push_to(text: str | None) -> HubTarget | Path | None:
-    """Read a ``--push-to`` value (the contract's forms) with ``guard.hub.parse_destination``.
+    """Read a ``--push-to`` value (the contract's forms) with ``guard.secure.hub.parse_destination``.
 
     ``hf://NS/NAME`` and bare ``NS/NAME`` are model repos, ``hf://datasets/NS/NAME`` a dataset repo; an absolute
     path, ``./``, ``../`` or ``file://`` is a folder. None for no value.
@@ -49,8 +49,8 @@ def parse_push_to(text: str | None) -> HubTarget | Path | None:
     if not text or not text.strip():
         return None
     try:
-        from guard.hub import parse_destination  # noqa: PLC0415 - guard.hub imports huggingface_hub lazily
-    except ImportError:  # pragma: no cover - guard.hub is part of the package
+        from guard.secure.hub import parse_destination  # noqa: PLC0415 - guard.secure.hub imports huggingface_hub lazily
+    except ImportError:  # pragma: no cover - guard.secure.hub is part of the package
         return _parse_push_to_fallback(text)
     dest = parse_destination(text)
     if dest.kind == "folder" and dest.path is not None:

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from guard.masking import Masker
+from guard.run.masking import Masker
 
 __all__ = [
     "EXIT_GUARD_ERROR",

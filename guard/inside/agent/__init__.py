@@ -2,7 +2,7 @@
 
 Design notes (why it looks like this):
 
-- It is loaded into every Python process of the job by ``guard/_site/sitecustomize.py`` before the script runs,
+- It is loaded into every Python process of the job by ``guard/inside/_site/sitecustomize.py`` before the script runs,
   so it must be cheap and must never break the job: stdlib only at import, every hook wrapped so that a fault
   of the agent is logged to stderr once and ignored.
 - It never imports torch or transformers. A post-import hook (``_PostImportFinder``) patches them the moment the
@@ -24,7 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 from guard import protocol
-from guard.config import AgentSettings, agent_settings
+from guard.run.config import AgentSettings, agent_settings
 
 __all__ = ["Agent", "get", "install"]
 
@@ -109,7 +109,7 @@ class LossWatch:
 
 
 class Agent:
-    """The agent of one process. Use ``guard.agent.get()``; None means no supervisor."""
+    """The agent of one process. Use ``guard.inside.agent.get()``; None means no supervisor."""
 
     def __init__(self, settings: AgentSettings) -> None:
         self.settings = settings
@@ -126,7 +126,7 @@ class Agent:
         self._lock = threading.Lock()
         self._acked = threading.Event()
         self._closed = threading.Event()
-        from guard.agent._dist import DistRelay
+        from guard.inside.agent._dist import DistRelay
 
         self.relay = DistRelay(self)
 
@@ -375,7 +375,7 @@ def install() -> None:
     if _INSTALLED or not agent_settings().socket_path:
         return
     _INSTALLED = True
-    from guard.agent import _torch, _transformers
+    from guard.inside.agent import _torch, _transformers
 
     hooks = {"torch": _torch.patch, "transformers.trainer": _transformers.patch}
     for name, hook in list(hooks.items()):

@@ -8,7 +8,7 @@ Facts used here, with their sources (details in ``shared/reference/platform.md``
 - ``SLURM_JOB_START_TIME`` / ``SLURM_JOB_END_TIME``: "The UNIX timestamp for a job's start time" / "projected end
   time", set since Slurm 23.02 (``sbatch.1`` OUTPUT ENVIRONMENT VARIABLES; ``CHANGELOG/slurm-23.02.md``). Set only when
   non-zero (``src/common/env.c``). A snapshot taken at launch: it does not follow ``scontrol update TimeLimit+=``
-  nor a preemption's GraceTime, hence ``guard.slurm.SlurmRefresher``.
+  nor a preemption's GraceTime, hence ``guard.run.slurm.SlurmRefresher``.
 - ``--time=UNLIMITED``: ``job_end_time_reset()`` sets the end to start + 365 days (``src/slurmctld/job_mgr.c``), so an
   end more than 364 days after the start means "no limit".
 - Hugging Face Jobs expose no timeout inside the container (hub-docs ``jobs-configuration.md`` lists only ``JOB_ID``,
@@ -29,7 +29,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from guard.config import format_duration_s
+from guard.run.config import format_duration_s
 from guard.errors import BudgetError, UsageError
 
 __all__ = [
@@ -85,7 +85,7 @@ class Deadline:
         return None if self.deadline_s is None else self.deadline_s - now_s
 
     def refreshed(self, end_s: float | None, source: str) -> Deadline:
-        """A copy moved to a new end time reported by the scheduler (e.g. ``guard.slurm.SlurmRefresher.maybe_refresh``).
+        """A copy moved to a new end time reported by the scheduler (e.g. ``guard.run.slurm.SlurmRefresher.maybe_refresh``).
 
         The scheduler may move the end either way (``scontrol update TimeLimit+=30`` extends it, a preemption with
         GraceTime shortens it), but never past the user's own ``--timeout``.
@@ -161,7 +161,7 @@ def _check_not_future(start_s: float, now_s: float, what: str) -> None:
 
 
 def _is_hf_jobs(platform: Any) -> bool:
-    # a name, an enum (``.value``), or ``guard.platform.PlatformInfo`` (``.name``)
+    # a name, an enum (``.value``), or ``guard.run.platform.PlatformInfo`` (``.name``)
     name = platform if isinstance(platform, str) else getattr(platform, "value", getattr(platform, "name", platform))
     return str(name).lower().replace("-", "_").replace(" ", "_") in {"hf_jobs", "hfjobs", "huggingface_jobs"}
 
@@ -204,7 +204,7 @@ def resolve_deadline(
         started_at_s: ``--started-at`` in epoch seconds (see :func:`parse_started_at`), or None.
         started_at_source: where it came from, for the ``source`` text.
         environ: the environment to read Slurm variables from; default ``os.environ``.
-        platform: the platform: ``guard.platform.PlatformInfo``, a name such as ``"hf_jobs"``, or an enum whose
+        platform: the platform: ``guard.run.platform.PlatformInfo``, a name such as ``"hf_jobs"``, or an enum whose
             ``.value`` is one; on HF Jobs the container start counts as the job's start.
         now_s: now, epoch seconds.
         pid1_start_s: PID 1's create time (tests inject it); default: read with psutil on HF Jobs.

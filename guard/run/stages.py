@@ -14,11 +14,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from guard import budget
-from guard.config import Config, env_name
-from guard.masking import Masker
-from guard.platform import PlatformInfo, detect
-from guard.verdict import EXIT_PREFLIGHT, RunResult, signal_name
+from guard.secure import budget
+from guard.run.config import Config, env_name
+from guard.run.masking import Masker
+from guard.run.platform import PlatformInfo, detect
+from guard.contract import EXIT_PREFLIGHT, RunResult, signal_name
 
 __all__ = ["preflight_only", "resolve_budget", "run_job"]
 
@@ -185,8 +185,7 @@ def _preflight_failed(report: Any, started: float) -> RunResult:
 
 def _securer_factory(environ: Mapping[str, str]) -> Any:
     def make(text: str) -> Any:
-        from guard import hub
-
+        from guard.secure import hub
         hub.install_request_bounds()
         return hub.Securer(text, token=environ.get("HF_TOKEN") or None)
 
@@ -242,8 +241,8 @@ def _resume(config: Config, securer: Any, report: Any, platform: PlatformInfo) -
 
 def run_job(config: Config, masker: Masker, started: float) -> RunResult:
     """Budget, preflight, resume, the supervised job. Raises ``GuardError`` subclasses for the CLI's boundary."""
-    from guard.secure import Securing
-    from guard.supervisor import Supervisor
+    from guard.secure.plan import Securing
+    from guard.run.supervisor import Supervisor
 
     platform = detect(config.environ)
     with EarlySignals() as early:
@@ -272,7 +271,7 @@ def run_job(config: Config, masker: Masker, started: float) -> RunResult:
     estimator = budget.MarginEstimator(fixed_margin_s=config.margin_s, log_changes=deadline.deadline_s is not None,
                                        **limits)
     if fetched is not None:  # a verified checkpoint: the size for the margin, and a fallback to secure
-        from guard.checkpoints import describe
+        from guard.secure.checkpoints import describe
 
         estimator.observe_size(fetched.size_bytes)
     securing = Securing(deadline=deadline, estimator=estimator, securer=securer, securer_factory=factory,
@@ -320,18 +319,18 @@ def _with_platform(result: RunResult, platform: PlatformInfo) -> RunResult:
 
 
 def _slurm_refresher(config: Config, platform: PlatformInfo) -> Any:
-    """Under Slurm: the end time refreshed from ``scontrol show job`` (see ``guard.slurm``)."""
+    """Under Slurm: the end time refreshed from ``scontrol show job`` (see ``guard.run.slurm``)."""
     if platform.name != "slurm":
         return None
-    from guard.slurm import SlurmRefresher
+    from guard.run.slurm import SlurmRefresher
 
     return SlurmRefresher.from_environ(config.environ)
 
 
 def _heartbeat(config: Config, masker: Masker, securing: Any) -> Any:
     """The heartbeat (``--heartbeat``), the projection against the deadline, and ``--trackio``."""
-    from guard.telemetry import GpuSampler, Heartbeat
-    from guard.tracking import TrackioSink
+    from guard.observe.telemetry import GpuSampler, Heartbeat
+    from guard.observe.tracking import TrackioSink
 
     tracker = None
     if config.trackio:

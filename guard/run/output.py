@@ -20,7 +20,7 @@ import math
 import re
 from dataclasses import dataclass, field
 
-from guard.masking import Masker
+from guard.run.masking import Masker
 
 __all__ = ["JOB_VERDICT_PREFIX", "OutputEvents", "StreamFilter", "parse_losses"]
 

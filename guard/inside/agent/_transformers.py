@@ -43,8 +43,7 @@ def patch(trainer_module: Any) -> None:
     """Wrap ``Trainer.__init__`` of ``transformers.trainer`` (idempotent)."""
     from transformers.trainer_callback import TrainerCallback
 
-    from guard import agent as agent_module
-
+    from guard.inside import agent as agent_module
     Trainer = trainer_module.Trainer
     if getattr(Trainer.__init__, "__guard_wrapped__", False):
         return

@@ -6,7 +6,7 @@ default (see ``OPTIONS``). The resolved ``Config`` is frozen and remembers where
 
 The supervisor -> agent variables (``GUARD_AGENT_*``, named in ``guard.protocol``) are read here too
 (``agent_settings``), so that no other module calls ``os.environ`` for a ``GUARD_*`` name. The one exception is
-``guard/_site/sitecustomize.py``, which reads ``GUARD_AGENT_PKG_ROOT`` to find this package before it can import it.
+``guard/inside/_site/sitecustomize.py``, which reads ``GUARD_AGENT_PKG_ROOT`` to find this package before it can import it.
 """
 
 from __future__ import annotations

@@ -12,12 +12,12 @@ _here = os.path.dirname(os.path.abspath(__file__))
 
 try:
     try:
-        import guard.agent as _guard_agent
+        import guard.inside.agent as _guard_agent
     except ImportError:
         _root = os.environ.get("GUARD_AGENT_PKG_ROOT")
         if _root and _root not in sys.path:
             sys.path.append(_root)
-        import guard.agent as _guard_agent
+        import guard.inside.agent as _guard_agent
     _guard_agent.install()
 except Exception as _exc:  # the job must run even when the agent cannot load
     sys.stderr.write(f"[guard] agent: not loaded ({_exc!r}); the job runs unwatched by the agent\n")

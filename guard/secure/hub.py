@@ -16,7 +16,7 @@ A push is secured only once verified: every file's size and sha256 at the destin
   ``trainer_state.json`` (``global_step``), else from the newest commit titled ``... checkpoint step N`` (every
   push writes one), else from the manifest (folders).
 
-Bounded waiting (``guard.hubhttp``): every Hub request has a timeout, and during a push or fetch none outlives its
+Bounded waiting (``guard.secure.hubhttp``): every Hub request has a timeout, and during a push or fetch none outlives its
 deadline; network errors and 408/429/5xx answers are retried here, with backoff, while time remains. Limits: the
 bound is process-wide (with two pushes at once the earlier deadline applies to both), and transfers made by
 ``hf_xet`` (when installed and not disabled) bypass the HTTP client, so only their HTTP calls are bounded.
@@ -42,7 +42,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from guard.errors import HubError, PushFailedError, UsageError
-from guard.hubhttp import (
+from guard.secure.hubhttp import (
     PROGRESS,
     REQUEST_TIMEOUTS_S,
     Mismatch,
@@ -278,7 +278,7 @@ class Securer:
         token: Hub token for the default ``api``; default: ``HF_TOKEN`` or the stored login.
         clock: monotonic seconds; ``deadline`` arguments are values of this clock.
         sleep: waits between attempts (seconds).
-        log: the logger (default ``guard.hub``).
+        log: the logger (default ``guard.secure.hub``).
         backoff_s: first wait between attempts; doubles up to ``max_backoff_s`` (seconds).
 
     Raises:
@@ -369,7 +369,7 @@ class Securer:
         start = self._clock()
         size = sum((folder / rel).stat().st_size for rel in files)  # before: the job may rotate the folder out later
         self._log.info("securing %s (%d files, %.1f MB) at %s", what, len(files), size / 1e6, self.destination)
-        from guard.telemetry import Progress
+        from guard.observe.telemetry import Progress
 
         PROGRESS.append(Progress(f"securing {what}", size, clock=self._clock, logger=self._log))
         try:

@@ -18,7 +18,7 @@ Facts used (trackio 0.43.0, ``trackio/__init__.py``, ``trackio/run.py``, ``track
   no network. ``TRACKIO_DIR`` is read once, when trackio is first imported.
 - trackio ``print``s to stdout (``* Trackio project initialized``, alerts, ``* Run finished``); the guard's stdout
   must end with its VERDICT line, so what the sink's thread writes to ``sys.stdout``/``sys.stderr`` is routed to
-  the ``guard.tracking`` debug log instead.
+  the ``guard.observe.tracking`` debug log instead.
 - A Trainer reporting to trackio (``report_to`` holds ``"trackio"``) logs into ``TrainingArguments.project``
   (default ``"huggingface"``) and ``trackio_space_id``: trackio itself has no environment variable for the
   project (see :func:`trainer_trackio_target`).
@@ -37,7 +37,7 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from guard.verdict import EXIT_SECURED, RunResult, render_line
+from guard.contract import EXIT_SECURED, RunResult, render_line
 
 __all__ = ["TrackioSink", "trainer_trackio_target", "verdict_alert", "verdict_metrics"]
 

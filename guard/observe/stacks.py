@@ -13,7 +13,7 @@ import shutil
 import subprocess
 from typing import Any
 
-from guard.masking import Masker
+from guard.run.masking import Masker
 
 __all__ = ["dump_stacks"]
 

@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from guard.budget import SLURM_UNLIMITED_AFTER_S, format_duration_s
+from guard.secure.budget import SLURM_UNLIMITED_AFTER_S, format_duration_s
 
 __all__ = ["SlurmJobTimes", "SlurmRefresher", "parse_scontrol_job", "parse_slurm_duration_s"]
 

@@ -31,7 +31,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from guard.process import CgroupMemory
+from guard.run.process import CgroupMemory
 
 __all__ = ["GpuSample", "GpuSampler", "Heartbeat", "Progress", "Snapshot", "StepRate", "fmt_duration"]
 
@@ -453,7 +453,7 @@ class Progress:
         what: what is going on, for humans.
         total_bytes: the size of the work in bytes, or None when unknown.
         clock: monotonic seconds. every_s: the least time between two lines (default 10).
-        logger: where the lines go (default ``guard.telemetry``).
+        logger: where the lines go (default ``guard.observe.telemetry``).
     """
 
     def __init__(self, what: str, total_bytes: int | None = None, *, clock: Callable[[], float] = time.monotonic,
@@ -510,7 +510,7 @@ class Progress:
 def follow_trainer(heartbeat: Heartbeat, config: Mapping[str, Any], masker: Any) -> None:
     """When the Trainer's arguments arrive: its ``max_steps`` for the projection, and its own trackio project
     (``report_to`` trackio) as the tracker when ``--trackio`` gave none."""
-    from guard.tracking import TrackioSink, trainer_trackio_target
+    from guard.observe.tracking import TrackioSink, trainer_trackio_target
 
     heartbeat.set_max_steps(config.get("max_steps"))
     target = trainer_trackio_target(config)

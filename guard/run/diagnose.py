@@ -13,8 +13,8 @@ import logging
 import signal
 from typing import Any
 
-from guard.process import cgroup_memory
-from guard.verdict import RunResult, signal_name
+from guard.run.process import cgroup_memory
+from guard.contract import RunResult, signal_name
 
 __all__ = ["job_result"]
 
@@ -41,7 +41,7 @@ def _host_oom(sup: Any) -> tuple[bool, str]:
 
 
 def job_result(sup: Any) -> RunResult:
-    """Build the run's result from the supervisor's state (``guard.supervisor.Supervisor``)."""
+    """Build the run's result from the supervisor's state (``guard.run.supervisor.Supervisor``)."""
     elapsed_s = sup.clock() - sup.started
     code = sup.job.returncode if sup.job is not None else None
     details: dict[str, Any] = {

@@ -29,9 +29,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from guard import budget, checkpoints
+from guard.secure import budget
+
+from guard.secure import checkpoints
 from guard.errors import GuardError, PushFailedError
-from guard.verdict import EXIT_PUSH_FAILED, EXIT_SECURED, EXIT_TIMEOUT_UNSECURED, RunResult, signal_name
+from guard.contract import EXIT_PUSH_FAILED, EXIT_SECURED, EXIT_TIMEOUT_UNSECURED, RunResult, signal_name
 
 __all__ = ["Securing"]
 
@@ -222,7 +224,7 @@ class Securing:
     # -- the flow ---------------------------------------------------------------------------------------------
 
     def _begin(self, sup: Any, kind: str, signum: int | None, now: float) -> None:
-        from guard.supervisor import Outcome
+        from guard.run.supervisor import Outcome
 
         self.trigger, self.signum = kind, signum
         sup.stall.pause()

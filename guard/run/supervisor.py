@@ -24,13 +24,13 @@ from pathlib import Path
 from typing import Any
 
 from guard import protocol
-from guard.channel import AgentChannel, AgentConn
-from guard.config import Config
-from guard.masking import Masker
-from guard.output import STDERR, OutputEvents, StreamFilter
-from guard.process import JobProcess, cgroup_memory, default_signals, set_subreaper
-from guard.timers import Escalation, StallWatch
-from guard.verdict import (
+from guard.run.channel import AgentChannel, AgentConn
+from guard.run.config import Config
+from guard.run.masking import Masker
+from guard.run.output import STDERR, OutputEvents, StreamFilter
+from guard.run.process import JobProcess, cgroup_memory, default_signals, set_subreaper
+from guard.run.timers import Escalation, StallWatch
+from guard.contract import (
     EXIT_NON_FINITE,
     EXIT_PREFLIGHT,
     EXIT_STALLED,
@@ -80,8 +80,8 @@ class Supervisor:
         spawner: ``subprocess.Popen``-like (injected for tests).
         trainer_config_check: called with the Trainer arguments the agent reports; returns preflight rows
             (objects with ``name``, ``status``, ``seen``, ``hint``); a ``fail`` row stops the job.
-        securer: the securing flow (``guard.secure.Securing``) or None.
-        heartbeat: ``guard.telemetry.Heartbeat`` (heartbeat lines, the projection, trackio) or None.
+        securer: the securing flow (``guard.secure.plan.Securing``) or None.
+        heartbeat: ``guard.observe.telemetry.Heartbeat`` (heartbeat lines, the projection, trackio) or None.
         out, err: file descriptors for the job's stdout and stderr (default 1 and 2).
     """
 
@@ -106,7 +106,7 @@ class Supervisor:
         self.trainer_config_check = trainer_config_check
         self.securer = securer
         self.env_extra = dict(env_extra or {})
-        self.heartbeat = heartbeat  # guard.telemetry.Heartbeat or None
+        self.heartbeat = heartbeat  # guard.observe.telemetry.Heartbeat or None
         self.out_fd, self.err_fd = out_fd, err_fd
         self.started = clock()
         self.outcome: Outcome | None = None
@@ -168,7 +168,7 @@ class Supervisor:
             self._teardown()
         result = self._result()
         if self.heartbeat is not None:
-            from guard.telemetry import close_with_verdict
+            from guard.observe.telemetry import close_with_verdict
 
             deadline_s = self.securer.deadline.deadline_s if self.securer is not None else None
             close_with_verdict(self.heartbeat, result, deadline_s)
@@ -203,7 +203,7 @@ class Supervisor:
         if self.securer is not None and self.securer.output_dir and self.securer.latest_reported is None:
             found = None
             try:
-                from guard.checkpoints import newest_complete
+                from guard.secure.checkpoints import newest_complete
 
                 found = newest_complete(self.securer.output_dir, now_s=time.time())
             except OSError:
@@ -226,14 +226,14 @@ class Supervisor:
     def _job_env(self, sock_path: str) -> dict[str, str]:
         env = dict(self.config.environ)
         env.update(self.env_extra)
-        site_dir = str(Path(__file__).resolve().parent / "_site")
-        pkg_root = str(Path(__file__).resolve().parent.parent)
+        site_dir = str(Path(__file__).resolve().parent.parent / "inside" / "_site")
+        pkg_root = str(Path(__file__).resolve().parent.parent.parent)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (site_dir, env.get("PYTHONPATH", "")) if p)
         env[protocol.ENV_SOCKET] = sock_path
         env[protocol.ENV_SANITY_STEPS] = str(self.config.sanity_steps)
         env[protocol.ENV_CHECK_EVERY] = str(self.config.check_every)
         env[protocol.ENV_PKG_ROOT] = pkg_root
-        # Not PYTHONUNBUFFERED: the agent flushes a Python job's stdout every 0.1 s instead (see guard.agent).
+        # Not PYTHONUNBUFFERED: the agent flushes a Python job's stdout every 0.1 s instead (see guard.inside.agent).
         # torchrun waits TORCH_ELASTIC_SHUTDOWN_TIMEOUT (default 30 s) between its SIGTERM and SIGKILL to the
         # workers (torch/distributed/run.py, --shutdown-timeout): fit it to --grace.
         env.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(max(1, int(self.config.grace_s))))
@@ -344,7 +344,7 @@ class Supervisor:
             self.job.sample()
             self.next_sample = now + SAMPLE_EVERY_S
         if self.heartbeat is not None and now >= self.heartbeat.due_at():
-            from guard.telemetry import Snapshot
+            from guard.observe.telemetry import Snapshot
 
             running = self.job is not None and self.job.returncode is None
             self.heartbeat.tick(now, Snapshot(
@@ -393,7 +393,7 @@ class Supervisor:
     @property
     def follows_node_0(self) -> bool:
         """On a machine other than node 0 whose ranks share torch.distributed's store: node 0's guard decides
-        checkpoints (its rank 0 relays them through the store, see ``guard.agent._dist``); this guard only waits."""
+        checkpoints (its rank 0 relays them through the store, see ``guard.inside.agent._dist``); this guard only waits."""
         return self.node_rank not in (None, 0) and any(c.info.get("store") for c in self.agents.values())
 
     def training_ranks(self) -> set[int]:
@@ -569,7 +569,7 @@ class Supervisor:
             if self.securer is not None:
                 self.securer.on_trainer_config(self, config)
             if self.heartbeat is not None:
-                from guard.telemetry import follow_trainer
+                from guard.observe.telemetry import follow_trainer
 
                 follow_trainer(self.heartbeat, config, self.masker)
         rows = self.trainer_config_check(config) if self.trainer_config_check else []
@@ -695,7 +695,7 @@ class Supervisor:
         """Log the Python stacks of the job's processes (py-spy when installed)."""
         if self.job is None:
             return
-        from guard.stacks import dump_stacks
+        from guard.observe.stacks import dump_stacks
 
         dump_stacks(self.job, self.masker)
 
@@ -704,6 +704,6 @@ class Supervisor:
     # ------------------------------------------------------------------------------------------------------------
 
     def _result(self) -> RunResult:
-        from guard.diagnose import job_result
+        from guard.run.diagnose import job_result
 
         return job_result(self)

@@ -22,12 +22,12 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from guard import __version__
-from guard.config import OPTIONS, Config, debug_enabled, env_name, log_level, resolve
+from guard.run.config import OPTIONS, Config, debug_enabled, env_name, log_level, resolve
 from guard.errors import GuardError, UsageError
-from guard.masking import Masker
-from guard.output import STDERR
-from guard.platform import detect
-from guard.verdict import EXIT_GUARD_ERROR, RunResult, render_line, signal_name, write_report
+from guard.run.masking import Masker
+from guard.run.output import STDERR
+from guard.run.platform import detect
+from guard.contract import EXIT_GUARD_ERROR, RunResult, render_line, signal_name, write_report
 
 __all__ = ["build_config", "main"]
 
@@ -210,13 +210,13 @@ def _emit_verdict(result: RunResult, masker: Masker, report: str | None) -> int:
 
 
 def _run(config: Config, masker: Masker, started: float) -> RunResult:
-    from guard.stages import run_job
+    from guard.run.stages import run_job
 
     return run_job(config, masker, started)
 
 
 def _preflight_only(config: Config, masker: Masker, started: float) -> RunResult:
-    from guard.stages import preflight_only
+    from guard.run.stages import preflight_only
 
     return preflight_only(config, masker, started)
 

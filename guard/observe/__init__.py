@@ -1,0 +1,1 @@
+"""Watching a running job from the guard process: heartbeat, trackio, stacks."""

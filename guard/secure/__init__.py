@@ -1,0 +1,1 @@
+"""Securing checkpoints: the deadline, the plan, destinations and the push."""
