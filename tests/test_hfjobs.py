@@ -10,15 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from guard import uvenv
-from guard.cli import build_config
 from guard.errors import UsageError
-from guard.platform import detect
 from guard.preflight import PreflightOptions, run_preflight, with_flavor_gpus
 from guard.preflight._job import JobView
 from guard.preflight.env import check_env
 from guard.preflight.hfjobs import FLAVORS, VALID_KEYS, expected_flavor, read_hf_jobs
-from guard.stages import resolve_budget
+from guard.run import uvenv
+from guard.run.cli import build_config
+from guard.run.platform import detect
+from guard.run.stages import resolve_budget
 
 HF_ENV = {"JOB_ID": "6712ab", "CPU_CORES": "2", "MEMORY": "16Gi", "ACCELERATOR": ""}
 

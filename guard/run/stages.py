@@ -76,12 +76,12 @@ def resolve_budget(config: Config, platform: PlatformInfo) -> budget.Deadline:
 
 
 def _uv_environment(config: Config) -> tuple[Any, Any]:
-    """``--uv``: decide whether the job runs in the script's uv environment, and build it then (``guard.uvenv``).
+    """``--uv``: decide whether the job runs in the script's uv environment, and build it then (``guard.run.uvenv``).
 
     Returns:
         ``(plan, environment)``; ``environment`` is None when the job runs with this interpreter.
     """
-    from guard import uvenv
+    from guard.run import uvenv
 
     plan = uvenv.plan_uv(config.uv, config.script, config.environ)
     log.info("uv: %s", plan.why)

@@ -32,7 +32,7 @@ from typing import Any
 
 __all__ = ["SYNC_TIMEOUT_S", "UvEnvironment", "UvPlan", "plan_uv", "sync_script", "under_uv"]
 
-log = logging.getLogger("guard.uvenv")
+log = logging.getLogger("guard.run.uvenv")
 
 #: How long ``uv sync --script`` may take (a first install of torch and friends can take minutes).
 SYNC_TIMEOUT_S = 1800.0
