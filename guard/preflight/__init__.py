@@ -29,11 +29,12 @@ from guard.preflight._models import CHECK_NAMES, CheckResult, PreflightOptions, 
 from guard.preflight.env import check_env
 from guard.preflight.gpu import GpuInfo, check_gpus
 from guard.preflight.hub import HubProbe, RepoRef, check_hub_auth, check_hub_repos
-from guard.preflight.misc import check_budget, check_distributed, check_tracking
+from guard.preflight.cmdline import JobArgs, read_job_args
+from guard.preflight.misc import check_budget, check_distributed, check_optional_imports, check_tracking
 from guard.preflight.python_env import check_imports, check_pep723
 from guard.preflight.script import ScriptFacts, analyze_script
 from guard.preflight.storage import check_cache, check_free_space, check_shm, check_writable
-from guard.preflight.trainer import check_trainer_config
+from guard.preflight.trainer import check_compile_mentions, check_trainer_config
 
 __all__ = [
     "CHECK_NAMES",
@@ -99,13 +100,14 @@ def run_preflight(
                          option="--skip-check")
     facts: ScriptFacts | None = None
     script_error: CheckResult | None = None
+    job_args = read_job_args(opts.script_args) if opts.script is not None else JobArgs()
     if opts.script is not None:
         try:
-            facts = analyze_script(opts.script)
+            facts = analyze_script(opts.script, overrides=job_args.values)
         except OSError as exc:
             script_error = CheckResult("python", "fail", f"cannot read {opts.script}: {exc.strerror or exc}",
                                        "check the script's path")
-    job = JobView.build(opts, facts, environ)
+    job = JobView.build(opts, facts, environ, job_args)
     probe = HubProbe(environ, hf_api, opts.network_timeout_s)
     skip = opts.skip_checks
     rows: dict[str, list[CheckResult]] = {}
@@ -142,7 +144,8 @@ def run_preflight(
         f_gpu: Future = pool.submit(gpu_task)
         f_repos: Future = pool.submit(repos_task)
         f_auth = pool.submit(guarded, "hub-auth", lambda: check_hub_auth(job.hub_target, environ=environ, probe=probe))
-        f_python = pool.submit(guarded, "python", lambda: _python_rows(facts, script_error, environ, runner))
+        f_python = pool.submit(guarded, "python", lambda: _python_rows(facts, script_error, environ, runner)
+                               + check_optional_imports(job))
         f_tracking = pool.submit(guarded, "tracking", lambda: check_tracking(
             job, environ=environ, space_private=None if _offline_or_skipped(environ, skip) else probe.space_private))
         f_dist = pool.submit(guarded, "distributed", lambda: check_distributed(
@@ -153,7 +156,8 @@ def run_preflight(
         gpu_rows, gpus = f_gpu.result()
         rows["gpu"] = gpu_rows
         rows["trainer-config"] = guarded("trainer-config", lambda: check_trainer_config(
-            job.config, gpus=gpus, timeout_known=opts.timeout_s is not None, environ=environ) if facts else [
+            job.config, gpus=gpus, timeout_known=opts.timeout_s is not None, environ=environ)
+            + check_compile_mentions(job, gpus) if facts else [
             CheckResult("trainer-config", "n/a", "no script given: checked when the Trainer is built")])
         rows["hub-repos"] = f_repos.result()[0]
         rows["hub-auth"] = f_auth.result()
