@@ -13,7 +13,7 @@ from guard.preflight._models import PreflightOptions
 from guard.preflight.cmdline import JobArgs, to_bool
 from guard.preflight.script import Mention, ScriptFacts
 
-__all__ = ["HubTarget", "JobView", "args_config", "parse_push_to"]
+__all__ = ["HubTarget", "JobView", "args_config", "job_from_config", "parse_push_to"]
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 
@@ -160,6 +160,28 @@ class JobView:
             args=args,
             script_name=facts.path.name if facts else "the script",
         )
+
+
+def job_from_config(config: Mapping[str, Any], environ: Mapping[str, str]) -> JobView:
+    """The job as the Trainer's actual settings (the agent's dict) describe it: Hub target, trackers, output.
+
+    ``report_to`` here is what transformers resolved (``"all"`` already expanded into the installed ones).
+    """
+    hub_target = None
+    if config.get("push_to_hub") is True:
+        repo_id = config.get("hub_model_id")
+        origin = f"push_to_hub=True, hub_model_id={repo_id!r}" if repo_id else "push_to_hub=True"
+        hub_target = HubTarget("model", repo_id if isinstance(repo_id, str) and "/" in repo_id else None, origin)
+    report_to = config.get("report_to") or []
+    if isinstance(report_to, str):
+        report_to = [report_to]
+    trackers = {str(t).lower() for t in report_to if str(t).lower() in ("wandb", "mlflow", "trackio")}
+    space = config.get("trackio_space_id") or environ.get("TRACKIO_SPACE_ID") or None
+    output = config.get("output_dir")
+    return JobView(config=config, hub_target=hub_target, output_dir=Path(output) if isinstance(output, str) else None,
+                   trackers=frozenset(trackers), trackio_space_id=space if "trackio" in trackers else None,
+                   trackio_private=config.get("hub_private_repo") if isinstance(config.get("hub_private_repo"), bool)
+                   else None, script_name="the job")
 
 
 #: TrainingArguments fields read from the job's command line into ``JobView.config`` (the agent's dict shape).

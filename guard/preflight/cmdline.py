@@ -121,10 +121,10 @@ class JobArgs:
     def source(self, name: str, value: object = None) -> str:
         """Where ``name`` came from, for messages: ``--name VALUE`` on the command line, else
         ``name: VALUE in FILE`` (the config file)."""
-        shown = "" if value is None else f" {value}"
         if name in self.given or not self.config_files:
-            return f"--{name}{shown}"
-        return f"{name}:{shown} in {self.config_files[-1].name}"
+            return f"--{name}" if value is None else f"--{name} {value}"
+        shown = self.values.get(name) if value is None else value
+        return f"{name}: {shown} in {self.config_files[-1].name}"
 
 
 def read_job_args(args: Sequence[str], *, cwd: Path | None = None) -> JobArgs:

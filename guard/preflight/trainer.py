@@ -20,7 +20,7 @@ from guard.preflight.gpu import GpuInfo
 if TYPE_CHECKING:
     from guard.preflight._job import JobView
 
-__all__ = ["check_compile_mentions", "check_trainer_config"]
+__all__ = ["check_compile_mentions", "check_job_settings", "check_trainer_config"]
 
 NAME = "trainer-config"
 
@@ -145,3 +145,29 @@ def check_compile_mentions(job: JobView, gpus: Sequence[GpuInfo] | None) -> list
                 NAME, "warn", f"{compiles[0].describe(job.script_name)}; GPU {lowest.index} ({lowest.name}, "
                 f"cc {lowest.cc_text}) is under Triton's cc 7.0", "keep it off on this GPU"))
     return rows
+
+
+def check_job_settings(
+    config: Mapping[str, Any],
+    *,
+    gpus: Sequence[GpuInfo] | None,
+    timeout_known: bool,
+    environ: Mapping[str, str],
+) -> list[CheckResult]:
+    """What the supervisor runs when the agent reports the Trainer's arguments (``training_args`` when
+    ``TrainingArguments`` is built, ``trainer_config`` when training begins).
+
+    ``check_trainer_config``'s rows, plus the credentials the actual settings need (``env`` rows: a Hub token for
+    ``push_to_hub=True``, ``WANDB_API_KEY`` for ``report_to`` wandb unless ``WANDB_MODE`` is offline/disabled,
+    ``MLFLOW_TRACKING_URI``) and the trackers installed (``tracking`` rows). Only ``fail`` and ``warn`` rows of
+    those two groups are returned. Arguments as for ``check_trainer_config``.
+    """
+    from guard.preflight._job import job_from_config  # _job imports the script module
+    from guard.preflight._models import PreflightOptions
+    from guard.preflight.env import check_env
+    from guard.preflight.misc import check_tracking
+
+    rows = check_trainer_config(config, gpus=gpus, timeout_known=timeout_known, environ=environ)
+    job = job_from_config(config, environ)
+    extra = check_env(PreflightOptions(), job, environ=environ) + check_tracking(job, environ=environ)
+    return rows + [row for row in extra if row.status in ("fail", "warn")]

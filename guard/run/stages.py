@@ -240,10 +240,10 @@ def run_job(config: Config, masker: Masker, started: float) -> RunResult:
     gpus = report.gpus if report is not None else None
 
     def trainer_check(trainer_config: Mapping[str, Any]) -> list[Any]:
-        from guard.preflight import check_trainer_config
+        from guard.preflight.trainer import check_job_settings
 
-        return check_trainer_config(trainer_config, gpus=gpus, timeout_known=deadline.deadline_s is not None,
-                                    environ=config.environ)
+        return check_job_settings(trainer_config, gpus=gpus, timeout_known=deadline.deadline_s is not None,
+                                  environ=config.environ)
 
     env_extra = {}
     if resume_path:
