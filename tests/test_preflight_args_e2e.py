@@ -51,3 +51,15 @@ def test_push_only_when_asked_passes_preflight_with_a_warning(tmp_path: Path) ->
                        str(config)], env=no_keys(tmp_path))
     assert asked.returncode == 3 and asked.fields()["check"] == "env", asked.stderr
     assert "push_to_hub: True in args.json" in asked.stderr
+
+
+def test_a_syntax_error_is_a_preflight_failure_with_the_caret(tmp_path: Path) -> None:
+    broken = tmp_path / "train.py"
+    broken.write_text("import os\nx = (1,\n  2]\n")
+    run = run_guard([str(broken)])
+    assert run.returncode == 3, run.stderr
+    assert run.verdict.startswith("VERDICT: FAIL reason=preflight exit=3")
+    assert run.fields()["check"] == "script"
+    lines = run.stderr.splitlines()
+    at = next(i for i, line in enumerate(lines) if "does not parse: line 3" in line)
+    assert lines[at + 1] == "[guard]     2]" and lines[at + 2] == "[guard]      ^"

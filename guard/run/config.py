@@ -159,10 +159,26 @@ class Option:
     metavar: str | None = None
     repeat: bool = False
     flag_only_bool: bool = False  # a switch such as --dry-run
+    bare: str | None = None  # the value of the flag given alone (``--resume`` means ``on``); None: a value is needed
+    choices: tuple[str, ...] = ()  # with ``bare``: the words read as the flag's value (anything else is the job's)
 
     @property
     def flag(self) -> str:
         return "--" + self.name.replace("_", "-")
+
+    def default_text(self) -> str:
+        """The default as the README writes it: ``30m`` for 1800 s, ``auto`` for ``--margin``, ``off`` for a
+        switch, ``none`` when there is none."""
+        value = self.default
+        if self.name == "margin":
+            return "auto"
+        if self.flag_only_bool:
+            return "on" if value else "off"
+        if value in (None, ()):
+            return "none"
+        if self.metavar and self.metavar.startswith("DURATION") and isinstance(value, (int, float)):
+            return format_duration_s(value)
+        return str(value)
 
 
 def format_duration_s(seconds: float) -> str:
@@ -199,7 +215,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("output_dir", "where the job writes its checkpoints", None, _parse_text, "DIR"),
     Option("sanity_steps", "training steps whose loss must be finite", 5, _parse_count, "N"),
     Option("dry_run", "stop the job once the sanity steps pass", False, _parse_bool, flag_only_bool=True),
-    Option("stall_timeout", "no training step (before the first: no output) for this long is a hang", 1800.0,
+    Option("stall_timeout", "no training step (before the first: no output) for this long is a hang (0: off)", 1800.0,
            lambda t, option: parse_duration(t, option=option), "DURATION"),
     Option("require_env", "an environment variable that must be set and non-empty (repeatable)", (),
            _parse_text, "NAME", repeat=True),
@@ -218,8 +234,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("no_preflight", "skip every preflight check (each is listed as n/a)", False, _parse_bool,
            flag_only_bool=True),
     # --- resume, watch internals ---
-    Option("resume", "fetch DEST/last-checkpoint before the job starts: on, off, if-valid, auto", "auto",
-           _parse_resume, "MODE"),
+    Option("resume", "fetch DEST/last-checkpoint before the job starts: on, off, if-valid, auto (alone: on)", "auto",
+           _parse_resume, "MODE", bare="on",
+           choices=("on", "off", "if-valid", "auto", "1", "0", "true", "false", "yes", "no")),
     Option("requeue", "after a secured TIMEOUT/INTERRUPTED under Slurm, run `scontrol requeue $SLURM_JOB_ID`", False,
            _parse_bool, flag_only_bool=True),
     Option("check_every", "after the sanity pass, read the loss from the device every N steps", 10,
