@@ -351,3 +351,15 @@ def test_preflight_subcommand_needs_no_script() -> None:
 def test_skip_check_reasons_may_hold_commas_in_the_environment() -> None:
     values, _ = resolve({}, {"GUARD_SKIP_CHECK": "gpu=not needed, really,hub-auth=offline"})
     assert values["skip_check"] == (("gpu", "not needed, really"), ("hub-auth", "offline"))
+
+
+def test_push_to_an_existing_folder_without_dot_slash_is_a_usage_error(script: Path, tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "checkpoints" / "run1").mkdir(parents=True)
+    with pytest.raises(UsageError, match="is a folder here") as caught:
+        build_config(["--push-to", "checkpoints/run1", str(script)], {})
+    assert "did you mean ./checkpoints/run1" in (caught.value.hint or "")
+    assert build_config(["--push-to", "./checkpoints/run1", str(script)], {}).push_to == "./checkpoints/run1"
+    assert build_config(["--push-to", "hf://checkpoints/run1", str(script)], {}).push_to == "hf://checkpoints/run1"
+    assert build_config(["--push-to", "acme/run2", str(script)], {}).push_to == "acme/run2"  # no such folder

@@ -141,6 +141,10 @@ def build_config(argv: Sequence[str], environ: Mapping[str, str], *, subcommand:
         raise UsageError("--timeout must be more than 0 seconds", option="--timeout")
     if values["grace"] <= 0:
         raise UsageError("--grace must be more than 0 seconds", option="--grace")
+    if values["push_to"]:
+        from guard.secure.hub import parse_destination
+
+        parse_destination(values["push_to"])  # a malformed or ambiguous DEST is a usage error before anything runs
     return Config(values=values, sources=sources, command=command, script=script, script_args=script_args,
                   subcommand=subcommand, environ=dict(environ))
 
