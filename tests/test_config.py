@@ -363,3 +363,11 @@ def test_push_to_an_existing_folder_without_dot_slash_is_a_usage_error(script: P
     assert build_config(["--push-to", "./checkpoints/run1", str(script)], {}).push_to == "./checkpoints/run1"
     assert build_config(["--push-to", "hf://checkpoints/run1", str(script)], {}).push_to == "hf://checkpoints/run1"
     assert build_config(["--push-to", "acme/run2", str(script)], {}).push_to == "acme/run2"  # no such folder
+
+
+def test_guard_options_in_the_jobs_arguments() -> None:
+    from guard.run.config import guard_options_in
+
+    assert guard_options_in(["--steps", "3", "--timeout", "1h", "--push-to=./x", "--timeout", "2h"]) == [
+        "--timeout", "--push-to"]
+    assert guard_options_in(["--steps", "3", "--", "--timeout"]) == []

@@ -63,3 +63,14 @@ def test_a_syntax_error_is_a_preflight_failure_with_the_caret(tmp_path: Path) ->
     lines = run.stderr.splitlines()
     at = next(i for i, line in enumerate(lines) if "does not parse: line 3" in line)
     assert lines[at + 1] == "[guard]     2]" and lines[at + 2] == "[guard]      ^"
+
+
+def test_a_guard_option_after_the_script_gets_a_hint_when_the_job_refuses_it(tmp_path: Path) -> None:
+    job = tmp_path / "train.py"
+    job.write_text("import argparse\np = argparse.ArgumentParser()\np.add_argument('--steps', type=int)\n"
+                   "p.parse_args()\n")
+    run = run_guard(["--no-preflight", str(job), "--timeout", "1h"])
+    assert run.returncode == 2 and run.fields()["reason"] == "crash", run.stderr
+    assert "guard options go before the script" in run.fields()["hint"]
+    assert "--timeout, also a guard option" in run.stderr  # said at the start too
+    assert "traceback" not in run.fields()["hint"]

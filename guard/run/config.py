@@ -31,6 +31,7 @@ __all__ = [
     "debug_enabled",
     "env_name",
     "format_duration_s",
+    "guard_options_in",
     "log_level",
     "parse_duration",
     "parse_size",
@@ -396,6 +397,24 @@ def agent_settings(environ: Mapping[str, str] | None = None) -> AgentSettings:
         resume_path=env.get(protocol.ENV_RESUME_PATH) or None,
         resume_step=_int(protocol.ENV_RESUME_STEP, 0),
     )
+
+
+def guard_options_in(args: Sequence[str]) -> list[str]:
+    """The guard's own flags found among the job's arguments (``--timeout`` in ``train.py --timeout 1h``).
+
+    Everything after the script belongs to the job, so such a flag reaches the job, which may refuse it
+    (argparse: exit 2, "unrecognized arguments"). ``--flag=value`` counts too; the job's own ``--`` ends the
+    search. Returns the flags in order, each once.
+    """
+    flags = {opt.flag for opt in OPTIONS}
+    found: list[str] = []
+    for token in args:
+        if token == "--":
+            break
+        flag = token.split("=", 1)[0]
+        if flag in flags and flag not in found:
+            found.append(flag)
+    return found
 
 
 def split_repeat(values: Sequence[str]) -> tuple[str, ...]:

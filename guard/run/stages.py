@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from guard.secure import budget
-from guard.run.config import Config, env_name
+from guard.run.config import Config, env_name, guard_options_in
 from guard.run.masking import Masker
 from guard.run.platform import PlatformInfo, detect
 from guard.contract import EXIT_PREFLIGHT, RunResult, signal_name
@@ -209,6 +209,9 @@ def run_job(config: Config, masker: Masker, started: float) -> RunResult:
     from guard.run.supervisor import Supervisor
 
     platform = detect(config.environ)
+    if misplaced := guard_options_in(config.script_args):
+        log.info("the job's arguments hold %s, also a guard option: after the script it goes to the job, not the "
+                 "guard (guard options go before the script)", ", ".join(misplaced))
     with EarlySignals() as early:
         deadline = resolve_budget(config, platform)
         factory = _securer_factory(config.environ)
