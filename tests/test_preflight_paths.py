@@ -116,8 +116,8 @@ def test_a_tracker_import_under_a_false_flag_is_not_a_failure(tmp_path: Path) ->
                                                                   ("tracker", "wandb", False)}
     found = rows(tmp_path, script)
     assert "fail" not in statuses(found, "env") + statuses(found, "tracking")
+    assert statuses(found, "tracking") == ["n/a"]  # the python row warns for the import, once
     if importlib.util.find_spec("wandb") is None:
-        assert statuses(found, "tracking") == ["warn"]
         view = JobView.build(PreflightOptions(script=script), facts, {})
         from guard.preflight.misc import check_optional_imports
         assert [r.status for r in check_optional_imports(view)] == ["warn"]
@@ -160,3 +160,21 @@ def test_main_guard_and_else_branches(tmp_path: Path) -> None:
     '''))
     assert facts.imports == ("torch", "transformers", "datasets")
     assert facts.trainer_config.get("torch_compile") is True and facts.mentions == ()
+
+
+def test_the_trainers_actual_settings_need_their_credentials(tmp_path: Path) -> None:
+    from guard.preflight.trainer import check_job_settings
+
+    base = {"HOME": str(tmp_path), "HF_HOME": str(tmp_path / "hf")}
+
+    def failed(config: dict[str, Any], **environ: str) -> list[tuple[str, str]]:
+        rows = check_job_settings(config, gpus=None, timeout_known=False, environ={**base, **environ})
+        return [(r.name, r.seen) for r in rows if r.status == "fail"]
+
+    wandb = failed({"report_to": ["wandb"], "output_dir": "o"})
+    assert ("env", "WANDB_API_KEY not set and no wandb login (TrainingArguments report_to wandb)") in wandb
+    assert not [r for r in failed({"report_to": ["wandb"]}, WANDB_MODE="offline") if r[0] == "env"]
+    assert not [r for r in failed({"report_to": ["wandb"]}, WANDB_API_KEY="k") if r[0] == "env"]
+    push = failed({"push_to_hub": True, "hub_model_id": "acme/m", "report_to": []})
+    assert [name for name, _ in push] == ["env"] and "hub_model_id='acme/m'" in push[0][1]
+    assert failed({"push_to_hub": False, "report_to": []}) == []

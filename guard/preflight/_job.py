@@ -97,6 +97,8 @@ class JobView:
             checks make these warnings at most.
         args: the job's own command line and config files, as read by ``guard.preflight.cmdline``.
         script_name: the script's file name, for messages.
+        settings_source: ``"TrainingArguments"`` when the view comes from the Trainer's actual arguments (the
+            agent's report), for messages; None for the static view.
     """
 
     config: Mapping[str, Any] = field(default_factory=dict)
@@ -109,6 +111,7 @@ class JobView:
     mentions: tuple[Mention, ...] = ()
     args: JobArgs = field(default_factory=JobArgs)
     script_name: str = "the script"
+    settings_source: str | None = None
 
     @classmethod
     def build(cls, opts: PreflightOptions, facts: ScriptFacts | None, environ: Mapping[str, str],
@@ -181,7 +184,7 @@ def job_from_config(config: Mapping[str, Any], environ: Mapping[str, str]) -> Jo
     return JobView(config=config, hub_target=hub_target, output_dir=Path(output) if isinstance(output, str) else None,
                    trackers=frozenset(trackers), trackio_space_id=space if "trackio" in trackers else None,
                    trackio_private=config.get("hub_private_repo") if isinstance(config.get("hub_private_repo"), bool)
-                   else None, script_name="the job")
+                   else None, script_name="the job", settings_source="TrainingArguments")
 
 
 #: TrainingArguments fields read from the job's command line into ``JobView.config`` (the agent's dict shape).

@@ -78,7 +78,10 @@ def _mention_rows(job: JobView, environ: Mapping[str, str]) -> list[CheckResult]
 
 
 def _tracker_origin(job: JobView, tracker: str) -> str:
-    """``"--report_to wandb"`` when the job's command line asks for it, else ``"reports to wandb"``."""
+    """``"--report_to wandb"`` when the job's command line asks for it, ``"TrainingArguments report_to wandb"``
+    from the agent's report, else ``"reports to wandb"``."""
+    if job.settings_source:
+        return f"{job.settings_source} report_to {tracker}"
     if tracker in [t.lower() for t in job.args.items("report_to")]:
         return job.args.source("report_to", tracker)
     return f"reports to {tracker}"

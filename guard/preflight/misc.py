@@ -177,8 +177,9 @@ def check_tracking(
     if not job.trackers and not job.trackio_space_id and not maybe:
         return [CheckResult(name, "n/a", "no tracker (no report_to wandb/mlflow/trackio, none used in the script)")]
     rows: list[CheckResult] = []
+    imported = {m.what for m in job.mentions if m.kind == "import"}  # the python row already warns for these
     for mention in {m.what: m for m in reversed(maybe)}.values():
-        if _installed(mention.what) is None:
+        if mention.what not in imported and _installed(mention.what) is None:
             rows.append(CheckResult(name, "warn", f"{mention.what} not installed: {mention.describe(job.script_name)}",
                                     f"only if you turn it on: pip install {mention.what}"))
     wandb_mode = (environ.get("WANDB_MODE") or "").strip().lower()
@@ -222,6 +223,9 @@ def check_tracking(
             state = "is public" if existing is False else "would be created public (private not set)"
             rows.append(CheckResult(name, "warn", f"trackio Space {space} {state}: metrics and config visible to all",
                                     "pass private=True to trackio.init (Trainer: hub_private_repo=True)"))
+    if not rows:
+        only = ", ".join(sorted({m.what for m in maybe}))
+        rows.append(CheckResult(name, "n/a", f"no tracker in use ({only} only on a path not taken)"))
     return rows
 
 
