@@ -25,15 +25,37 @@ from typing import Any
 from guard.errors import UsageError
 from guard.preflight._common import NoAnswer, call_bounded, hf_offline, one_line
 from guard.preflight._job import HubTarget, JobView, parse_push_to
-from guard.preflight._models import CHECK_NAMES, CheckResult, PreflightOptions, PreflightReport, Status
+from guard.preflight._models import (
+    CHECK_NAMES,
+    CheckResult,
+    PreflightOptions,
+    PreflightReport,
+    Status,
+)
+from guard.preflight.cmdline import JobArgs, read_job_args
 from guard.preflight.env import check_env
 from guard.preflight.gpu import GpuInfo, check_gpus
+from guard.preflight.hfjobs import (
+    FLAVORS,
+    HfJobsTable,
+    expected_flavor,
+    read_hf_jobs_file,
+)
 from guard.preflight.hub import HubProbe, RepoRef, check_hub_auth, check_hub_repos
-from guard.preflight.cmdline import JobArgs, read_job_args
-from guard.preflight.misc import check_budget, check_distributed, check_optional_imports, check_tracking
-from guard.preflight.python_env import check_imports, check_pep723
+from guard.preflight.misc import (
+    check_budget,
+    check_distributed,
+    check_optional_imports,
+    check_tracking,
+)
+from guard.preflight.python_env import UV_HINT, check_imports, check_pep723
 from guard.preflight.script import ScriptFacts, analyze_script
-from guard.preflight.storage import check_cache, check_free_space, check_shm, check_writable
+from guard.preflight.storage import (
+    check_cache,
+    check_free_space,
+    check_shm,
+    check_writable,
+)
 from guard.preflight.trainer import check_compile_mentions, check_trainer_config
 
 __all__ = [
@@ -107,6 +129,8 @@ def run_preflight(
         except OSError as exc:
             script_error = CheckResult("python", "fail", f"cannot read {opts.script}: {exc.strerror or exc}",
                                        "check the script's path")
+    hf_jobs = read_hf_jobs_file(opts.script) if script_error is None else None
+    opts = with_flavor_gpus(opts, hf_jobs, environ)
     job = JobView.build(opts, facts, environ, job_args)
     probe = HubProbe(environ, hf_api, opts.network_timeout_s)
     skip = opts.skip_checks
@@ -144,13 +168,14 @@ def run_preflight(
         f_gpu: Future = pool.submit(gpu_task)
         f_repos: Future = pool.submit(repos_task)
         f_auth = pool.submit(guarded, "hub-auth", lambda: check_hub_auth(job.hub_target, environ=environ, probe=probe))
-        f_python = pool.submit(guarded, "python", lambda: _python_rows(facts, script_error, environ, runner)
+        f_python = pool.submit(guarded, "python", lambda: _python_rows(facts, script_error, environ, runner, opts,
+                                                                           hf_jobs)
                                + check_optional_imports(job))
         f_tracking = pool.submit(guarded, "tracking", lambda: check_tracking(
             job, environ=environ, space_private=None if _offline_or_skipped(environ, skip) else probe.space_private))
         f_dist = pool.submit(guarded, "distributed", lambda: check_distributed(
             opts, environ=environ, gpus=f_gpu.result()[1]))
-        rows["env"] = guarded("env", lambda: check_env(opts, job, environ=environ))
+        rows["env"] = guarded("env", lambda: check_env(opts, job, environ=environ, hf_jobs=hf_jobs))
         rows["budget"] = guarded("budget", lambda: [check_budget(opts)])
         rows["storage"] = guarded("storage", lambda: _storage_rows(opts, job, environ, f_repos))
         gpu_rows, gpus = f_gpu.result()
@@ -185,16 +210,49 @@ def _repo_refs(opts: PreflightOptions, facts: ScriptFacts | None) -> list[RepoRe
     return list(unique.values())
 
 
+def with_flavor_gpus(opts: PreflightOptions, hf_jobs: HfJobsTable | None,
+                     environ: Mapping[str, str]) -> PreflightOptions:
+    """On HF Jobs, the GPUs the flavor gives (``ACCELERATOR``, else the script's ``[tool.hf-jobs] flavor``) become
+    the GPU check's expectation, unless ``--require-gpus``/``--gpu-type`` say otherwise (see ``hfjobs.FLAVORS``).
+    A CPU flavor or an unknown name expects nothing."""
+    if opts.platform != "hf_jobs" or opts.require_gpus or opts.gpu_type:
+        return opts
+    flavor = expected_flavor(hf_jobs, environ)
+    if flavor is None or flavor[0] not in FLAVORS or not FLAVORS[flavor[0]].count:
+        return opts
+    name, source = flavor
+    gpus = FLAVORS[name]
+    import dataclasses
+
+    return dataclasses.replace(opts, require_gpus=gpus.count, gpu_type=gpus.gpu_type,
+                               gpu_source=f"flavor {name} ({source}): {gpus.count}x {gpus.gpu_type}")
+
+
 def _python_rows(facts: ScriptFacts | None, script_error: CheckResult | None, environ: Mapping[str, str],
-                 runner: Callable[..., Any]) -> list[CheckResult]:
+                 runner: Callable[..., Any], opts: PreflightOptions | None = None,
+                 hf_jobs: HfJobsTable | None = None) -> list[CheckResult]:
     if script_error is not None:
         return [script_error]
+    header: list[CheckResult] = []
+    if hf_jobs is not None and hf_jobs.error is not None:
+        header.append(CheckResult("python", "fail", hf_jobs.error,
+                                  "fix the table: hf jobs uv run refuses it too (keys and types: huggingface_hub's "
+                                  "cli/_uv_script_header.py)"))
     if facts is not None and facts.syntax_error:
-        return [CheckResult("python", "fail", f"{facts.path.name} does not parse: {facts.syntax_error}",
-                            f"fix the syntax error (python -m py_compile {facts.path.name})")] + check_pep723(facts)
+        return header + [CheckResult("python", "fail", f"{facts.path.name} does not parse: {facts.syntax_error}",
+                                     f"fix the syntax error (python -m py_compile {facts.path.name})")] + check_pep723(facts)
     if facts is None:
-        return [CheckResult("python", "n/a", "no script given: no PEP 723 block or imports to check")]
-    return check_pep723(facts) + [check_imports(facts, environ=environ, runner=runner)]
+        return header + [CheckResult("python", "n/a", "no script given: no PEP 723 block or imports to check")]
+    uv_environment = opts.uv_environment if opts is not None else None
+    uv_error = opts.uv_error if opts is not None else None
+    pep723 = check_pep723(facts, uv_environment=uv_environment, uv_error=uv_error)
+    if uv_error is not None:
+        return header + pep723
+    missing = any(row.status == "warn" and "not installed" in row.seen for row in pep723)
+    imports = check_imports(facts, environ=environ, runner=runner,
+                            python=opts.python_executable if opts is not None else None,
+                            missing_hint=UV_HINT if missing else None)
+    return header + pep723 + [imports]
 
 
 def _storage_rows(opts: PreflightOptions, job: JobView, environ: Mapping[str, str],

@@ -69,6 +69,13 @@ class PreflightOptions:
         skip_checks: ``--skip-check NAME=REASON`` pairs; each named check becomes ``n/a`` with the reason.
         platform: ``hf_jobs``, ``slurm``, ``kubernetes``, ``torchrun`` or ``local``.
         network_timeout_s: the limit of each network call, in seconds.
+        gpu_source: where ``require_gpus``/``gpu_type`` came from when not from the flags (e.g. ``"flavor
+            a10g-large (ACCELERATOR)"``), for the GPU rows; None: the flags.
+        python_executable: the interpreter that will run the job (a uv script environment's), or None for this
+            one; the import check runs it.
+        uv_environment: where uv built the script's environment (``--uv``), or None when the job does not run
+            there; the PEP 723 row then says so instead of comparing with this interpreter.
+        uv_error: why uv could not build that environment (a ``fail`` row), or None.
     """
 
     script: Path | None = None
@@ -87,6 +94,10 @@ class PreflightOptions:
     skip_checks: Mapping[str, str] = field(default_factory=dict)
     platform: str = "local"
     network_timeout_s: float = 3.0
+    gpu_source: str | None = None
+    python_executable: str | None = None
+    uv_environment: str | None = None
+    uv_error: str | None = None
 
 
 @dataclass(frozen=True)

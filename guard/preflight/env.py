@@ -1,6 +1,8 @@
 """Environment checks: the variables the job needs are set. Names only: a value is never printed.
 
-Needed: every ``--require-env`` name; ``HF_TOKEN`` when the job writes to the Hub; ``WANDB_API_KEY`` when it
+Needed: every ``--require-env`` name; the ``secrets`` and ``env`` names of the script's ``[tool.hf-jobs]`` table
+(``hf jobs uv run`` sets them at launch; on HF Jobs a missing one fails, elsewhere it is a warning, since the
+script may be tried outside HF Jobs); ``HF_TOKEN`` when the job writes to the Hub; ``WANDB_API_KEY`` when it
 reports to Weights & Biases (not with ``WANDB_MODE=offline|disabled``); ``MLFLOW_TRACKING_URI`` when it reports to
 MLflow. A push or a tracker the script starts only on a path that may not be taken (``ScriptFacts.mentions``)
 makes a missing variable a warning, never a failure.
@@ -16,6 +18,7 @@ from urllib.parse import urlparse
 from guard.preflight._common import hf_token
 from guard.preflight._job import JobView
 from guard.preflight._models import CheckResult, PreflightOptions
+from guard.preflight.hfjobs import TABLE, HfJobsTable
 
 __all__ = ["check_env"]
 
@@ -87,8 +90,15 @@ def _tracker_origin(job: JobView, tracker: str) -> str:
     return f"reports to {tracker}"
 
 
-def check_env(opts: PreflightOptions, job: JobView, *, environ: Mapping[str, str]) -> list[CheckResult]:
+def check_env(opts: PreflightOptions, job: JobView, *, environ: Mapping[str, str],
+              hf_jobs: HfJobsTable | None = None) -> list[CheckResult]:
     """Rows for the variables the job needs.
+
+    Args:
+        opts: the options (``require_env``, ``platform``).
+        job: what the job does (Hub target, trackers).
+        environ: the job's environment.
+        hf_jobs: the script's ``[tool.hf-jobs]`` table, or None.
 
     Returns:
         One ``fail`` row per missing variable, one ``pass`` row listing the ones set (with why each is needed),
@@ -104,6 +114,24 @@ def check_env(opts: PreflightOptions, job: JobView, *, environ: Mapping[str, str
             state = "set but empty" if name in environ else "not set"
             rows.append(CheckResult(NAME, "fail", f"{name} {state} ({why})",
                                     f"export {name}=... (on HF Jobs: -s {name}; Slurm: export it before sbatch)"))
+    if hf_jobs is not None and hf_jobs.error is None:
+        on_hf = opts.platform == "hf_jobs"
+        listed = [(n, "secrets") for n in hf_jobs.secrets] + [(n, "env") for n in hf_jobs.env]
+        for name, key in listed:
+            if name in opts.require_env:
+                continue
+            why = f"[{TABLE}] {key} in {hf_jobs.path.name}"
+            if _set(environ, name):
+                found.append(f"{name} ({why})")
+                continue
+            state = "set but empty" if name in environ else "not set"
+            hint = (f"export {name} where you run hf jobs uv run (it sends the value), or -s {name}=..."
+                    if key == "secrets" else f"hf jobs uv run sets it from the table; elsewhere export {name}=...")
+            if on_hf:
+                rows.append(CheckResult(NAME, "fail", f"{name} {state} ({why})", hint))
+            else:
+                rows.append(CheckResult(NAME, "warn", f"{name} {state} ({why}; not on HF Jobs, so not required)",
+                                        hint))
     if job.hub_target is not None:
         why = f"pushing to the Hub: {job.hub_target.origin}"
         token, where = hf_token(environ)
@@ -117,8 +145,8 @@ def check_env(opts: PreflightOptions, job: JobView, *, environ: Mapping[str, str
         why = _tracker_origin(job, "wandb")
         if off := wandb_off(environ):
             found.append(f"no W&B key needed ({off})")
-        elif key := _wandb_key(environ):
-            found.append(f"{key} ({why})")
+        elif login := _wandb_key(environ):
+            found.append(f"{login} ({why})")
         else:
             rows.append(CheckResult(NAME, "fail", f"WANDB_API_KEY not set and no wandb login ({why})",
                                     "pass WANDB_API_KEY as a secret, or set WANDB_MODE=offline"))

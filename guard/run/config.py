@@ -139,6 +139,17 @@ def _parse_resume(text: str, *, option: str) -> str:
     raise UsageError(f"{option}: {text!r}; accepted: on, off, if-valid, auto", option=option)
 
 
+def _parse_uv(text: str, *, option: str) -> str:
+    low = str(text).strip().lower()
+    if low in TRUE_VALUES:
+        return "on"
+    if low in FALSE_VALUES:
+        return "off"
+    if low == "auto":
+        return low
+    raise UsageError(f"{option}: {text!r}; accepted: auto, on, off", option=option)
+
+
 def _parse_text(text: str, *, option: str) -> str:
     value = str(text).strip()
     if not value:
@@ -238,6 +249,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("resume", "fetch DEST/last-checkpoint before the job starts: on, off, if-valid, auto (alone: on)", "auto",
            _parse_resume, "MODE", bare="on",
            choices=("on", "off", "if-valid", "auto", "1", "0", "true", "false", "yes", "no")),
+    Option("uv", "run a PEP 723 script in the environment uv builds for it: auto (when the guard runs under uv "
+           "and the script's dependencies are missing here), on, off", "auto", _parse_uv, "MODE"),
     Option("requeue", "after a secured TIMEOUT/INTERRUPTED under Slurm, run `scontrol requeue $SLURM_JOB_ID`", False,
            _parse_bool, flag_only_bool=True),
     Option("check_every", "after the sanity pass, read the loss from the device every N steps", 10,
