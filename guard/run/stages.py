@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from guard.secure import budget
-from guard.run.config import Config, env_name
+from guard.run.config import Config, env_name, guard_options_in
 from guard.run.masking import Masker
 from guard.run.platform import PlatformInfo, detect
 from guard.contract import EXIT_PREFLIGHT, RunResult, signal_name
@@ -247,6 +247,9 @@ def run_job(config: Config, masker: Masker, started: float) -> RunResult:
     from guard.run.supervisor import Supervisor
 
     platform = detect(config.environ)
+    if misplaced := guard_options_in(config.script_args):
+        log.info("the job's arguments hold %s, also a guard option: after the script it goes to the job, not the "
+                 "guard (guard options go before the script)", ", ".join(misplaced))
     with EarlySignals() as early:
         deadline = resolve_budget(config, platform)
         factory = _securer_factory(config.environ)
@@ -284,10 +287,10 @@ def run_job(config: Config, masker: Masker, started: float) -> RunResult:
     gpus = report.gpus if report is not None else None
 
     def trainer_check(trainer_config: Mapping[str, Any]) -> list[Any]:
-        from guard.preflight import check_trainer_config
+        from guard.preflight.trainer import check_job_settings
 
-        return check_trainer_config(trainer_config, gpus=gpus, timeout_known=deadline.deadline_s is not None,
-                                    environ=config.environ)
+        return check_job_settings(trainer_config, gpus=gpus, timeout_known=deadline.deadline_s is not None,
+                                  environ=config.environ)
 
     env_extra: dict[str, str] = {}
     if uv_env is not None and uv_env.python and config.script is not None:
