@@ -31,9 +31,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from guard.secure.budget import MarginEstimator  # noqa: E402
-from guard.secure.checkpoints import CheckpointInfo  # noqa: E402
-from guard.secure.plan import Plan, RequestSave, State, StopJob  # noqa: E402
+from guard.secure.budget import MarginEstimator
+from guard.secure.checkpoints import CheckpointInfo
+from guard.secure.plan import Plan, RequestSave, State, StopJob
 
 MB = 1e6
 DT_S = 0.5  # the loop's tick
