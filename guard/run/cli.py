@@ -25,7 +25,7 @@ from guard import __version__
 from guard.run.config import OPTIONS, Config, debug_enabled, env_name, log_level, resolve
 from guard.errors import GuardError, UsageError
 from guard.run.masking import Masker
-from guard.run.output import STDERR
+from guard.run.output import LINES
 from guard.run.platform import detect
 from guard.contract import EXIT_GUARD_ERROR, RunResult, render_line, signal_name, write_report
 
@@ -147,10 +147,8 @@ class _MaskingFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         text = self.masker.mask_text(super().format(record))
-        if STDERR.mid_line:  # the job's last stderr line is unfinished (a progress bar): start a new line
-            STDERR.mid_line = False
-            text = "\n" + text
-        return text
+        # The job's last line is unfinished (a progress bar): start a new line.
+        return LINES.line_break(2).decode() + text
 
 
 def _setup_logging(masker: Masker, environ: Mapping[str, str]) -> None:
@@ -197,8 +195,8 @@ def _emit_verdict(result: RunResult, masker: Masker, report: str | None) -> int:
     except (OSError, ValueError):
         pass
     line = render_line(result, masker) + "\n"
-    try:
-        os.write(1, line.encode())
+    try:  # the VERDICT starts a line, also after a job's unfinished last line (stdout, or a merged log)
+        os.write(1, LINES.line_break(1) + line.encode())
     except OSError:
         pass
     return result.exit_code

@@ -17,12 +17,13 @@ CUDA out-of-memory error.
 from __future__ import annotations
 
 import math
+import os
 import re
 from dataclasses import dataclass, field
 
 from guard.run.masking import Masker
 
-__all__ = ["JOB_VERDICT_PREFIX", "OutputEvents", "StreamFilter", "parse_losses"]
+__all__ = ["JOB_VERDICT_PREFIX", "LINES", "LineState", "OutputEvents", "StreamFilter", "parse_losses"]
 
 JOB_VERDICT_PREFIX = b"[job] "
 _VERDICT = b"VERDICT:"
@@ -60,14 +61,51 @@ def parse_losses(line: bytes) -> list[tuple[int | None, float]]:
 
 
 class LineState:
-    """Whether the job's output last left the guard's stderr in the middle of a line (a progress bar redrawn with
-    ``\\r``); the guard's own log lines then start on a new line, so that they stay greppable as ``^[guard]``."""
+    """Whether the job's output last left the guard's stdout or stderr in the middle of a line (a progress bar
+    redrawn with ``\\r``, a last line without a newline).
 
-    mid_line = False
+    The guard's own lines (``[guard] ...`` on stderr, the VERDICT on stdout) must start a line, so that they stay
+    greppable as ``^[guard]`` / ``^VERDICT:``. When stdout and stderr are the same file (``2>&1`` into a log, one
+    terminal), the state is the one of the last write to either; otherwise each stream has its own.
+    """
+
+    def __init__(self) -> None:
+        self.mid: dict[int, bool] = {}
+        self.last_fd: int | None = None
+        self._merged: bool | None = None
+
+    def wrote(self, fd: int, data: bytes) -> None:
+        """Record a write of ``data`` (non-empty) to ``fd``."""
+        if data:
+            self.mid[fd] = not data.endswith(b"\n")
+            self.last_fd = fd
+
+    def merged(self) -> bool:
+        """stdout and stderr are the same open file (``fstat``: same device and inode); checked once."""
+        if self._merged is None:
+            try:
+                out, err = os.fstat(1), os.fstat(2)
+                self._merged = (out.st_dev, out.st_ino) == (err.st_dev, err.st_ino)
+            except OSError:
+                self._merged = False
+        return self._merged
+
+    def needs_break(self, fd: int) -> bool:
+        """A line written to ``fd`` now would not start a line."""
+        if fd in (1, 2) and self.merged():
+            return self.last_fd in (1, 2) and self.mid.get(self.last_fd, False)
+        return self.mid.get(fd, False)
+
+    def line_break(self, fd: int) -> bytes:
+        """``b"\\n"`` when a line written to ``fd`` now needs one first (and record the guard's line), else ``b""``."""
+        brk = b"\n" if self.needs_break(fd) else b""
+        self.wrote(fd, b"\n")
+        return brk
 
 
-#: The state of the guard's stderr, shared by the supervisor (which writes the job's stderr) and the log handler.
-STDERR = LineState()
+#: The state of the guard's stdout (fd 1) and stderr (fd 2), shared by the supervisor (which writes the job's
+#: output), the log handler and the VERDICT.
+LINES = LineState()
 
 
 @dataclass
@@ -136,7 +174,14 @@ class StreamFilter:
     def close(self) -> bytes:
         """End of stream: write everything held."""
         data, self._pending = self._pending, b""
-        return self._emit(data, line_complete=True) if data else b""
+        if data:
+            return self._emit(data, line_complete=True)
+        if self._line_head:  # the last line went out unfinished (a progress bar): it still counts
+            head, self._line_head = self._line_head, b""
+            if self.parse and (b"oss" in head or b"OSS" in head):
+                self.events.losses.extend(parse_losses(head))
+            self._scan_errors(head)
+        return b""
 
     def _emit(self, data: bytes, *, line_complete: bool) -> bytes:
         out = self.masker.mask(data)

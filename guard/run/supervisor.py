@@ -27,7 +27,7 @@ from guard import protocol
 from guard.run.channel import AgentChannel, AgentConn
 from guard.run.config import Config
 from guard.run.masking import Masker
-from guard.run.output import STDERR, OutputEvents, StreamFilter
+from guard.run.output import LINES, OutputEvents, StreamFilter
 from guard.run.process import JobProcess, cgroup_memory, default_signals, set_subreaper
 from guard.run.timers import Escalation, StallWatch
 from guard.contract import (
@@ -446,6 +446,7 @@ class Supervisor:
             self._write(self.targets[fd], flt.close())
             self._sel.unregister(fd)
             self.partial_since.pop(fd, None)
+            self._after_output(now)  # the last, unterminated line counts too
             return True
         self.stall.output(now)
         self._write(self.targets[fd], flt.feed(data))
@@ -471,8 +472,7 @@ class Supervisor:
     def _write(self, fd: int, data: bytes) -> None:
         if not data or (fd == self.out_fd and self._closed_out):
             return
-        if fd == self.err_fd:
-            STDERR.mid_line = not data.endswith(b"\n")
+        LINES.wrote(fd, data)
         view = memoryview(data)
         while view:
             try:
@@ -491,6 +491,7 @@ class Supervisor:
     def _finish_output(self) -> None:
         for fd, flt in self.filters.items():
             self._write(self.targets[fd], flt.close())
+        self._after_output(self.clock())
 
     # ------------------------------------------------------------------------------------------------------------
     # Agent channel

@@ -1,0 +1,63 @@
+"""End to end: the VERDICT tells the truth (issue "Truthful verdicts", run-time half), on tiny real jobs."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import JOBS, guard_env, run_guard
+
+pytestmark = pytest.mark.slow
+
+
+def _fields(verdict: str) -> dict[str, str]:
+    import shlex
+
+    parts = shlex.split(verdict[len("VERDICT: "):])
+    return {"status": parts[0], **dict(p.split("=", 1) for p in parts[1:])}
+
+
+def _merged(args: list[str], log: Path, env: dict[str, str] | None = None) -> int:
+    """Run the guard with stdout and stderr into one log file (``2>&1``); returns its exit code."""
+    with log.open("wb") as handle:
+        proc = subprocess.run([sys.executable, "-m", "guard", *args], stdout=handle, stderr=subprocess.STDOUT,
+                              env=guard_env(env), timeout=120)
+    return proc.returncode
+
+
+# -- 1. the VERDICT starts a line ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stream", ["stdout", "stderr"])
+def test_verdict_starts_a_line_after_an_unterminated_progress_bar_in_a_merged_log(tmp_path: Path,
+                                                                                  stream: str) -> None:
+    log = tmp_path / "job.log"
+    code = _merged([str(JOBS / "unterminated.py"), "--stream", stream], log)
+    text = log.read_text()
+    assert code == 0, text
+    assert "loss=0.5\n" in text  # the bar's line was broken before the guard wrote
+    assert "\nVERDICT: PASS reason=ok exit=0" in text
+    assert all(line.startswith("[guard]") for line in text.splitlines() if "[guard]" in line), text
+    watch = subprocess.run([sys.executable, "-m", "guard", "watch", str(log)], capture_output=True,
+                           env=guard_env(), timeout=60)
+    assert watch.returncode == 0, watch.stdout.decode()[-800:]
+
+
+def test_verdict_starts_a_line_on_stdout_alone(tmp_path: Path) -> None:
+    run = run_guard([str(JOBS / "unterminated.py"), "--code", "3"])
+    last = run.stdout.split("\n")[-2]
+    assert last.startswith("VERDICT: FAIL reason=crash exit=3"), repr(run.stdout[-300:])
+    assert run.stdout.split("\n")[-3].endswith("loss=0.5")
+
+
+def test_the_last_unterminated_line_of_a_command_is_read_for_losses_and_errors(tmp_path: Path) -> None:
+    run = run_guard(["--", "sh", "-c", r"printf 'step 1 loss=2.0\nstep 2 loss=2.1\nstep 3 loss=nan'"])
+    assert run.fields()["reason"] == "non_finite_loss", run.stdout + run.stderr
+    assert run.fields()["step"] == "3"
+    script = "printf 'Traceback (most recent call last):\\n  File \"x.py\", line 1\\nValueError: bad shape'; exit 1"
+    run = run_guard(["--", "sh", "-c", script])
+    assert run.fields()["reason"] == "crash"
+    assert "ValueError: bad shape" in run.fields()["hint"]
