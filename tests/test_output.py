@@ -160,6 +160,11 @@ def test_verdict_after_a_partial_flush_mid_line_is_not_escaped() -> None:
         (b"loss_scale=1024", []),
         (b"CrossEntropyLoss(2.0)", []),
         (b"losses=3", []),
+        (b"best loss: inf", []),
+        (b"val loss 2.1 (step 3)", []),
+        (b"min loss so far: 1.0", []),
+        (b"Best-Loss=inf", []),
+        (b"epoch 1 step 3 loss 2.0 best loss inf", [(3, 2.0)]),
     ],
 )
 def test_parse_losses(line: bytes, expected: list) -> None:

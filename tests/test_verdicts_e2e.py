@@ -61,3 +61,24 @@ def test_the_last_unterminated_line_of_a_command_is_read_for_losses_and_errors(t
     run = run_guard(["--", "sh", "-c", script])
     assert run.fields()["reason"] == "crash"
     assert "ValueError: bad shape" in run.fields()["hint"]
+
+
+# -- 3. no false alarm from numbers the job prints ------------------------------------------------------------------
+
+
+def test_set_up_prints_of_inf_and_nan_do_not_decide_while_the_agent_is_there() -> None:
+    run = run_guard([str(JOBS / "setup_prints.py"), "--steps", "12"])
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    fields = run.fields()
+    assert (fields["status"], fields["reason"], fields["step"]) == ("PASS", "ok", "12")
+    assert "reading losses from the job's output" not in run.stderr
+
+
+def test_a_command_without_agent_is_judged_on_its_step_lines_only() -> None:
+    ok = "echo 'best loss: inf'; echo 'val loss nan'; for i in 1 2 3; do echo \"step $i loss=2.$i\"; done"
+    run = run_guard(["--sanity-steps", "3", "--", "sh", "-c", ok])
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.fields()["step"] == "3" and run.fields()["loss"] == "2.3"
+    bad = ok + "; echo 'step 4 loss=nan'; sleep 20"
+    run = run_guard(["--sanity-steps", "3", "--", "sh", "-c", bad])
+    assert (run.fields()["reason"], run.fields()["step"], run.fields()["loss"]) == ("non_finite_loss", "4", "nan")

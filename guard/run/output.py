@@ -37,6 +37,13 @@ _LOSS = re.compile(
     rb"""(?P<v>[-+]?(?:nan|inf(?:inity)?|\d+(?:\.\d*)?(?:[eE][-+]?\d+)?|\.\d+(?:[eE][-+]?\d+)?))(?!\w|\.\d)""",
     re.IGNORECASE,
 )
+# A loss qualified by the word before it is another quantity, not a training step's loss: `best loss: inf` (printed
+# before the first step), `val loss`, `min loss so far`, `target loss`.
+_QUALIFIED = re.compile(
+    rb"(?:best|min|minimum|max|maximum|lowest|highest|val|valid|validation|eval|evaluation|test|target|initial|"
+    rb"final|expected|threshold|ref|reference|baseline|running|smoothed)[\s_-]*['\"]?$",
+    re.IGNORECASE,
+)
 _STEP = re.compile(rb"""(?<![\w])['"]?(?:global_)?step['"]?\s*[:=]?\s*(?P<s>\d+)\b""", re.IGNORECASE)
 _EXC_LINE = re.compile(rb"^(?P<type>[A-Za-z_][\w.]*)(?::\s?(?P<msg>.*))?$")
 _CUDA_OOM = (b"CUDA out of memory", b"OutOfMemoryError", b"CUDA error: out of memory")
@@ -45,12 +52,17 @@ _CUDA_OOM = (b"CUDA out of memory", b"OutOfMemoryError", b"CUDA error: out of me
 def parse_losses(line: bytes) -> list[tuple[int | None, float]]:
     """Losses a line prints, each with the step printed on the same line (or None).
 
+    Only a training step's loss counts: ``loss`` alone as a key (``{'loss': ...}``, ``loss=``, ``loss:``), never a
+    name around it (``eval_loss``) or a qualifying word before it (``best loss: inf``, ``val loss 2.1``).
+
     Example:
         >>> parse_losses(b"{'loss': 'nan', 'grad_norm': 1.0}")
         [(None, nan)]
     """
     found = []
     for m in _LOSS.finditer(line):
+        if _QUALIFIED.search(line[max(0, m.start() - 24) : m.start()]):
+            continue
         try:
             value = float(m.group("v"))
         except ValueError:

@@ -461,13 +461,31 @@ class Supervisor:
         events = self.events
         if events.losses:
             losses, events.losses[:] = list(events.losses), []
-            if self.loss_source != "agent":
+            if self._output_decides():
                 for step, value in losses:
                     self._on_step(now, step, value, math.isfinite(value), 1, "output", None)
         if events.cuda_oom:
             self.cuda_oom = True
         if events.last_exception:
             self.last_exception = events.last_exception
+
+    def _output_decides(self) -> bool:
+        """Losses parsed from the output count only for a job with no agent (not Python): while an agent is there,
+        it sees the real losses, and a number the job prints (``best loss: inf`` before the first step) must not
+        decide. Agents that connected but were not read yet are read first (a Python job's agent says hello
+        before the script prints anything)."""
+        if self.loss_source == "agent" or self.agents_seen:
+            return False
+        for _ in range(3):  # accept, then read the hello; bounded, never blocks (timeout 0)
+            events = [key for key, _ in self._sel.select(0) if key.data in ("listen", "agent")]
+            if not events:
+                break
+            for key in events:
+                if key.data == "listen":
+                    self.channel.accept()
+                else:
+                    self._read_agent(key.fd)
+        return not self.agents_seen
 
     def _write(self, fd: int, data: bytes) -> None:
         if not data or (fd == self.out_fd and self._closed_out):
