@@ -82,3 +82,18 @@ def test_a_command_without_agent_is_judged_on_its_step_lines_only() -> None:
     bad = ok + "; echo 'step 4 loss=nan'; sleep 20"
     run = run_guard(["--sanity-steps", "3", "--", "sh", "-c", bad])
     assert (run.fields()["reason"], run.fields()["step"], run.fields()["loss"]) == ("non_finite_loss", "4", "nan")
+
+
+# -- 9. secrets on the job's command line ---------------------------------------------------------------------------
+
+
+def test_command_line_secrets_are_masked_in_the_guards_lines_the_output_and_the_report(tmp_path: Path) -> None:
+    key, token = "wandb-0123456789abcdef", "tok-secret-98765"
+    report = tmp_path / "report.json"
+    run = run_guard(["--report", str(report), str(JOBS / "echo_args.py"), "--wandb-key", key,
+                     f"--hf_token={token}", "--lr", "3e-4"])
+    assert run.returncode == 0, run.stderr
+    everything = run.stdout + run.stderr + report.read_text()
+    assert key not in everything and token not in everything
+    assert "--wandb-key *** --hf_token=*** --lr 3e-4" in run.stdout
+    assert "command:" in run.stderr and "--wandb-key ***" in run.stderr

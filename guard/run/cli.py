@@ -24,7 +24,7 @@ from typing import Any, NoReturn
 from guard import __version__
 from guard.run.config import OPTIONS, Config, debug_enabled, env_name, log_level, resolve
 from guard.errors import GuardError, UsageError
-from guard.run.masking import Masker
+from guard.run.masking import Masker, command_line_secrets, secret_values
 from guard.run.output import LINES
 from guard.run.platform import detect
 from guard.contract import EXIT_GUARD_ERROR, RunResult, render_line, signal_name, write_report
@@ -224,7 +224,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.monotonic()
     args = list(sys.argv[1:] if argv is None else argv)
     environ = dict(os.environ)
-    masker = Masker.from_environ(environ)
+    # Secrets: the environment's, and the values of secret-named options on the command line (the job's own
+    # `--wandb-key VALUE` included): masked in every line the guard writes and in the job's output.
+    masker = Masker(secret_values(environ) + command_line_secrets(args))
     _setup_logging(masker, environ)
     if args[:1] == ["watch"]:
         from guard import watch
