@@ -97,3 +97,24 @@ def test_command_line_secrets_are_masked_in_the_guards_lines_the_output_and_the_
     assert key not in everything and token not in everything
     assert "--wandb-key *** --hf_token=*** --lr 3e-4" in run.stdout
     assert "command:" in run.stderr and "--wandb-key ***" in run.stderr
+
+
+# -- 8. the log stays readable ---------------------------------------------------------------------------------------
+
+
+def test_an_exception_the_job_caught_is_not_logged_as_its_error_on_a_pass() -> None:
+    run = run_guard([str(JOBS / "caught_error.py")])
+    assert run.returncode == 0, run.stderr
+    assert "FileNotFoundError" in run.stderr  # the job's own traceback passes through
+    assert "[guard] the job's last exception" not in run.stderr
+
+
+def test_trainer_saves_are_counted_in_the_heartbeat(tmp_path: Path) -> None:
+    run = run_guard(["--heartbeat", "1s", str(JOBS / "slow_trainer.py"), "--output-dir", str(tmp_path / "out"),
+                     "--max-steps", "24", "--step-s", "0.1", "--save-steps", "4"])
+    assert run.returncode == 0, run.stderr[-3000:]
+    saved = [line for line in run.stderr.splitlines() if "checkpoint saved by the job" in line]
+    assert len(saved) == 1, saved
+    beats = [line for line in run.stderr.splitlines() if "heartbeat" in line and "saves=" in line]
+    assert beats, run.stderr[-3000:]
+    assert "checkpoint-" in beats[-1]

@@ -65,8 +65,10 @@ def job_result(sup: Any) -> RunResult:
         details["sanity_status"] = "passed"
     else:
         details["sanity_status"] = f"incomplete ({len(sup.sanity)} of {sup.config.sanity_steps} steps)"
-    if sup.last_exception and sup.outcome is None:  # after the guard stopped the job, exceptions are its echo
-        log.error("the job's last exception: %s", sup.last_exception)
+    # After the guard stopped the job, exceptions are its echo; on an exit 0 the job caught it itself (it is the
+    # job's error only when it cut training short: ``incomplete`` says so in its hint).
+    if sup.last_exception and sup.outcome is None:
+        log.log(logging.ERROR if code != 0 else logging.DEBUG, "the job's last exception: %s", sup.last_exception)
 
     outcome = sup.outcome
     if outcome is not None:

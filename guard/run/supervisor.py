@@ -546,6 +546,8 @@ class Supervisor:
         elif kind == "checkpoint_saved":
             message = {**message, "rank": conn.info.get("rank")}
             self.checkpoints.append(message)
+            if self.heartbeat is not None and message.get("zero", True) and message.get("path"):
+                self.heartbeat.on_save(str(message["path"]))
             if self.securer is not None:
                 self.securer.on_checkpoint_saved(self, message)
         elif kind == "exception":

@@ -195,7 +195,12 @@ class Securing:
         else:
             self.estimator.observe_size(info.size_bytes)
         self.latest_reported = info
-        log.info("checkpoint saved by the job: %s (step %s, %.1f MB)", info.path, info.step, info.size_bytes / 1e6)
+        # The first save at INFO; later ones are counted in the heartbeat (``saves=``), their detail at DEBUG.
+        first = not getattr(self, "_save_logged", False)
+        self._save_logged = True
+        log.log(logging.INFO if first else logging.DEBUG, "checkpoint saved by the job: %s (step %s, %.1f MB)%s",
+                info.path, info.step, info.size_bytes / 1e6, "; later saves are counted in the heartbeat" if first
+                else "")
         self._maybe_push_saved(sup)
 
     def _maybe_push_saved(self, sup: Any) -> None:
