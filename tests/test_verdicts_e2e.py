@@ -118,3 +118,21 @@ def test_trainer_saves_are_counted_in_the_heartbeat(tmp_path: Path) -> None:
     beats = [line for line in run.stderr.splitlines() if "heartbeat" in line and "saves=" in line]
     assert beats, run.stderr[-3000:]
     assert "checkpoint-" in beats[-1]
+
+
+# -- 4. an exit 0 that is not a finished run ---------------------------------------------------------------------
+
+
+def test_a_swallowed_trainer_error_is_incomplete_with_the_cause(tmp_path: Path) -> None:
+    run = run_guard([str(JOBS / "swallowed.py"), "--output-dir", str(tmp_path / "out"), "--fail-at", "29"])
+    assert run.returncode == 7, run.stdout[-1500:] + run.stderr[-3000:]
+    fields = run.fields()
+    assert (fields["status"], fields["reason"]) == ("FAIL", "incomplete")
+    assert "No space left on device" in fields["hint"]  # the root of the chain, not the wrapper's message
+    assert "step 29 of 200" in fields["hint"]
+
+
+def test_a_callback_that_stops_training_early_is_a_pass(tmp_path: Path) -> None:
+    run = run_guard([str(JOBS / "swallowed.py"), "--output-dir", str(tmp_path / "out"), "--stop-at", "12"])
+    assert run.returncode == 0, run.stdout[-1500:] + run.stderr[-3000:]
+    assert (run.fields()["reason"], run.fields()["step"]) == ("ok", "12")

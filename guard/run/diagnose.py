@@ -14,7 +14,7 @@ import signal
 from typing import Any
 
 from guard.run.process import cgroup_memory
-from guard.contract import RunResult, signal_name
+from guard.contract import EXIT_INCOMPLETE, RunResult, signal_name
 
 __all__ = ["job_result"]
 
@@ -38,6 +38,24 @@ def _host_oom(sup: Any) -> tuple[bool, str]:
     if limit and rss >= OOM_NEAR_LIMIT * limit:
         return True, f"the job used {rss / 1e9:.1f} GB of the container's {limit / 1e9:.1f} GB limit"
     return False, ""
+
+
+def _incomplete(sup: Any) -> str | None:
+    """Why an exit 0 is not a finished run (the hint), or None: ``Trainer.train()`` raised and the script went on,
+    or training ended before ``max_steps`` with no stop asked for (a callback's ``should_training_stop``, the
+    guard's own request)."""
+    error, end = getattr(sup, "train_error", None), getattr(sup, "train_end", None)
+    if error is not None:
+        what = error.get("root") or f"{error.get('exc_type')}: {error.get('message')}"
+        where = f" at step {error.get('step')} of {error.get('max_steps')}" if error.get("step") is not None else ""
+        return (f"Trainer.train() raised {what}{where}, and the script caught it and exited 0: fix that error "
+                "(or let it propagate, so that the run fails visibly)")
+    if end is not None and not end.get("stopped"):
+        step, max_steps = end.get("step"), end.get("max_steps")
+        if isinstance(step, int) and isinstance(max_steps, int) and 0 < max_steps and step < max_steps:
+            return (f"training ended at step {step} of {max_steps} with no stop asked for (no callback set "
+                    "should_training_stop): check that the dataset yields enough batches for max_steps")
+    return None
 
 
 def job_result(sup: Any) -> RunResult:
@@ -74,6 +92,9 @@ def job_result(sup: Any) -> RunResult:
     if outcome is not None:
         result = RunResult(outcome.status, outcome.reason, int(outcome.exit_code or 0), elapsed_s,
                            hint=outcome.hint, extra=dict(outcome.extra))
+    elif code == 0 and (why := _incomplete(sup)) is not None:
+        log.error("the job exited 0, but its run is incomplete: %s", why)
+        result = RunResult("FAIL", "incomplete", EXIT_INCOMPLETE, elapsed_s, hint=why)
     elif code == 0:
         result = RunResult("PASS", "ok", 0, elapsed_s)
     elif code is not None and code > 0:

@@ -130,6 +130,9 @@ class Supervisor:
         self.agents_seen = 0  # agents that said hello (connections close when their process ends)
         self.rank_begun: dict[int, int] = {}  # rank -> steps begun, from the answers to a stack dump
         self.last_exception: str | None = None
+        self.root_exception: str | None = None  # the innermost error behind the last one (chain, DataLoader worker)
+        self.train_error: dict[str, Any] | None = None  # Trainer.train() raised (the script may have swallowed it)
+        self.train_end: dict[str, Any] | None = None  # Trainer.train() ended: step, max_steps, stopped
         self.cuda_oom = False
         self.trainer_config: dict[str, Any] | None = None
         self.trainer_push: dict[str, Any] | None = None
@@ -552,6 +555,8 @@ class Supervisor:
                 self.securer.on_checkpoint_saved(self, message)
         elif kind == "exception":
             self.last_exception = f"{message.get('exc_type')}: {message.get('message')}"
+            if message.get("root"):
+                self.root_exception = str(message["root"])
             if "OutOfMemoryError" in str(message.get("exc_type")):
                 self.cuda_oom = True
         elif kind == "push_result":
@@ -564,7 +569,14 @@ class Supervisor:
         elif kind == "progress":
             self._on_progress(conn, message)
         elif kind == "train_end":
-            log.debug("training ended at step %s", message.get("step"))
+            log.debug("training ended at step %s of %s", message.get("step"), message.get("max_steps"))
+            if self.train_end is None or conn.info.get("rank") in (None, 0):
+                self.train_end = message
+        elif kind == "train_error":
+            if self.train_error is None:
+                self.train_error = message
+                log.warning("Trainer.train() raised %s at step %s of %s", message.get("root") or
+                            message.get("exc_type"), message.get("step"), message.get("max_steps"))
 
     def _on_progress(self, conn: AgentConn, message: dict[str, Any]) -> None:
         """A rank's answer to a stack dump: how many steps it has begun. Names the rank that holds up the rest."""

@@ -26,7 +26,7 @@ from typing import Any
 from guard import protocol
 from guard.run.config import AgentSettings, agent_settings
 
-__all__ = ["Agent", "get", "install"]
+__all__ = ["Agent", "get", "install", "root_cause"]
 
 _AGENT: Agent | None = None
 _INSTALLED = False
@@ -239,6 +239,27 @@ class Agent:
                    "requested": request is not None, "zero": zero})
 
 
+def root_cause(exc: BaseException) -> str:
+    """``"Type: message"`` of the error at the root of ``exc``: the innermost of its chain (``__cause__``, else
+    ``__context__``), and inside a DataLoader worker's re-raised error (``Caught X in DataLoader worker process N``
+    with the worker's ``Original Traceback``, ``torch.utils.data._utils.ExceptionWrapper``) the worker's own last line.
+    """
+    seen: set[int] = set()
+    inner = exc
+    while id(inner) not in seen:
+        seen.add(id(inner))
+        nxt = inner.__cause__ or (None if inner.__suppress_context__ else inner.__context__)
+        if nxt is None:
+            break
+        inner = nxt
+    text = str(inner)
+    if "Original Traceback (most recent call last):" in text:
+        lines = [line for line in text.splitlines() if line.strip()]
+        if lines and not lines[-1].startswith(" "):
+            return lines[-1].strip()[:500]
+    return f"{type(inner).__name__}: {text}"[:500]
+
+
 def _dump_threads() -> None:
     """Write the stacks of every thread of this process to stderr (asked for when the job looks hung)."""
     import traceback
@@ -392,7 +413,8 @@ def install() -> None:
         agent = get()
         if agent is not None and not issubclass(exc_type, (SystemExit,)):
             agent.watch.flush("report")
-            agent.send({"t": "exception", "exc_type": exc_type.__name__, "message": str(exc)[:500]})
+            agent.send({"t": "exception", "exc_type": exc_type.__name__, "message": str(exc)[:500],
+                        "root": root_cause(exc)})
         previous(exc_type, exc, tb)
 
     sys.excepthook = excepthook
