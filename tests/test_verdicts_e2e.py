@@ -136,3 +136,25 @@ def test_a_callback_that_stops_training_early_is_a_pass(tmp_path: Path) -> None:
     run = run_guard([str(JOBS / "swallowed.py"), "--output-dir", str(tmp_path / "out"), "--stop-at", "12"])
     assert run.returncode == 0, run.stdout[-1500:] + run.stderr[-3000:]
     assert (run.fields()["reason"], run.fields()["step"]) == ("ok", "12")
+
+
+# -- 5. step=, rank= and loss= of a non-finite loss --------------------------------------------------------------
+
+
+def test_non_finite_step_is_the_first_bad_step_not_where_it_was_read() -> None:
+    run = run_guard(["--check-every", "10", str(JOBS / "plain_loop.py"), "--steps", "200", "--nan-at", "25",
+                     "--step-s", "0.01"])
+    assert run.returncode == 4, run.stderr[-3000:]
+    fields = run.fields()
+    assert (fields["reason"], fields["step"], fields["loss"]) == ("non_finite_loss", "25", "nan")
+
+
+@pytest.mark.parametrize("check_every", ["10", "1"])
+def test_a_nan_on_rank_1_after_the_sanity_pass_names_rank_1_and_its_step(check_every: str) -> None:
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    run = run_guard(["--no-preflight", "--grace", "8s", "--check-every", check_every, "--", torchrun, "--standalone",
+                     "--nproc-per-node", "2", str(JOBS / "ddp_loop.py"), "--nan-rank", "1", "--nan-at", "25",
+                     "--step-s", "0.02"], timeout_s=120)
+    assert run.returncode == 4, run.stderr[-3000:]
+    fields = run.fields()
+    assert (fields["reason"], fields["rank"], fields["step"], fields["loss"]) == ("non_finite_loss", "1", "25", "nan")

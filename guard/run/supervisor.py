@@ -47,6 +47,7 @@ DRAIN_AFTER_EXIT_S = 2.0  # after the job exits, how long its leftover processes
 SAMPLE_EVERY_S = 2.0  # job tree memory sampling
 REAP_EVERY_S = 2.0  # orphans are reaped on SIGCHLD (at most twice a second) and at least this often
 READ_BYTES = 1 << 16
+NAN_SETTLE_S = 2.0  # with several ranks, how long to wait for the others' reports before naming the first NaN
 
 
 def _grow_pipe(fd: int, size_bytes: int = 1 << 20) -> None:
@@ -130,6 +131,8 @@ class Supervisor:
         self.agents_seen = 0  # agents that said hello (connections close when their process ends)
         self.rank_begun: dict[int, int] = {}  # rank -> steps begun, from the answers to a stack dump
         self.last_exception: str | None = None
+        self.nan_reports: list[tuple[int, int, float, int]] = []  # (step, rank or -1, loss, n), non-finite
+        self.nan_decide_at: float | None = None
         self.root_exception: str | None = None  # the innermost error behind the last one (chain, DataLoader worker)
         self.train_error: dict[str, Any] | None = None  # Trainer.train() raised (the script may have swallowed it)
         self.train_end: dict[str, Any] | None = None  # Trainer.train() ended: step, max_steps, stopped
@@ -325,7 +328,8 @@ class Supervisor:
                     return
 
     def _next_due(self, now: float) -> float:
-        due = [self.stall.due_at(), self.escalation.due_at(), self.next_sample, self.stop_at or math.inf]
+        due = [self.stall.due_at(), self.escalation.due_at(), self.next_sample, self.stop_at or math.inf,
+               self.nan_decide_at or math.inf]
         due += [since + PARTIAL_FLUSH_S for since in self.partial_since.values()]
         if self.exited_at is not None:
             due.append(self.exited_at + DRAIN_AFTER_EXIT_S)
@@ -353,6 +357,8 @@ class Supervisor:
             self.heartbeat.tick(now, Snapshot(
                 tree_rss_bytes=(self.job.last_rss_bytes or None) if running and self.job else None,
                 cgroup=cgroup_memory()))
+        if self.outcome is None and self._non_finite_settled(now):
+            self._decide_non_finite()
         if self.stall.expired(now) and self.outcome is None:
             silent = self.stall.silent_for_s(now)
             what = "no training step" if self.stall.first_step_seen else "no output and no training step"
@@ -633,18 +639,9 @@ class Supervisor:
             log.info("reading losses from the job's output (no agent step seen)")
         rank = self.agents[fd].info.get("rank") if fd is not None and fd in self.agents else None
         if not finite or not math.isfinite(value):
-            if self.outcome is None:
-                self.step = int(step) if step is not None else (self.step or 0) + n
-                self.loss = value
-                where = f"step {self.step}" if n == 1 else f"steps {int(step) - n + 1}..{step}"
-                phase = "sanity pass" if not self.sanity_done else "training"
-                log.error("non-finite loss %s at %s (%s)%s", value, where, phase,
-                          f" on rank {rank}" if rank is not None else "")
-                extra = {"rank": rank} if rank is not None else {}
-                batches = f"the batch of step {self.step}" if n == 1 else f"the batches of {where}"
-                self._decide(Outcome("FAIL", "non_finite_loss", EXIT_NON_FINITE, extra=extra, hint=(
-                    "lower the learning rate or add warmup, clip gradients (max_grad_norm), prefer bf16 over fp16, "
-                    f"and check {batches} for empty or corrupt inputs")))
+            if not math.isnan(value) and math.isfinite(value):
+                value = math.nan  # never a finite loss on a non_finite_loss verdict
+            self._non_finite(now, step, value, n, rank)
             return
         if rank is not None and step is not None:
             self.rank_progress[int(rank)] = (int(step), now)
@@ -663,6 +660,49 @@ class Supervisor:
             self.sanity.append(value)
             if len(self.sanity) >= self.config.sanity_steps:
                 self._sanity_passed()
+
+    def _non_finite(self, now: float, step: Any, value: float, n: int, rank: int | None) -> None:
+        """A non-finite loss. With several ranks, the first one to report is not always the one where it
+        happened first (a NaN on rank 1 reaches rank 0 through the gradient all-reduce one step later, and rank 0's
+        message may arrive first): wait until every rank has reported that far (at most ``NAN_SETTLE_S``), then
+        name the earliest step and its rank."""
+        if self.outcome is not None:
+            return
+        at = int(step) if step is not None else (self.step or 0) + n
+        self.nan_reports.append((at, rank if rank is not None else -1, value, n))
+        ranks = self._live_ranks()
+        if len(ranks) < 2:
+            self._decide_non_finite()
+            return
+        if self.nan_decide_at is None:
+            self.nan_decide_at = now + NAN_SETTLE_S
+        self._recheck = True
+
+    def _live_ranks(self) -> set[int]:
+        return {int(c.info["rank"]) for c in self.agents.values() if isinstance(c.info.get("rank"), int)}
+
+    def _non_finite_settled(self, now: float) -> bool:
+        if self.nan_decide_at is None:
+            return False
+        if now >= self.nan_decide_at:
+            return True
+        first = min(at for at, _, _, _ in self.nan_reports)
+        bad = {r for _, r, _, _ in self.nan_reports}
+        return all(r in bad or self.rank_progress.get(r, (-1, 0.0))[0] >= first for r in self._live_ranks())
+
+    def _decide_non_finite(self) -> None:
+        at, rank_or_none, value, n = min(self.nan_reports, key=lambda r: (r[0], r[1]))
+        rank = None if rank_or_none < 0 else rank_or_none
+        self.nan_decide_at = None
+        self.step, self.loss = at, value
+        where = f"step {at}" if n == 1 else f"steps {at - n + 1}..{at}"
+        phase = "sanity pass" if not self.sanity_done else "training"
+        log.error("non-finite loss %s at %s (%s)%s", value, where, phase, f" on rank {rank}" if rank is not None else "")
+        extra = {"rank": rank} if rank is not None else {}
+        batches = f"the batch of step {at}" if n == 1 else f"the batches of {where}"
+        hint = ("lower the learning rate or add warmup, clip gradients (max_grad_norm), prefer bf16 over fp16, "
+                f"and check {batches} for empty or corrupt inputs")
+        self._decide(Outcome("FAIL", "non_finite_loss", EXIT_NON_FINITE, extra=extra, hint=hint))
 
     def _sanity_passed(self) -> None:
         self.sanity_done = True
