@@ -158,3 +158,38 @@ def test_a_nan_on_rank_1_after_the_sanity_pass_names_rank_1_and_its_step(check_e
     assert run.returncode == 4, run.stderr[-3000:]
     fields = run.fields()
     assert (fields["reason"], fields["rank"], fields["step"], fields["loss"]) == ("non_finite_loss", "1", "25", "nan")
+
+
+# -- 2. the loss the user means ----------------------------------------------------------------------------------
+
+
+def _last_printed_loss(stdout: str) -> str:
+    return [line for line in stdout.splitlines() if line.startswith("step ")][-1].split("loss=")[1]
+
+
+def test_the_unscaled_loss_is_reported_under_a_grad_scaler() -> None:
+    run = run_guard([str(JOBS / "amp_loop.py"), "--steps", "30"])
+    assert run.returncode == 0, run.stderr[-3000:]
+    fields = run.fields()
+    assert fields["step"] == "30"
+    assert fields["loss"] == _last_printed_loss(run.stdout)  # not 65536x it
+    first = [float(v) for v in run.stderr.split("losses are finite: ")[1].split("\n")[0].split()]
+    assert first[0] < 100, first  # the sanity pass saw the real loss too
+
+
+def test_the_loss_given_to_accelerate_backward_is_reported() -> None:
+    run = run_guard([str(JOBS / "amp_loop.py"), "--steps", "12", "--accelerate"])
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.fields()["loss"] == _last_printed_loss(run.stdout)  # not divided by the 4 accumulation steps
+
+
+def test_a_loss_scale_that_keeps_collapsing_is_non_finite_loss_with_an_fp16_hint() -> None:
+    run = run_guard(["--max-skipped-steps", "20", str(JOBS / "amp_loop.py"), "--steps", "400", "--collapse",
+                     "--step-s", "0.01"])
+    assert run.returncode == 4, run.stdout[-1000:] + run.stderr[-3000:]
+    fields = run.fields()
+    assert (fields["status"], fields["reason"]) == ("FAIL", "non_finite_loss")
+    assert "fp16 overflow" in fields["hint"] and "skipped" in fields["hint"]
+    assert "loss" not in fields  # the loss itself stayed finite
+    assert 20 <= int(fields["step"]) <= 40
+    assert "step 400 " not in run.stdout

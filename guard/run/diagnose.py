@@ -10,6 +10,7 @@ memory was near the cgroup's limit.
 from __future__ import annotations
 
 import logging
+import math
 import signal
 from typing import Any
 
@@ -118,6 +119,8 @@ def job_result(sup: Any) -> RunResult:
                                hint=(f"the job died of {signal_name(signum)}, not sent by the guard: check the "
                                      "platform's events (OOM killer, eviction, a user's kill)"))
     result.step, result.loss, result.sanity = sup.step, sup.loss, list(sup.sanity)
+    if result.reason == "non_finite_loss" and result.loss is not None and math.isfinite(result.loss):
+        result.loss = None  # a finite loss never stands on a non_finite_loss verdict (a later step's echo)
     if sup.node_rank is not None:
         result.extra.setdefault("node", sup.node_rank)
     if sup.job is not None and sup.job.reaped:

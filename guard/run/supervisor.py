@@ -550,6 +550,8 @@ class Supervisor:
             value = float(loss) if isinstance(loss, (int, float)) else math.nan
             self._on_step(now, message.get("step"), value, bool(message.get("finite", True)),
                           int(message.get("n", 1)), "agent", fd)
+            if isinstance(message.get("skipped"), int):
+                self._on_skipped(message["skipped"], message.get("step"), conn.info.get("rank"))
         elif kind == "trainer_config":
             self._on_trainer_config(fd, message.get("config") or {})
         elif kind == "checkpoint_saved":
@@ -660,6 +662,23 @@ class Supervisor:
             self.sanity.append(value)
             if len(self.sanity) >= self.config.sanity_steps:
                 self._sanity_passed()
+
+    def _on_skipped(self, skipped: int, step: Any, rank: Any) -> None:
+        """A GradScaler skipped ``skipped`` optimizer steps in a row (inf/NaN gradients): past
+        ``--max-skipped-steps`` the fp16 loss scale is collapsing and nothing is learned."""
+        limit = int(self.config.values.get("max_skipped_steps") or 0)
+        if self.outcome is not None or not limit or skipped < limit:
+            return
+        log.error("the GradScaler skipped the last %d optimizer steps (inf/NaN gradients; --max-skipped-steps %d)%s",
+                  skipped, limit, f" on rank {rank}" if rank is not None else "")
+        if isinstance(step, int):
+            self.step = step
+        self.loss = None  # the loss itself is finite: no loss= on a non_finite_loss verdict
+        extra = {"rank": rank} if rank is not None else {}
+        self._decide(Outcome("FAIL", "non_finite_loss", EXIT_NON_FINITE, extra=extra, hint=(
+            f"fp16 overflow: the loss scale kept collapsing and the last {skipped} optimizer steps were all skipped "
+            "(gradients inf/NaN), so nothing was learned: prefer bf16 over fp16, lower the learning rate or add "
+            "warmup, clip gradients, and look for a layer whose activations overflow fp16")))
 
     def _non_finite(self, now: float, step: Any, value: float, n: int, rank: int | None) -> None:
         """A non-finite loss. With several ranks, the first one to report is not always the one where it

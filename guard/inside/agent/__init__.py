@@ -135,6 +135,8 @@ class Agent:
         self.dropped = 0
         self.dead = False
         self.backward_hook = True  # off once a Trainer or guard.report() provides the losses
+        self.scaled: tuple[Any, Any] | None = None  # (GradScaler.scale's result, the loss it scaled)
+        self.user_loss: Any = None  # the loss given to accelerate's Accelerator.backward, while it runs
         self.begun = 0  # steps (or micro-batches) this process has begun: a cheap counter, never sent per step
         self.checkpoint_request: dict[str, Any] | None = None
         self.stop_requested = False
@@ -416,7 +418,8 @@ def install() -> None:
     _INSTALLED = True
     from guard.inside.agent import _torch, _transformers
 
-    hooks = {"torch": _torch.patch, "transformers.trainer": _transformers.patch}
+    hooks = {"torch": _torch.patch, "transformers.trainer": _transformers.patch,
+             "accelerate.accelerator": _torch.patch_accelerate}
     for name, hook in list(hooks.items()):
         if name in sys.modules:  # already imported (rare: the agent was installed late)
             try:
