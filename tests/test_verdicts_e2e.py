@@ -193,3 +193,16 @@ def test_a_loss_scale_that_keeps_collapsing_is_non_finite_loss_with_an_fp16_hint
     assert "loss" not in fields  # the loss itself stayed finite
     assert 20 <= int(fields["step"]) <= 40
     assert "step 400 " not in run.stdout
+
+
+# -- 6. a loss that explodes while staying finite ----------------------------------------------------------------
+
+
+def test_a_finite_loss_explosion_is_named_once_and_in_the_hint_of_the_crash_that_follows() -> None:
+    run = run_guard([str(JOBS / "diverge.py")])
+    assert run.returncode == 1, run.stderr[-3000:]
+    named = [line for line in run.stderr.splitlines() if "the loss exploded" in line]
+    assert len(named) == 1 and named[0].startswith("[guard] "), named
+    fields = run.fields()
+    assert fields["reason"] == "crash"
+    assert "the loss exploded" in fields["hint"] and "OverflowError" in fields["hint"]

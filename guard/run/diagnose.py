@@ -118,6 +118,11 @@ def job_result(sup: Any) -> RunResult:
             result = RunResult("FAIL", "killed", 128 + signum, elapsed_s, extra={"signal": signal_name(signum)},
                                hint=(f"the job died of {signal_name(signum)}, not sent by the guard: check the "
                                      "platform's events (OOM killer, eviction, a user's kill)"))
+    exploded = getattr(sup, "exploded", None)
+    if exploded is not None and result.reason not in ("usage", "preflight"):
+        said = (f"the loss exploded to {exploded['loss']:.6g} at step {exploded['step']} from about "
+                f"{exploded['early']:.4g} in the first steps (lower the learning rate, add warmup or clip gradients)")
+        result.hint = f"{said}; then: {result.hint}" if result.hint else said
     result.step, result.loss, result.sanity = sup.step, sup.loss, list(sup.sanity)
     if result.reason == "non_finite_loss" and result.loss is not None and math.isfinite(result.loss):
         result.loss = None  # a finite loss never stands on a non_finite_loss verdict (a later step's echo)

@@ -47,6 +47,8 @@ DRAIN_AFTER_EXIT_S = 2.0  # after the job exits, how long its leftover processes
 SAMPLE_EVERY_S = 2.0  # job tree memory sampling
 REAP_EVERY_S = 2.0  # orphans are reaped on SIGCHLD (at most twice a second) and at least this often
 READ_BYTES = 1 << 16
+EXPLODE_FACTOR = 100.0  # a finite loss this many times its early level (the median of the first steps) exploded
+EARLY_STEPS = 5  # steps whose median is the loss's early level
 NAN_SETTLE_S = 2.0  # with several ranks, how long to wait for the others' reports before naming the first NaN
 
 
@@ -131,6 +133,8 @@ class Supervisor:
         self.agents_seen = 0  # agents that said hello (connections close when their process ends)
         self.rank_begun: dict[int, int] = {}  # rank -> steps begun, from the answers to a stack dump
         self.last_exception: str | None = None
+        self.early_losses: list[float] = []  # the first EARLY_STEPS finite losses (the explosion check's level)
+        self.exploded: dict[str, Any] | None = None  # step, loss, early: the loss exploded while staying finite
         self.nan_reports: list[tuple[int, int, float, int]] = []  # (step, rank or -1, loss, n), non-finite
         self.nan_decide_at: float | None = None
         self.root_exception: str | None = None  # the innermost error behind the last one (chain, DataLoader worker)
@@ -653,6 +657,7 @@ class Supervisor:
             return  # other ranks: checked for NaN above; step and loss come from one rank
         self.step = int(step) if step is not None else (self.step or 0) + n
         self.loss = value
+        self._check_explosion(value)
         self.stall.step(now)
         if self.securer is not None:
             self.securer.on_step(self, now)
@@ -662,6 +667,21 @@ class Supervisor:
             self.sanity.append(value)
             if len(self.sanity) >= self.config.sanity_steps:
                 self._sanity_passed()
+
+    def _check_explosion(self, value: float) -> None:
+        """Name, once, a finite loss that exploded against its early level (in the spirit of Lightning's loss
+        spike detection): ``EXPLODE_FACTOR`` times the median of the first ``EARLY_STEPS`` losses."""
+        if len(self.early_losses) < EARLY_STEPS:
+            self.early_losses.append(value)
+            return
+        if self.exploded is not None:
+            return
+        early = sorted(self.early_losses)[len(self.early_losses) // 2]
+        if abs(value) > EXPLODE_FACTOR * max(abs(early), 1e-6):
+            self.exploded = {"step": self.step, "loss": value, "early": early}
+            log.warning("the loss exploded: %.6g at step %s, %.0fx its early level %.4g (the median of the first %d "
+                        "steps): the run is diverging; lower the learning rate, add warmup or clip gradients",
+                        value, self.step, abs(value) / max(abs(early), 1e-6), early, EARLY_STEPS)
 
     def _on_skipped(self, skipped: int, step: Any, rank: Any) -> None:
         """A GradScaler skipped ``skipped`` optimizer steps in a row (inf/NaN gradients): past
