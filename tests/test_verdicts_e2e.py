@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -206,3 +207,43 @@ def test_a_finite_loss_explosion_is_named_once_and_in_the_hint_of_the_crash_that
     fields = run.fields()
     assert fields["reason"] == "crash"
     assert "the loss exploded" in fields["hint"] and "OverflowError" in fields["hint"]
+
+
+# -- 7. hints name the root cause --------------------------------------------------------------------------------
+
+
+def _in_private_mount(tmpfs: str, size: str, guard_args: list[str]) -> subprocess.CompletedProcess:
+    """Run the guard in a mount namespace of its own (``unshare -m``) with a tiny tmpfs on ``tmpfs``."""
+    import shlex
+    import shutil as sh
+
+    if os.geteuid() != 0 or sh.which("unshare") is None:
+        pytest.skip("needs root and unshare(1) for a private mount namespace")
+    cmd = (f"mount -t tmpfs -o size={size} tmpfs {shlex.quote(tmpfs)} && exec "
+           + " ".join(shlex.quote(a) for a in [sys.executable, "-m", "guard", *guard_args]))
+    proc = subprocess.run(["unshare", "-m", "sh", "-c", cmd], capture_output=True, text=True, env=guard_env(),
+                          timeout=120)
+    if "mount:" in proc.stderr and "VERDICT" not in proc.stdout:
+        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()[:200]}")
+    return proc
+
+
+def test_a_dataloader_worker_out_of_shared_memory_is_named_behind_the_wrapper() -> None:
+    proc = _in_private_mount("/dev/shm", "256k", ["--no-preflight", str(JOBS / "shm_loader.py")])
+    verdict = proc.stdout.strip().splitlines()[-1]
+    fields = _fields(verdict)
+    assert fields["reason"] == "crash", proc.stderr[-3000:]
+    assert "unable to allocate shared memory" in fields["hint"]
+    assert "Caught RuntimeError in DataLoader" not in fields["hint"]
+    assert "--shm-size" in fields["hint"]
+
+
+def test_torch_save_into_a_full_disk_says_disk_full_with_the_free_space(tmp_path: Path) -> None:
+    full = tmp_path / "full"
+    full.mkdir()
+    proc = _in_private_mount(str(full), "64k", ["--no-preflight", "--output-dir", str(full),
+                                                 str(JOBS / "disk_full.py"), str(full)])
+    fields = _fields(proc.stdout.strip().splitlines()[-1])
+    assert fields["reason"] == "crash", proc.stderr[-3000:]
+    assert "the disk is full" in fields["hint"] and "unexpected pos" in fields["hint"]
+    assert f"free of 65.5 kB in {full}" in fields["hint"]  # the 64 KiB tmpfs

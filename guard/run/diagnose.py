@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import shutil
 import signal
 from typing import Any
 
 from guard.run.process import cgroup_memory
 from guard.contract import EXIT_INCOMPLETE, RunResult, signal_name
 
-__all__ = ["job_result"]
+__all__ = ["cause_hint", "job_result"]
 
 log = logging.getLogger("guard.supervisor")
 
@@ -39,6 +41,60 @@ def _host_oom(sup: Any) -> tuple[bool, str]:
     if limit and rss >= OOM_NEAR_LIMIT * limit:
         return True, f"the job used {rss / 1e9:.1f} GB of the container's {limit / 1e9:.1f} GB limit"
     return False, ""
+
+
+_SHM = ("shared memory", "(shm)", "/dev/shm", "shm_open")
+_DISK_FULL = ("No space left on device", "ENOSPC", "Errno 28", "unexpected pos", "file write failed",
+              "Disk quota exceeded")
+
+
+def _free_text(folder: str) -> str:
+    try:
+        usage = shutil.disk_usage(folder)
+    except OSError:
+        return f"{folder} (free space unknown)"
+    return f"{_size(usage.free)} free of {_size(usage.total)} in {folder}"
+
+
+def _size(size_bytes: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if size_bytes >= scale:
+            return f"{size_bytes / scale:.1f} {unit}"
+    return f"{int(size_bytes)} bytes"
+
+
+def _output_folder(sup: Any) -> str:
+    """The job's output folder (the guard's ``--output-dir``, the Trainer's ``output_dir``), else its working
+    directory."""
+    securer = getattr(sup, "securer", None)
+    for folder in (getattr(securer, "output_dir", None), (sup.trainer_config or {}).get("output_dir"),
+                   sup.config.values.get("output_dir")):
+        if folder:
+            return str(folder)
+    return os.getcwd()
+
+
+def cause_hint(sup: Any, code: int) -> str:
+    """The crash hint, naming the root cause: a DataLoader worker out of shared memory, a full disk (with the
+    output folder's free space), else the innermost error of the chain."""
+    last, root = sup.last_exception, getattr(sup, "root_exception", None)
+    seen = " | ".join(text for text in (root, last) if text)
+
+    def which(markers: tuple[str, ...]) -> str:
+        return next((t for t in (root, last) if t and any(m in t for m in markers)), seen)
+
+    if any(marker in seen for marker in _SHM):
+        shm = _free_text("/dev/shm") if os.path.isdir("/dev/shm") else "no /dev/shm"
+        return (f"the DataLoader workers ran out of shared memory ({which(_SHM)}; {shm}): give the container more "
+                "(docker run --shm-size=8g; Kubernetes: an emptyDir with medium Memory on /dev/shm) or lower "
+                "num_workers (0 loads in the main process)")
+    if any(marker in seen for marker in _DISK_FULL):
+        return (f"the disk is full ({which(_DISK_FULL)}; {_free_text(_output_folder(sup))}): free space, write the "
+                "output elsewhere, or keep fewer checkpoints (save_total_limit)")
+    if root and last and root != last:
+        return (f"the job exited with code {code} after {root} (the root cause, behind {last}): fix it and rerun")
+    what = f" after {last}" if last else ""
+    return f"the job exited with code {code}{what}: fix the error its traceback shows in the log and rerun"
 
 
 def _incomplete(sup: Any) -> str | None:
@@ -67,6 +123,7 @@ def job_result(sup: Any) -> RunResult:
         "job_exit_code": code,
         "job_signal": signal_name(-code) if code is not None and code < 0 else None,
         "last_exception": sup.last_exception,
+        "root_exception": getattr(sup, "root_exception", None),
         "loss_source": sup.loss_source,
         "agents_seen": sup.agents_seen,
         "peak_rss_bytes": sup.job.peak_rss_bytes if sup.job is not None else None,
@@ -104,9 +161,7 @@ def job_result(sup: Any) -> RunResult:
                 "CUDA out of memory: lower the per-device batch size (keep the effective batch with gradient "
                 "accumulation), enable gradient checkpointing, use bf16, or pick a GPU with more memory"))
         else:
-            what = f" after {sup.last_exception}" if sup.last_exception else ""
-            result = RunResult("FAIL", "crash", code, elapsed_s, hint=(
-                f"the job exited with code {code}{what}: fix the error its traceback shows in the log and rerun"))
+            result = RunResult("FAIL", "crash", code, elapsed_s, hint=cause_hint(sup, code))
     else:
         signum = -(code if code is not None else -signal.SIGKILL)
         oom, why = _host_oom(sup) if signum == signal.SIGKILL else (False, "")

@@ -127,12 +127,16 @@ class OutputEvents:
     Attributes:
         losses: ``(step or None, loss)`` in the order printed; the supervisor drains it.
         last_exception: ``"Type: message"`` of the last traceback's final line, or None.
+        root_exception: the error at the root of that one: the first of a chain (Python prints the cause first,
+            then "The above exception was the direct cause ..." / "During handling of the above exception ..."),
+            or a DataLoader worker's own error (the last line of its "Original Traceback").
         cuda_oom: a CUDA out-of-memory error was printed.
         job_verdicts: the job's own ``VERDICT:`` lines (text after ``VERDICT:``), escaped in the output.
     """
 
     losses: list[tuple[int | None, float]] = field(default_factory=list)
     last_exception: str | None = None
+    root_exception: str | None = None
     cuda_oom: bool = False
     job_verdicts: list[str] = field(default_factory=list)
 
@@ -153,6 +157,8 @@ class StreamFilter:
         self._pending = b""
         self._at_line_start = True
         self._in_traceback = False
+        self._chained = False  # a chain separator came after the last exception: the next one is not a root
+        self._worker = False  # inside a DataLoader worker's "Original Traceback": its error is the root
         self._line_head = b""  # the part of the current line already written (for parsing), bounded
 
     @property
@@ -233,11 +239,23 @@ class StreamFilter:
         if line.startswith(b"Traceback (most recent call last)"):
             self._in_traceback = True
             return
+        if line.startswith(b"Original Traceback (most recent call last)"):  # torch's ExceptionWrapper
+            self._in_traceback = self._worker = True
+            return
+        if line.startswith((b"The above exception was the direct cause", b"During handling of the above exception")):
+            self._chained = True
+            return
         if self._in_traceback and line and not line[:1].isspace():
             m = _EXC_LINE.match(line)
             if m and (b"Error" in line or b"Exception" in line or b"Interrupt" in line or b":" in line):
-                self.events.last_exception = line.decode("utf-8", "replace")[:500]
-                self._in_traceback = False
+                text = line.decode("utf-8", "replace")[:500]
+                if self._worker:
+                    self.events.root_exception = text  # the worker's own error, behind "Caught X in DataLoader"
+                else:
+                    if not self._chained or self.events.root_exception is None:
+                        self.events.root_exception = text
+                    self.events.last_exception = text
+                self._in_traceback = self._chained = self._worker = False
 
 
 def finite(value: float | None) -> bool:

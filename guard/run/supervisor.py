@@ -481,6 +481,8 @@ class Supervisor:
             self.cuda_oom = True
         if events.last_exception:
             self.last_exception = events.last_exception
+        if events.root_exception:
+            self.root_exception = events.root_exception
 
     def _output_decides(self) -> bool:
         """Losses parsed from the output count only for a job with no agent (not Python): while an agent is there,
