@@ -247,3 +247,13 @@ def test_torch_save_into_a_full_disk_says_disk_full_with_the_free_space(tmp_path
     assert fields["reason"] == "crash", proc.stderr[-3000:]
     assert "the disk is full" in fields["hint"] and "unexpected pos" in fields["hint"]
     assert f"free of 65.5 kB in {full}" in fields["hint"]  # the 64 KiB tmpfs
+
+
+def test_a_hang_after_training_ended_names_where_it_hangs(tmp_path: Path) -> None:
+    run = run_guard(["--stall-timeout", "15s", "--grace", "5s", str(JOBS / "hang_after_training.py"),
+                     "--output-dir", str(tmp_path / "out")], timeout_s=120)
+    assert run.returncode == 5, run.stderr[-3000:]
+    hint = run.fields()["hint"]
+    assert "training ended at step 6" in hint
+    assert "upload_results (hang_after_training.py:" in hint
+    assert "no training step for" not in hint

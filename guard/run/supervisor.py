@@ -140,6 +140,7 @@ class Supervisor:
         self.root_exception: str | None = None  # the innermost error behind the last one (chain, DataLoader worker)
         self.train_error: dict[str, Any] | None = None  # Trainer.train() raised (the script may have swallowed it)
         self.train_end: dict[str, Any] | None = None  # Trainer.train() ended: step, max_steps, stopped
+        self.hang_where: str | None = None  # where the main thread waits, when the job looked hung
         self.cuda_oom = False
         self.trainer_config: dict[str, Any] | None = None
         self.trainer_push: dict[str, Any] | None = None
@@ -366,6 +367,8 @@ class Supervisor:
         if self.stall.expired(now) and self.outcome is None:
             silent = self.stall.silent_for_s(now)
             what = "no training step" if self.stall.first_step_seen else "no output and no training step"
+            if self.train_end is not None:
+                what = f"no progress since training ended at step {self.train_end.get('step')}"
             log.error("%s for %.0fs (--stall-timeout %.0fs): the job looks hung", what, silent,
                       self.config.stall_timeout_s)
             stuck = self.stuck_rank()
@@ -595,6 +598,9 @@ class Supervisor:
     def _on_progress(self, conn: AgentConn, message: dict[str, Any]) -> None:
         """A rank's answer to a stack dump: how many steps it has begun. Names the rank that holds up the rest."""
         rank = conn.info.get("rank")
+        if message.get("where") and rank in (None, 0) and self.outcome is not None \
+                and self.outcome.reason == "stalled" and self.hang_where is None:
+            self._name_hang(str(message["where"]))
         if rank is None or not isinstance(message.get("begun"), int):
             return
         self.rank_begun[int(rank)] = message["begun"]
@@ -606,6 +612,20 @@ class Supervisor:
             self.outcome.extra["rank"] = behind[0]
             log.error("rank %d has begun fewer steps (%d) than the others: it is the one stuck; the others wait "
                       "for it in a collective", behind[0], fewest)
+
+    def _name_hang(self, where: str) -> None:
+        """The stalled verdict's hint names where the main thread waits (from the agent's stack answer); after
+        ``Trainer.train()`` returned, the hang is not in training: say so."""
+        assert self.outcome is not None
+        self.hang_where = where
+        if self.train_end is not None:
+            log.error("training ended at step %s; since then the job waits in %s", self.train_end.get("step"), where)
+            self.outcome.hint = (f"training ended at step {self.train_end.get('step')} (Trainer.train() returned), "
+                                 f"then the job hung in {where}: that call never returned (a push, an upload, a "
+                                 "collective or a thread join after training); see the stacks above")
+        else:
+            log.error("the job's main thread waits in %s", where)
+            self.outcome.hint = f"the main thread waits in {where}; {self.outcome.hint}"
 
     def _on_trainer_config(self, fd: int, config: dict[str, Any]) -> None:
         if self.trainer_config is None:

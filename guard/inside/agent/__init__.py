@@ -218,7 +218,7 @@ class Agent:
                 _dump_threads()
                 # How far this rank got: a rank blocked outside a collective has begun fewer steps than the
                 # ranks waiting for it inside one.
-                self.send({"t": "progress", "begun": self.begun, "step": self.watch.step})
+                self.send({"t": "progress", "begun": self.begun, "step": self.watch.step, "where": _main_where()})
 
     def warn(self, text: str) -> None:
         """One ``[guard] agent:`` line on stderr, once per text."""
@@ -278,6 +278,40 @@ def root_cause(exc: BaseException) -> str:
         if lines and not lines[-1].startswith(" "):
             return lines[-1].strip()[:500]
     return f"{type(inner).__name__}: {text}"[:500]
+
+
+def _short(filename: str) -> str:
+    for marker in ("site-packages/", "dist-packages/"):
+        if marker in filename:
+            return filename.split(marker, 1)[1]
+    return os.path.basename(filename)
+
+
+def _main_where() -> str | None:
+    """Where the main thread waits, in one line: its innermost frame, the innermost frame of a library (not the
+    standard library) and the script's frame, inner to outer: ``wait (threading.py:331) <- upload
+    (mylib/push.py:12) <- train.py:40``. None when the main thread is not found."""
+    import sysconfig
+    import traceback
+
+    frame = sys._current_frames().get(threading.main_thread().ident or -1)
+    if frame is None:
+        return None
+    stack = traceback.extract_stack(frame)
+    if not stack:
+        return None
+    stdlib = sysconfig.get_paths().get("stdlib", "\0")
+    script = os.path.abspath(sys.argv[0]) if sys.argv and sys.argv[0] else "\0"
+    picked = [stack[-1]]
+    library = next((f for f in reversed(stack) if not f.filename.startswith(stdlib)
+                    and os.path.abspath(f.filename) != script and "guard/inside" not in f.filename), None)
+    if library is not None and library is not stack[-1]:
+        picked.append(library)
+    own = next((f for f in reversed(stack) if os.path.abspath(f.filename) == script), None)
+    parts = [f"{f.name} ({_short(f.filename)}:{f.lineno})" for f in picked if f is not own]
+    if own is not None:
+        parts.append(f"{own.name} ({_short(own.filename)}:{own.lineno})")
+    return " <- ".join(parts)
 
 
 def _dump_threads() -> None:
