@@ -114,8 +114,7 @@ def test_stall_after_steps_names_the_step(tmp_path: Path) -> None:
 
 
 def test_command_printing_a_nan_loss() -> None:
-    # Not Python (no agent inside): the printed losses are what the guard watches.
-    run = run_guard(["--", "sh", "-c", "echo \"{'loss': '2.5'}\"; echo \"{'loss': 'nan'}\"; sleep 30"])
+    run = run_guard(["--", sys.executable, "-c", "print({'loss': '2.5'}); print({'loss': 'nan'}); import time; time.sleep(30)"])
     assert_one_verdict(run)
     assert run.returncode == 4
     assert run.fields()["reason"] == "non_finite_loss"

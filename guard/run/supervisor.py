@@ -140,6 +140,7 @@ class Supervisor:
         self.root_exception: str | None = None  # the innermost error behind the last one (chain, DataLoader worker)
         self.train_error: dict[str, Any] | None = None  # Trainer.train() raised (the script may have swallowed it)
         self.train_end: dict[str, Any] | None = None  # Trainer.train() ended: step, max_steps, stopped
+        self.agent_watching = False  # an agent hooked torch (or a Trainer): it sees the real losses
         self.hang_where: str | None = None  # where the main thread waits, when the job looked hung
         self.cuda_oom = False
         self.trainer_config: dict[str, Any] | None = None
@@ -488,11 +489,12 @@ class Supervisor:
             self.root_exception = events.root_exception
 
     def _output_decides(self) -> bool:
-        """Losses parsed from the output count only for a job with no agent (not Python): while an agent is there,
-        it sees the real losses, and a number the job prints (``best loss: inf`` before the first step) must not
-        decide. Agents that connected but were not read yet are read first (a Python job's agent says hello
-        before the script prints anything)."""
-        if self.loss_source == "agent" or self.agents_seen:
+        """Losses parsed from the output count only while no agent sees the losses itself: once an agent has
+        hooked torch (or a Trainer, or reported a step), a number the job prints (``best loss: inf`` before the
+        first step) must not decide. Jobs with no agent (not Python) and Python jobs without torch (JAX, numpy)
+        keep the output's losses. Agent messages not read yet are read first (the agent says so when torch is
+        imported, before the script can print a loss)."""
+        if self.loss_source == "agent" or self.agent_watching:
             return False
         for _ in range(3):  # accept, then read the hello; bounded, never blocks (timeout 0)
             events = [key for key, _ in self._sel.select(0) if key.data in ("listen", "agent")]
@@ -503,7 +505,7 @@ class Supervisor:
                     self.channel.accept()
                 else:
                     self._read_agent(key.fd)
-        return not self.agents_seen
+        return not self.agent_watching and self.loss_source != "agent"
 
     def _write(self, fd: int, data: bytes) -> None:
         if not data or (fd == self.out_fd and self._closed_out):
@@ -585,6 +587,8 @@ class Supervisor:
                              world_size=message.get("world_size"))
         elif kind == "progress":
             self._on_progress(conn, message)
+        elif kind == "watching":
+            self.agent_watching = True
         elif kind == "train_end":
             log.debug("training ended at step %s of %s", message.get("step"), message.get("max_steps"))
             if self.train_end is None or conn.info.get("rank") in (None, 0):

@@ -54,6 +54,9 @@ def patch(torch: Any) -> None:
 
     backward.__guard_wrapped__ = True  # type: ignore[attr-defined]
     torch.Tensor.backward = backward
+    agent = agent_module.get()
+    if agent is not None:  # from now on this agent sees the losses: printed numbers no longer decide
+        agent.send({"t": "watching", "what": "torch"})
     try:
         _patch_scaler(torch, agent_module)
     except Exception as exc:  # an unknown torch version: the scaled loss is watched instead
