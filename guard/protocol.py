@@ -21,7 +21,10 @@ Agent -> supervisor (``t``):
 ``checkpoint_saved`` path, step
 ``exception``       exc_type, message (the job's uncaught exception, from ``sys.excepthook``)
 ``push_result``     ok (bool), error (str|None): a push the Trainer did in the background
-``train_end``       step
+``train_end``       step, max_steps, stopped (a callback or the guard asked training to stop)
+``train_error``     exc_type, message, root, step, max_steps: ``Trainer.train()`` raised (the script may catch it)
+``watching``        what (``torch``): the agent hooked torch and sees the losses; printed losses stop deciding
+``progress``        begun, step, where (the main thread's stack in one line): the answer to ``dump``
 
 Supervisor -> agent (``t``):
 

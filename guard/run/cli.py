@@ -24,8 +24,8 @@ from typing import Any, NoReturn
 from guard import __version__
 from guard.run.config import OPTIONS, Config, debug_enabled, env_name, log_level, resolve
 from guard.errors import GuardError, PreflightError, UsageError
-from guard.run.masking import Masker
-from guard.run.output import STDERR
+from guard.run.masking import Masker, command_line_secrets, secret_values
+from guard.run.output import LINES
 from guard.run.platform import detect
 from guard.contract import EXIT_GUARD_ERROR, RunResult, render_line, signal_name, write_report
 
@@ -161,10 +161,8 @@ class _MaskingFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         text = self.masker.mask_text(super().format(record))
-        if STDERR.mid_line:  # the job's last stderr line is unfinished (a progress bar): start a new line
-            STDERR.mid_line = False
-            text = "\n" + text
-        return text
+        # The job's last line is unfinished (a progress bar): start a new line.
+        return LINES.line_break(2).decode() + text
 
 
 def _setup_logging(masker: Masker, environ: Mapping[str, str]) -> None:
@@ -211,8 +209,8 @@ def _emit_verdict(result: RunResult, masker: Masker, report: str | None) -> int:
     except (OSError, ValueError):
         pass
     line = render_line(result, masker) + "\n"
-    try:
-        os.write(1, line.encode())
+    try:  # the VERDICT starts a line, also after a job's unfinished last line (stdout, or a merged log)
+        os.write(1, LINES.line_break(1) + line.encode())
     except OSError:
         pass
     return result.exit_code
@@ -240,7 +238,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.monotonic()
     args = list(sys.argv[1:] if argv is None else argv)
     environ = dict(os.environ)
-    masker = Masker.from_environ(environ)
+    # Secrets: the environment's, and the values of secret-named options on the command line (the job's own
+    # `--wandb-key VALUE` included): masked in every line the guard writes and in the job's output.
+    masker = Masker(secret_values(environ) + command_line_secrets(args))
     _setup_logging(masker, environ)
     if args[:1] == ["watch"]:
         from guard import watch

@@ -75,6 +75,7 @@ class Securing:
         self.next_scan = -math.inf
         self._seen: set[tuple[str, str]] = set()
         self._node_checked = False
+        self._save_logged = False
         if deadline.deadline_s is not None:
             log.info("deadline: %s (%s from now; %s)", time.strftime("%Y-%m-%d %H:%M:%S %Z",
                      time.localtime(deadline.deadline_s)),
@@ -245,8 +246,11 @@ class Securing:
             else:
                 self.estimator.observe_size(saved.size_bytes)
             self.latest_reported = saved
-            log.info("checkpoint saved by the job: %s (step %s, %.1f MB)", saved.path, saved.step,
-                     saved.size_bytes / 1e6)
+            # The first save at INFO; later ones are counted in the heartbeat (``saves=``), their detail at DEBUG.
+            first, self._save_logged = not self._save_logged, True
+            log.log(logging.INFO if first else logging.DEBUG, "checkpoint saved by the job: %s (step %s, %.1f MB)%s",
+                    saved.path, saved.step, saved.size_bytes / 1e6,
+                    "; later saves are counted in the heartbeat" if first else "")
         latest = self.latest_reported
         if latest is None:
             return
@@ -276,6 +280,12 @@ class Securing:
             reason = "crash" if code > 0 else "killed"
             self._carry_out(sup, self.plan.failure(reason), now)
             return
+        if self.plan.state is State.WATCHING and sup.outcome is None and code == 0:
+            from guard.run.diagnose import incomplete_reason
+
+            if incomplete_reason(sup) is not None:  # an exit 0 that is not a finished run: a failure, not a final push
+                self._carry_out(sup, self.plan.failure("incomplete"), now)
+                return
         ok = code == 0 and sup.outcome is None
         self._carry_out(sup, self.plan.job_exit(ok=ok), now)
 

@@ -96,6 +96,18 @@ def patch(trainer_module: Any) -> None:
             self.micro: list[Any] = []
             self.save_started_s: float | None = None
             self.requested = False
+            self.stop_seen = False  # a callback (or the guard) asked training to stop: an early end is legitimate
+
+        def _note_stop(self, control: Any) -> None:
+            # This callback runs after the others (added last), so it sees their should_training_stop.
+            if getattr(control, "should_training_stop", False):
+                self.stop_seen = True
+
+        def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            self._note_stop(control)
+
+        def on_evaluate(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            self._note_stop(control)
 
         def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             config = {name: _arg(args, name) for name in protocol.TRAINER_FIELDS}
@@ -121,6 +133,7 @@ def patch(trainer_module: Any) -> None:
                 control.should_training_stop = True
             if control.should_save:
                 self.save_started_s = time.monotonic()
+            self._note_stop(control)
 
         def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             save_s = time.monotonic() - self.save_started_s if self.save_started_s is not None else None
@@ -138,7 +151,8 @@ def patch(trainer_module: Any) -> None:
 
         def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             self.agent.watch.flush("trainer")
-            self.agent.send({"t": "train_end", "step": state.global_step})
+            self.agent.send({"t": "train_end", "step": state.global_step, "max_steps": state.max_steps,
+                             "stopped": self.stop_seen or self.agent.stop_requested})
 
     original_init = Trainer.__init__
 
@@ -158,6 +172,8 @@ def patch(trainer_module: Any) -> None:
 
 
 def _instrument(trainer: Any, agent: Any, callback: Any) -> None:
+    from guard.inside import agent as agent_module
+
     agent.backward_hook = False  # the Trainer's training_step gives the losses; no double counting
     trainer._guard_callback = callback
     trainer.add_callback(callback)
@@ -210,6 +226,15 @@ def _instrument(trainer: Any, agent: Any, callback: Any) -> None:
     def train(*args: Any, **kwargs: Any) -> Any:
         if resume_path and not args and kwargs.get("resume_from_checkpoint") in (None, False):
             kwargs["resume_from_checkpoint"] = resume_path
-        return train_fn(*args, **kwargs)
+        try:
+            return train_fn(*args, **kwargs)
+        except Exception as exc:
+            # Said before the script sees it: a script that swallows it and exits 0 did not finish its run.
+            state = getattr(trainer, "state", None)
+            agent.watch.flush("trainer")
+            agent.send({"t": "train_error", "exc_type": type(exc).__name__, "message": str(exc)[:500],
+                        "root": agent_module.root_cause(exc), "step": getattr(state, "global_step", None),
+                        "max_steps": getattr(state, "max_steps", None)})
+            raise
 
     trainer.train = train
