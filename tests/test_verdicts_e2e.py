@@ -133,6 +133,18 @@ def test_a_swallowed_trainer_error_is_incomplete_with_the_cause(tmp_path: Path) 
     assert "step 29 of 200" in fields["hint"]
 
 
+def test_an_incomplete_run_secures_the_checkpoint_saved_before_it(tmp_path: Path) -> None:
+    dest = tmp_path / "dest"
+    run = run_guard(["--push-to", str(dest), str(JOBS / "swallowed.py"), "--output-dir", str(tmp_path / "out"),
+                     "--fail-at", "29", "--save-steps", "10"])
+    assert run.returncode == 7, run.stdout[-1500:] + run.stderr[-3000:]
+    fields = run.fields()
+    assert (fields["reason"], fields["secured"]) == ("incomplete", "yes"), run.verdict
+    assert fields["checkpoint"].endswith("checkpoint-20"), run.verdict
+    assert (dest / "last-checkpoint" / "trainer_state.json").is_file()
+    assert not (dest / "model.safetensors").exists()  # not pushed as a final model
+
+
 def test_a_callback_that_stops_training_early_is_a_pass(tmp_path: Path) -> None:
     run = run_guard([str(JOBS / "swallowed.py"), "--output-dir", str(tmp_path / "out"), "--stop-at", "12"])
     assert run.returncode == 0, run.stdout[-1500:] + run.stderr[-3000:]

@@ -11,6 +11,7 @@ parser.add_argument("--output-dir", required=True)
 parser.add_argument("--max-steps", type=int, default=200)
 parser.add_argument("--fail-at", type=int, default=0)
 parser.add_argument("--stop-at", type=int, default=0)
+parser.add_argument("--save-steps", type=int, default=0)
 args = parser.parse_args()
 
 
@@ -26,7 +27,8 @@ class Trouble(TrainerCallback):
 
 
 training_args = TrainingArguments(output_dir=args.output_dir, max_steps=args.max_steps, per_device_train_batch_size=4,
-                                  save_strategy="no", report_to="none", use_cpu=True, disable_tqdm=True,
+                                  save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500,
+                                  report_to="none", use_cpu=True, disable_tqdm=True,
                                   logging_steps=10)
 try:
     Trainer(model=Tiny(), args=training_args, train_dataset=Data(1024), callbacks=[Trouble()]).train()
