@@ -17,6 +17,9 @@ Agent -> supervisor (``t``):
                     the agent then waits up to ack_timeout_s for ``ack`` (go on) before the first step
 ``train_begin``     max_steps
 ``checkpoint_saved`` path, step
+``file_saved``      path (absolute), step (the agent's step count), save_s: ``torch.save`` to a named file returned
+``api``             name: the script called ``guard.<name>()`` for the first time (``should_checkpoint``,
+                    ``checkpoint_saved``, ``should_stop``)
 ``exception``       exc_type, message (the job's uncaught exception, from ``sys.excepthook``)
 ``push_result``     ok (bool), error (str|None): a push the Trainer did in the background
 ``train_end``       step

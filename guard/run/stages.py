@@ -203,12 +203,30 @@ def _resume(config: Config, securer: Any, report: Any, platform: PlatformInfo) -
     return str(fetched.path), fetched
 
 
+def output_folder(config: Config) -> tuple[str | None, str]:
+    """The job's output folder and where it came from: ``--output-dir`` (or its environment variable), else the
+    job's own ``--output_dir``/``--output-dir``/``--out_dir``/``--save`` argument (``layout.output_dir_from_args``),
+    else None (a Trainer's ``output_dir`` or the folder of the job's ``torch.save`` calls fill it in later)."""
+    from guard.secure.layout import output_dir_from_args
+
+    if config.output_dir:
+        return str(config.output_dir), ("--output-dir" if config.sources.get("output_dir") == "flag"
+                                        else env_name("output_dir"))
+    args = config.script_args if config.script else config.command
+    found = output_dir_from_args(args)
+    if found is not None:
+        return found[0], f"the job's {found[1]} argument"
+    return None, "not known yet: a Trainer's output_dir, or the folder the job saves into, once seen"
+
+
 def run_job(config: Config, masker: Masker, started: float) -> RunResult:
     """Budget, preflight, resume, the supervised job. Raises ``GuardError`` subclasses for the CLI's boundary."""
     from guard.secure.plan import Securing
     from guard.run.supervisor import Supervisor
 
     platform = detect(config.environ)
+    output_dir, output_source = output_folder(config)
+    log.info("output folder: %s (%s)", output_dir or "-", output_source)
     with EarlySignals() as early:
         deadline = resolve_budget(config, platform)
         factory = _securer_factory(config.environ)
@@ -233,7 +251,7 @@ def run_job(config: Config, masker: Masker, started: float) -> RunResult:
 
         estimator.observe_size(fetched.size_bytes)
     securing = Securing(deadline=deadline, estimator=estimator, securer=securer, securer_factory=factory,
-                        output_dir=config.output_dir, grace_s=config.grace_s,
+                        output_dir=output_dir, grace_s=config.grace_s,
                         refresher=_slurm_refresher(config, platform))
     if fetched is not None:
         securing.latest_reported = describe(fetched.path, step=fetched.step)

@@ -62,6 +62,8 @@ logger = logging.getLogger("guard.hub")
 T = TypeVar("T")
 
 CHECKPOINT_FOLDER = "last-checkpoint"
+#: The title of every checkpoint commit the guard makes; the newest commit with this title is the secured one.
+CHECKPOINT_COMMIT_TITLE = "guard: checkpoint step {step}"
 MANIFEST_NAME = "guard_manifest.json"
 _MIN_ATTEMPT_S = 1.0  # don't start another attempt with less time than this left
 _ACCEPTED_FORMS = ("hf://NS/NAME, hf://datasets/NS/NAME, NS/NAME (a Hub model repo), "
@@ -172,16 +174,35 @@ class FetchedCheckpoint:
 
 
 def _list_files(folder: Path, keep: Callable[[str], bool] = lambda rel: True) -> list[str]:
-    """Files under ``folder`` (posix relative paths, sorted), minus ``.git``/``.cache`` folders and ``keep`` misses."""
-    out = []
-    for dirpath, dirnames, filenames in os.walk(folder):
-        dirnames[:] = [d for d in dirnames if d not in (".git", ".cache")]
-        for name in filenames:
-            full = Path(dirpath, name)
-            rel = full.relative_to(folder).as_posix()
-            if full.is_file() and keep(rel):
-                out.append(rel)
-    return sorted(out)
+    """Files under ``folder`` (posix relative paths, sorted), minus ``.git``/``.cache`` folders and ``keep`` misses.
+    Symbolic links are never followed out of ``folder`` (``checkpoints.list_files``)."""
+    from guard.secure.checkpoints import list_files
+
+    return [rel for rel in list_files(folder)
+            if not rel.startswith((".git/", ".cache/")) and "/.git/" not in rel and "/.cache/" not in rel and keep(rel)]
+
+
+def _default_dir_mode() -> int:
+    """The mode a new folder gets from the process umask (``0o777 & ~umask``), read from ``/proc/self/status``
+    (Linux 4.7+, ``Umask:``) when possible, else by setting and restoring the umask."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return 0o777 & ~int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return 0o777 & ~mask
+
+
+def _staging_dir(prefix: str, parent: Path) -> Path:
+    """A fresh temporary folder in ``parent`` with the destination's default permissions (``tempfile.mkdtemp``
+    creates 0700 folders, which would then be swapped in as the secured one)."""
+    staging = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+    os.chmod(staging, _default_dir_mode())
+    return staging
 
 
 def final_model_files(output_dir: str | os.PathLike[str]) -> list[str]:
@@ -296,13 +317,20 @@ class Securer:
 
     # -- public API -------------------------------------------------------------------------------------------
 
-    def push_checkpoint(self, local_dir: str | os.PathLike[str], *, step: int, deadline: float) -> PushResult:
+    def push_checkpoint(self, local_dir: str | os.PathLike[str], *, step: int, deadline: float,
+                        files: list[str] | None = None) -> PushResult:
         """Secure a complete checkpoint folder as ``DEST/last-checkpoint/`` (replacing the previous one), verified.
+
+        The Hub commit is titled ``guard: checkpoint step N`` (``CHECKPOINT_COMMIT_TITLE``): that title is the
+        record ``fetch_last_checkpoint`` looks for, so that an unrelated commit on top never changes what is
+        resumed from.
 
         Args:
             local_dir: the checkpoint folder (e.g. ``output/checkpoint-120``); must not change meanwhile.
             step: its training step (in the commit message / manifest).
             deadline: clock value by which the push, retries included, must be over.
+            files: the files to secure, relative to ``local_dir`` (``CheckpointInfo.files``: a set of loose model
+                files in an output folder); default: every file of the folder.
 
         Returns:
             The verified ``PushResult`` (``revision``: Hub commit id, or the ``last-checkpoint`` folder).
@@ -312,7 +340,10 @@ class Securer:
                 or the retries ran out of time; its message lists every attempt.
         """
         folder = Path(local_dir)
-        files = _list_files(folder) if folder.is_dir() else []
+        if files is None:
+            files = _list_files(folder) if folder.is_dir() else []
+        else:
+            files = sorted(rel for rel in files if (folder / rel).is_file())
         what = f"checkpoint step {step}"
         if not files:
             raise PushFailedError(f"cannot secure {what}: {folder} has no files", destination=str(self.destination),
@@ -320,7 +351,7 @@ class Securer:
         if self.destination.kind == "folder":
             attempt = lambda: self._folder_push_checkpoint(folder, files, step)  # noqa: E731
         else:
-            message = f"guard: {what}"
+            message = CHECKPOINT_COMMIT_TITLE.format(step=step)
             attempt = lambda: self._hub_push(folder, files, f"{CHECKPOINT_FOLDER}/", message, replace=True)  # noqa: E731
         return self._push(what, folder, files, step, attempt, deadline)
 
@@ -553,7 +584,7 @@ class Securer:
         assert root is not None
         root.mkdir(parents=True, exist_ok=True)
         target = root / CHECKPOINT_FOLDER
-        staging = Path(tempfile.mkdtemp(prefix=f".{CHECKPOINT_FOLDER}.tmp-", dir=root))
+        staging = _staging_dir(f".{CHECKPOINT_FOLDER}.tmp-", root)
         try:
             sums = {rel: _copy_and_hash(folder / rel, staging / rel) for rel in files}
             manifest = {"step": step, "source": str(folder),

@@ -31,7 +31,7 @@ from typing import Any
 
 from guard.secure import budget
 
-from guard.secure import checkpoints
+from guard.secure import checkpoints, layout
 from guard.errors import GuardError, PushFailedError
 from guard.contract import EXIT_PUSH_FAILED, EXIT_SECURED, EXIT_TIMEOUT_UNSECURED, RunResult, signal_name
 
@@ -88,6 +88,9 @@ class Securing:
         self.at_step: int | None = None
         self.follower = False  # a machine other than node 0 that waits for node 0's checkpoint
         self.saved_ranks: dict[Any, set[int]] = {}
+        self.reported_paths: set[str] = set()  # folders the job said it finished (no mtime rule for them)
+        self.saved_files = checkpoints.SavedFiles()  # torch.save calls the agent saw return
+        self.trainer_seen = False
         self._seen: set[tuple[str, str]] = set()
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="guard-push")
         if deadline.deadline_s is not None:
@@ -161,6 +164,7 @@ class Securing:
         return True
 
     def on_trainer_config(self, sup: Any, config: dict[str, Any]) -> None:
+        self.trainer_seen = True
         if self.output_dir is None and config.get("output_dir"):
             self.output_dir = str(config["output_dir"])
         if self.securer is None and config.get("push_to_hub") and config.get("hub_model_id") and self.securer_factory:
@@ -175,10 +179,34 @@ class Securing:
             self.estimator.observe_step(now - self.last_step_at)
         self.last_step_at = now
 
-    def on_checkpoint_saved(self, sup: Any, message: dict[str, Any]) -> None:
+    def on_file_saved(self, sup: Any, message: dict[str, Any]) -> None:
+        """The agent saw ``torch.save`` write a file (a loop that does not use the guard's API): a complete
+        checkpoint candidate, with the agent's step at the save."""
         path = message.get("path")
         if not path:
             return
+        where = Path(str(path))
+        if self.output_dir is None and layout.is_plausible_output_dir(where.parent):
+            self.output_dir = str(where.parent)
+            log.info("output folder: %s (where the job saves with torch.save)", self.output_dir)
+        if self.output_dir is not None and not where.resolve().is_relative_to(Path(self.output_dir).resolve()):
+            return
+        info = self.saved_files.add(where, message.get("step"))
+        if info is None:
+            return
+        if message.get("save_s"):
+            self.estimator.observe_save(float(message["save_s"]), info.size_bytes)
+        self.latest_reported = info
+        log.debug("the job saved %s (step %s)", where, info.step)
+
+    def on_checkpoint_saved(self, sup: Any, message: dict[str, Any]) -> None:
+        path = message.get("path")
+        try:
+            path = str(layout.check_reported_path(path, output_dir=self.output_dir))
+        except GuardError as exc:
+            log.warning("%s (hint: %s)", exc.message, exc.hint)
+            return
+        self.reported_paths.add(path)
         rank = message.get("rank")
         if rank is not None:
             self.saved_ranks.setdefault(message.get("step"), set()).add(int(rank))
@@ -245,7 +273,13 @@ class Securing:
                      "job to save and end", sup.node_rank)
             self._finish(sup, now)
             return
-        if job_alive and sup.agents:
+        # Before the first step nothing is known yet (a Trainer reports itself at on_train_begin): ask anyway.
+        answers = getattr(sup, "job_answers_checkpoints", True) or sup.step is None
+        if job_alive and sup.agents and not answers:
+            log.info("the job runs no Trainer and has not called guard.should_checkpoint(): it cannot save on "
+                     "request, so it is not asked (it %s)", "gets the signal now" if kind == "signal" else
+                     "is stopped once the newest checkpoint on disk is secured")
+        if job_alive and sup.agents and answers:
             request: dict[str, Any] = {"t": "checkpoint", "stop": True}
             ranks = sup.training_ranks()
             world_size = max((c.info.get("world_size") or 1 for c in sup.agents.values()), default=1)
@@ -274,7 +308,8 @@ class Securing:
     def _newest_on_disk(self) -> checkpoints.CheckpointInfo | None:
         found = None
         if self.output_dir:
-            found = checkpoints.newest_complete(self.output_dir, now_s=self.wall(), seen=self._seen)
+            found = checkpoints.newest_complete(self.output_dir, now_s=self.wall(), seen=self._seen,
+                                                reported=self.reported_paths, loose=not self.trainer_seen)
         reported = self.latest_reported
         if reported is not None and (found is None or (reported.step or -1) >= (found.step or -1)):
             if Path(reported.path).exists():
@@ -304,8 +339,8 @@ class Securing:
             return
         remaining = self.secure_by - self.clock()
         log.info("securing %s (step %s) at %s, %.0fs left", info.path, info.step, self.securer.destination, remaining)
-        self.future = self._pool.submit(self.securer.push_checkpoint, info.path, step=info.step or 0,
-                                        deadline=self.secure_by)
+        self.future = self._pool.submit(self.securer.push_checkpoint, info.folder, step=info.step or 0,
+                                        deadline=self.secure_by, files=list(info.files))
 
     def _push_final(self, sup: Any, now: float) -> None:
         output_dir = self.output_dir
@@ -382,14 +417,17 @@ class Securing:
         if self.trigger == "deadline":
             result.exit_code = EXIT_SECURED if secured else EXIT_TIMEOUT_UNSECURED
             if not secured:
-                result.hint = ("no checkpoint could be secured before the deadline: pass --push-to, save more often, "
-                               "or give the job a longer --timeout" if self.securer is None or self.none_found else
+                result.hint = (layout.nothing_found_hint(output_dir=self.output_dir,
+                                                         destination_given=self.securer is not None)
+                               if self.securer is None or self.none_found else
                                "the checkpoint was not secured in time; raise --margin")
         else:
             signum = self.signum or signal.SIGTERM
             result.exit_code = EXIT_SECURED if secured else 128 + signum
             if not secured:
-                result.hint = "no checkpoint was secured within --grace: save more often or raise --grace"
+                result.hint = (layout.nothing_found_hint(output_dir=self.output_dir, destination_given=True)
+                               if self.none_found else
+                               "no checkpoint was secured within --grace: save more often or raise --grace")
         if secured:
             result.hint = f"the next run resumes from it: python -m guard --resume on --push-to {self.result.destination} ..."
         elif self.follower:

@@ -6,11 +6,17 @@ element only (a loss; ``backward(gradient=...)`` on a vector is something else),
 ``check_every`` steps (no host-device sync per step). It stays out of the way once a ``Trainer`` or
 ``guard.report()`` provides the losses. A step here is one ``.backward()`` call: with gradient accumulation
 that is one micro-batch; call ``guard.report(step=..., loss=...)`` to count optimizer steps instead.
+
+``torch.save`` is wrapped too: when it returns, a save to a named file is complete, and the agent reports the
+file with the step it has counted (``file_saved``). That is how the guard sees the checkpoints of a loop that
+never calls the guard's API (nanoGPT's ``ckpt.pt``), with their step, without reading them.
 """
 
 from __future__ import annotations
 
 import functools
+import os
+import time
 from typing import Any
 
 __all__ = ["patch"]
@@ -38,3 +44,26 @@ def patch(torch: Any) -> None:
 
     backward.__guard_wrapped__ = True  # type: ignore[attr-defined]
     torch.Tensor.backward = backward
+    _wrap_save(torch, agent_module)
+
+
+def _wrap_save(torch: Any, agent_module: Any) -> None:
+    original = getattr(torch, "save", None)
+    if original is None or getattr(original, "__guard_wrapped__", False):
+        return
+
+    @functools.wraps(original)
+    def save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> Any:
+        started = time.monotonic()
+        result = original(obj, f, *args, **kwargs)
+        if isinstance(f, (str, os.PathLike)):
+            agent = agent_module.get()
+            if agent is not None:
+                try:
+                    agent.file_saved(os.fspath(f), time.monotonic() - started)
+                except Exception as exc:  # never break the job
+                    agent_module._warn_once(f"save hook failed: {exc!r}")
+        return result
+
+    save.__guard_wrapped__ = True  # type: ignore[attr-defined]
+    torch.save = save

@@ -13,7 +13,9 @@
 - ``_push_from_checkpoint`` / ``_finish_current_push`` wrapped, to report the result of the Trainer's background
   pushes (``upload_folder(run_as_future=True)``), whose failures the Trainer never raises.
 - ``train`` wrapped to pass ``resume_from_checkpoint`` when the supervisor fetched a checkpoint and the script
-  did not ask for one.
+  did not ask for one, and to end the process when ``train()`` returns because the guard stopped it (deadline,
+  signal), so that the script's code after ``train()`` (a "final" save, a ``push_to_hub``) does not run on a
+  half-trained model (``Agent.end_process``; every rank of a torchrun job does this).
 """
 
 from __future__ import annotations
@@ -121,6 +123,7 @@ def patch(trainer_module: Any) -> None:
 
 def _instrument(trainer: Any, agent: Any, callback: Any) -> None:
     agent.backward_hook = False  # the Trainer's training_step gives the losses; no double counting
+    agent.trainer = True  # its saves come through on_save, not torch.save
     trainer._guard_callback = callback
     trainer.add_callback(callback)
 
@@ -172,6 +175,9 @@ def _instrument(trainer: Any, agent: Any, callback: Any) -> None:
     def train(*args: Any, **kwargs: Any) -> Any:
         if resume_path and not args and kwargs.get("resume_from_checkpoint") in (None, False):
             kwargs["resume_from_checkpoint"] = resume_path
-        return train_fn(*args, **kwargs)
+        result = train_fn(*args, **kwargs)
+        if agent.stop_requested:  # the guard stopped training: the code after train() must not run as if finished
+            agent.end_process()
+        return result
 
     trainer.train = train
