@@ -29,7 +29,6 @@ def test_a_loop_that_saves_ckpt_pt_is_secured_at_the_deadline_without_waiting_fo
     assert fields["checkpoint"] == str(out / "ckpt.pt")
     assert (dest / "last-checkpoint" / "ckpt.pt").is_file()
     assert f"output folder: {out} (the job's --out_dir argument)" in run.stderr
-    assert "cannot save on request" in run.stderr  # not asked: no time lost waiting for a save it cannot make
     assert "training finished" not in run.stdout
     assert took_s < 25 + 10
 
@@ -46,7 +45,6 @@ def test_sigterm_reaches_a_loop_without_the_api_at_once_and_its_checkpoint_is_se
     # the output folder came from the job's torch.save calls (nanoGPT's default out_dir, no argument)
     assert f"output folder: {tmp_path / 'out'} (where the job saves with torch.save)" in err
     assert (dest / "last-checkpoint" / "ckpt.pt").is_file()
-    assert "gets the signal now" in err
     assert took_s < 20  # not the whole grace spent waiting for a save the job cannot make
 
 

@@ -221,7 +221,7 @@ def output_folder(config: Config) -> tuple[str | None, str]:
 
 def run_job(config: Config, masker: Masker, started: float) -> RunResult:
     """Budget, preflight, resume, the supervised job. Raises ``GuardError`` subclasses for the CLI's boundary."""
-    from guard.secure.plan import Securing
+    from guard.secure.securing import Securing
     from guard.run.supervisor import Supervisor
 
     platform = detect(config.environ)
@@ -252,7 +252,8 @@ def run_job(config: Config, masker: Masker, started: float) -> RunResult:
         estimator.observe_size(fetched.size_bytes)
     securing = Securing(deadline=deadline, estimator=estimator, securer=securer, securer_factory=factory,
                         output_dir=output_dir, grace_s=config.grace_s,
-                        refresher=_slurm_refresher(config, platform))
+                        refresher=_slurm_refresher(config, platform), background=config.background_push,
+                        push_interval_s=config.push_interval)
     if fetched is not None:
         securing.latest_reported = describe(fetched.path, step=fetched.step)
     gpus = report.gpus if report is not None else None

@@ -3,7 +3,7 @@
 One thread, one ``select`` loop over: the job's stdout and stderr pipes, the agent socket (new connections and
 messages), a self-pipe that signal handlers write to (``signal.set_wakeup_fd``; the handlers only append to a
 list), and timers (stall, partial-line flush, deadline, grace escalation, memory sampling). Pushes to the
-destination run on one worker thread so that output keeps flowing and signals keep being handled meanwhile.
+destination run in worker processes (``guard.secure.worker``) that the loop polls and kills at their deadline.
 
 The run ends in a ``verdict.RunResult``; the job's failure is data, never an exception. The first decision the
 guard takes (non-finite loss, stall, dry run done, deadline, signal) fixes the outcome; the job's exit after
@@ -80,7 +80,7 @@ class Supervisor:
         spawner: ``subprocess.Popen``-like (injected for tests).
         trainer_config_check: called with the Trainer arguments the agent reports; returns preflight rows
             (objects with ``name``, ``status``, ``seen``, ``hint``); a ``fail`` row stops the job.
-        securer: the securing flow (``guard.secure.plan.Securing``) or None.
+        securer: the securing flow (``guard.secure.securing.Securing``) or None.
         heartbeat: ``guard.observe.telemetry.Heartbeat`` (heartbeat lines, the projection, trackio) or None.
         out, err: file descriptors for the job's stdout and stderr (default 1 and 2).
     """
@@ -539,7 +539,7 @@ class Supervisor:
                 self.securer.on_checkpoint_saved(self, message)
         elif kind == "file_saved":
             if self.securer is not None and hasattr(self.securer, "on_file_saved"):
-                self.securer.on_file_saved(self, message)
+                self.securer.on_file_saved(self, {**message, "rank": conn.info.get("rank")})
         elif kind == "api":
             self.api_used.add(str(message.get("name")))
         elif kind == "exception":
@@ -664,6 +664,8 @@ class Supervisor:
         self.stall.pause()
         if stop:
             self._stop_job(self.clock())
+        if self.securer is not None:
+            self.securer.on_decided(self, outcome)  # a failure secures what was saved before it
 
     def _stop_job(self, now: float, grace_s: float | None = None) -> None:
         """SIGTERM to the job's process group (and its escaped descendants); SIGKILL after the grace."""

@@ -182,6 +182,16 @@ def _list_files(folder: Path, keep: Callable[[str], bool] = lambda rel: True) ->
             if not rel.startswith((".git/", ".cache/")) and "/.git/" not in rel and "/.cache/" not in rel and keep(rel)]
 
 
+def _signatures(folder: Path, files: list[str]) -> dict[str, tuple[int, int]]:
+    """``{rel: (size, mtime_ns)}``: compared before and after a copy to catch a file rewritten meanwhile."""
+    out = {}
+    for rel in files:
+        with contextlib.suppress(OSError):
+            st = os.stat(folder / rel)
+            out[rel] = (st.st_size, st.st_mtime_ns)
+    return out
+
+
 def _default_dir_mode() -> int:
     """The mode a new folder gets from the process umask (``0o777 & ~umask``), read from ``/proc/self/status``
     (Linux 4.7+, ``Umask:``) when possible, else by setting and restoring the umask."""
@@ -278,6 +288,16 @@ def _swap_in(staging: Path, target: Path) -> Path | None:
     return old
 
 
+def _remove_stale_staging(root: Path) -> None:
+    """Remove ``.last-checkpoint.tmp-<pid>-*`` folders left by a push that was killed (its process is gone)."""
+    import psutil
+
+    for entry in root.glob(f".{CHECKPOINT_FOLDER}.tmp-*"):
+        pid = entry.name[len(f".{CHECKPOINT_FOLDER}.tmp-"):].split("-", 1)[0]
+        if entry.is_dir() and not (pid.isdigit() and psutil.pid_exists(int(pid))):
+            shutil.rmtree(entry, ignore_errors=True)
+
+
 def _step_from_trainer_state(folder: Path) -> int | None:
     try:
         return int(json.loads((folder / "trainer_state.json").read_text())["global_step"])
@@ -311,6 +331,7 @@ class Securer:
                  log: logging.Logger = logger, backoff_s: float = 1.0, max_backoff_s: float = 8.0) -> None:
         self.destination = destination if isinstance(destination, Destination) else parse_destination(destination)
         self._api, self._token = api, token
+        self.token = token  # for worker processes (guard.secure.worker), sent on their stdin
         self._clock, self._sleep, self._log = clock, sleep, log
         self._backoff_s, self._max_backoff_s = backoff_s, max_backoff_s
         self._repo_ready = False
@@ -473,6 +494,7 @@ class Securer:
         if not self._repo_ready:
             api.create_repo(repo_id, repo_type=repo_type, private=True, exist_ok=True)
             self._repo_ready = True
+        before = _signatures(folder, files)
         adds = [CommitOperationAdd(path_in_repo=prefix + rel, path_or_fileobj=str(folder / rel)) for rel in files]
         deletes = []
         if replace:
@@ -487,6 +509,9 @@ class Securer:
         info = api.create_commit(repo_id, deletes + adds, commit_message=message, repo_type=repo_type,
                                  commit_description=f"Secured by jobguard: {len(files)} files from {folder.name}.")
         self._verify_hub(api, info.oid, adds)
+        changed = [rel for rel, sig in _signatures(folder, files).items() if before.get(rel) != sig]
+        if changed:  # rewritten in place while uploading: what was sent may be torn; the retry's commit replaces it
+            raise Mismatch([f"{rel} changed while it was uploaded" for rel in changed])
         return info.oid
 
     def _verify_hub(self, api: HfApi, revision: str, adds: list[CommitOperationAdd]) -> None:
@@ -584,9 +609,14 @@ class Securer:
         assert root is not None
         root.mkdir(parents=True, exist_ok=True)
         target = root / CHECKPOINT_FOLDER
-        staging = _staging_dir(f".{CHECKPOINT_FOLDER}.tmp-", root)
+        _remove_stale_staging(root)
+        staging = _staging_dir(f".{CHECKPOINT_FOLDER}.tmp-{os.getpid()}-", root)
         try:
+            before = _signatures(folder, files)
             sums = {rel: _copy_and_hash(folder / rel, staging / rel) for rel in files}
+            changed = [rel for rel, sig in _signatures(folder, files).items() if before.get(rel) != sig]
+            if changed:  # a job that saves in place (torch.save over ckpt.pt) wrote it again meanwhile: torn copy
+                raise Mismatch([f"{rel} changed while it was copied" for rel in changed])
             manifest = {"step": step, "source": str(folder),
                         "files": {rel: {"size": size, "sha256": sha} for rel, (size, sha) in sums.items()}}
             with open(staging / MANIFEST_NAME, "w") as out:
@@ -595,13 +625,14 @@ class Securer:
                 os.fsync(out.fileno())
             for dirpath, _, _ in sorted(os.walk(staging), key=lambda w: -len(w[0])):
                 _fsync_dir(Path(dirpath))
+            # Verified before the swap: a push killed at any point leaves the previous last-checkpoint in place.
+            self._verify_folder(staging, {rel: sums[rel] for rel in files}, exclude={MANIFEST_NAME})
             old = _swap_in(staging, target)
             _fsync_dir(root)
             if old is not None:
                 shutil.rmtree(old, ignore_errors=True)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
-        self._verify_folder(target, {rel: sums[rel] for rel in files}, exclude={MANIFEST_NAME})
         return str(target)
 
     def _folder_push_final(self, folder: Path, files: list[str]) -> str:
