@@ -56,7 +56,7 @@ if TYPE_CHECKING:
     from huggingface_hub import CommitOperationAdd, HfApi
 
 __all__ = ["CHECKPOINT_FOLDER", "MANIFEST_NAME", "REQUEST_TIMEOUTS_S", "Destination", "FetchedCheckpoint",
-           "PushResult", "Securer", "final_model_files", "install_request_bounds", "parse_destination"]
+           "PushResult", "SecuredRecord", "Securer", "final_model_files", "install_request_bounds", "parse_destination"]
 
 logger = logging.getLogger("guard.hub")
 T = TypeVar("T")
@@ -70,6 +70,7 @@ _ACCEPTED_FORMS = ("hf://NS/NAME, hf://datasets/NS/NAME, NS/NAME (a Hub model re
                    "or a folder path (absolute, or starting with ./, ../ or file://)")
 _NAME = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,94}[A-Za-z0-9_])?")
 _STEP_IN_TITLE = re.compile(r"checkpoint step (\d+)")
+_GUARD_TITLE = re.compile(r"guard: checkpoint step (\d+)")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -155,6 +156,15 @@ class PushResult:
         """Effective throughput: ``size_bytes / elapsed_s`` (files the Hub already had count too); 0.0 when
         ``elapsed_s`` is 0."""
         return self.size_bytes / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class SecuredRecord:
+    """What the destination records as secured: ``revision`` (Hub commit id, or the ``last-checkpoint`` folder)
+    and ``step`` (None when not recorded)."""
+
+    revision: str
+    step: int | None
 
 
 @dataclass(frozen=True)
@@ -396,8 +406,52 @@ class Securer:
             attempt = lambda: self._hub_push(folder, files, "", "guard: final model", replace=False)  # noqa: E731
         return self._push("the final model", folder, files, None, attempt, deadline)
 
-    def fetch_last_checkpoint(self, into_dir: str | os.PathLike[str], *, deadline: float) -> FetchedCheckpoint | None:
-        """Download the destination's ``last-checkpoint/`` (newest commit), verify every file, and place it as
+    def peek_last_checkpoint(self, *, deadline: float) -> SecuredRecord | None:
+        """What the guard secured last, without downloading it, or None when nothing is.
+
+        Hub: the newest commit titled ``guard: checkpoint step N`` (``CHECKPOINT_COMMIT_TITLE``, the record every
+        checkpoint push makes), so that a commit on top (a README, the Trainer's own push) never changes what is
+        resumed from; a ``last-checkpoint/`` without such a commit (pushed by something else) is HEAD's, step
+        unknown. Folder: the folder itself and its manifest's step.
+
+        Raises:
+            HubError: the destination cannot be read before ``deadline``.
+        """
+        result, _ = self._with_retries(f"reading {CHECKPOINT_FOLDER}'s record", self._peek, deadline, push=False)
+        return result
+
+    def _peek(self) -> SecuredRecord | None:
+        if self.destination.kind == "folder":
+            assert self.destination.path is not None
+            source = self.destination.path / CHECKPOINT_FOLDER
+            if not source.is_dir():
+                return None
+            manifest: dict[str, Any] = {}
+            with contextlib.suppress(OSError, ValueError):
+                manifest = json.loads((source / MANIFEST_NAME).read_text())
+            step = manifest.get("step")
+            return SecuredRecord(str(source), step if isinstance(step, int) else _step_from_trainer_state(source))
+        from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundError
+
+        api, repo_id, repo_type = self._hub(), self.destination.repo_id, self.destination.repo_type
+        assert repo_id is not None
+        try:
+            for commit in api.list_repo_commits(repo_id, repo_type=repo_type):
+                if match := _GUARD_TITLE.fullmatch(commit.title.strip()):
+                    return SecuredRecord(commit.commit_id, int(match[1]))
+            sha = api.repo_info(repo_id, repo_type=repo_type).sha
+        except (RepositoryNotFoundError, RevisionNotFoundError):
+            return None
+        if sha is None:
+            return None
+        self._log.info("no commit at %s records a secured checkpoint (titled %r): using HEAD's %s/ if any",
+                       self.destination, CHECKPOINT_COMMIT_TITLE.format(step="N"), CHECKPOINT_FOLDER)
+        return SecuredRecord(sha, None)
+
+    def fetch_last_checkpoint(self, into_dir: str | os.PathLike[str], *, deadline: float,
+                              revision: str | None = None) -> FetchedCheckpoint | None:
+        """Download the destination's ``last-checkpoint/`` at the revision the guard recorded (``revision``, else
+        ``peek_last_checkpoint``'s; never a later unrelated HEAD), verify every file, and place it as
         ``into_dir/checkpoint-<step>``. A ``checkpoint-<step>`` already there is kept when it holds the same files,
         else moved aside to a hidden ``.checkpoint-<step>.replaced-<time>-<pid>`` folder (never deleted).
 
@@ -410,8 +464,18 @@ class Securer:
         """
         into = Path(into_dir)
         into.mkdir(parents=True, exist_ok=True)
-        fetch = self._folder_fetch if self.destination.kind == "folder" else self._hub_fetch
-        result, _ = self._with_retries(f"fetching {CHECKPOINT_FOLDER}", lambda: fetch(into), deadline, push=False)
+        if self.destination.kind == "folder":
+            result, _ = self._with_retries(f"fetching {CHECKPOINT_FOLDER}", lambda: self._folder_fetch(into),
+                                           deadline, push=False)
+            return result
+        if revision is None:
+            record = self.peek_last_checkpoint(deadline=deadline)
+            if record is None:
+                return None
+            revision = record.revision
+        recorded = revision
+        result, _ = self._with_retries(f"fetching {CHECKPOINT_FOLDER}@{recorded[:12]}",
+                                       lambda: self._hub_fetch(into, recorded), deadline, push=False)
         return result
 
     # -- retries ----------------------------------------------------------------------------------------------
@@ -538,7 +602,7 @@ class Securer:
         if problems:
             raise Mismatch(problems)
 
-    def _hub_fetch(self, into: Path) -> FetchedCheckpoint | None:
+    def _hub_fetch(self, into: Path, revision: str) -> FetchedCheckpoint | None:
         from huggingface_hub import RepoFile
         from huggingface_hub.errors import EntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError
         from huggingface_hub.utils.sha import git_hash
@@ -546,14 +610,14 @@ class Securer:
         api, repo_id, repo_type = self._hub(), self.destination.repo_id, self.destination.repo_type
         assert repo_id is not None
         try:
-            sha = api.repo_info(repo_id, repo_type=repo_type).sha
+            sha = revision
             entries = [e for e in api.list_repo_tree(repo_id, path_in_repo=CHECKPOINT_FOLDER, recursive=True,
                                                      revision=sha, repo_type=repo_type) if isinstance(e, RepoFile)]
         except (RepositoryNotFoundError, RevisionNotFoundError, EntryNotFoundError):
             return None
         if not entries or sha is None:
             return None
-        staging = Path(tempfile.mkdtemp(prefix=".guard-fetch-", dir=into))
+        staging = _staging_dir(".guard-fetch-", into)
         try:
             api.snapshot_download(repo_id, repo_type=repo_type, revision=sha, local_dir=staging,
                                   cache_dir=staging / ".cache" / "hub", allow_patterns=[f"{CHECKPOINT_FOLDER}/*"])
