@@ -212,3 +212,9 @@ def test_a_folder_destination_pushes_exactly_the_files_with_default_permissions(
     assert result.files == ("ckpt.pt",)
     assert sorted(p.name for p in target.iterdir()) == ["ckpt.pt", "guard_manifest.json"]
     assert stat.S_IMODE(target.stat().st_mode) == 0o755
+
+
+def test_the_slurm_recipe_does_not_start_the_grace_flow_early():
+    recipe = (Path(__file__).resolve().parent.parent / "docs" / "slurm.md").read_text()
+    directives = [line for line in recipe.splitlines() if line.startswith("#SBATCH")]
+    assert directives and not any("--signal" in line for line in directives)
