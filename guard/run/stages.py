@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from guard.secure import budget
-from guard.run.config import Config, env_name
+from guard.run.config import Config, env_name, guard_options_in
 from guard.run.masking import Masker
 from guard.run.platform import PlatformInfo, detect
 from guard.contract import EXIT_PREFLIGHT, RunResult, signal_name
@@ -81,6 +81,9 @@ def _unless_signalled(work: Any, early: EarlySignals) -> tuple[bool, Any]:
 def resolve_budget(config: Config, platform: PlatformInfo) -> budget.Deadline:
     """The job's deadline from ``--timeout``/``--started-at``, Slurm or HF Jobs (see ``budget.resolve_deadline``).
 
+    Without ``--timeout``/``GUARD_TIMEOUT``, the script's own ``[tool.hf-jobs] timeout`` is the timeout (the one
+    ``hf jobs uv run`` submits); on HF Jobs it counts from the container's start like any explicit timeout.
+
     Raises:
         UsageError: a malformed ``--started-at``.
         BudgetError: malformed scheduler variables.
@@ -91,13 +94,43 @@ def resolve_budget(config: Config, platform: PlatformInfo) -> budget.Deadline:
         option = "--started-at" if config.sources["started_at"] == "flag" else env_name("started_at")
         started_at_s = budget.parse_started_at(config.started_at, option=option)
         started_source = option
+    timeout_s = config.timeout_s
     timeout_source = "--timeout" if config.sources["timeout"] == "flag" else env_name("timeout")
-    return budget.resolve_deadline(timeout_s=config.timeout_s, timeout_source=timeout_source,
+    if timeout_s is None:
+        from guard.preflight.hfjobs import TABLE, read_hf_jobs_file
+
+        table = read_hf_jobs_file(config.script)
+        if table is not None and table.timeout_s is not None:
+            timeout_s = table.timeout_s
+            timeout_source = f"[{TABLE}] timeout in {table.path.name}"
+    return budget.resolve_deadline(timeout_s=timeout_s, timeout_source=timeout_source,
                                    started_at_s=started_at_s, started_at_source=started_source,
                                    environ=config.environ, platform=platform, now_s=time.time())
 
 
-def _preflight_options(config: Config, deadline: budget.Deadline, platform: PlatformInfo) -> Any:
+def _uv_environment(config: Config) -> tuple[Any, Any]:
+    """``--uv``: decide whether the job runs in the script's uv environment, and build it then (``guard.run.uvenv``).
+
+    Returns:
+        ``(plan, environment)``; ``environment`` is None when the job runs with this interpreter.
+    """
+    from guard.run import uvenv
+
+    plan = uvenv.plan_uv(config.uv, config.script, config.environ)
+    log.info("uv: %s", plan.why)
+    if not plan.use or config.script is None:
+        return plan, None
+    log.info("uv: building %s's environment (%s sync --script)", config.script.name, plan.uv or "uv")
+    env = uvenv.sync_script(plan.uv, config.script, config.environ)
+    if env.error:
+        log.error("uv: %s", env.error)
+    else:
+        log.info("uv: the job's Python: %s (environment %s, ready in %.1fs)", env.python, env.prefix, env.seconds)
+    return plan, env
+
+
+def _preflight_options(config: Config, deadline: budget.Deadline, platform: PlatformInfo,
+                       uv_env: Any = None) -> Any:
     from guard.preflight import PreflightOptions
 
     return PreflightOptions(
@@ -108,17 +141,22 @@ def _preflight_options(config: Config, deadline: budget.Deadline, platform: Plat
         timeout_source=deadline.source if deadline.timeout_s is not None else None,
         output_dir=Path(config.output_dir) if config.output_dir else None, push_to=config.push_to,
         skip_checks=dict(config.skip_check), platform=platform.name,
+        python_executable=uv_env.python if uv_env is not None else None,
+        uv_environment=uv_env.prefix if uv_env is not None else None,
+        uv_error=uv_env.error if uv_env is not None else None,
+        command=() if config.script else tuple(config.command), require_shards=tuple(config.require_shards),
+        launch_smoke=config.launch_smoke, launch_smoke_timeout_s=float(config.launch_smoke_timeout),
     )
 
 
-def _run_preflight(config: Config, deadline: budget.Deadline, platform: PlatformInfo) -> Any:
+def _run_preflight(config: Config, deadline: budget.Deadline, platform: PlatformInfo, uv_env: Any = None) -> Any:
     """Run the checks, log the table; returns the report (None with ``--no-preflight``)."""
     if config.no_preflight:
         log.warning("preflight skipped (--no-preflight): no check ran")
         return None
     from guard.preflight import render_table, run_preflight
 
-    options = _preflight_options(config, deadline, platform)
+    options = _preflight_options(config, deadline, platform, uv_env)
     log.info("preflight: running the checks (each network call at most %.0fs, side by side)",
              options.network_timeout_s)
     report = run_preflight(options, environ=config.environ)
@@ -275,16 +313,26 @@ def run_job(config: Config, masker: Masker, started: float) -> RunResult:
     from guard.run.supervisor import Supervisor
 
     platform = detect(config.environ)
+    if misplaced := guard_options_in(config.script_args):
+        log.info("the job's arguments hold %s, also a guard option: after the script it goes to the job, not the "
+                 "guard (guard options go before the script)", ", ".join(misplaced))
     output_dir, output_source = output_folder(config)
     log.info("output folder: %s (%s)", output_dir or "-", output_source)
     with EarlySignals() as early:
         deadline = resolve_budget(config, platform)
         factory = _securer_factory(config.environ)
         securer = factory(config.push_to) if config.push_to else None
-        finished, report = _unless_signalled(lambda: _run_preflight(config, deadline, platform), early)
+        _, uv_env = _uv_environment(config)
+        finished, report = _unless_signalled(lambda: _run_preflight(config, deadline, platform, uv_env), early)
+        if finished and uv_env is not None and uv_env.error and report is None:  # --no-preflight: cannot run it
+            from guard.errors import PreflightError
+
+            raise PreflightError(f"uv could not build the script's environment: {uv_env.error}", check="python",
+                                 hint="uv sync --script SCRIPT shows the error; --uv off runs with this interpreter")
         if finished and report is not None and report.failed is not None:
-            return _preflight_failed(report, started)
-        fetched = None if not finished else _resume(config, securer, report, platform, output_dir=output_dir, deadline=deadline, early=early)
+            return _with_platform(_preflight_failed(report, started), platform)
+        fetched = None if not finished else _resume(config, securer, report, platform, output_dir=output_dir,
+                                                    deadline=deadline, early=early)
         resume_path = str(fetched.path) if fetched is not None else None
     if early.received:
         signum = early.received[0]
@@ -310,12 +358,17 @@ def run_job(config: Config, masker: Masker, started: float) -> RunResult:
     gpus = report.gpus if report is not None else None
 
     def trainer_check(trainer_config: Mapping[str, Any]) -> list[Any]:
-        from guard.preflight import check_trainer_config
+        from guard.preflight.trainer import check_job_settings
 
-        return check_trainer_config(trainer_config, gpus=gpus, timeout_known=deadline.deadline_s is not None,
-                                    environ=config.environ)
+        return check_job_settings(trainer_config, gpus=gpus, timeout_known=deadline.deadline_s is not None,
+                                  environ=config.environ)
 
-    env_extra = {}
+    env_extra: dict[str, str] = {}
+    if uv_env is not None and uv_env.python and config.script is not None:
+        import dataclasses
+
+        config = dataclasses.replace(config, command=(uv_env.python, str(config.script), *config.script_args))
+        env_extra.update(uv_env.env_extra)
     if resume_path:
         from guard import protocol
 
@@ -328,6 +381,15 @@ def run_job(config: Config, masker: Masker, started: float) -> RunResult:
         result.extra["resumed_from"] = f"{fetched.path}@{fetched.revision}"
     if report is not None:
         result.details["preflight"] = report.to_json()
+    if uv_env is not None:
+        result.details["uv"] = {"python": uv_env.python, "environment": uv_env.prefix}
+    return _with_platform(result, platform)
+
+
+def _with_platform(result: RunResult, platform: PlatformInfo) -> RunResult:
+    """Where the job ran, in the report: ``details["platform"]`` (name and ids: HF Jobs job id and flavor, Slurm
+    job id, pod name)."""
+    result.details["platform"] = {"name": platform.name, **{k: v for k, v in platform.details.items() if v}}
     return result
 
 
@@ -357,12 +419,14 @@ def preflight_only(config: Config, masker: Masker, started: float) -> RunResult:
     """``python -m guard preflight``: the checks, the table, a VERDICT (PASS ok, or FAIL preflight exit 3)."""
     platform = detect(config.environ)
     deadline = resolve_budget(config, platform)
-    report = _run_preflight(config, deadline, platform)
+    _, uv_env = _uv_environment(config)
+    report = _run_preflight(config, deadline, platform, uv_env)
     if report is None:
-        return RunResult("PASS", "ok", 0, time.monotonic() - started)
+        return _with_platform(RunResult("PASS", "ok", 0, time.monotonic() - started), platform)
     if report.failed is not None:
-        return _preflight_failed(report, started)
+        return _with_platform(_preflight_failed(report, started), platform)
     warnings = sum(row.status == "warn" for row in report.results)
     log.info("preflight passed (%d warning%s)", warnings, "" if warnings == 1 else "s")
-    return RunResult("PASS", "ok", 0, time.monotonic() - started, details={"preflight": report.to_json()})
+    return _with_platform(RunResult("PASS", "ok", 0, time.monotonic() - started,
+                                    details={"preflight": report.to_json()}), platform)
 

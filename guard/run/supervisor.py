@@ -132,6 +132,7 @@ class Supervisor:
         self.last_exception: str | None = None
         self.cuda_oom = False
         self.trainer_config: dict[str, Any] | None = None
+        self._settings_logged: set[tuple[str, str]] = set()  # setting-check rows already logged
         self.trainer_push: dict[str, Any] | None = None
         self.checkpoints: list[dict[str, Any]] = []
         self.api_used: set[str] = set()  # the guard API calls the job's agents reported (``api`` messages)
@@ -532,6 +533,8 @@ class Supervisor:
                           int(message.get("n", 1)), "agent", fd)
         elif kind == "trainer_config":
             self._on_trainer_config(fd, message.get("config") or {})
+        elif kind == "training_args":  # built before the job's data work: check now, answer ack or stop
+            self._check_settings(fd, message.get("config") or {})
         elif kind == "checkpoint_saved":
             message = {**message, "rank": conn.info.get("rank")}
             self.checkpoints.append(message)
@@ -585,10 +588,15 @@ class Supervisor:
                 from guard.observe.telemetry import follow_trainer
 
                 follow_trainer(self.heartbeat, config, self.masker)
+        self._check_settings(fd, config)
+
+    def _check_settings(self, fd: int, config: dict[str, Any]) -> None:
+        """Run the Trainer-settings checks; a ``fail`` ends the job as ``preflight``, else the agent gets ``ack``."""
         rows = self.trainer_config_check(config) if self.trainer_config_check else []
         failed = next((row for row in rows if row.status == "fail"), None)
         for row in rows:
-            if row.status in ("fail", "warn"):
+            if row.status in ("fail", "warn") and (row.status, row.seen) not in self._settings_logged:
+                self._settings_logged.add((row.status, row.seen))
                 log.log(logging.ERROR if row.status == "fail" else logging.WARNING, "preflight %s %s: %s%s",
                         row.name, row.status, row.seen, f" (hint: {row.hint})" if row.hint else "")
         if failed is not None and self.outcome is None:

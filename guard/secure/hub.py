@@ -104,8 +104,12 @@ def parse_destination(text: str) -> Destination:
     """Parse ``--push-to``: ``hf://NS/NAME``, ``hf://datasets/NS/NAME``, bare ``NS/NAME`` (a Hub model repo), or a
     folder path (absolute, or starting with ``./``, ``../`` or ``file://``). Forms from ``shared/CONTRACT.md``.
 
+    A bare ``NS/NAME`` that names an existing folder here (``checkpoints/run1``) is refused: it would mean a Hub
+    repo, and with a token the guard would create one by mistake.
+
     Raises:
-        UsageError: (``option="--push-to"``) for anything else, naming the accepted forms.
+        UsageError: (``option="--push-to"``) for anything else, naming the accepted forms; for a bare form that is
+            also a local folder, with "did you mean ./NAME".
     """
     raw = text.strip() if isinstance(text, str) else ""
     if raw.startswith("file://") and len(raw) > len("file://"):
@@ -119,6 +123,10 @@ def parse_destination(text: str) -> Destination:
             repo_type, parts = ("dataset" if parts[0] == "datasets" else "model"), parts[1:]
     if len(parts) == 2 and all(_NAME.fullmatch(p) and "--" not in p and ".." not in p for p in parts) \
             and not parts[1].endswith(".git"):
+        if not raw.startswith("hf://") and os.path.exists(raw):
+            raise UsageError(f"--push-to {raw}: a bare NS/NAME is a Hub repo, but ./{raw} is a folder here",
+                             option="--push-to",
+                             hint=f"did you mean ./{raw}? (write hf://{raw} for the Hub repo)")
         return Destination("hub", repo_id="/".join(parts), repo_type=repo_type)
     raise UsageError(f"--push-to {text!r} is not a destination: use {_ACCEPTED_FORMS}", option="--push-to",
                      hint="e.g. --push-to hf://alice/my-run or --push-to ./secured")

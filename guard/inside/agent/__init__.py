@@ -220,6 +220,13 @@ class Agent:
         if not self.dead:
             self._acked.wait(self.settings.ack_timeout_s)
 
+    def ask(self, message: dict[str, Any]) -> None:
+        """Send ``message`` and wait (bounded) for its ``ack``: each question waits for its own answer."""
+        if not self.dead:
+            self._acked.clear()
+        if self.send(message):
+            self.wait_ack()
+
     # -- what the hooks and the public API call -------------------------------------------------------------
 
     def on_loss(self, loss: Any, step: int | None, source: str) -> None:
@@ -415,7 +422,8 @@ def install() -> None:
     _INSTALLED = True
     from guard.inside.agent import _torch, _transformers
 
-    hooks = {"torch": _torch.patch, "transformers.trainer": _transformers.patch}
+    hooks = {"torch": _torch.patch, "transformers.trainer": _transformers.patch,
+             "transformers.training_args": _transformers.patch_arguments}
     for name, hook in list(hooks.items()):
         if name in sys.modules:  # already imported (rare: the agent was installed late)
             try:
