@@ -8,7 +8,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import JOBS, run_guard, signal_when, start_guard
 
 pytestmark = [pytest.mark.slow]

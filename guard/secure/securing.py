@@ -111,7 +111,8 @@ class Securing:
         """The job can answer a checkpoint request: a Trainer, or a script that reported a save itself or called
         ``guard.should_checkpoint()`` (``Supervisor.job_answers_checkpoints``)."""
         job_alive = sup.job is not None and sup.job.returncode is None
-        if job_alive and sup.agents and (sup.step is None or sup.step < 3):
+        step = getattr(sup, "step", None)
+        if job_alive and sup.agents and (step is None or step < 3):
             # Too early to tell: a Trainer reports itself at on_train_begin, a loop calls should_checkpoint() after
             # its first step's backward (which the agent reports first). Ask; the wait is bounded.
             return True
