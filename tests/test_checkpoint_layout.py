@@ -218,3 +218,10 @@ def test_the_slurm_recipe_does_not_start_the_grace_flow_early():
     recipe = (Path(__file__).resolve().parent.parent / "docs" / "slurm.md").read_text()
     directives = [line for line in recipe.splitlines() if line.startswith("#SBATCH")]
     assert directives and not any("--signal" in line for line in directives)
+
+
+def test_a_save_into_a_hidden_or_temporary_folder_is_not_a_checkpoint_yet(tmp_path):
+    saved = SavedFiles()
+    for folder in (".partial-checkpoint-1", "tmp", "ckpt.tmp"):
+        write(tmp_path / folder / "model.pt", 10)
+        assert saved.add(tmp_path / folder / "model.pt", 1) is None

@@ -311,6 +311,12 @@ def newest_complete(output_dir: str | os.PathLike[str], *, now_s: float, stable_
     return loose_files(base, now_s=now_s, stable_for_s=stable_for_s, stat=stat) if loose else None
 
 
+def _is_scratch(name: str) -> bool:
+    """A hidden or temporary folder name (``.partial-checkpoint-1``, ``tmp``, ``tmp-x``, ``x.tmp``)."""
+    lowered = name.lower()
+    return lowered.startswith((".", "tmp")) or lowered.endswith((".tmp", "-tmp", "_tmp"))
+
+
 def _is_model_file(name: str) -> bool:
     return name.endswith(MODEL_FILE_SUFFIXES) and not name.startswith((".", "_")) and name not in _NOT_MODEL_FILES
 
@@ -380,8 +386,8 @@ class SavedFiles:
         """Record one saved file; returns the checkpoint it belongs to (its folder's files of that step that
         still exist), or None when the file is gone or is not a model file."""
         where = Path(os.path.abspath(path))
-        if not _is_model_file(where.name):
-            return None
+        if not _is_model_file(where.name) or any(_is_scratch(part) for part in where.parent.parts[-2:]):
+            return None  # a save into a hidden or temporary folder is renamed into place later (or dropped)
         folder = where.parent
         last_step, names = self._by_folder.get(folder, (None, {}))
         if last_step != step:

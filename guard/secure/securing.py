@@ -28,6 +28,7 @@ log = logging.getLogger("guard.secure")
 #: Outcomes after which the newest complete checkpoint saved before the failure is secured.
 FAILURE_REASONS = ("non_finite_loss", "stalled", "crash", "oom", "killed", "incomplete")
 SCAN_EVERY_S = 5.0  # how often the output folder is looked at for complete checkpoints
+FILE_SETTLE_S = 1.0  # a torch.save'd file counts as a whole checkpoint after this long without another file
 
 
 class Securing:
@@ -68,6 +69,7 @@ class Securing:
         self.reported_paths: set[str] = set()  # folders the job said it finished: no mtime rule for them
         self.saved_files = checkpoints.SavedFiles()  # torch.save calls the agent saw return
         self.trainer_seen = False
+        self.pending_file: tuple[checkpoints.CheckpointInfo, float] | None = None  # a save that may still grow
         self.follower = False
         self.next_scan = -math.inf
         self._seen: set[tuple[str, str]] = set()
@@ -98,6 +100,8 @@ class Securing:
     def due_at(self, now: float) -> float:
         """The next time ``tick`` has work (monotonic seconds)."""
         due = [self.plan.due_at(now)]
+        if self.pending_file is not None:
+            due.append(self.pending_file[1] + FILE_SETTLE_S)
         if self.refresher is not None and self.plan.state is State.WATCHING:
             due.append(now + 60.0)
         if self._scanning():
@@ -181,6 +185,7 @@ class Securing:
                              moved.source)
                     self.deadline = moved
                     self.plan.deadline_at = self._to_clock(moved.deadline_s)
+        self._settle(sup, now)
         if self._scanning() and now >= self.next_scan:
             self.next_scan = now + SCAN_EVERY_S
             self._scan(sup)
@@ -254,10 +259,23 @@ class Securing:
             self.estimator.observe_size(info.size_bytes)
         if message.get("rank") not in (None, 0):
             return  # another rank's shard: rank 0's save names the checkpoint
+        # A loop may save model.pt, then optim.pt: the set is taken once the job trains on (a later step) or a
+        # moment passes without another file (see _settle).
+        self.pending_file = (info, self.clock())
+        sup._recheck = True
+
+    def _settle(self, sup: Any, now: float, *, force: bool = False) -> None:
+        if self.pending_file is None:
+            return
+        info, at = self.pending_file
+        step = getattr(sup, "step", None)
+        if not (force or now - at >= FILE_SETTLE_S or (step is not None and info.step is not None and step > info.step)):
+            return
+        self.pending_file = None
         self.latest_reported = info
         log.info("the job saved %s (step %s, %.1f MB)", info.path, info.step, info.size_bytes / 1e6)
         self._check_node(sup)
-        self._carry_out(sup, self.plan.checkpoint(info), self.clock())
+        self._carry_out(sup, self.plan.checkpoint(info), now)
 
     def on_checkpoint_saved(self, sup: Any, message: dict[str, Any]) -> None:
         try:
@@ -298,12 +316,14 @@ class Securing:
         """The supervisor decided a failure (non-finite loss, stall): secure what was saved before it."""
         if outcome.reason not in FAILURE_REASONS:
             return
+        self._settle(sup, self.clock(), force=True)
         bad = sup.step if outcome.reason == "non_finite_loss" else None
         if self.output_dir:
             self._scan(sup)
         self._carry_out(sup, self.plan.failure(outcome.reason, bad_from_step=bad), self.clock())
 
     def on_job_exit(self, sup: Any, now: float) -> None:
+        self._settle(sup, now, force=True)
         code = sup.job.returncode if sup.job is not None else None
         if self.output_dir and self.plan.state is not State.DONE:
             self._scan(sup)

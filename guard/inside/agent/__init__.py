@@ -256,10 +256,10 @@ class Agent:
             self.send({"t": "api", "name": name})
 
     def file_saved(self, path: str, save_s: float) -> None:
-        """``torch.save`` wrote ``path`` (complete: the call returned); not reported under a Trainer, whose
-        callback reports its saves."""
-        if self.trainer:
-            return
+        """``torch.save`` wrote ``path`` (complete: the call returned); not reported under a Trainer (its callback
+        reports its saves) nor once the script uses ``should_checkpoint``/``checkpoint_saved`` (it reports them)."""
+        if self.trainer or self.api_used & {"should_checkpoint", "checkpoint_saved"}:
+            return  # the script reports its own checkpoints: a file of one is not a checkpoint yet
         self.send({"t": "file_saved", "path": os.path.abspath(path), "step": self.watch.step,
                    "save_s": round(save_s, 3)})
 
