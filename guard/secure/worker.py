@@ -290,6 +290,9 @@ def start(op: str, args: Mapping[str, Any], deadline: float, *, destination: str
                "level": logging.getLogger("guard").getEffectiveLevel()}
     proc = subprocess.Popen([sys.executable, "-m", "guard.secure.worker"], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, start_new_session=True)
+    from guard.run.process import HELPER_PIDS
+
+    HELPER_PIDS.add(proc.pid)  # stopping the job (signal_all) must never stop a push
     handle = Handle(proc, op, deadline, clock)
     assert proc.stdin is not None
     try:
