@@ -19,6 +19,9 @@ Agent -> supervisor (``t``):
                     ``TrainingArguments`` is built (before the job's data work); the agent waits for ``ack``
 ``train_begin``     max_steps
 ``checkpoint_saved`` path, step
+``file_saved``      path (absolute), step (the agent's step count), save_s: ``torch.save`` to a named file returned
+``api``             name: the script called ``guard.<name>()`` for the first time (``should_checkpoint``,
+                    ``checkpoint_saved``, ``should_stop``)
 ``exception``       exc_type, message (the job's uncaught exception, from ``sys.excepthook``)
 ``push_result``     ok (bool), error (str|None): a push the Trainer did in the background
 ``train_end``       step, max_steps, stopped (a callback or the guard asked training to stop)

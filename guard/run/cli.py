@@ -9,6 +9,7 @@ line is printed, last on stdout.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.metadata
 import logging
 import os
@@ -233,6 +234,19 @@ def _preflight_only(config: Config, masker: Masker, started: float) -> RunResult
     return preflight_only(config, masker, started)
 
 
+def _end_children() -> None:
+    """SIGKILL every process this one started (preflight's import children; the job never started on this
+    path), so that none outlives the guard (CONTRACT.md, "Processes")."""
+    try:
+        import psutil
+
+        for child in psutil.Process().children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                child.kill()
+    except ImportError:
+        pass
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``python -m guard`` and the ``jobguard`` console script. Returns the exit code."""
     started = time.monotonic()
@@ -250,6 +264,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if subcommand == "preflight":
         args = args[1:]
     report: str | None = environ.get(env_name("report")) or None
+    config: Config | None = None
     try:
         config = build_config(args, environ, subcommand=subcommand)
         report = config.values["report"]
@@ -276,4 +291,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         hint = "set GUARD_DEBUG=1 for the traceback and report it as a bug"
         result = RunResult("FAIL", "guard_error", EXIT_GUARD_ERROR, time.monotonic() - started, hint=hint)
     result.elapsed_s = time.monotonic() - started
-    return _emit_verdict(result, masker, report)
+    code = _emit_verdict(result, masker, report)
+    from guard.run import stages
+
+    if config is not None and subcommand == "run":
+        stages.requeue(config, result)  # after the VERDICT and the report: Slurm's SIGTERM may follow at once
+    if stages.abandoned_work:  # preflight left running after a signal: end its children, do not wait at exit
+        _end_children()
+        logging.shutdown()
+        os._exit(code)
+    return code

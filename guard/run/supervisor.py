@@ -147,6 +147,7 @@ class Supervisor:
         self._settings_logged: set[tuple[str, str]] = set()  # setting-check rows already logged
         self.trainer_push: dict[str, Any] | None = None
         self.checkpoints: list[dict[str, Any]] = []
+        self.api_used: set[str] = set()  # the guard API calls the job's agents reported (``api`` messages)
         self.signals: list[int] = []
         self.job: JobProcess | None = None
         self.exited_at: float | None = None
@@ -417,6 +418,13 @@ class Supervisor:
         checkpoints (its rank 0 relays them through the store, see ``guard.inside.agent._dist``); this guard only waits."""
         return self.node_rank not in (None, 0) and any(c.info.get("store") for c in self.agents.values())
 
+    @property
+    def job_answers_checkpoints(self) -> bool:
+        """Whether the job can answer a checkpoint request: it runs a Trainer (the agent's callback saves on
+        request) or its script called ``guard.should_checkpoint()``/``checkpoint_saved()``. False means asking it
+        only wastes time: forward signals at once and secure what it saved itself."""
+        return self.trainer_config is not None or bool(self.api_used & {"should_checkpoint", "checkpoint_saved"})
+
     def training_ranks(self) -> set[int]:
         """Ranks that reported training steps."""
         return set(self.rank_progress)
@@ -578,6 +586,11 @@ class Supervisor:
                 self.heartbeat.on_save(str(message["path"]))
             if self.securer is not None:
                 self.securer.on_checkpoint_saved(self, message)
+        elif kind == "file_saved":
+            if self.securer is not None and hasattr(self.securer, "on_file_saved"):
+                self.securer.on_file_saved(self, {**message, "rank": conn.info.get("rank")})
+        elif kind == "api":
+            self.api_used.add(str(message.get("name")))
         elif kind == "exception":
             self.last_exception = f"{message.get('exc_type')}: {message.get('message')}"
             if message.get("root"):
@@ -593,8 +606,6 @@ class Supervisor:
                              world_size=message.get("world_size"))
         elif kind == "progress":
             self._on_progress(conn, message)
-        elif kind == "api":
-            conn.info["api"] = True  # the script asks for checkpoint requests (guard.should_checkpoint)
         elif kind == "watching":
             self.agent_watching = True
         elif kind == "train_end":

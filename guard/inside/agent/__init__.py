@@ -139,8 +139,10 @@ class Agent:
         self.user_loss: Any = None  # the loss given to accelerate's Accelerator.backward, while it runs
         self.begun = 0  # steps (or micro-batches) this process has begun: a cheap counter, never sent per step
         self.checkpoint_request: dict[str, Any] | None = None
-        self.api_announced = False  # the "api" message was sent (the script calls guard.should_checkpoint)
         self.stop_requested = False
+        self.trainer = False  # a Trainer is instrumented: its saves come through its callback, not torch.save
+        self.api_used: set[str] = set()  # guard.should_checkpoint / checkpoint_saved / should_stop calls seen
+        self.served_stop = False  # should_checkpoint() answered True to a request with stop (deadline, signal)
         self.watch = LossWatch(self, settings.sanity_steps, settings.check_every)
         self.watch.step = settings.resume_step  # a resumed plain loop counts on from the checkpoint's step
         self._sock: socket.socket | None = None
@@ -251,14 +253,47 @@ class Agent:
         self.watch.observe(loss, step, source)
 
     def checkpoint_due(self) -> bool:
-        if not self.api_announced:  # the script asks for checkpoint requests: the guard may ask it to save
-            self.api_announced = self.send({"t": "api", "call": "should_checkpoint"})
+        if self.served_stop and not self.trainer:
+            # Asked again after answering a stop request: this rank's part of the save is done (a rank other than
+            # the one that calls checkpoint_saved, e.g. in DDP): end it like the saving rank.
+            self.stop_requested = True
+            self.end_process()
         self.relay.poll(self.watch.count, self.settings.check_every)
         request = self.checkpoint_request
         if request is None:
             return False
         at_step = request.get("at_step")
-        return at_step is None or self.watch.step >= int(at_step)
+        due = at_step is None or self.watch.step >= int(at_step)
+        if due and request.get("stop") and not self.trainer:
+            self.served_stop = True
+        return due
+
+    def note_api(self, name: str) -> None:
+        """Tell the supervisor (once per name) that the script uses the guard's API: a script that calls
+        ``should_checkpoint`` can answer a checkpoint request; one that calls ``should_stop`` ends itself."""
+        if name not in self.api_used:
+            self.api_used.add(name)
+            self.send({"t": "api", "name": name})
+
+    def file_saved(self, path: str, save_s: float) -> None:
+        """``torch.save`` wrote ``path`` (complete: the call returned); not reported under a Trainer (its callback
+        reports its saves) nor once the script uses ``should_checkpoint``/``checkpoint_saved`` (it reports them)."""
+        if self.trainer or self.api_used & {"should_checkpoint", "checkpoint_saved"}:
+            return  # the script reports its own checkpoints: a file of one is not a checkpoint yet
+        self.send({"t": "file_saved", "path": os.path.abspath(path), "step": self.watch.step,
+                   "save_s": round(save_s, 3)})
+
+    def end_process(self) -> None:
+        """After a stop the guard asked for (deadline, signal) and the checkpoint saved: end the process, so that
+        the script's code after training does not run as if training had finished. A script that reads
+        ``guard.should_stop()`` handles the stop itself and is left alone. Raises ``SystemExit(0)``
+        (``finally`` blocks and ``atexit`` handlers still run)."""
+        if "should_stop" in self.api_used or not self.stop_requested:
+            return
+        _warn_once("the guard stopped training (deadline or signal) and the checkpoint is saved: ending the "
+                   "process here (a script that reads guard.should_stop() handles this itself)")
+        self.watch.flush("report")
+        raise SystemExit(0)
 
     def checkpoint_done(self, path: str, step: int | None, *, save_s: float | None = None, zero: bool = True) -> None:
         request, self.checkpoint_request = self.checkpoint_request, None

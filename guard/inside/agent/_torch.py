@@ -16,11 +16,17 @@ The loss the user means, not the tensor ``.backward()`` runs on:
 - ``GradScaler.update`` is wrapped to count, on the device, the consecutive optimizer steps skipped because the
   gradients held inf/NaN (its ``found_inf_per_device``, the same tensors ``update`` consumes); ``LossWatch`` reads
   the count along with the losses, and the supervisor fails the run when the loss scale keeps collapsing.
+
+``torch.save`` is wrapped too: when it returns, a save to a named file is complete, and the agent reports the
+file with the step it has counted (``file_saved``). That is how the guard sees the checkpoints of a loop that
+never calls the guard's API (nanoGPT's ``ckpt.pt``), with their step, without reading them.
 """
 
 from __future__ import annotations
 
 import functools
+import os
+import time
 from typing import Any
 
 __all__ = ["patch", "patch_accelerate"]
@@ -61,6 +67,7 @@ def patch(torch: Any) -> None:
         _patch_scaler(torch, agent_module)
     except Exception as exc:  # an unknown torch version: the scaled loss is watched instead
         agent_module._warn_once(f"GradScaler hook failed: {exc!r}")
+    _wrap_save(torch, agent_module)
 
 
 def _patch_scaler(torch: Any, agent_module: Any) -> None:
@@ -117,3 +124,25 @@ def patch_accelerate(module: Any) -> None:
 
     backward.__guard_wrapped__ = True  # type: ignore[attr-defined]
     cls.backward = backward
+
+
+def _wrap_save(torch: Any, agent_module: Any) -> None:
+    original = getattr(torch, "save", None)
+    if original is None or getattr(original, "__guard_wrapped__", False):
+        return
+
+    @functools.wraps(original)
+    def save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> Any:
+        started = time.monotonic()
+        result = original(obj, f, *args, **kwargs)
+        if isinstance(f, (str, os.PathLike)):
+            agent = agent_module.get()
+            if agent is not None:
+                try:
+                    agent.file_saved(os.fspath(f), time.monotonic() - started)
+                except Exception as exc:  # never break the job
+                    agent_module._warn_once(f"save hook failed: {exc!r}")
+        return result
+
+    save.__guard_wrapped__ = True  # type: ignore[attr-defined]
+    torch.save = save

@@ -13,7 +13,9 @@
 - ``_push_from_checkpoint`` / ``_finish_current_push`` wrapped, to report the result of the Trainer's background
   pushes (``upload_folder(run_as_future=True)``), whose failures the Trainer never raises.
 - ``train`` wrapped to pass ``resume_from_checkpoint`` when the supervisor fetched a checkpoint and the script
-  did not ask for one.
+  did not ask for one, and to end the process when ``train()`` returns because the guard stopped it (deadline,
+  signal), so that the script's code after ``train()`` (a "final" save, a ``push_to_hub``) does not run on a
+  half-trained model (``Agent.end_process``; every rank of a torchrun job does this).
 
 ``TrainingArguments.__post_init__`` is wrapped too (``patch_arguments``, when the job imports
 ``transformers.training_args``): the arguments that matter are sent as ``training_args`` the moment they are
@@ -175,6 +177,7 @@ def _instrument(trainer: Any, agent: Any, callback: Any) -> None:
     from guard.inside import agent as agent_module
 
     agent.backward_hook = False  # the Trainer's training_step gives the losses; no double counting
+    agent.trainer = True  # its saves come through on_save, not torch.save
     trainer._guard_callback = callback
     trainer.add_callback(callback)
 
@@ -227,7 +230,7 @@ def _instrument(trainer: Any, agent: Any, callback: Any) -> None:
         if resume_path and not args and kwargs.get("resume_from_checkpoint") in (None, False):
             kwargs["resume_from_checkpoint"] = resume_path
         try:
-            return train_fn(*args, **kwargs)
+            result = train_fn(*args, **kwargs)
         except Exception as exc:
             # Said before the script sees it: a script that swallows it and exits 0 did not finish its run.
             state = getattr(trainer, "state", None)
@@ -236,5 +239,8 @@ def _instrument(trainer: Any, agent: Any, callback: Any) -> None:
                         "root": agent_module.root_cause(exc), "step": getattr(state, "global_step", None),
                         "max_steps": getattr(state, "max_steps", None)})
             raise
+        if agent.stop_requested:  # the guard stopped training: the code after train() must not run as if finished
+            agent.end_process()
+        return result
 
     trainer.train = train
