@@ -217,3 +217,23 @@ def test_early_signal_with_many_ranks_does_not_crash(clock: FakeClock) -> None:
     assert securing.on_signal(sup, signal.SIGTERM, clock.now)
     assert sent and sent[0]["t"] == "checkpoint" and sent[0]["at_step"] == 22
     assert sup.outcome is not None and sup.outcome.status == "INTERRUPTED"
+
+
+def test_a_good_end_without_final_model_files_secures_the_newest_checkpoint(clock: FakeClock) -> None:
+    pusher = FakePusher(clock, rate=lambda now: 0.2e6)  # 5 s for 1 MB: the background push still runs at the end
+    plan = make(clock, pusher)
+    plan.checkpoint(ckpt(6))
+    clock.advance(1.0)
+    plan.job_exit(ok=True, has_final_model=False)
+    assert not pusher.killed  # the running push of the newest checkpoint is kept, not superseded by a final push
+    assert plan.final is None and plan.trigger == "ended"
+    run_until(plan, clock, 60.0)
+    assert plan.state is State.DONE
+    assert plan.secured is not None and plan.secured.info is not None and plan.secured.info.step == 6
+
+
+def test_a_good_end_with_final_model_files_pushes_them(clock: FakeClock) -> None:
+    pusher = FakePusher(clock)
+    plan = make(clock, pusher)
+    plan.job_exit(ok=True, has_final_model=True)
+    assert plan.state is State.FINAL_PUSH and pusher.started[-1].op == "push_final"

@@ -439,6 +439,13 @@ class Supervisor:
             value = self.config.environ.get(name, "")
             if value.isdigit():
                 return int(value)
+        from guard.preflight.launch import parse_launch
+
+        launch = parse_launch(self.config.command)  # torchrun --node-rank N / accelerate launch --machine_rank N
+        for option in ("--node-rank", "--node_rank", "--machine-rank", "--machine_rank"):
+            value = launch.values.get(option, "") if launch is not None else ""
+            if value.isdigit():
+                return int(value)
         return None
 
     def _securing(self) -> bool:

@@ -154,7 +154,7 @@ class Plan:
     final_output_dir: str | None = None
     state: State = State.WATCHING
     secure_by: float = math.inf
-    trigger: str | None = None  # "deadline", "signal", "failure"
+    trigger: str | None = None  # "deadline", "signal", "failure", "ended" (ended well, no final model files)
     failure_reason: str | None = None
     signum: int | None = None
     push: PushRecord | None = None
@@ -277,11 +277,21 @@ class Plan:
         self.state = State.SECURING
         return self._secure_newest()
 
-    def job_exit(self, *, ok: bool) -> list[Action]:
-        """The job's main process ended (``ok``: exit 0 and no outcome decided by the guard)."""
+    def job_exit(self, *, ok: bool, has_final_model: bool = True) -> list[Action]:
+        """The job's main process ended (``ok``: exit 0 and no outcome decided by the guard; ``has_final_model``:
+        its output folder holds final model files). A job that ended well without final model files has its newest
+        checkpoint secured instead (if not already)."""
         if self.state is State.AWAITING_SAVE:
             self.wait_save_until = None
             self.state = State.SECURING
+            return self._secure_newest()
+        if self.state is State.WATCHING and ok and self.pusher is not None and self.final_output_dir \
+                and not has_final_model:
+            log.warning("the job ended well but wrote no final model files to %s: securing its newest checkpoint "
+                        "instead", self.final_output_dir)
+            self.trigger = "ended"
+            self.state = State.SECURING
+            self.secure_by = self._final_bound(self.clock())
             return self._secure_newest()
         if self.state is State.WATCHING and ok and self.pusher is not None and self.final_output_dir:
             if self.push is not None:
@@ -289,10 +299,7 @@ class Plan:
             else:
                 actions = []
             now = self.clock()
-            bound_s = self.estimator.secure_estimate_s() * 3 + 120
-            self.secure_by = now + max(bound_s, 5.0)
-            if self.deadline_at is not None:
-                self.secure_by = min(self.secure_by, self.deadline_at - SAFETY_S)
+            self.secure_by = self._final_bound(now)
             self.state = State.FINAL_PUSH
             log.info("the job ended: securing the final model from %s", self.final_output_dir)
             handle = self.pusher.start("push_final", {"output_dir": str(self.final_output_dir)}, self.secure_by)
@@ -302,6 +309,11 @@ class Plan:
         if self.state is State.WATCHING and self.push is None:
             self.state = State.DONE
         return []
+
+    def _final_bound(self, now: float) -> float:
+        """When securing after a good end is over: 3x the estimate plus two minutes, never past the deadline."""
+        bound = now + max(self.estimator.secure_estimate_s() * 3 + 120, 5.0)
+        return min(bound, self.deadline_at - SAFETY_S) if self.deadline_at is not None else bound
 
     def tick(self) -> list[Action]:
         """Timers and the running push: call from the loop at ``due_at`` (and whenever convenient)."""

@@ -138,8 +138,9 @@ class Securing:
             log.info("node %d: the guard of node 0 secures checkpoints; this one does not push", node)
             self.plan.pusher = None
             self._node_checked = True
-        elif sup.agents:
+        elif node == 0:
             self._node_checked = True
+        # None: not known yet (the launcher's own agent says hello before the ranks do): asked again next time
 
     def _carry_out(self, sup: Any, actions: list[Any], now: float) -> None:
         from guard.run.supervisor import Outcome
@@ -348,7 +349,16 @@ class Securing:
                 self._carry_out(sup, self.plan.failure("incomplete"), now)
                 return
         ok = code == 0 and sup.outcome is None
-        self._carry_out(sup, self.plan.job_exit(ok=ok), now)
+        self._check_node(sup)
+        if ok and sup.node_rank not in (None, 0) and self.securer is not None:
+            log.info("node %d: the guard of node 0 pushes the final model", sup.node_rank)
+        has_final_model = True
+        if ok and self.plan.final_output_dir:
+            from guard.secure.hub import final_model_files
+
+            folder = Path(self.plan.final_output_dir)
+            has_final_model = folder.is_dir() and bool(final_model_files(folder))
+        self._carry_out(sup, self.plan.job_exit(ok=ok, has_final_model=has_final_model), now)
 
     # -- the verdict ------------------------------------------------------------------------------------------
 
@@ -374,6 +384,14 @@ class Securing:
                                      "error": getattr(r.result, "error", None)} for r in plan.history]
         if plan.final is not None:
             self._finish_final(result)
+            return
+        if plan.trigger == "ended":  # ended well without final model files: its newest checkpoint was secured
+            if secured is None and newest is not None and result.status == "PASS":
+                failed = next((r.result for r in reversed(plan.history) if r.result is not None), None)
+                result.status, result.reason, result.exit_code = "FAIL", "push_failed", EXIT_PUSH_FAILED
+                result.extra["secured"] = "no"
+                result.hint = (failed.hint if failed is not None and failed.hint else
+                               "the job's newest checkpoint could not be secured; it is still in the output folder")
             return
         if plan.trigger is None or plan.pusher is None and plan.trigger == "failure":
             if plan.trigger == "failure" and result.extra.get("checkpoint"):
