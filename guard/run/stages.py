@@ -255,9 +255,10 @@ def run_job(config: Config, masker: Masker, started: float) -> RunResult:
         report = _run_preflight(config, deadline, platform, uv_env)
         if uv_env is not None and uv_env.error and report is None:  # --no-preflight: still cannot run the job
             from guard.errors import PreflightError
+            from guard.preflight.python_env import uv_error_hint
 
             raise PreflightError(f"uv could not build the script's environment: {uv_env.error}", check="python",
-                                 hint="uv sync --script SCRIPT shows the error; --uv off runs with this interpreter")
+                                 hint=uv_error_hint(uv_env.error))
         if report is not None and report.failed is not None:
             return _with_platform(_preflight_failed(report, started), platform)
         resume_path, fetched = _resume(config, securer, report, platform)

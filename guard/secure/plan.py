@@ -382,9 +382,15 @@ class Securing:
         if self.trigger == "deadline":
             result.exit_code = EXIT_SECURED if secured else EXIT_TIMEOUT_UNSECURED
             if not secured:
-                result.hint = ("no checkpoint could be secured before the deadline: pass --push-to, save more often, "
-                               "or give the job a longer --timeout" if self.securer is None or self.none_found else
-                               "the checkpoint was not secured in time; raise --margin")
+                if self.securer is None:
+                    result.hint = ("no checkpoint could be secured before the deadline: pass --push-to, save more "
+                                   "often, or give the job a longer --timeout")
+                elif self.none_found:
+                    result.hint = ("the job saved no complete checkpoint before the deadline: save checkpoint-N "
+                                   "folders where --output-dir points (a custom loop: guard.should_checkpoint() and "
+                                   "guard.checkpoint_saved(path)), save more often, or give a longer --timeout")
+                else:
+                    result.hint = "the checkpoint was not secured in time; raise --margin"
         else:
             signum = self.signum or signal.SIGTERM
             result.exit_code = EXIT_SECURED if secured else 128 + signum
