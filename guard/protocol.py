@@ -15,6 +15,8 @@ Agent -> supervisor (``t``):
                     n (steps covered by this message, >= 1)
 ``trainer_config``  the TrainingArguments that matter (see ``TRAINER_FIELDS``) + has_eval_dataset, max_steps;
                     the agent then waits up to ack_timeout_s for ``ack`` (go on) before the first step
+``training_args``   the same fields as ``trainer_config`` (no max_steps, no has_eval_dataset), sent when
+                    ``TrainingArguments`` is built (before the job's data work); the agent waits for ``ack``
 ``train_begin``     max_steps
 ``checkpoint_saved`` path, step
 ``exception``       exc_type, message (the job's uncaught exception, from ``sys.excepthook``)
@@ -23,7 +25,7 @@ Agent -> supervisor (``t``):
 
 Supervisor -> agent (``t``):
 
-``ack``             go on (after ``trainer_config``)
+``ack``             go on (after ``trainer_config`` or ``training_args``)
 ``checkpoint``      save a checkpoint now (at the next step end); ``stop`` (bool): then end training
 ``stop``            end training cleanly at the next step end
 """

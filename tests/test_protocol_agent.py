@@ -418,6 +418,7 @@ def test_public_api_with_a_supervisor(server: Server, agents: list[Agent], monke
     assert recv(conn)["t"] == "hello"
     assert recv(conn) == {"t": "step", "step": 1, "loss": 2.5, "finite": True, "n": 1, "source": "report"}
     assert not guard.should_checkpoint() and not guard.should_stop()
+    assert recv(conn) == {"t": "api", "call": "should_checkpoint"}  # once: the guard may ask this script to save
     conn.send(protocol.encode({"t": "checkpoint", "stop": True}))
     wait_until(guard.should_checkpoint, "the checkpoint request")
     guard.report(step=2, loss=2.0)  # pending: one step since the last send

@@ -44,6 +44,7 @@ from guard.preflight.data import (
     find_local_data,
     shard_bytes,
 )
+from guard.preflight.cmdline import JobArgs, read_job_args
 from guard.preflight.env import check_env
 from guard.preflight.gpu import GpuInfo, check_gpus
 from guard.preflight.hfjobs import (
@@ -60,7 +61,12 @@ from guard.preflight.launch import (
     run_launch_smoke,
     smoke_wanted,
 )
-from guard.preflight.misc import check_budget, check_distributed, check_tracking
+from guard.preflight.misc import (
+    check_budget,
+    check_distributed,
+    check_optional_imports,
+    check_tracking,
+)
 from guard.preflight.python_env import UV_HINT, check_imports, check_pep723
 from guard.preflight.script import ScriptFacts, analyze_script
 from guard.preflight.storage import (
@@ -69,7 +75,7 @@ from guard.preflight.storage import (
     check_shm,
     check_writable,
 )
-from guard.preflight.trainer import check_trainer_config
+from guard.preflight.trainer import check_compile_mentions, check_trainer_config
 
 __all__ = [
     "CHECK_NAMES",
@@ -138,15 +144,16 @@ def run_preflight(
         opts = dataclasses.replace(opts, script=launch.script, script_args=launch.script_args)
     facts: ScriptFacts | None = None
     script_error: CheckResult | None = None
+    job_args = read_job_args(opts.script_args) if opts.script is not None else JobArgs()
     if opts.script is not None:
         try:
-            facts = analyze_script(opts.script)
+            facts = analyze_script(opts.script, overrides=job_args.values)
         except OSError as exc:
             script_error = CheckResult("python", "fail", f"cannot read {opts.script}: {exc.strerror or exc}",
                                        "check the script's path")
     hf_jobs = read_hf_jobs_file(opts.script) if script_error is None else None
     opts = with_flavor_gpus(opts, hf_jobs, environ)
-    job = JobView.build(opts, facts, environ)
+    job = JobView.build(opts, facts, environ, job_args)
     probe = HubProbe(environ, hf_api, opts.network_timeout_s)
     skip = opts.skip_checks
     rows: dict[str, list[CheckResult]] = {}
@@ -184,7 +191,8 @@ def run_preflight(
         f_repos: Future = pool.submit(repos_task)
         f_auth = pool.submit(guarded, "hub-auth", lambda: check_hub_auth(job.hub_target, environ=environ, probe=probe))
         f_python = pool.submit(guarded, "python", lambda: _python_rows(facts, script_error, environ, runner, opts,
-                                                                           hf_jobs))
+                                                                           hf_jobs)
+                               + check_optional_imports(job))
         f_tracking = pool.submit(guarded, "tracking", lambda: check_tracking(
             job, environ=environ, space_private=None if _offline_or_skipped(environ, skip) else probe.space_private))
         f_dist = pool.submit(guarded, "distributed", lambda: _distributed_rows(
@@ -196,7 +204,8 @@ def run_preflight(
         gpu_rows, gpus = f_gpu.result()
         rows["gpu"] = gpu_rows
         rows["trainer-config"] = guarded("trainer-config", lambda: check_trainer_config(
-            job.config, gpus=gpus, timeout_known=opts.timeout_s is not None, environ=environ) if facts else [
+            job.config, gpus=gpus, timeout_known=opts.timeout_s is not None, environ=environ)
+            + check_compile_mentions(job, gpus) if facts else [
             CheckResult("trainer-config", "n/a", "no script given: checked when the Trainer is built")])
         rows["hub-repos"] = f_repos.result()[0]
         rows["hub-auth"] = f_auth.result()

@@ -3,7 +3,9 @@
 Needed: every ``--require-env`` name; the ``secrets`` and ``env`` names of the script's ``[tool.hf-jobs]`` table
 (``hf jobs uv run`` sets them at launch; on HF Jobs a missing one fails, elsewhere it is a warning, since the
 script may be tried outside HF Jobs); ``HF_TOKEN`` when the job writes to the Hub; ``WANDB_API_KEY`` when it
-reports to Weights & Biases; ``MLFLOW_TRACKING_URI`` when it reports to MLflow.
+reports to Weights & Biases (not with ``WANDB_MODE=offline|disabled``); ``MLFLOW_TRACKING_URI`` when it reports to
+MLflow. A push or a tracker the script starts only on a path that may not be taken (``ScriptFacts.mentions``)
+makes a missing variable a warning, never a failure.
 """
 
 from __future__ import annotations
@@ -36,6 +38,56 @@ def _wandb_netrc(environ: Mapping[str, str]) -> Path | None:
         return path if netrc.netrc(str(path)).authenticators(host) else None
     except (OSError, netrc.NetrcParseError):
         return None
+
+
+def wandb_off(environ: Mapping[str, str]) -> str | None:
+    """``WANDB_MODE=offline``/``disabled`` (or ``dryrun``, or ``WANDB_DISABLED=true``) as text, else None.
+
+    Source: wandb's ``WANDB_MODE`` ("online", "offline", "disabled"; wandb docs, environment variables);
+    ``WANDB_DISABLED`` is the older switch transformers still documents.
+    """
+    mode = (environ.get("WANDB_MODE") or "").strip().lower()
+    if mode in ("offline", "disabled", "dryrun"):
+        return f"WANDB_MODE={mode}"
+    if (environ.get("WANDB_DISABLED") or "").strip().lower() in ("1", "true", "yes"):
+        return "WANDB_DISABLED=true"
+    return None
+
+
+def _wandb_key(environ: Mapping[str, str]) -> str | None:
+    """Where a W&B key is found (``WANDB_API_KEY`` or a netrc login), or None."""
+    if _set(environ, "WANDB_API_KEY"):
+        return "WANDB_API_KEY"
+    path = _wandb_netrc(environ)
+    return f"W&B login in {path}" if path is not None else None
+
+
+def _mention_rows(job: JobView, environ: Mapping[str, str]) -> list[CheckResult]:
+    """Warnings for a push or tracker on a path that may not be taken, when its credential is missing."""
+    rows: list[CheckResult] = []
+    pushes = [m for m in job.mentions if m.kind == "push"]
+    if pushes and job.hub_target is None and hf_token(environ)[0] is None:
+        rows.append(CheckResult(NAME, "warn", f"HF_TOKEN not set: {pushes[0].describe(job.script_name)}",
+                                "only if you turn it on (e.g. --push_to_hub): pass a write token (-s HF_TOKEN)"))
+    for tracker in sorted({m.what for m in job.mentions if m.kind == "tracker"} - job.trackers):
+        first = next(m for m in job.mentions if m.kind == "tracker" and m.what == tracker)
+        if tracker == "wandb" and not wandb_off(environ) and _wandb_key(environ) is None:
+            rows.append(CheckResult(NAME, "warn", f"WANDB_API_KEY not set: {first.describe(job.script_name)}",
+                                    "only if you turn it on: pass WANDB_API_KEY, or set WANDB_MODE=offline"))
+        elif tracker == "mlflow" and not _set(environ, "MLFLOW_TRACKING_URI"):
+            rows.append(CheckResult(NAME, "warn", f"MLFLOW_TRACKING_URI not set: {first.describe(job.script_name)}",
+                                    "only if you turn it on: export MLFLOW_TRACKING_URI=..."))
+    return rows
+
+
+def _tracker_origin(job: JobView, tracker: str) -> str:
+    """``"--report_to wandb"`` when the job's command line asks for it, ``"TrainingArguments report_to wandb"``
+    from the agent's report, else ``"reports to wandb"``."""
+    if job.settings_source:
+        return f"{job.settings_source} report_to {tracker}"
+    if tracker in [t.lower() for t in job.args.items("report_to")]:
+        return job.args.source("report_to", tracker)
+    return f"reports to {tracker}"
 
 
 def check_env(opts: PreflightOptions, job: JobView, *, environ: Mapping[str, str],
@@ -90,15 +142,13 @@ def check_env(opts: PreflightOptions, job: JobView, *, environ: Mapping[str, str
             rows.append(CheckResult(NAME, "fail", f"HF_TOKEN not set and no saved token ({why})",
                                     "pass a write token: hf jobs run -s HF_TOKEN ..., or export HF_TOKEN=hf_..."))
     if "wandb" in job.trackers:
-        mode = (environ.get("WANDB_MODE") or "").strip().lower()
-        if mode in ("offline", "disabled", "dryrun") or (environ.get("WANDB_DISABLED") or "").lower() in ("1", "true"):
-            found.append(f"no W&B key needed (WANDB_MODE={mode or 'disabled'})")
-        elif _set(environ, "WANDB_API_KEY"):
-            found.append("WANDB_API_KEY (reports to wandb)")
-        elif (path := _wandb_netrc(environ)) is not None:
-            found.append(f"W&B login in {path} (reports to wandb)")
+        why = _tracker_origin(job, "wandb")
+        if off := wandb_off(environ):
+            found.append(f"no W&B key needed ({off})")
+        elif login := _wandb_key(environ):
+            found.append(f"{login} ({why})")
         else:
-            rows.append(CheckResult(NAME, "fail", "WANDB_API_KEY not set and no wandb login (reports to wandb)",
+            rows.append(CheckResult(NAME, "fail", f"WANDB_API_KEY not set and no wandb login ({why})",
                                     "pass WANDB_API_KEY as a secret, or set WANDB_MODE=offline"))
     if "mlflow" in job.trackers:
         if _set(environ, "MLFLOW_TRACKING_URI"):
@@ -107,6 +157,8 @@ def check_env(opts: PreflightOptions, job: JobView, *, environ: Mapping[str, str
             rows.append(CheckResult(NAME, "fail", "MLFLOW_TRACKING_URI not set (reports to mlflow): runs would "
                                     "go to ./mlruns inside the job and be lost with it",
                                     "export MLFLOW_TRACKING_URI=https://your-mlflow-server"))
+    if job.mentions:
+        rows.extend(_mention_rows(job, environ))
     if found:
         rows.insert(0, CheckResult(NAME, "pass", "set: " + ", ".join(found)))
     if not rows:

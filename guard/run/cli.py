@@ -23,7 +23,7 @@ from typing import Any, NoReturn
 
 from guard import __version__
 from guard.run.config import OPTIONS, Config, debug_enabled, env_name, log_level, resolve
-from guard.errors import GuardError, UsageError
+from guard.errors import GuardError, PreflightError, UsageError
 from guard.run.masking import Masker
 from guard.run.output import STDERR
 from guard.run.platform import detect
@@ -51,8 +51,11 @@ def _parser(prog: str = "python -m guard") -> argparse.ArgumentParser:
                      epilog="DURATION: 7200, 45s, 90m, 1.5h, 1d, HH:MM:SS or D-HH:MM:SS. Exit codes: README.")
     parser.add_argument("--version", action="version", version=f"jobguard {__version__}")
     for opt in OPTIONS:
-        help_text = f"{opt.help} (env {env_name(opt.name)}; default: {opt.default if opt.default not in (None, ()) else '-'})"
-        if opt.flag_only_bool:
+        help_text = f"{opt.help} (env {env_name(opt.name)}; default: {opt.default_text()})"
+        if opt.bare is not None:
+            parser.add_argument(opt.flag, dest=opt.name, metavar=opt.metavar, nargs="?", const=opt.bare,
+                                help=help_text)
+        elif opt.flag_only_bool:
             parser.add_argument(opt.flag, dest=opt.name, action="store_const", const=True, default=None, help=help_text)
         elif opt.repeat:
             parser.add_argument(opt.flag, dest=opt.name, action="append", metavar=opt.metavar, help=help_text)
@@ -63,7 +66,8 @@ def _parser(prog: str = "python -m guard") -> argparse.ArgumentParser:
 
 def _split(argv: Sequence[str]) -> tuple[list[str], list[str], bool]:
     """Split ``argv`` into (guard options, job part, command form?) at ``--`` or at the first non-option."""
-    takes_value = {o.flag for o in OPTIONS if not o.flag_only_bool}
+    takes_value = {o.flag for o in OPTIONS if not o.flag_only_bool and o.bare is None}
+    optional = {o.flag: o.choices for o in OPTIONS if o.bare is not None}
     i = 0
     while i < len(argv):
         token = argv[i]
@@ -73,6 +77,8 @@ def _split(argv: Sequence[str]) -> tuple[list[str], list[str], bool]:
             return list(argv[:i]), list(argv[i:]), False
         if token in takes_value:
             i += 1  # the option's value
+        elif token in optional and i + 1 < len(argv) and argv[i + 1].strip().lower() in optional[token]:
+            i += 1  # ``--resume on train.py``; ``--resume train.py`` leaves the script alone
         i += 1
     return list(argv), [], False
 
@@ -93,8 +99,12 @@ def _check_script(path_text: str) -> Path:
     try:
         compile(source, str(path), "exec", dont_inherit=True)
     except SyntaxError as exc:
-        raise UsageError(f"{path_text} line {exc.lineno}: {exc.msg}", option="SCRIPT",
-                         hint=f"fix the syntax error (python -m py_compile {path_text} shows it)") from exc
+        from guard.preflight.script import syntax_error_text
+
+        shown = syntax_error_text(exc).replace("\n", "\n[guard] ")
+        raise PreflightError(f"{path_text} does not parse: {shown}", check="script",
+                             hint=f"fix the syntax error at {path.name} line {exc.lineno} "
+                             f"(python -m py_compile {path_text} shows it)") from exc
     except ValueError as exc:  # null bytes
         raise UsageError(f"{path_text} is not Python source: {exc}", option="SCRIPT") from exc
     return path
@@ -131,6 +141,10 @@ def build_config(argv: Sequence[str], environ: Mapping[str, str], *, subcommand:
         raise UsageError("--timeout must be more than 0 seconds", option="--timeout")
     if values["grace"] <= 0:
         raise UsageError("--grace must be more than 0 seconds", option="--grace")
+    if values["push_to"]:
+        from guard.secure.hub import parse_destination
+
+        parse_destination(values["push_to"])  # a malformed or ambiguous DEST is a usage error before anything runs
     return Config(values=values, sources=sources, command=command, script=script, script_args=script_args,
                   subcommand=subcommand, environ=dict(environ))
 

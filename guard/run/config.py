@@ -31,6 +31,7 @@ __all__ = [
     "debug_enabled",
     "env_name",
     "format_duration_s",
+    "guard_options_in",
     "log_level",
     "parse_duration",
     "parse_size",
@@ -194,10 +195,26 @@ class Option:
     metavar: str | None = None
     repeat: bool = False
     flag_only_bool: bool = False  # a switch such as --dry-run
+    bare: str | None = None  # the value of the flag given alone (``--resume`` means ``on``); None: a value is needed
+    choices: tuple[str, ...] = ()  # with ``bare``: the words read as the flag's value (anything else is the job's)
 
     @property
     def flag(self) -> str:
         return "--" + self.name.replace("_", "-")
+
+    def default_text(self) -> str:
+        """The default as the README writes it: ``30m`` for 1800 s, ``auto`` for ``--margin``, ``off`` for a
+        switch, ``none`` when there is none."""
+        value = self.default
+        if self.name == "margin":
+            return "auto"
+        if self.flag_only_bool:
+            return "on" if value else "off"
+        if value in (None, ()):
+            return "none"
+        if self.metavar and self.metavar.startswith("DURATION") and isinstance(value, (int, float)):
+            return format_duration_s(value)
+        return str(value)
 
 
 def format_duration_s(seconds: float) -> str:
@@ -232,9 +249,13 @@ OPTIONS: tuple[Option, ...] = (
     Option("push_to", "where secured checkpoints go: hf://NS/NAME, hf://datasets/NS/NAME, NS/NAME or a path",
            None, _parse_text, "DEST"),
     Option("output_dir", "where the job writes its checkpoints", None, _parse_text, "DIR"),
+    Option("background_push", "with a destination, push each complete checkpoint as the job saves it: on, off",
+           True, _parse_bool, "on|off"),
+    Option("push_interval", "the least time between two background pushes (the Hub's commit rate limits)", 600.0,
+           lambda t, option: parse_duration(t, option=option), "DURATION"),
     Option("sanity_steps", "training steps whose loss must be finite", 5, _parse_count, "N"),
     Option("dry_run", "stop the job once the sanity steps pass", False, _parse_bool, flag_only_bool=True),
-    Option("stall_timeout", "no training step (before the first: no output) for this long is a hang", 1800.0,
+    Option("stall_timeout", "no training step (before the first: no output) for this long is a hang (0: off)", 1800.0,
            lambda t, option: parse_duration(t, option=option), "DURATION"),
     Option("require_env", "an environment variable that must be set and non-empty (repeatable)", (),
            _parse_text, "NAME", repeat=True),
@@ -259,8 +280,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("no_preflight", "skip every preflight check (each is listed as n/a)", False, _parse_bool,
            flag_only_bool=True),
     # --- resume, watch internals ---
-    Option("resume", "fetch DEST/last-checkpoint before the job starts: on, off, if-valid, auto", "auto",
-           _parse_resume, "MODE"),
+    Option("resume", "fetch DEST/last-checkpoint before the job starts: on, off, if-valid, auto (alone: on)", "auto",
+           _parse_resume, "MODE", bare="on",
+           choices=("on", "off", "if-valid", "auto", "1", "0", "true", "false", "yes", "no")),
     Option("uv", "run a PEP 723 script in the environment uv builds for it: auto (when the guard runs under uv "
            "and the script's dependencies are missing here), on, off", "auto", _parse_uv, "MODE"),
     Option("requeue", "after a secured TIMEOUT/INTERRUPTED under Slurm, run `scontrol requeue $SLURM_JOB_ID`", False,
@@ -424,6 +446,24 @@ def agent_settings(environ: Mapping[str, str] | None = None) -> AgentSettings:
         resume_path=env.get(protocol.ENV_RESUME_PATH) or None,
         resume_step=_int(protocol.ENV_RESUME_STEP, 0),
     )
+
+
+def guard_options_in(args: Sequence[str]) -> list[str]:
+    """The guard's own flags found among the job's arguments (``--timeout`` in ``train.py --timeout 1h``).
+
+    Everything after the script belongs to the job, so such a flag reaches the job, which may refuse it
+    (argparse: exit 2, "unrecognized arguments"). ``--flag=value`` counts too; the job's own ``--`` ends the
+    search. Returns the flags in order, each once.
+    """
+    flags = {opt.flag for opt in OPTIONS}
+    found: list[str] = []
+    for token in args:
+        if token == "--":
+            break
+        flag = token.split("=", 1)[0]
+        if flag in flags and flag not in found:
+            found.append(flag)
+    return found
 
 
 def split_repeat(values: Sequence[str]) -> tuple[str, ...]:

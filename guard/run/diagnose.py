@@ -13,6 +13,7 @@ import logging
 import signal
 from typing import Any
 
+from guard.run.config import guard_options_in
 from guard.run.process import cgroup_memory
 from guard.contract import RunResult, signal_name
 
@@ -79,6 +80,11 @@ def job_result(sup: Any) -> RunResult:
             result = RunResult("FAIL", "oom", code, elapsed_s, hint=(
                 "CUDA out of memory: lower the per-device batch size (keep the effective batch with gradient "
                 "accumulation), enable gradient checkpointing, use bf16, or pick a GPU with more memory"))
+        elif code == 2 and not sup.last_exception and (misplaced := guard_options_in(sup.config.script_args)):
+            # argparse's exit status for a usage error: the job refused an option meant for the guard
+            result = RunResult("FAIL", "crash", code, elapsed_s, hint=(
+                f"the job exited with code 2 (a usage error) and its arguments hold {', '.join(misplaced)}, a guard "
+                f"option: guard options go before the script (python -m guard {misplaced[0]} ... train.py ...)"))
         else:
             what = f" after {sup.last_exception}" if sup.last_exception else ""
             result = RunResult("FAIL", "crash", code, elapsed_s, hint=(

@@ -122,6 +122,7 @@ class JobProcess:
         self.pid = -1
         self.returncode: int | None = None
         self.known_pids: set[int] = set()
+        self.exclude_pids: set[int] = set()  # the guard's own children (securing workers): never the job's
         self.peak_rss_bytes = 0
         self.last_rss_bytes = 0
         self.reaped = 0
@@ -216,6 +217,8 @@ class JobProcess:
         try:
             parents = proc.parents()
         except psutil.Error:
+            return False
+        if proc.pid in self.exclude_pids:
             return False
         return any(p.pid in self.known_pids for p in parents) or proc.ppid() == os.getpid()
 

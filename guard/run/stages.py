@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from guard.secure import budget
-from guard.run.config import Config, env_name
+from guard.run.config import Config, env_name, guard_options_in
 from guard.run.masking import Masker
 from guard.run.platform import PlatformInfo, detect
 from guard.contract import EXIT_PREFLIGHT, RunResult, signal_name
@@ -243,10 +243,13 @@ def _resume(config: Config, securer: Any, report: Any, platform: PlatformInfo) -
 
 def run_job(config: Config, masker: Masker, started: float) -> RunResult:
     """Budget, preflight, resume, the supervised job. Raises ``GuardError`` subclasses for the CLI's boundary."""
-    from guard.secure.plan import Securing
+    from guard.secure.securing import Securing
     from guard.run.supervisor import Supervisor
 
     platform = detect(config.environ)
+    if misplaced := guard_options_in(config.script_args):
+        log.info("the job's arguments hold %s, also a guard option: after the script it goes to the job, not the "
+                 "guard (guard options go before the script)", ", ".join(misplaced))
     with EarlySignals() as early:
         deadline = resolve_budget(config, platform)
         factory = _securer_factory(config.environ)
@@ -279,16 +282,17 @@ def run_job(config: Config, masker: Masker, started: float) -> RunResult:
         estimator.observe_size(fetched.size_bytes)
     securing = Securing(deadline=deadline, estimator=estimator, securer=securer, securer_factory=factory,
                         output_dir=config.output_dir, grace_s=config.grace_s,
-                        refresher=_slurm_refresher(config, platform))
+                        refresher=_slurm_refresher(config, platform), background=config.background_push,
+                        push_interval_s=config.push_interval)
     if fetched is not None:
         securing.latest_reported = describe(fetched.path, step=fetched.step)
     gpus = report.gpus if report is not None else None
 
     def trainer_check(trainer_config: Mapping[str, Any]) -> list[Any]:
-        from guard.preflight import check_trainer_config
+        from guard.preflight.trainer import check_job_settings
 
-        return check_trainer_config(trainer_config, gpus=gpus, timeout_known=deadline.deadline_s is not None,
-                                    environ=config.environ)
+        return check_job_settings(trainer_config, gpus=gpus, timeout_known=deadline.deadline_s is not None,
+                                  environ=config.environ)
 
     env_extra: dict[str, str] = {}
     if uv_env is not None and uv_env.python and config.script is not None:

@@ -3,7 +3,7 @@
 One thread, one ``select`` loop over: the job's stdout and stderr pipes, the agent socket (new connections and
 messages), a self-pipe that signal handlers write to (``signal.set_wakeup_fd``; the handlers only append to a
 list), and timers (stall, partial-line flush, deadline, grace escalation, memory sampling). Pushes to the
-destination run on one worker thread so that output keeps flowing and signals keep being handled meanwhile.
+destination run in worker processes (``guard.secure.worker``) that the loop polls and kills at their deadline.
 
 The run ends in a ``verdict.RunResult``; the job's failure is data, never an exception. The first decision the
 guard takes (non-finite loss, stall, dry run done, deadline, signal) fixes the outcome; the job's exit after
@@ -80,7 +80,7 @@ class Supervisor:
         spawner: ``subprocess.Popen``-like (injected for tests).
         trainer_config_check: called with the Trainer arguments the agent reports; returns preflight rows
             (objects with ``name``, ``status``, ``seen``, ``hint``); a ``fail`` row stops the job.
-        securer: the securing flow (``guard.secure.plan.Securing``) or None.
+        securer: the securing flow (``guard.secure.securing.Securing``) or None.
         heartbeat: ``guard.observe.telemetry.Heartbeat`` (heartbeat lines, the projection, trackio) or None.
         out, err: file descriptors for the job's stdout and stderr (default 1 and 2).
     """
@@ -132,6 +132,7 @@ class Supervisor:
         self.last_exception: str | None = None
         self.cuda_oom = False
         self.trainer_config: dict[str, Any] | None = None
+        self._settings_logged: set[tuple[str, str]] = set()  # setting-check rows already logged
         self.trainer_push: dict[str, Any] | None = None
         self.checkpoints: list[dict[str, Any]] = []
         self.signals: list[int] = []
@@ -200,6 +201,9 @@ class Supervisor:
         self._sel.register(self._wakeup_r, selectors.EVENT_READ, "wakeup")
         env = self._job_env(sock_path)
         self.job = JobProcess(self.config.command, env, **({"spawner": self.spawner} if self.spawner else {}))
+        from guard.secure.worker import RUNNING
+
+        self.job.exclude_pids = RUNNING  # securing workers are the guard's, not the job's
         if self.securer is not None and self.securer.output_dir and self.securer.latest_reported is None:
             found = None
             try:
@@ -524,6 +528,8 @@ class Supervisor:
                           int(message.get("n", 1)), "agent", fd)
         elif kind == "trainer_config":
             self._on_trainer_config(fd, message.get("config") or {})
+        elif kind == "training_args":  # built before the job's data work: check now, answer ack or stop
+            self._check_settings(fd, message.get("config") or {})
         elif kind == "checkpoint_saved":
             message = {**message, "rank": conn.info.get("rank")}
             self.checkpoints.append(message)
@@ -542,6 +548,8 @@ class Supervisor:
                              world_size=message.get("world_size"))
         elif kind == "progress":
             self._on_progress(conn, message)
+        elif kind == "api":
+            conn.info["api"] = True  # the script asks for checkpoint requests (guard.should_checkpoint)
         elif kind == "train_end":
             log.debug("training ended at step %s", message.get("step"))
 
@@ -572,10 +580,15 @@ class Supervisor:
                 from guard.observe.telemetry import follow_trainer
 
                 follow_trainer(self.heartbeat, config, self.masker)
+        self._check_settings(fd, config)
+
+    def _check_settings(self, fd: int, config: dict[str, Any]) -> None:
+        """Run the Trainer-settings checks; a ``fail`` ends the job as ``preflight``, else the agent gets ``ack``."""
         rows = self.trainer_config_check(config) if self.trainer_config_check else []
         failed = next((row for row in rows if row.status == "fail"), None)
         for row in rows:
-            if row.status in ("fail", "warn"):
+            if row.status in ("fail", "warn") and (row.status, row.seen) not in self._settings_logged:
+                self._settings_logged.add((row.status, row.seen))
                 log.log(logging.ERROR if row.status == "fail" else logging.WARNING, "preflight %s %s: %s%s",
                         row.name, row.status, row.seen, f" (hint: {row.hint})" if row.hint else "")
         if failed is not None and self.outcome is None:
@@ -651,6 +664,8 @@ class Supervisor:
         self.stall.pause()
         if stop:
             self._stop_job(self.clock())
+        if self.securer is not None:
+            self.securer.on_decided(self, outcome)  # a failure secures what was saved before it
 
     def _stop_job(self, now: float, grace_s: float | None = None) -> None:
         """SIGTERM to the job's process group (and its escaped descendants); SIGKILL after the grace."""

@@ -101,8 +101,12 @@ def parse_destination(text: str) -> Destination:
     """Parse ``--push-to``: ``hf://NS/NAME``, ``hf://datasets/NS/NAME``, bare ``NS/NAME`` (a Hub model repo), or a
     folder path (absolute, or starting with ``./``, ``../`` or ``file://``). Forms from ``shared/CONTRACT.md``.
 
+    A bare ``NS/NAME`` that names an existing folder here (``checkpoints/run1``) is refused: it would mean a Hub
+    repo, and with a token the guard would create one by mistake.
+
     Raises:
-        UsageError: (``option="--push-to"``) for anything else, naming the accepted forms.
+        UsageError: (``option="--push-to"``) for anything else, naming the accepted forms; for a bare form that is
+            also a local folder, with "did you mean ./NAME".
     """
     raw = text.strip() if isinstance(text, str) else ""
     if raw.startswith("file://") and len(raw) > len("file://"):
@@ -116,6 +120,10 @@ def parse_destination(text: str) -> Destination:
             repo_type, parts = ("dataset" if parts[0] == "datasets" else "model"), parts[1:]
     if len(parts) == 2 and all(_NAME.fullmatch(p) and "--" not in p and ".." not in p for p in parts) \
             and not parts[1].endswith(".git"):
+        if not raw.startswith("hf://") and os.path.exists(raw):
+            raise UsageError(f"--push-to {raw}: a bare NS/NAME is a Hub repo, but ./{raw} is a folder here",
+                             option="--push-to",
+                             hint=f"did you mean ./{raw}? (write hf://{raw} for the Hub repo)")
         return Destination("hub", repo_id="/".join(parts), repo_type=repo_type)
     raise UsageError(f"--push-to {text!r} is not a destination: use {_ACCEPTED_FORMS}", option="--push-to",
                      hint="e.g. --push-to hf://alice/my-run or --push-to ./secured")
@@ -257,6 +265,16 @@ def _swap_in(staging: Path, target: Path) -> Path | None:
     return old
 
 
+def _remove_stale_staging(root: Path) -> None:
+    """Remove ``.last-checkpoint.tmp-<pid>-*`` folders left by a push that was killed (its process is gone)."""
+    import psutil
+
+    for entry in root.glob(f".{CHECKPOINT_FOLDER}.tmp-*"):
+        pid = entry.name[len(f".{CHECKPOINT_FOLDER}.tmp-"):].split("-", 1)[0]
+        if entry.is_dir() and not (pid.isdigit() and psutil.pid_exists(int(pid))):
+            shutil.rmtree(entry, ignore_errors=True)
+
+
 def _step_from_trainer_state(folder: Path) -> int | None:
     try:
         return int(json.loads((folder / "trainer_state.json").read_text())["global_step"])
@@ -290,6 +308,7 @@ class Securer:
                  log: logging.Logger = logger, backoff_s: float = 1.0, max_backoff_s: float = 8.0) -> None:
         self.destination = destination if isinstance(destination, Destination) else parse_destination(destination)
         self._api, self._token = api, token
+        self.token = token  # for worker processes (guard.secure.worker), sent on their stdin
         self._clock, self._sleep, self._log = clock, sleep, log
         self._backoff_s, self._max_backoff_s = backoff_s, max_backoff_s
         self._repo_ready = False
@@ -553,7 +572,8 @@ class Securer:
         assert root is not None
         root.mkdir(parents=True, exist_ok=True)
         target = root / CHECKPOINT_FOLDER
-        staging = Path(tempfile.mkdtemp(prefix=f".{CHECKPOINT_FOLDER}.tmp-", dir=root))
+        _remove_stale_staging(root)
+        staging = Path(tempfile.mkdtemp(prefix=f".{CHECKPOINT_FOLDER}.tmp-{os.getpid()}-", dir=root))
         try:
             sums = {rel: _copy_and_hash(folder / rel, staging / rel) for rel in files}
             manifest = {"step": step, "source": str(folder),
@@ -564,13 +584,14 @@ class Securer:
                 os.fsync(out.fileno())
             for dirpath, _, _ in sorted(os.walk(staging), key=lambda w: -len(w[0])):
                 _fsync_dir(Path(dirpath))
+            # Verified before the swap: a push killed at any point leaves the previous last-checkpoint in place.
+            self._verify_folder(staging, {rel: sums[rel] for rel in files}, exclude={MANIFEST_NAME})
             old = _swap_in(staging, target)
             _fsync_dir(root)
             if old is not None:
                 shutil.rmtree(old, ignore_errors=True)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
-        self._verify_folder(target, {rel: sums[rel] for rel in files}, exclude={MANIFEST_NAME})
         return str(target)
 
     def _folder_push_final(self, folder: Path, files: list[str]) -> str:

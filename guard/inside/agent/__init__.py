@@ -119,6 +119,7 @@ class Agent:
         self.backward_hook = True  # off once a Trainer or guard.report() provides the losses
         self.begun = 0  # steps (or micro-batches) this process has begun: a cheap counter, never sent per step
         self.checkpoint_request: dict[str, Any] | None = None
+        self.api_announced = False  # the "api" message was sent (the script calls guard.should_checkpoint)
         self.stop_requested = False
         self.watch = LossWatch(self, settings.sanity_steps, settings.check_every)
         self.watch.step = settings.resume_step  # a resumed plain loop counts on from the checkpoint's step
@@ -217,12 +218,21 @@ class Agent:
         if not self.dead:
             self._acked.wait(self.settings.ack_timeout_s)
 
+    def ask(self, message: dict[str, Any]) -> None:
+        """Send ``message`` and wait (bounded) for its ``ack``: each question waits for its own answer."""
+        if not self.dead:
+            self._acked.clear()
+        if self.send(message):
+            self.wait_ack()
+
     # -- what the hooks and the public API call -------------------------------------------------------------
 
     def on_loss(self, loss: Any, step: int | None, source: str) -> None:
         self.watch.observe(loss, step, source)
 
     def checkpoint_due(self) -> bool:
+        if not self.api_announced:  # the script asks for checkpoint requests: the guard may ask it to save
+            self.api_announced = self.send({"t": "api", "call": "should_checkpoint"})
         self.relay.poll(self.watch.count, self.settings.check_every)
         request = self.checkpoint_request
         if request is None:
@@ -378,7 +388,8 @@ def install() -> None:
     _INSTALLED = True
     from guard.inside.agent import _torch, _transformers
 
-    hooks = {"torch": _torch.patch, "transformers.trainer": _transformers.patch}
+    hooks = {"torch": _torch.patch, "transformers.trainer": _transformers.patch,
+             "transformers.training_args": _transformers.patch_arguments}
     for name, hook in list(hooks.items()):
         if name in sys.modules:  # already imported (rare: the agent was installed late)
             try:

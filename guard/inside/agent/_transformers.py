@@ -14,6 +14,12 @@
   pushes (``upload_folder(run_as_future=True)``), whose failures the Trainer never raises.
 - ``train`` wrapped to pass ``resume_from_checkpoint`` when the supervisor fetched a checkpoint and the script
   did not ask for one.
+
+``TrainingArguments.__post_init__`` is wrapped too (``patch_arguments``, when the job imports
+``transformers.training_args``): the arguments that matter are sent as ``training_args`` the moment they are
+built (HfArgumentParser, TrlParser or a literal call), and the job waits, bounded, for the go-ahead. A scripted
+job builds them before loading and preprocessing its data, so a missing tracker key or Hub token stops it
+there, not after the data work.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from typing import Any
 
 from guard import protocol
 
-__all__ = ["patch"]
+__all__ = ["patch", "patch_arguments"]
 
 
 def _arg(args: Any, name: str) -> Any:
@@ -37,6 +43,39 @@ def _arg(args: Any, name: str) -> Any:
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     return str(value)
+
+
+def patch_arguments(args_module: Any) -> None:
+    """Wrap ``TrainingArguments.__post_init__`` of ``transformers.training_args`` (idempotent).
+
+    Subclasses (TRL's ``SFTConfig`` ...) call it through ``super().__post_init__()``. Each distinct set of
+    reported values is sent once per process.
+    """
+    from guard.inside import agent as agent_module
+
+    cls = args_module.TrainingArguments
+    original = cls.__post_init__
+    if getattr(original, "__guard_wrapped__", False):
+        return
+    sent: list[dict[str, Any]] = []
+
+    @functools.wraps(original)
+    def __post_init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        agent = agent_module.get()
+        if agent is None:
+            return
+        try:
+            config = {name: _arg(self, name) for name in protocol.TRAINER_FIELDS if name != "max_steps"}
+            if config in sent:
+                return
+            sent.append(config)
+            agent.ask({"t": "training_args", "config": config})
+        except Exception as exc:  # noqa: BLE001 - never break the job
+            agent_module._warn_once(f"cannot report the TrainingArguments: {exc!r}")
+
+    __post_init__.__guard_wrapped__ = True  # type: ignore[attr-defined]
+    cls.__post_init__ = __post_init__
 
 
 def patch(trainer_module: Any) -> None:
@@ -66,8 +105,7 @@ def patch(trainer_module: Any) -> None:
             config["world_process_zero"] = bool(state.is_world_process_zero)
             loss_fn = getattr(self.trainer, "compute_loss_func", None)
             config["loss_class"] = type(loss_fn).__name__ if loss_fn is not None else None
-            if self.agent.send({"t": "trainer_config", "config": config}):
-                self.agent.wait_ack()
+            self.agent.ask({"t": "trainer_config", "config": config})
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             losses, self.micro = self.micro, []
