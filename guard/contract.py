@@ -24,6 +24,7 @@ from guard.run.masking import Masker
 
 __all__ = [
     "EXIT_GUARD_ERROR",
+    "EXIT_INCOMPLETE",
     "EXIT_NON_FINITE",
     "EXIT_PREFLIGHT",
     "EXIT_PUSH_FAILED",
@@ -44,6 +45,7 @@ EXIT_PREFLIGHT = 3
 EXIT_NON_FINITE = 4
 EXIT_STALLED = 5
 EXIT_PUSH_FAILED = 6
+EXIT_INCOMPLETE = 7  # the job exited 0, but training ended early on an error it swallowed
 EXIT_GUARD_ERROR = 70
 EXIT_SECURED = 75  # stopped early, the newest checkpoint is secured where pushed= says (EX_TEMPFAIL)
 EXIT_TIMEOUT_UNSECURED = 124  # as timeout(1)
@@ -80,7 +82,7 @@ class RunResult:
     Attributes:
         status: ``PASS``, ``FAIL``, ``TIMEOUT`` or ``INTERRUPTED``.
         reason: ``ok``, ``dry_run``, ``usage``, ``preflight``, ``non_finite_loss``, ``stalled``, ``push_failed``,
-            ``crash``, ``oom``, ``killed``, ``guard_error``, ``deadline``, ``signal``.
+            ``incomplete``, ``crash``, ``oom``, ``killed``, ``guard_error``, ``deadline``, ``signal``.
         exit_code: the guard's exit code (the contract's table).
         elapsed_s: seconds since the guard started.
         step, loss: the last training step and loss seen (None when none was seen).

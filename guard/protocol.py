@@ -19,9 +19,15 @@ Agent -> supervisor (``t``):
                     ``TrainingArguments`` is built (before the job's data work); the agent waits for ``ack``
 ``train_begin``     max_steps
 ``checkpoint_saved`` path, step
+``file_saved``      path (absolute), step (the agent's step count), save_s: ``torch.save`` to a named file returned
+``api``             name: the script called ``guard.<name>()`` for the first time (``should_checkpoint``,
+                    ``checkpoint_saved``, ``should_stop``)
 ``exception``       exc_type, message (the job's uncaught exception, from ``sys.excepthook``)
 ``push_result``     ok (bool), error (str|None): a push the Trainer did in the background
-``train_end``       step
+``train_end``       step, max_steps, stopped (a callback or the guard asked training to stop)
+``train_error``     exc_type, message, root, step, max_steps: ``Trainer.train()`` raised (the script may catch it)
+``watching``        what (``torch``): the agent hooked torch and sees the losses; printed losses stop deciding
+``progress``        begun, step, where (the main thread's stack in one line): the answer to ``dump``
 
 Supervisor -> agent (``t``):
 

@@ -110,3 +110,12 @@ def test_split_secret_never_leaks_through_safe_len_at_any_offset() -> None:
         written = masker.mask(head[:safe]) + masker.mask(head[safe:] + tail)
         assert secret not in written, cut
         assert written == b"the secret is *** in full\n", cut
+
+
+def test_command_line_secrets_follow_secret_named_options() -> None:
+    from guard.run.masking import command_line_secrets
+
+    argv = ["train.py", "--wandb-key", "abcd1234efgh", "--hf_token=tok-5678-abcd", "--api_key", "-x",
+            "--tokenizer_name", "gpt2-medium", "--max_tokens", "100000000", "--eos_token", "<|endoftext|>",
+            "--db.password=pw12345678", "--client-secret", "cs-0000-1111"]
+    assert command_line_secrets(argv) == ["abcd1234efgh", "tok-5678-abcd", "pw12345678", "cs-0000-1111"]

@@ -119,7 +119,7 @@ def test_a_loop_that_never_saves_times_out_unsecured_with_a_hint_that_fits(tmp_p
     assert run.returncode == 124, run.stderr[-3000:]
     fields = run.fields()
     assert (fields["status"], fields["reason"], fields["secured"]) == ("TIMEOUT", "deadline", "no")
-    assert "saved no complete checkpoint" in fields["hint"] and "pass --push-to" not in fields["hint"]
+    assert "checkpoint_saved(path)" in fields["hint"] and "pass --push-to" not in fields["hint"]
     assert not (dest / "last-checkpoint").exists()
 
 

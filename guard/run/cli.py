@@ -9,6 +9,7 @@ line is printed, last on stdout.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.metadata
 import logging
 import os
@@ -24,8 +25,8 @@ from typing import Any, NoReturn
 from guard import __version__
 from guard.run.config import OPTIONS, Config, debug_enabled, env_name, log_level, resolve
 from guard.errors import GuardError, PreflightError, UsageError
-from guard.run.masking import Masker
-from guard.run.output import STDERR
+from guard.run.masking import Masker, command_line_secrets, secret_values
+from guard.run.output import LINES
 from guard.run.platform import detect
 from guard.contract import EXIT_GUARD_ERROR, RunResult, render_line, signal_name, write_report
 
@@ -161,10 +162,8 @@ class _MaskingFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         text = self.masker.mask_text(super().format(record))
-        if STDERR.mid_line:  # the job's last stderr line is unfinished (a progress bar): start a new line
-            STDERR.mid_line = False
-            text = "\n" + text
-        return text
+        # The job's last line is unfinished (a progress bar): start a new line.
+        return LINES.line_break(2).decode() + text
 
 
 def _setup_logging(masker: Masker, environ: Mapping[str, str]) -> None:
@@ -211,8 +210,8 @@ def _emit_verdict(result: RunResult, masker: Masker, report: str | None) -> int:
     except (OSError, ValueError):
         pass
     line = render_line(result, masker) + "\n"
-    try:
-        os.write(1, line.encode())
+    try:  # the VERDICT starts a line, also after a job's unfinished last line (stdout, or a merged log)
+        os.write(1, LINES.line_break(1) + line.encode())
     except OSError:
         pass
     return result.exit_code
@@ -235,12 +234,27 @@ def _preflight_only(config: Config, masker: Masker, started: float) -> RunResult
     return preflight_only(config, masker, started)
 
 
+def _end_children() -> None:
+    """SIGKILL every process this one started (preflight's import children; the job never started on this
+    path), so that none outlives the guard (CONTRACT.md, "Processes")."""
+    try:
+        import psutil
+
+        for child in psutil.Process().children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                child.kill()
+    except ImportError:
+        pass
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``python -m guard`` and the ``jobguard`` console script. Returns the exit code."""
     started = time.monotonic()
     args = list(sys.argv[1:] if argv is None else argv)
     environ = dict(os.environ)
-    masker = Masker.from_environ(environ)
+    # Secrets: the environment's, and the values of secret-named options on the command line (the job's own
+    # `--wandb-key VALUE` included): masked in every line the guard writes and in the job's output.
+    masker = Masker(secret_values(environ) + command_line_secrets(args))
     _setup_logging(masker, environ)
     if args[:1] == ["watch"]:
         from guard import watch
@@ -250,6 +264,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if subcommand == "preflight":
         args = args[1:]
     report: str | None = environ.get(env_name("report")) or None
+    config: Config | None = None
     try:
         config = build_config(args, environ, subcommand=subcommand)
         report = config.values["report"]
@@ -276,4 +291,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         hint = "set GUARD_DEBUG=1 for the traceback and report it as a bug"
         result = RunResult("FAIL", "guard_error", EXIT_GUARD_ERROR, time.monotonic() - started, hint=hint)
     result.elapsed_s = time.monotonic() - started
-    return _emit_verdict(result, masker, report)
+    code = _emit_verdict(result, masker, report)
+    from guard.run import stages
+
+    if config is not None and subcommand == "run":
+        stages.requeue(config, result)  # after the VERDICT and the report: Slurm's SIGTERM may follow at once
+    if stages.abandoned_work:  # preflight left running after a signal: end its children, do not wait at exit
+        _end_children()
+        logging.shutdown()
+        os._exit(code)
+    return code

@@ -289,6 +289,8 @@ OPTIONS: tuple[Option, ...] = (
            _parse_bool, flag_only_bool=True),
     Option("check_every", "after the sanity pass, read the loss from the device every N steps", 10,
            _parse_count, "N"),
+    Option("max_skipped_steps", "optimizer steps in a row a GradScaler may skip (inf/NaN gradients: the fp16 loss "
+           "scale collapsing) before the run fails as non_finite_loss; 0: off", 50, _parse_count, "N"),
     Option("heartbeat", "interval of the [guard] heartbeat line (0: off)", 300.0,
            lambda t, option: parse_duration(t, option=option), "DURATION"),
     Option("trackio", "log losses, heartbeats and the verdict into this trackio project (jobguard[trackio])", None,

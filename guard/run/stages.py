@@ -25,6 +25,11 @@ __all__ = ["preflight_only", "resolve_budget", "run_job"]
 log = logging.getLogger("guard.stages")
 
 
+#: Set when work was left running in a thread after a signal (preflight): the CLI then ends the process right
+#: after the VERDICT instead of waiting for that work's threads at interpreter exit.
+abandoned_work = False
+
+
 class EarlySignals:
     """Flags for termination signals that arrive before the job starts (preflight, resume)."""
 
@@ -43,6 +48,34 @@ class EarlySignals:
     def __exit__(self, *exc: object) -> None:
         for signum, handler in self._old.items():
             signal.signal(signum, handler)
+
+
+def _unless_signalled(work: Any, early: EarlySignals) -> tuple[bool, Any]:
+    """Run ``work()`` in a daemon thread while the main thread waits for it or for a signal; returns
+    ``(True, value)``, or ``(False, None)`` once a signal arrived (the work is left behind: nothing it finds matters
+    any more, and the VERDICT must come within --grace). Re-raises what ``work`` raised."""
+    import threading
+
+    global abandoned_work
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["value"] = work()
+        except BaseException as exc:  # handed to the main thread
+            box["error"] = exc
+
+    thread = threading.Thread(target=target, name="guard-preflight-stage", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        if any(s != signal.SIGHUP for s in early.received):
+            abandoned_work = True
+            log.warning("%s received during preflight: stopping here", signal_name(early.received[0]))
+            return False, None
+        thread.join(0.1)
+    if "error" in box:
+        raise box["error"]
+    return True, box.get("value")
 
 
 def resolve_budget(config: Config, platform: PlatformInfo) -> budget.Deadline:
@@ -156,7 +189,8 @@ def requeue(config: Config, result: RunResult, *, runner: Any = None) -> None:
     """``--requeue``: after a secured stop (exit 75) under Slurm, ``scontrol requeue $SLURM_JOB_ID`` (bounded).
 
     ``scontrol requeue`` puts the job back in the queue with the same id; Slurm then ends this instance with
-    SIGTERM/KillWait/SIGKILL (``scontrol.1``), so the VERDICT is printed first by the caller's flow.
+    SIGTERM/KillWait/SIGKILL (``scontrol.1``). So the CLI calls this only after the VERDICT and the report are
+    written, and SIGTERM is ignored from the call on (the guard exits right after it, with the VERDICT's code).
     """
     import subprocess
 
@@ -164,6 +198,10 @@ def requeue(config: Config, result: RunResult, *, runner: Any = None) -> None:
     if not config.requeue or result.exit_code != 75 or not job_id:
         return
     run = runner or subprocess.run
+    try:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # Slurm's SIGTERM to this instance must not cut the call
+    except ValueError:  # not the main thread
+        pass
     try:
         done = run(["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=15)
     except (OSError, subprocess.SubprocessError) as exc:
@@ -194,11 +232,12 @@ def _securer_factory(environ: Mapping[str, str]) -> Any:
     return make
 
 
-def _resume_folder(config: Config, report: Any) -> str:
-    """Where a fetched checkpoint goes: ``--output-dir``, else the script's literal ``output_dir=`` (read by
-    preflight, never by running the script), else ``./guard-resume``. A Trainer resumes from any folder."""
-    if config.output_dir:
-        return str(config.output_dir)
+def _resume_folder(output_dir: str | None, report: Any) -> str:
+    """Where a fetched checkpoint goes: the output folder (``--output-dir``, else the job's own argument), else the
+    script's literal ``output_dir=`` (read by preflight, never by running the script), else ``./guard-resume``.
+    A Trainer resumes from any folder."""
+    if output_dir:
+        return output_dir
     facts = getattr(report, "facts", None)
     literal = (getattr(facts, "trainer_config", None) or {}).get("output_dir") if facts is not None else None
     if isinstance(literal, str) and literal:
@@ -206,13 +245,27 @@ def _resume_folder(config: Config, report: Any) -> str:
     return "guard-resume"
 
 
-def _resume(config: Config, securer: Any, report: Any, platform: PlatformInfo) -> tuple[str | None, Any]:
-    """Fetch ``DEST/last-checkpoint`` when resuming; returns (folder or None, fetched info or None).
+#: Without a deadline, the resume fetch may take this long at most (seconds).
+FETCH_LIMIT_S = 900.0
+
+
+def _fetch_deadline(deadline: budget.Deadline) -> float:
+    """When the resume's peek and fetch must be over (monotonic seconds): half of what is left of the budget
+    (the rest is for training and securing), else ``FETCH_LIMIT_S``."""
+    if deadline.deadline_s is None:
+        return time.monotonic() + FETCH_LIMIT_S
+    return time.monotonic() + max(1.0, 0.5 * (deadline.deadline_s - time.time()))
+
+
+def _resume(config: Config, securer: Any, report: Any, platform: PlatformInfo, *, output_dir: str | None,
+            deadline: budget.Deadline, early: EarlySignals) -> Any:
+    """The checkpoint to resume from when resuming (``guard.secure.resume.choose``), or None.
 
     Raises:
         PreflightError: a corrupt or partial download (``check=resume``), unless ``--resume if-valid``.
     """
     from guard.errors import GuardError, PreflightError
+    from guard.secure import resume
 
     mode = config.resume
     if mode == "auto":
@@ -221,24 +274,37 @@ def _resume(config: Config, securer: Any, report: Any, platform: PlatformInfo) -
         if mode == "on":
             log.info("Slurm requeued this job (SLURM_RESTART_COUNT=%s): resuming", restarts)
     if mode == "off":
-        return None, None
+        return None
     if securer is None:
         raise PreflightError("--resume needs a destination to fetch from", check="resume",
                              hint="pass --push-to DEST (the same as the run that secured the checkpoint)")
-    folder = _resume_folder(config, report)
+    folder = _resume_folder(output_dir, report)
     try:
-        fetched = securer.fetch_last_checkpoint(folder, deadline=time.monotonic() + 900)
+        return resume.choose(folder, securer, deadline=_fetch_deadline(deadline), abort=lambda: bool(early.received))
+    except resume.Interrupted:
+        return None  # the caller sees early.received
     except GuardError as exc:
         if mode == "if-valid":
             log.warning("the secured checkpoint is not usable (%s): starting fresh (--resume if-valid)", exc.message)
-            return None, None
+            return None
         raise PreflightError(f"cannot resume: {exc.message}", check="resume",
                              hint="the checkpoint at the destination is damaged; --resume if-valid starts fresh") from exc
-    if fetched is None:
-        log.info("nothing secured at %s yet: starting fresh", securer.destination)
-        return None, None
-    log.info("resuming from %s (step %s, revision %s)", fetched.path, fetched.step, fetched.revision)
-    return str(fetched.path), fetched
+
+
+def output_folder(config: Config) -> tuple[str | None, str]:
+    """The job's output folder and where it came from: ``--output-dir`` (or its environment variable), else the
+    job's own ``--output_dir``/``--output-dir``/``--out_dir``/``--save`` argument (``layout.output_dir_from_args``),
+    else None (a Trainer's ``output_dir`` or the folder of the job's ``torch.save`` calls fill it in later)."""
+    from guard.secure.layout import output_dir_from_args
+
+    if config.output_dir:
+        return str(config.output_dir), ("--output-dir" if config.sources.get("output_dir") == "flag"
+                                        else env_name("output_dir"))
+    args = config.script_args if config.script else config.command
+    found = output_dir_from_args(args)
+    if found is not None:
+        return found[0], f"the job's {found[1]} argument"
+    return None, "not known yet: a Trainer's output_dir, or the folder the job saves into, once seen"
 
 
 def run_job(config: Config, masker: Masker, started: float) -> RunResult:
@@ -250,21 +316,25 @@ def run_job(config: Config, masker: Masker, started: float) -> RunResult:
     if misplaced := guard_options_in(config.script_args):
         log.info("the job's arguments hold %s, also a guard option: after the script it goes to the job, not the "
                  "guard (guard options go before the script)", ", ".join(misplaced))
+    output_dir, output_source = output_folder(config)
+    log.info("output folder: %s (%s)", output_dir or "-", output_source)
     with EarlySignals() as early:
         deadline = resolve_budget(config, platform)
         factory = _securer_factory(config.environ)
         securer = factory(config.push_to) if config.push_to else None
         _, uv_env = _uv_environment(config)
-        report = _run_preflight(config, deadline, platform, uv_env)
-        if uv_env is not None and uv_env.error and report is None:  # --no-preflight: still cannot run the job
+        finished, report = _unless_signalled(lambda: _run_preflight(config, deadline, platform, uv_env), early)
+        if finished and uv_env is not None and uv_env.error and report is None:  # --no-preflight: cannot run it
             from guard.errors import PreflightError
             from guard.preflight.python_env import uv_error_hint
 
             raise PreflightError(f"uv could not build the script's environment: {uv_env.error}", check="python",
                                  hint=uv_error_hint(uv_env.error))
-        if report is not None and report.failed is not None:
+        if finished and report is not None and report.failed is not None:
             return _with_platform(_preflight_failed(report, started), platform)
-        resume_path, fetched = _resume(config, securer, report, platform)
+        fetched = None if not finished else _resume(config, securer, report, platform, output_dir=output_dir,
+                                                    deadline=deadline, early=early)
+        resume_path = str(fetched.path) if fetched is not None else None
     if early.received:
         signum = early.received[0]
         log.warning("%s received before the job started: not starting it", signal_name(signum))
@@ -281,7 +351,7 @@ def run_job(config: Config, masker: Masker, started: float) -> RunResult:
 
         estimator.observe_size(fetched.size_bytes)
     securing = Securing(deadline=deadline, estimator=estimator, securer=securer, securer_factory=factory,
-                        output_dir=config.output_dir, grace_s=config.grace_s,
+                        output_dir=output_dir, grace_s=config.grace_s,
                         refresher=_slurm_refresher(config, platform), background=config.background_push,
                         push_interval_s=config.push_interval)
     if fetched is not None:
@@ -314,7 +384,6 @@ def run_job(config: Config, masker: Masker, started: float) -> RunResult:
         result.details["preflight"] = report.to_json()
     if uv_env is not None:
         result.details["uv"] = {"python": uv_env.python, "environment": uv_env.prefix}
-    requeue(config, result)
     return _with_platform(result, platform)
 
 

@@ -403,8 +403,8 @@ class Plan:
         self.last_start = now if kind == "background" else self.last_start
         log.info("securing %s (step %s, %.1f MB)%s, %.0fs allowed", info.path, info.step, info.size_bytes / 1e6,
                  " in the background" if kind == "background" else "", deadline - now)
-        handle = self.pusher.start("push_checkpoint", {"local_dir": str(info.path), "step": info.step or 0},
-                                   deadline)
+        handle = self.pusher.start("push_checkpoint", {"local_dir": str(info.folder), "step": info.step or 0,
+                                                       "files": list(info.files)}, deadline)
         self.push = PushRecord(kind, info, handle, now)
         self.history.append(self.push)
         return [StartPush(kind, str(info.path), info.step, deadline)]

@@ -24,7 +24,7 @@ from guard.contract import (
     signal_name,
 )
 from guard.errors import GuardError
-from guard.secure import budget, checkpoints, worker
+from guard.secure import budget, checkpoints, layout, worker
 from guard.secure.plan import Decide, ForwardSignal, Plan, RequestSave, State, StopJob
 
 __all__ = ["FAILURE_REASONS", "Securing"]
@@ -34,6 +34,7 @@ log = logging.getLogger("guard.secure")
 #: Outcomes after which the newest complete checkpoint saved before the failure is secured.
 FAILURE_REASONS = ("non_finite_loss", "stalled", "crash", "oom", "killed", "incomplete")
 SCAN_EVERY_S = 5.0  # how often the output folder is looked at for complete checkpoints
+FILE_SETTLE_S = 1.0  # a torch.save'd file counts as a whole checkpoint after this long without another file
 
 
 class Securing:
@@ -71,10 +72,15 @@ class Securing:
         self.latest_reported: checkpoints.CheckpointInfo | None = None
         self.last_step_at: float | None = None
         self.saved_ranks: dict[Any, set[int]] = {}
+        self.reported_paths: set[str] = set()  # folders the job said it finished: no mtime rule for them
+        self.saved_files = checkpoints.SavedFiles()  # torch.save calls the agent saw return
+        self.trainer_seen = False
+        self.pending_file: tuple[checkpoints.CheckpointInfo, float] | None = None  # a save that may still grow
         self.follower = False
         self.next_scan = -math.inf
         self._seen: set[tuple[str, str]] = set()
         self._node_checked = False
+        self._save_logged = False
         if deadline.deadline_s is not None:
             log.info("deadline: %s (%s from now; %s)", time.strftime("%Y-%m-%d %H:%M:%S %Z",
                      time.localtime(deadline.deadline_s)),
@@ -101,6 +107,8 @@ class Securing:
     def due_at(self, now: float) -> float:
         """The next time ``tick`` has work (monotonic seconds)."""
         due = [self.plan.due_at(now)]
+        if self.pending_file is not None:
+            due.append(self.pending_file[1] + FILE_SETTLE_S)
         if self.refresher is not None and self.plan.state is State.WATCHING:
             due.append(now + 60.0)
         if self._scanning():
@@ -111,10 +119,16 @@ class Securing:
         return bool(self.output_dir) and self.plan.state in (State.WATCHING, State.AWAITING_SAVE, State.SECURING)
 
     def _can_save(self, sup: Any) -> bool:
-        """The job can answer a checkpoint request: a Trainer, or a script that reported a save itself."""
+        """The job can answer a checkpoint request: a Trainer, or a script that reported a save itself or called
+        ``guard.should_checkpoint()`` (``Supervisor.job_answers_checkpoints``)."""
         job_alive = sup.job is not None and sup.job.returncode is None
-        return job_alive and bool(sup.agents) and (sup.trainer_config is not None or bool(sup.checkpoints) or any(
-            c.info.get("api") for c in sup.agents.values()))
+        step = getattr(sup, "step", None)
+        if job_alive and sup.agents and (step is None or step < 3):
+            # Too early to tell: a Trainer reports itself at on_train_begin, a loop calls should_checkpoint() after
+            # its first step's backward (which the agent reports first). Ask; the wait is bounded.
+            return True
+        return job_alive and bool(sup.agents) and (sup.trainer_config is not None or bool(sup.checkpoints)
+                                                   or bool(getattr(sup, "job_answers_checkpoints", False)))
 
     def _check_node(self, sup: Any) -> None:
         if self._node_checked or self.plan.pusher is None:
@@ -178,6 +192,7 @@ class Securing:
                              moved.source)
                     self.deadline = moved
                     self.plan.deadline_at = self._to_clock(moved.deadline_s)
+        self._settle(sup, now)
         if self._scanning() and now >= self.next_scan:
             self.next_scan = now + SCAN_EVERY_S
             self._scan(sup)
@@ -191,7 +206,8 @@ class Securing:
     def _scan(self, sup: Any) -> None:
         """A complete checkpoint in the output folder the job did not report (``checkpoints.newest_complete``)."""
         try:
-            found = checkpoints.newest_complete(self.output_dir or "", now_s=self.wall(), seen=self._seen)
+            found = checkpoints.newest_complete(self.output_dir or "", now_s=self.wall(), seen=self._seen,
+                                                reported=self.reported_paths, loose=not self.trainer_seen)
         except OSError:
             return
         if found is not None and (self.latest_reported is None or (found.step or -1) > (self.latest_reported.step
@@ -211,6 +227,7 @@ class Securing:
         return True
 
     def on_trainer_config(self, sup: Any, config: dict[str, Any]) -> None:
+        self.trainer_seen = True
         if self.output_dir is None and config.get("output_dir"):
             self.output_dir = str(config["output_dir"])
             self.plan.final_output_dir = self.plan.final_output_dir or self.output_dir
@@ -227,10 +244,53 @@ class Securing:
             self.estimator.observe_step(now - self.last_step_at)
         self.last_step_at = now
 
-    def on_checkpoint_saved(self, sup: Any, message: dict[str, Any]) -> None:
+    def on_file_saved(self, sup: Any, message: dict[str, Any]) -> None:
+        """The agent saw ``torch.save`` write a file (a loop that may never use the guard's API): complete (the call
+        returned), with the agent's step at the save; the files of one save form one checkpoint."""
         path = message.get("path")
         if not path:
             return
+        where = Path(str(path))
+        if self.output_dir is None and layout.is_plausible_output_dir(where.parent):
+            self.output_dir = str(where.parent)
+            self.plan.final_output_dir = self.plan.final_output_dir or self.output_dir
+            log.info("output folder: %s (where the job saves with torch.save)", self.output_dir)
+        if self.output_dir is None or not where.resolve().is_relative_to(Path(self.output_dir).resolve()):
+            return
+        info = self.saved_files.add(where, message.get("step"))
+        if info is None:
+            return
+        if message.get("save_s"):
+            self.estimator.observe_save(float(message["save_s"]), info.size_bytes)
+        else:
+            self.estimator.observe_size(info.size_bytes)
+        if message.get("rank") not in (None, 0):
+            return  # another rank's shard: rank 0's save names the checkpoint
+        # A loop may save model.pt, then optim.pt: the set is taken once the job trains on (a later step) or a
+        # moment passes without another file (see _settle).
+        self.pending_file = (info, self.clock())
+        sup._recheck = True
+
+    def _settle(self, sup: Any, now: float, *, force: bool = False) -> None:
+        if self.pending_file is None:
+            return
+        info, at = self.pending_file
+        step = getattr(sup, "step", None)
+        if not (force or now - at >= FILE_SETTLE_S or (step is not None and info.step is not None and step > info.step)):
+            return
+        self.pending_file = None
+        self.latest_reported = info
+        log.info("the job saved %s (step %s, %.1f MB)", info.path, info.step, info.size_bytes / 1e6)
+        self._check_node(sup)
+        self._carry_out(sup, self.plan.checkpoint(info), now)
+
+    def on_checkpoint_saved(self, sup: Any, message: dict[str, Any]) -> None:
+        try:
+            path = str(layout.check_reported_path(message.get("path"), output_dir=self.output_dir))
+        except GuardError as exc:
+            log.warning("%s (hint: %s)", exc.message, exc.hint)
+            return
+        self.reported_paths.add(path)
         rank = message.get("rank")
         if rank is not None:
             self.saved_ranks.setdefault(message.get("step"), set()).add(int(rank))
@@ -245,8 +305,11 @@ class Securing:
             else:
                 self.estimator.observe_size(saved.size_bytes)
             self.latest_reported = saved
-            log.info("checkpoint saved by the job: %s (step %s, %.1f MB)", saved.path, saved.step,
-                     saved.size_bytes / 1e6)
+            # The first save at INFO; later ones are counted in the heartbeat (``saves=``), their detail at DEBUG.
+            first, self._save_logged = not self._save_logged, True
+            log.log(logging.INFO if first else logging.DEBUG, "checkpoint saved by the job: %s (step %s, %.1f MB)%s",
+                    saved.path, saved.step, saved.size_bytes / 1e6,
+                    "; later saves are counted in the heartbeat" if first else "")
         latest = self.latest_reported
         if latest is None:
             return
@@ -263,12 +326,14 @@ class Securing:
         """The supervisor decided a failure (non-finite loss, stall): secure what was saved before it."""
         if outcome.reason not in FAILURE_REASONS:
             return
+        self._settle(sup, self.clock(), force=True)
         bad = sup.step if outcome.reason == "non_finite_loss" else None
         if self.output_dir:
             self._scan(sup)
         self._carry_out(sup, self.plan.failure(outcome.reason, bad_from_step=bad), self.clock())
 
     def on_job_exit(self, sup: Any, now: float) -> None:
+        self._settle(sup, now, force=True)
         code = sup.job.returncode if sup.job is not None else None
         if self.output_dir and self.plan.state is not State.DONE:
             self._scan(sup)
@@ -276,6 +341,12 @@ class Securing:
             reason = "crash" if code > 0 else "killed"
             self._carry_out(sup, self.plan.failure(reason), now)
             return
+        if self.plan.state is State.WATCHING and sup.outcome is None and code == 0:
+            from guard.run.diagnose import incomplete_reason
+
+            if incomplete_reason(sup) is not None:  # an exit 0 that is not a finished run: a failure, not a final push
+                self._carry_out(sup, self.plan.failure("incomplete"), now)
+                return
         ok = code == 0 and sup.outcome is None
         self._carry_out(sup, self.plan.job_exit(ok=ok), now)
 
@@ -324,21 +395,18 @@ class Securing:
         if plan.trigger == "deadline":
             result.exit_code = EXIT_SECURED if is_secured else EXIT_TIMEOUT_UNSECURED
             if not is_secured:
-                if plan.pusher is None:
-                    result.hint = ("no checkpoint could be secured before the deadline: pass --push-to, save more "
-                                   "often, or give the job a longer --timeout")
-                elif newest is None:
-                    result.hint = ("the job saved no complete checkpoint before the deadline: save checkpoint-N "
-                                   "folders where --output-dir points (a custom loop: guard.should_checkpoint() and "
-                                   "guard.checkpoint_saved(path)), save more often, or give a longer --timeout")
-                else:
-                    result.hint = ("the checkpoint was not secured before the deadline: raise --margin, or check the "
-                                   "destination's upload speed")
+                result.hint = (layout.nothing_found_hint(output_dir=self.output_dir,
+                                                         destination_given=self.securer is not None)
+                               if plan.pusher is None or newest is None else
+                               "the checkpoint was not secured before the deadline: raise --margin, or check the "
+                               "destination's upload speed")
         else:
             signum = plan.signum or signal.SIGTERM
             result.exit_code = EXIT_SECURED if is_secured else 128 + signum
             if not is_secured:
-                result.hint = "no checkpoint was secured within --grace: save more often or raise --grace"
+                result.hint = (layout.nothing_found_hint(output_dir=self.output_dir, destination_given=True)
+                               if newest is None and plan.pusher is not None else
+                               "no checkpoint was secured within --grace: save more often or raise --grace")
         if secured is not None:
             result.hint = (f"the next run resumes from step {secured.info.step if secured.info else '?'}{lost}: "
                            f"python -m guard --resume on --push-to {secured.result.destination} ...")

@@ -40,7 +40,7 @@ __all__ = ["OPS", "RUNNING", "Handle", "Pusher", "WorkResult", "run_bounded", "s
 log = logging.getLogger("guard.secure.worker")
 
 #: Operations a worker runs: ``hub.Securer`` methods (their keyword arguments, without ``deadline``).
-OPS = ("push_checkpoint", "push_final", "fetch_last_checkpoint")
+OPS = ("push_checkpoint", "push_final", "fetch_last_checkpoint", "peek_last_checkpoint")
 #: The child stops its own retries this long before the deadline, so that it can still report why.
 CHILD_EARLIER_S = 0.5
 POLL_S = 0.1  # how often run_bounded polls
@@ -294,6 +294,9 @@ def start(op: str, args: Mapping[str, Any], deadline: float, *, destination: str
                "level": logging.getLogger("guard").getEffectiveLevel()}
     proc = subprocess.Popen([sys.executable, "-m", "guard.secure.worker"], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, start_new_session=True)
+    from guard.run.process import HELPER_PIDS
+
+    HELPER_PIDS.add(proc.pid)  # stopping the job (signal_all) must never stop a push
     handle = Handle(proc, op, deadline, clock)
     assert proc.stdin is not None
     try:
