@@ -180,6 +180,26 @@ def test_a_two_node_world_with_one_node_present_fails_within_the_smoke_timeout(t
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(not Path(sys.executable).with_name("accelerate").exists(), reason="accelerate not installed")
+def test_accelerate_without_gpus_starts_one_process_and_the_smoke_says_so(tmp_path: Path) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("with GPUs accelerate launch starts a real world")
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    accelerate = str(Path(sys.executable).with_name("accelerate"))
+    run = run_guard(["--launch-smoke-timeout", "60s", "--", accelerate, "launch", "--num_processes", "2",
+                     str(JOBS / "ddp_loop.py"), "--steps", "3", "--pid-dir", str(pids)], timeout_s=120)
+    assert run.returncode == 3, run.stderr[-3000:]
+    fields = run.fields()
+    assert (fields["reason"], fields["check"]) == ("preflight", "distributed")
+    assert "launch smoke: accelerate started one plain process (no RANK, WORLD_SIZE), not a world of 2" in run.stderr
+    assert "use torchrun" in fields["hint"] and "firewall" not in fields["hint"]
+    assert "job started" not in run.stderr and not list(pids.iterdir())
+
+
+@pytest.mark.slow
 def test_launch_smoke_off_by_flag_and_the_python_row_reads_the_launchers_script(tmp_path: Path) -> None:
     script = tmp_path / "train.py"
     script.write_text("# /// script\n# dependencies = [\"packaging\"\n# ///\nimport os\n")  # not valid TOML

@@ -48,6 +48,18 @@ def test_in_a_uv_environment_the_dependencies_are_uvs(tmp_path: Path) -> None:
     assert rows[0].seen == "PEP 723: installed by uv in /envs/job-123: notapkg-xyz-guard"
     rows = check_pep723(facts, uv_error="uv sync --script exited 1: No solution found")
     assert [r.status for r in rows] == ["fail"] and "No solution found" in rows[0].seen
+    assert "fix the dependencies" in (rows[0].hint or "")
+
+
+def test_uv_missing_says_install_uv_not_fix_the_dependencies(tmp_path: Path) -> None:
+    from guard.run.uvenv import sync_script
+
+    path = script(tmp_path, ["notapkg-xyz-guard>=1"])
+    error = sync_script(None, path, {}).error
+    assert error is not None
+    rows = check_pep723(analyze_script(path), uv_error=error)
+    assert [r.status for r in rows] == ["fail"] and "uv is not on PATH" in rows[0].seen
+    assert "install uv" in (rows[0].hint or "") and "fix the dependencies" not in (rows[0].hint or "")
 
 
 def test_import_names_come_from_packages_distributions(tmp_path: Path, monkeypatch: Any) -> None:

@@ -103,6 +103,7 @@ def test_hang_with_a_sigterm_ignoring_grandchild_is_stalled_and_leaves_nothing(t
     grandchild = int(pid_file.read_text())
     assert not pid_alive(grandchild)
     assert "stacks of pid" in run.stderr  # the agent printed where the job waits
+    assert "(rank -)" not in run.stderr  # no rank in a one-process job: none named
 
 
 def test_stall_after_steps_names_the_step(tmp_path: Path) -> None:

@@ -112,6 +112,17 @@ def test_hub_unreachable_is_an_honest_timeout_not_a_hang(hub: HubServer, tmp_pat
     assert time.monotonic() - started < 40
 
 
+def test_a_loop_that_never_saves_times_out_unsecured_with_a_hint_that_fits(tmp_path: Path) -> None:
+    dest = tmp_path / "dest"
+    run = run_guard(["--no-preflight", "--timeout", "10s", "--push-to", str(dest), str(JOBS / "plain_loop.py"),
+                     "--steps", "1000", "--step-s", "0.2"], timeout_s=60)
+    assert run.returncode == 124, run.stderr[-3000:]
+    fields = run.fields()
+    assert (fields["status"], fields["reason"], fields["secured"]) == ("TIMEOUT", "deadline", "no")
+    assert "checkpoint_saved(path)" in fields["hint"] and "pass --push-to" not in fields["hint"]
+    assert not (dest / "last-checkpoint").exists()
+
+
 def test_a_partial_checkpoint_is_never_pushed(tmp_path: Path) -> None:
     out, dest = tmp_path / "out", tmp_path / "dest"
     proc = start_guard(["--grace", "6s", "--skip-check", "python=not needed", "--push-to", str(dest),

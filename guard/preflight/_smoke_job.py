@@ -39,6 +39,10 @@ def main() -> int:
         os.replace(tmp, note_path)
 
     note("started")
+    if args.expect_world > 1 and not (os.environ.get("RANK") and os.environ.get("WORLD_SIZE")):
+        # the launcher ran this as one plain process (accelerate launch without GPUs or with --cpu does)
+        note("error", error="no RANK/WORLD_SIZE from the launcher: one plain process", no_world=True)
+        return 1
     try:
         import torch
         import torch.distributed as dist

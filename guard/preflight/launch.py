@@ -381,6 +381,9 @@ def run_launch_smoke(
 _HINT = ("every node must run the same command at the same time; --master-addr must reach node 0 (firewall, "
          "port); NCCL_DEBUG=INFO shows backend errors; --launch-smoke off skips this check")
 
+_NO_WORLD_HINT = ("accelerate launch starts one process on a machine without GPUs or with --cpu: use torchrun "
+                  "--nproc-per-node N there, or --multi_gpu on GPUs; --launch-smoke off skips this check")
+
 
 def _smoke_row(launch: LaunchCommand, notes: list[dict[str, object]], *, timed_out: bool, code: int | None,
                took_s: float, timeout_s: float, where: str, tail: str) -> CheckResult:
@@ -391,6 +394,10 @@ def _smoke_row(launch: LaunchCommand, notes: list[dict[str, object]], *, timed_o
     errors = [n for n in notes if n.get("stage") == "error"]
     if errors:
         first = errors[0]
+        if first.get("no_world"):
+            return CheckResult(NAME, "fail", f"launch smoke: {launch.launcher} started one plain process (no RANK, "
+                               f"WORLD_SIZE), not a world of {launch.world_size} (after {took})",
+                               _NO_WORLD_HINT if launch.launcher == "accelerate" else _HINT)
         return CheckResult(NAME, "fail", f"launch smoke: rank {first.get('rank')} ({first.get('backend', '?')}): "
                            f"{one_line(first.get('error'), 200)} (after {took})", _HINT)
     if done and not timed_out and code == 0:

@@ -21,7 +21,7 @@ from guard.preflight._common import one_line
 from guard.preflight._models import CheckResult
 from guard.preflight.script import Pep723Block, ScriptFacts
 
-__all__ = ["IMPORT_TIMEOUT_S", "IMPORT_WORKERS", "check_imports", "check_pep723", "key_imports"]
+__all__ = ["IMPORT_TIMEOUT_S", "IMPORT_WORKERS", "check_imports", "check_pep723", "key_imports", "uv_error_hint"]
 
 NAME = "python"
 
@@ -62,6 +62,13 @@ UV_HINT = ("run the guard under uv (uv run --with jobguard python -m guard ..., 
            "so that uv installs them; or pip install them here")
 
 
+def uv_error_hint(uv_error: str) -> str:
+    """The hint for a script environment uv could not build: install uv when it is missing, else fix the block."""
+    if uv_error.startswith("uv is not on PATH"):
+        return "install uv (pip install uv) or put it on PATH, or --uv off to run with this interpreter"
+    return "fix the dependencies (uv sync --script shows the error), or --uv off to run with this interpreter"
+
+
 def check_pep723(facts: ScriptFacts | None, *, uv_environment: str | None = None,
                  uv_error: str | None = None) -> list[CheckResult]:
     """Rows for the script's PEP 723 ``script`` block: each dependency installed and satisfying its specifier.
@@ -92,8 +99,7 @@ def check_pep723(facts: ScriptFacts | None, *, uv_environment: str | None = None
                             "fix the block: uv and hf jobs uv run refuse it too")]
     if uv_error is not None:
         return [CheckResult(NAME, "fail", f"PEP 723: uv could not build {name}'s environment: {one_line(uv_error, 240)}",
-                            "fix the dependencies (uv sync --script shows the error), or --uv off to run with this "
-                            "interpreter")]
+                            uv_error_hint(uv_error))]
     rows: list[CheckResult] = []
     problems: list[str] = []
     missing: list[str] = []

@@ -326,9 +326,10 @@ def run_job(config: Config, masker: Masker, started: float) -> RunResult:
         finished, report = _unless_signalled(lambda: _run_preflight(config, deadline, platform, uv_env), early)
         if finished and uv_env is not None and uv_env.error and report is None:  # --no-preflight: cannot run it
             from guard.errors import PreflightError
+            from guard.preflight.python_env import uv_error_hint
 
             raise PreflightError(f"uv could not build the script's environment: {uv_env.error}", check="python",
-                                 hint="uv sync --script SCRIPT shows the error; --uv off runs with this interpreter")
+                                 hint=uv_error_hint(uv_env.error))
         if finished and report is not None and report.failed is not None:
             return _with_platform(_preflight_failed(report, started), platform)
         fetched = None if not finished else _resume(config, securer, report, platform, output_dir=output_dir,

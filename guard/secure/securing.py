@@ -84,7 +84,7 @@ class Securing:
         if deadline.deadline_s is not None:
             log.info("deadline: %s (%s from now; %s)", time.strftime("%Y-%m-%d %H:%M:%S %Z",
                      time.localtime(deadline.deadline_s)),
-                     budget.format_duration_s(deadline.deadline_s - wall()), deadline.source)
+                     budget.format_duration_s(round(deadline.deadline_s - wall())), deadline.source)
             estimator.margin_s()  # logs the starting margin
         if self.plan.pusher is not None:
             log.info("background securing: %s", f"on, at most one push every {budget.format_duration_s(push_interval_s)}"

@@ -364,7 +364,8 @@ def _dump_threads() -> None:
     import traceback
 
     names = {t.ident: t.name for t in threading.enumerate()}
-    lines = [f"[guard] agent: stacks of pid {os.getpid()} (rank {os.environ.get('RANK', '-')}):\n"]
+    rank = os.environ.get("RANK")
+    lines = [f"[guard] agent: stacks of pid {os.getpid()}{f' (rank {rank})' if rank else ''}:\n"]
     for ident, frame in sys._current_frames().items():
         if names.get(ident) == "guard-agent":
             continue
