@@ -56,7 +56,8 @@ ENV_CHECK_EVERY = "GUARD_AGENT_CHECK_EVERY"
 ENV_RESUME_PATH = "GUARD_AGENT_RESUME_PATH"
 #: The training step of that checkpoint: a plain loop's ``.backward()`` count continues from it.
 ENV_RESUME_STEP = "GUARD_AGENT_RESUME_STEP"
-#: The folder holding the ``guard`` package, appended to ``sys.path`` by the agent's ``sitecustomize``.
+#: The folder holding the ``guard`` package (informational: the agent's ``sitecustomize`` finds the package from its
+#: own location and loads it under a private name, see ``guard.PRIVATE_NAME``).
 ENV_PKG_ROOT = "GUARD_AGENT_PKG_ROOT"
 
 MAX_MESSAGE_BYTES = 64 * 1024

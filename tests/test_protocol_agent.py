@@ -19,7 +19,7 @@ import guard
 from guard.inside import agent as agent_module
 from guard import protocol
 from guard.inside.agent import Agent, LossWatch
-from guard.run.config import AgentSettings
+from guard.inside.settings import AgentSettings
 
 # ---------------------------------------------------------------------------------------------------------------
 # protocol

@@ -18,7 +18,7 @@ __all__ = ["patch"]
 
 def patch(torch: Any) -> None:
     """Wrap ``torch.Tensor.backward`` (idempotent)."""
-    from guard.inside import agent as agent_module
+    from .. import agent as agent_module
     original = torch.Tensor.backward
     if getattr(original, "__guard_wrapped__", False):
         return

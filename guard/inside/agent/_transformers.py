@@ -23,7 +23,7 @@ import os
 import time
 from typing import Any
 
-from guard import protocol
+from ... import protocol
 
 __all__ = ["patch"]
 
@@ -43,7 +43,7 @@ def patch(trainer_module: Any) -> None:
     """Wrap ``Trainer.__init__`` of ``transformers.trainer`` (idempotent)."""
     from transformers.trainer_callback import TrainerCallback
 
-    from guard.inside import agent as agent_module
+    from .. import agent as agent_module
     Trainer = trainer_module.Trainer
     if getattr(Trainer.__init__, "__guard_wrapped__", False):
         return
