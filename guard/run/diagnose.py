@@ -14,7 +14,7 @@ import signal
 from typing import Any
 
 from guard.run.process import cgroup_memory
-from guard.contract import RunResult, signal_name
+from guard.contract import EXIT_GUARD_ERROR, RunResult, signal_name
 
 __all__ = ["job_result"]
 
@@ -72,6 +72,10 @@ def job_result(sup: Any) -> RunResult:
     if outcome is not None:
         result = RunResult(outcome.status, outcome.reason, int(outcome.exit_code or 0), elapsed_s,
                            hint=outcome.hint, extra=dict(outcome.extra))
+    elif sup.job is not None and sup.job.status_lost:
+        result = RunResult("FAIL", "guard_error", EXIT_GUARD_ERROR, elapsed_s, extra={"job_exit": "unknown"}, hint=(
+            "the job's exit status was lost (another process reaped it), so whether it succeeded is unknown: "
+            "check its output above"))
     elif code == 0:
         result = RunResult("PASS", "ok", 0, elapsed_s)
     elif code is not None and code > 0:
@@ -97,6 +101,9 @@ def job_result(sup: Any) -> RunResult:
     result.step, result.loss, result.sanity = sup.step, sup.loss, list(sup.sanity)
     if sup.node_rank is not None:
         result.extra.setdefault("node", sup.node_rank)
+    if sup.job is not None and sup.job.survivors_left:  # outlived SIGKILL and the bounded wait
+        result.extra["survivors"] = ",".join(map(str, sup.job.survivors_left))
+        details["survivors"] = [vars(survivor) for survivor in sup.job.survivors_left]
     if sup.job is not None and sup.job.reaped:
         details["orphans_reaped"] = sup.job.reaped
     result.details.update(details)

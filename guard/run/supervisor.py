@@ -323,6 +323,8 @@ class Supervisor:
 
     def _next_due(self, now: float) -> float:
         due = [self.stall.due_at(), self.escalation.due_at(), self.next_sample, self.stop_at or math.inf]
+        if self.job is not None:
+            due.append(self.job.abandon_at())
         due += [since + PARTIAL_FLUSH_S for since in self.partial_since.values()]
         if self.exited_at is not None:
             due.append(self.exited_at + DRAIN_AFTER_EXIT_S)
@@ -418,7 +420,11 @@ class Supervisor:
     def _done(self, now: float) -> bool:
         job = self.job
         assert job is not None
-        if job.returncode is None or self._securing():
+        if self._securing():
+            return False
+        if job.abandoned():  # SIGKILL plus a bounded wait: the verdict names the survivors (JobProcess)
+            return True
+        if job.returncode is None:
             return False
         pipes_open = any(key.data == "pipe" for key in self._sel.get_map().values())
         if not pipes_open:
