@@ -191,7 +191,7 @@ def test_heartbeat_line_content(caplog: pytest.LogCaptureFixture) -> None:
     # 4940 steps left at 2 steps/s; CUDA_VISIBLE_DEVICES selects the second GPU, which the job sees as gpu0
     assert line == ("heartbeat step=60/5000 loss=1.9 steps/s=2 left=1h00m eta=41m10s gpu0=97%,61.2/79.6GiB,71C "
                     "tree_rss=12.3GiB cgroup=14.0/64.0GiB")
-    assert [r.getMessage() for r in caplog.records if r.name == "guard.observe.telemetry"] == [line]
+    assert [r.getMessage() for r in caplog.records if r.name == "guard.telemetry"] == [line]
     assert hb.due_at() == 60.0
     assert hb.tick(45.0, snap) is None
     figures, step = tracker.logs[-1]

@@ -28,6 +28,8 @@ from guard.run.channel import AgentChannel, AgentConn
 from guard.run.config import Config
 from guard.run.masking import Masker
 from guard.run.output import STDERR, OutputEvents, StreamFilter
+from guard.run.writer import OutputWriter
+from guard.run.helpers import HELPERS, Wakeup
 from guard.run.process import JobProcess, cgroup_memory, default_signals, set_subreaper
 from guard.run.timers import Escalation, StallWatch
 from guard.contract import (
@@ -47,6 +49,7 @@ DRAIN_AFTER_EXIT_S = 2.0  # after the job exits, how long its leftover processes
 SAMPLE_EVERY_S = 2.0  # job tree memory sampling
 REAP_EVERY_S = 2.0  # orphans are reaped on SIGCHLD (at most twice a second) and at least this often
 READ_BYTES = 1 << 16
+WRITE_RETRY_S = 0.01  # while output waits for a paused reader: how often the loop tries again
 
 
 def _grow_pipe(fd: int, size_bytes: int = 1 << 20) -> None:
@@ -144,6 +147,9 @@ class Supervisor:
         self._next_reap = self.started
         self._recheck = False  # a decision was taken outside the timers: re-run them at once
         self._closed_out = False
+        self.writers: dict[int, OutputWriter] = {}  # target fd -> non-blocking writer (guard.run.writer)
+        self._paused_pipes: list[int] = []  # a writer is full: these pipes of the job are not read (backpressure)
+        self._wakeup_notify: Wakeup | None = None
         self._wakeup_r = self._wakeup_w = -1
         self._old_handlers: dict[int, Any] = {}
         self._old_wakeup = -1
@@ -185,6 +191,8 @@ class Supervisor:
             return
         for signum in (*default_signals(), signal.SIGCHLD):
             self._old_handlers[signum] = signal.signal(signum, self._on_signal)
+        self._wakeup_notify = Wakeup(self._wakeup_w)  # a helper call finished: the loop turns at once
+        HELPERS.notify = self._wakeup_notify
 
     def _on_signal(self, signum: int, frame: Any) -> None:  # only sets a flag; the loop acts
         if signum == signal.SIGCHLD:
@@ -243,6 +251,12 @@ class Supervisor:
         if self.job is not None and self.job.proc is not None:
             self._kill_leftovers()
         self.channel.close()
+        if self._wakeup_notify is not None:
+            self._wakeup_notify.close()
+            if HELPERS.notify is self._wakeup_notify:
+                HELPERS.notify = None
+        for writer in self.writers.values():
+            writer.close(timeout_s=0)  # what is left was written by _finish_output; this puts the flags back
         if self._old_wakeup != -2:
             signal.set_wakeup_fd(self._old_wakeup)
             for signum, handler in self._old_handlers.items():
@@ -289,6 +303,8 @@ class Supervisor:
         while True:
             now = self.clock()
             timeout = max(0.0, min(due - now, 1.0))
+            if self._pump_writers():
+                timeout = min(timeout, WRITE_RETRY_S)
             busy = False  # anything but job output happened: run the timers and decisions now
             for key, _ in self._sel.select(timeout):
                 kind = key.data
@@ -426,7 +442,7 @@ class Supervisor:
             return True
         if job.returncode is None:
             return False
-        pipes_open = any(key.data == "pipe" for key in self._sel.get_map().values())
+        pipes_open = bool(self._paused_pipes) or any(key.data == "pipe" for key in self._sel.get_map().values())
         if not pipes_open:
             return True
         # Leftover processes keep the pipes open: wait for the drain period, then for the escalation.
@@ -479,24 +495,37 @@ class Supervisor:
             return
         if fd == self.err_fd:
             STDERR.mid_line = not data.endswith(b"\n")
-        view = memoryview(data)
-        while view:
-            try:
-                n = os.write(fd, view)
-            except BlockingIOError:
-                time.sleep(0.001)
-                continue
-            except BrokenPipeError:
-                if fd == self.out_fd:
-                    self._closed_out = True
-                return
-            except OSError:
-                return
-            view = view[n:]
+        writer = self.writers.get(fd)
+        if writer is None:
+            writer = self.writers[fd] = OutputWriter(fd)
+        writer.write(data)  # never blocks: a paused reader fills the writer's buffer (guard.run.writer)
+        if writer.broken and fd == self.out_fd:
+            self._closed_out = True
+
+    def _pump_writers(self) -> bool:
+        """Write what the guard's outputs take now; stop reading the job's pipes while a buffer is full, read
+        them again once it drained. True while something is still buffered."""
+        pending = False
+        full = False
+        for writer in self.writers.values():
+            if not writer.pump():
+                pending = True
+            full |= writer.full
+        if full and not self._paused_pipes:
+            self._paused_pipes = [key.fd for key in self._sel.get_map().values() if key.data == "pipe"]
+            for fd in self._paused_pipes:
+                self._sel.unregister(fd)
+        elif not full and self._paused_pipes:
+            for fd in self._paused_pipes:
+                self._sel.register(fd, selectors.EVENT_READ, "pipe")
+            self._paused_pipes = []
+        return pending
 
     def _finish_output(self) -> None:
         for fd, flt in self.filters.items():
             self._write(self.targets[fd], flt.close())
+        for writer in self.writers.values():
+            writer.close()  # the run is over: wait for the reader (the VERDICT comes after this output)
 
     # ------------------------------------------------------------------------------------------------------------
     # Agent channel
@@ -703,7 +732,7 @@ class Supervisor:
             return
         from guard.observe.stacks import dump_stacks
 
-        dump_stacks(self.job, self.masker)
+        HELPERS.submit(dump_stacks, self.job, self.masker)  # py-spy (up to 8 x 5 s) on the helper thread
 
     # ------------------------------------------------------------------------------------------------------------
     # Result
