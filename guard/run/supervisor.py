@@ -27,11 +27,12 @@ from guard import protocol
 from guard.run.channel import AgentChannel, AgentConn
 from guard.run.config import Config
 from guard.run.masking import Masker
-from guard.run.output import STDERR, OutputEvents, StreamFilter
-from guard.run.writer import OutputWriter
 from guard.run.helpers import HELPERS, Wakeup
+from guard.run.output import STDERR, OutputEvents, StreamFilter
 from guard.run.process import JobProcess, cgroup_memory, default_signals, set_subreaper
+from guard.run.ranks import RankWatch
 from guard.run.timers import Escalation, StallWatch
+from guard.run.writer import OutputWriter
 from guard.contract import (
     EXIT_NON_FINITE,
     EXIT_PREFLIGHT,
@@ -128,7 +129,8 @@ class Supervisor:
         self.sanity_done = False
         self.loss_source: str | None = None
         self.primary_agent: int | None = None
-        self.rank_progress: dict[int, tuple[int, float]] = {}  # rank -> (last step, when)
+        self.ranks = RankWatch(config.stall_timeout_s)  # the primary rank, and every rank's last step time
+        self.rank_progress: dict[int, tuple[int, float]] = self.ranks.last_step  # rank -> (last step, when)
         self.seen_node_rank: int | None = None
         self.agents_seen = 0  # agents that said hello (connections close when their process ends)
         self.rank_begun: dict[int, int] = {}  # rank -> steps begun, from the answers to a stack dump
@@ -338,7 +340,8 @@ class Supervisor:
                     return
 
     def _next_due(self, now: float) -> float:
-        due = [self.stall.due_at(), self.escalation.due_at(), self.next_sample, self.stop_at or math.inf]
+        due = [self.stall.due_at(), self.ranks.due_at(), self.escalation.due_at(), self.next_sample,
+               self.stop_at or math.inf]
         if self.job is not None:
             due.append(self.job.abandon_at())
         due += [since + PARTIAL_FLUSH_S for since in self.partial_since.values()]
@@ -368,6 +371,18 @@ class Supervisor:
             self.heartbeat.tick(now, Snapshot(
                 tree_rss_bytes=(self.job.last_rss_bytes or None) if running and self.job else None,
                 cgroup=cgroup_memory()))
+        stalled_rank = self.ranks.stalled_rank(now) if self.outcome is None and not self.stall.paused else None
+        if stalled_rank is not None:
+            silent = self.ranks.silent_for_s(stalled_rank, now)
+            log.error("rank %d: no training step for %.0fs (--stall-timeout %.0fs) while the other ranks go on",
+                      stalled_rank, silent, self.config.stall_timeout_s)
+            self.broadcast({"t": "dump"})
+            self._dump_stacks()
+            self._decide(Outcome("FAIL", "stalled", EXIT_STALLED, extra={"rank": stalled_rank}, hint=(
+                f"rank {stalled_rank} made no training step for {silent:.0f}s while the others went on: look at "
+                "its stack above (stopped, I/O, a DataLoader worker); raise --stall-timeout if a step can take "
+                "that long")), stop=False)
+            self.stop_at = now + 1.0  # give the agents a moment to print their stacks
         if self.stall.expired(now) and self.outcome is None:
             silent = self.stall.silent_for_s(now)
             what = "no training step" if self.stall.first_step_seen else "no output and no training step"
@@ -579,6 +594,8 @@ class Supervisor:
             self._on_progress(conn, message)
         elif kind == "train_end":
             log.debug("training ended at step %s", message.get("step"))
+            if conn.info.get("rank") is not None:
+                self.ranks.finished(int(conn.info["rank"]))
 
     def _on_progress(self, conn: AgentConn, message: dict[str, Any]) -> None:
         """A rank's answer to a stack dump: how many steps it has begun. Names the rank that holds up the rest."""
@@ -648,12 +665,14 @@ class Supervisor:
                     "lower the learning rate or add warmup, clip gradients (max_grad_norm), prefer bf16 over fp16, "
                     f"and check {batches} for empty or corrupt inputs")))
             return
-        if rank is not None and step is not None:
-            self.rank_progress[int(rank)] = (int(step), now)
-        if self.primary_agent is None and fd is not None:
-            self.primary_agent = fd
-        if fd is not None and fd != self.primary_agent and rank not in (None, 0):
-            return  # other ranks: checked for NaN above; step and loss come from one rank
+        if rank is not None:  # step and loss come from the lowest rank; the others were checked for NaN above
+            if not self.ranks.on_step(int(rank), int(step) if step is not None else None, now):
+                return
+        else:  # agents without a rank (several plain processes): the first one's
+            if self.primary_agent is None and fd is not None:
+                self.primary_agent = fd
+            if fd is not None and fd != self.primary_agent:
+                return
         self.step = int(step) if step is not None else (self.step or 0) + n
         self.loss = value
         self.stall.step(now)
@@ -684,6 +703,7 @@ class Supervisor:
         self._recheck = True
         self.outcome = outcome
         self.stall.pause()
+        self.ranks.pause()
         if stop:
             self._stop_job(self.clock())
 
