@@ -176,3 +176,28 @@ def test_a_lost_exit_status_makes_no_pass(tmp_path: Path, monkeypatch: pytest.Mo
 
 if sys.platform != "linux":  # pragma: no cover
     pytestmark = pytest.mark.skip("Linux process states")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The cgroup's oom_kill counter is read for every failure
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_an_oom_kill_in_the_cgroup_makes_a_crash_an_oom(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # torchrun exits 1 when the kernel's OOM killer took one of its workers: the counter rose during the run.
+    from guard.run import diagnose, supervisor
+    from guard.run.process import CgroupMemory
+
+    monkeypatch.setattr(supervisor, "cgroup_memory", lambda: CgroupMemory(None, 1 << 30, oom_kills=2))  # at start
+    monkeypatch.setattr(diagnose, "cgroup_memory", lambda: CgroupMemory(None, 1 << 30, oom_kills=3))  # at the end
+    _, verdict = _run_supervisor(tmp_path, "import sys\nsys.exit(1)\n")
+    assert verdict.startswith("VERDICT: FAIL reason=oom exit=1 "), verdict
+    assert "OOM killer ran in the job" in verdict
+
+
+def test_a_crash_without_an_oom_kill_stays_a_crash(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from guard.run import diagnose
+
+    monkeypatch.setattr(diagnose, "cgroup_memory", lambda: None)
+    _, verdict = _run_supervisor(tmp_path, "import sys\nsys.exit(1)\n")
+    assert verdict.startswith("VERDICT: FAIL reason=crash exit=1 "), verdict

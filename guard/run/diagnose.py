@@ -2,9 +2,10 @@
 
 Rules (the contract's table): an outcome the guard decided wins (non-finite loss, stall, dry run, preflight,
 deadline, signal). Otherwise the job's own exit decides: 0 is ``PASS ok``; a non-zero exit is ``crash`` with
-the job's exit code, or ``oom`` when the job printed a CUDA out-of-memory error; a death by signal is
-``killed`` (128 + n), or ``oom`` when it was a SIGKILL and the cgroup's ``oom_kill`` counter rose or the job's
-memory was near the cgroup's limit.
+the job's exit code, or ``oom`` when the job printed a CUDA out-of-memory error or the cgroup's ``oom_kill`` counter
+rose during the run (the kernel killed one of its processes, e.g. one torchrun worker, and the launcher exited
+non-zero); a death by signal is ``killed`` (128 + n), or ``oom`` when the counter rose, or when it was a SIGKILL and
+the job's memory was near the cgroup's limit.
 """
 
 from __future__ import annotations
@@ -29,10 +30,14 @@ NO_LOSS_HINT = (
 )
 
 
-def _host_oom(sup: Any) -> tuple[bool, str]:
+def _host_oom(sup: Any, *, near_limit: bool = True) -> tuple[bool, str]:
+    """Whether the job ran out of host memory: the cgroup's ``oom_kill`` counter rose since the start, or (with
+    ``near_limit``) the job's memory was within 10% of the cgroup's limit."""
     start, end = sup.cgroup_start, cgroup_memory()
     if start is not None and end is not None and end.oom_kills > start.oom_kills:
         return True, f"the kernel's OOM killer ran in the job's cgroup ({end.oom_kills - start.oom_kills} kill(s))"
+    if not near_limit:
+        return False, ""
     limit = end.limit_bytes if end is not None else None
     rss = sup.job.last_rss_bytes if sup.job is not None else 0
     if limit and rss >= OOM_NEAR_LIMIT * limit:
@@ -79,17 +84,22 @@ def job_result(sup: Any) -> RunResult:
     elif code == 0:
         result = RunResult("PASS", "ok", 0, elapsed_s)
     elif code is not None and code > 0:
+        host_oom, why = (False, "") if sup.cuda_oom else _host_oom(sup, near_limit=False)
         if sup.cuda_oom:
             result = RunResult("FAIL", "oom", code, elapsed_s, hint=(
                 "CUDA out of memory: lower the per-device batch size (keep the effective batch with gradient "
                 "accumulation), enable gradient checkpointing, use bf16, or pick a GPU with more memory"))
+        elif host_oom:
+            result = RunResult("FAIL", "oom", code, elapsed_s, hint=(
+                f"out of host memory ({why}): lower DataLoader num_workers or prefetch_factor, stream or shard "
+                "the dataset, or ask the platform for more memory"))
         else:
             what = f" after {sup.last_exception}" if sup.last_exception else ""
             result = RunResult("FAIL", "crash", code, elapsed_s, hint=(
                 f"the job exited with code {code}{what}: fix the error its traceback shows in the log and rerun"))
     else:
         signum = -(code if code is not None else -signal.SIGKILL)
-        oom, why = _host_oom(sup) if signum == signal.SIGKILL else (False, "")
+        oom, why = _host_oom(sup, near_limit=signum == signal.SIGKILL)
         if oom:
             result = RunResult("FAIL", "oom", 128 + signum, elapsed_s, hint=(
                 f"out of host memory ({why}): lower DataLoader num_workers or prefetch_factor, stream or shard "
