@@ -20,6 +20,8 @@ Agent -> supervisor (``t``):
 ``exception``       exc_type, message (the job's uncaught exception, from ``sys.excepthook``)
 ``push_result``     ok (bool), error (str|None): a push the Trainer did in the background
 ``train_end``       step
+``replay``          n: CUDA-graph replays since the last such message (sent every ``check_every``); progress without
+                    a loss (a replayed step calls no ``.backward()``), so not a stall
 
 Supervisor -> agent (``t``):
 

@@ -62,3 +62,13 @@ def test_a_step_without_number_counts_on() -> None:
     ranks.on_step(0, None, now=0.0)
     ranks.on_step(0, None, now=1.0)
     assert ranks.last_step[0] == (2, 1.0)
+
+
+def test_progress_without_a_step_keeps_a_rank_alive() -> None:
+    ranks = RankWatch(stall_timeout_s=10)
+    ranks.on_step(0, 5, now=0.0)
+    ranks.on_step(1, 5, now=0.0)
+    ranks.on_step(0, 9, now=12.0)
+    ranks.alive(1, now=12.0)  # CUDA-graph replays
+    assert ranks.stalled_rank(12.0) is None
+    assert ranks.last_step[1] == (5, 12.0)

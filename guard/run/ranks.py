@@ -49,6 +49,11 @@ class RankWatch:
         self.done.discard(rank)
         return rank == self.primary
 
+    def alive(self, rank: int, now: float) -> None:
+        """``rank`` made progress without a step number (CUDA-graph replays): its step stays, its time moves."""
+        step = self.last_step.get(rank, (0, now))[0]
+        self.last_step[rank] = (step, now)
+
     def finished(self, rank: int) -> None:
         """``rank`` ended its training (``train_end``): it is silent on purpose from now on."""
         self.done.add(rank)

@@ -592,6 +592,10 @@ class Supervisor:
                              world_size=message.get("world_size"))
         elif kind == "progress":
             self._on_progress(conn, message)
+        elif kind == "replay":  # CUDA-graph replays: steps without a loss, progress all the same
+            self.stall.step(now)
+            if conn.info.get("rank") is not None:
+                self.ranks.alive(int(conn.info["rank"]), now)
         elif kind == "train_end":
             log.debug("training ended at step %s", message.get("step"))
             if conn.info.get("rank") is not None:
