@@ -58,7 +58,7 @@ def patch(torch: Any) -> None:
             if agent.backward_hook and self.numel() == 1:
                 try:
                     agent.on_loss(self, None, "backward")
-                except Exception as exc:  # never break the job
+                except Exception as exc:  # noqa: BLE001 - never break the job
                     agent.backward_hook = False
                     agent_module._warn_once(f"loss hook disabled: {exc!r}")
         return original(self, *args, **kwargs)
@@ -82,9 +82,8 @@ def _patch_replay(torch: Any, agent_module: Any) -> None:
         if agent is not None:
             agent.begun += 1
             count[0] += 1
-            if count[0] >= agent.settings.check_every:
-                if agent.send({"t": "replay", "n": count[0]}):
-                    count[0] = 0
+            if count[0] >= agent.settings.check_every and agent.send({"t": "replay", "n": count[0]}):
+                count[0] = 0
         return result
 
     replay.__guard_wrapped__ = True  # type: ignore[attr-defined]
