@@ -306,7 +306,8 @@ def report_dict(result: RunResult) -> dict[str, Any]:
             return [clean(v) for v in value]
         return value
 
-    return clean(data)
+    cleaned: dict[str, Any] = clean(data)
+    return cleaned
 
 
 def write_report(path: str | os.PathLike[str], result: RunResult, masker: Masker | None = None) -> None:

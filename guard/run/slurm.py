@@ -168,7 +168,7 @@ class SlurmRefresher:
     def _safe_refresh(self) -> float | None:
         try:
             return self._refresh()
-        except Exception as exc:  # never let a refresh take the supervisor down
+        except Exception as exc:  # noqa: BLE001 - never let a refresh take the supervisor down
             return self._fail(f"unexpected {type(exc).__name__}: {exc}")
 
     def _refresh(self) -> float | None:
@@ -201,7 +201,7 @@ class SlurmRefresher:
             self._last_deadline_s = deadline_s
         return deadline_s
 
-    def _fail(self, why: str) -> None:
+    def _fail(self, why: str) -> float | None:
         self.failures += 1
         if not self._failure_logged:
             self._failure_logged = True

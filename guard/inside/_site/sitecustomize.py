@@ -4,9 +4,11 @@ The supervisor puts this folder first on ``PYTHONPATH``. The agent is loaded und
 (``_jobguard``, from the package folder two levels up), never as ``guard``: a project with its own ``guard.py``
 still gets its own module on ``import guard``, and a script that imports jobguard's ``guard`` gets the public API,
 which finds this agent by that private name (the folder holding jobguard's package is appended to ``sys.path``,
-after everything else, for scripts that ``import guard`` where jobguard is not installed). Python imports the first ``sitecustomize`` it finds, so after the
-agent this module imports the one that would have been used without it (a container's own ``sitecustomize``,
-e.g. for CUDA paths); what that file changes in ``sys.path`` is kept.
+after everything else, for scripts that ``import guard`` where jobguard is not installed).
+
+Python imports the first ``sitecustomize`` it finds, so after the agent this module imports the one that would
+have been used without it (a container's own ``sitecustomize``, e.g. for CUDA paths); what that file changes in
+``sys.path`` is kept.
 """
 
 import os
@@ -43,7 +45,7 @@ try:
     _root = os.path.dirname(os.path.dirname(os.path.dirname(_here)))
     if _root not in sys.path:
         sys.path.append(_root)
-except Exception as _exc:  # the job must run even when the agent cannot load
+except Exception as _exc:  # noqa: BLE001 - the job must run even when the agent cannot load
     sys.stderr.write(f"[guard] agent: not loaded ({_exc!r}); the job runs unwatched by the agent\n")
 
 # Chain to the sitecustomize this one shadows: look past this folder, then put it back where it was, keeping

@@ -71,7 +71,7 @@ def patch(torch: Any) -> None:
 def _patch_replay(torch: Any, agent_module: Any) -> None:
     graph_class = getattr(getattr(torch, "cuda", None), "CUDAGraph", None)
     original = getattr(graph_class, "replay", None)
-    if original is None or getattr(original, "__guard_wrapped__", False):
+    if graph_class is None or original is None or getattr(original, "__guard_wrapped__", False):
         return
     count = [0]
 
