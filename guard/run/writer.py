@@ -6,9 +6,11 @@ what cannot be written now in a bounded buffer and writes it when the descriptor
 over its limit (``full``), the supervisor stops reading the job's pipes, so the job itself blocks on its own
 writes (backpressure) instead of the guard's memory growing.
 
-How it avoids blocking, by the kind of descriptor (``os.fstat``): a pipe or a socket is switched to non-blocking
-for the run (``close`` puts the flag back); a terminal is written in ``PIPE_BUF`` pieces only while ``poll`` says
-it takes more; a regular file is written directly (the kernel does not block on it for lack of a reader).
+How it avoids blocking without changing the descriptor's flags (a non-blocking stdout would also be non-blocking for
+the guard's own log lines and for whatever shares the descriptor, e.g. ``2>&1``): a pipe, socket or terminal is
+written in pieces of at most ``PIPE_BUF`` (4096) bytes, each only after ``poll`` said it takes more (a pipe that
+polls writable has a free 4 KiB slot, so such a write does not wait); a regular file is written directly (the
+kernel does not block on it for lack of a reader). A descriptor that is non-blocking already is handled too.
 """
 
 from __future__ import annotations
@@ -41,21 +43,11 @@ class OutputWriter:
         self.broken = False
         self._chunks: deque[bytes] = deque()
         self._buffered = 0
-        self._restore_blocking: bool | None = None
-        self._poll_first = False
         try:
             mode = os.fstat(fd).st_mode
         except OSError:
             mode = 0
-        if stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode):
-            try:
-                if os.get_blocking(fd):
-                    os.set_blocking(fd, False)
-                    self._restore_blocking = True
-            except OSError:
-                pass
-        elif stat.S_ISCHR(mode) and os.isatty(fd):
-            self._poll_first = True
+        self._poll_first = not stat.S_ISREG(mode)
 
     @property
     def buffered_bytes(self) -> int:
@@ -68,7 +60,7 @@ class OutputWriter:
         return self._buffered >= self.limit_bytes
 
     def write(self, data: bytes) -> None:
-        """Queue ``data`` and write as much as the descriptor takes now; never blocks."""
+        """Queue ``data`` and write as much as the descriptor takes now; never blocks (a regular file aside)."""
         if not data or self.broken:
             return
         self._chunks.append(bytes(data))
@@ -107,8 +99,7 @@ class OutputWriter:
         return not self._chunks
 
     def close(self, timeout_s: float | None = None) -> None:
-        """Write what is left, waiting for the reader up to ``timeout_s`` (None: as long as it takes), then put
-        the descriptor's blocking flag back."""
+        """Write what is left, waiting for the reader up to ``timeout_s`` (None: as long as it takes)."""
         import time
 
         end = None if timeout_s is None else time.monotonic() + timeout_s
@@ -117,12 +108,6 @@ class OutputWriter:
             if left is not None and left <= 0:
                 break
             _wait_writable(self.fd, 0.1 if left is None else min(0.1, left))
-        if self._restore_blocking:
-            try:
-                os.set_blocking(self.fd, True)
-            except OSError:
-                pass
-            self._restore_blocking = None
 
 
 def _writable(fd: int, timeout_ms: int = 0) -> bool:
