@@ -77,22 +77,35 @@ def should_checkpoint() -> bool:
     Without a supervisor: always False.
     """
     agent = _agent.get()
-    return agent is not None and agent.checkpoint_due()
+    if agent is None:
+        return False
+    agent.note_api("should_checkpoint")
+    return bool(agent.checkpoint_due())
 
 
 def checkpoint_saved(path: str | os.PathLike[str], step: int | None = None) -> None:
     """Tell the guard a complete checkpoint now lies at ``path`` (a folder), saved at ``step``.
 
     The guard copies it to the destination (``--push-to``) and verifies it. Call it only after every file of
-    the checkpoint is written and closed. A folder without a Trainer state file gets a small marker,
+    the checkpoint is written and closed. ``path`` must lie inside the job's output folder (never ``/``, the
+    home or the working folder: the guard refuses those). When the guard asked for this checkpoint together
+    with a stop (deadline, signal), the process ends here (``SystemExit(0)``) unless the script reads
+    ``should_stop()`` to end by itself. A folder without a Trainer state file gets a small marker,
     ``guard_checkpoint.json`` (``{"step": N}``), so that it also counts as complete later (when the guard must
     secure the newest checkpoint on disk). Without a supervisor this does nothing.
     """
     agent = _agent.get()
-    if agent is not None:
-        step = step if step is not None else agent.watch.step
-        _mark_complete(os.fspath(path), step)
-        agent.checkpoint_done(os.fspath(path), step)
+    if agent is None:
+        return
+    agent.note_api("checkpoint_saved")
+    text = os.fspath(path) if path is not None else ""
+    if not str(text).strip():
+        agent.warn("checkpoint_saved() needs the checkpoint's folder or file: an empty path was ignored")
+        return
+    step = step if step is not None else agent.watch.step
+    _mark_complete(text, step)
+    agent.checkpoint_done(text, step)
+    agent.end_process()  # after a stop the guard asked for: the job ends here, unless it reads should_stop()
 
 
 def _mark_complete(path: str, step: int | None) -> None:
@@ -116,7 +129,10 @@ def should_stop() -> bool:
     Without a supervisor: always False.
     """
     agent = _agent.get()
-    return agent is not None and agent.stop_requested
+    if agent is None:
+        return False
+    agent.note_api("should_stop")
+    return bool(agent.stop_requested)
 
 
 def resume_path() -> str | None:

@@ -103,7 +103,7 @@ class ExitCode(IntEnum):
     NON_FINITE = 4
     STALLED = 5
     PUSH_FAILED = 6
-    INCOMPLETE = 7
+    INCOMPLETE = 7  # the job exited 0, but training ended early on an error it swallowed
     GUARD_ERROR = 70
     SECURED = 75  # stopped early, the newest checkpoint is secured where pushed= says (EX_TEMPFAIL)
     TIMEOUT_UNSECURED = 124  # as timeout(1)
@@ -160,7 +160,7 @@ class RunResult:
     Attributes:
         status: ``PASS``, ``FAIL``, ``TIMEOUT`` or ``INTERRUPTED``.
         reason: ``ok``, ``dry_run``, ``usage``, ``preflight``, ``non_finite_loss``, ``stalled``, ``push_failed``,
-            ``crash``, ``oom``, ``killed``, ``guard_error``, ``deadline``, ``signal``.
+            ``incomplete``, ``crash``, ``oom``, ``killed``, ``guard_error``, ``deadline``, ``signal``.
         exit_code: the guard's exit code (the contract's table).
         elapsed_s: seconds since the guard started.
         step, loss: the last training step and loss seen (None when none was seen).

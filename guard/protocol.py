@@ -15,17 +15,25 @@ Agent -> supervisor (``t``):
                     n (steps covered by this message, >= 1)
 ``trainer_config``  the TrainingArguments that matter (see ``TRAINER_FIELDS``) + has_eval_dataset, max_steps;
                     the agent then waits up to ack_timeout_s for ``ack`` (go on) before the first step
+``training_args``   the same fields as ``trainer_config`` (no max_steps, no has_eval_dataset), sent when
+                    ``TrainingArguments`` is built (before the job's data work); the agent waits for ``ack``
 ``train_begin``     max_steps
 ``checkpoint_saved`` path, step
+``file_saved``      path (absolute), step (the agent's step count), save_s: ``torch.save`` to a named file returned
+``api``             name: the script called ``guard.<name>()`` for the first time (``should_checkpoint``,
+                    ``checkpoint_saved``, ``should_stop``)
 ``exception``       exc_type, message (the job's uncaught exception, from ``sys.excepthook``)
 ``push_result``     ok (bool), error (str|None): a push the Trainer did in the background
-``train_end``       step
+``train_end``       step, max_steps, stopped (a callback or the guard asked training to stop)
+``train_error``     exc_type, message, root, step, max_steps: ``Trainer.train()`` raised (the script may catch it)
+``watching``        what (``torch``): the agent hooked torch and sees the losses; printed losses stop deciding
+``progress``        begun, step, where (the main thread's stack in one line): the answer to ``dump``
 ``replay``          n: CUDA-graph replays since the last such message (sent every ``check_every``); progress without
                     a loss (a replayed step calls no ``.backward()``), so not a stall
 
 Supervisor -> agent (``t``):
 
-``ack``             go on (after ``trainer_config``)
+``ack``             go on (after ``trainer_config`` or ``training_args``)
 ``checkpoint``      save a checkpoint now (at the next step end); ``stop`` (bool): then end training
 ``stop``            end training cleanly at the next step end
 """

@@ -12,6 +12,7 @@ import hashlib
 import json
 import re
 import secrets
+import time
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
@@ -100,8 +101,17 @@ class Routes:
             if (method, op) in table:
                 return table[(method, op)]()
             if op in ("xet-write-token", "xet-read-token"):
-                raise HttpError(501, "xet is not supported by the local Hub: set HF_HUB_DISABLE_XET=1")
+                return self.xet_token(repo_type, repo_id, write=op == "xet-write-token")
         raise HttpError(404, f"no route for {method} /api/{'/'.join(raw)}")
+
+    def xet_token(self, repo_type: str, repo_id: str, *, write: bool) -> tuple[int, Any, dict[str, str]]:
+        """Xet connection info (``huggingface_hub.utils._xet``: headers ``X-Xet-Cas-Url``, ``X-Xet-Access-Token``,
+        ``X-Xet-Token-Expiration``) pointing at ``hub.xet_storage_url``; 501 while none is set."""
+        url = self.hub.xet_storage_url
+        if url is None:
+            raise HttpError(501, "xet is not supported by the local Hub: set HF_HUB_DISABLE_XET=1")
+        return 200, {}, {"X-Xet-Cas-Url": url, "X-Xet-Access-Token": "xet-local-token",
+                         "X-Xet-Token-Expiration": str(int(time.time()) + 3600)}
 
     # -- repos ------------------------------------------------------------------------------------------------
 

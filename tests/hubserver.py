@@ -239,6 +239,8 @@ class HubServer:
         self._thread: threading.Thread | None = None
         self.requests: list[RequestRecord] = []
         self.url = ""
+        self.xet_storage_url: str | None = None  # answered by the xet token routes (None: 501)
+        self._silent: list[socket.socket] = []
         if seed:
             self._seed()
 
@@ -257,6 +259,10 @@ class HubServer:
     def stop(self) -> None:
         """Stop serving and drop every open connection (keep-alive ones included)."""
         self._wake.set()
+        for sock in self._silent:
+            with contextlib.suppress(OSError):
+                sock.close()
+        self._silent.clear()
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
@@ -266,6 +272,26 @@ class HubServer:
                 with contextlib.suppress(OSError):
                     conn.shutdown(socket.SHUT_RDWR)
             self._server = None
+
+    def silent_xet_storage(self) -> str:
+        """Point the xet token routes at a local address that accepts connections and never answers (a hung
+        storage backend); returns its URL. Closed by ``stop``."""
+        listener = socket.socket()
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(64)
+        self._silent.append(listener)
+
+        def hold() -> None:  # accept and keep every connection open, reading nothing, answering nothing
+            while True:
+                try:
+                    conn, _ = listener.accept()
+                except OSError:
+                    return
+                self._silent.append(conn)
+
+        threading.Thread(target=hold, name="silent-xet", daemon=True).start()
+        self.xet_storage_url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+        return self.xet_storage_url
 
     def __enter__(self) -> HubServer:
         return self.start()

@@ -178,7 +178,9 @@ def test_describe_a_custom_folder_takes_the_callers_step(tmp_path):
 def test_describe_a_single_file(tmp_path):
     path = write(tmp_path / "ckpt.pt", 321)
     info = describe(path, step=3)
-    assert info == CheckpointInfo(path=path, step=3, size_bytes=321, files=("ckpt.pt",), newest_mtime_s=NOW - 60)
+    assert info == CheckpointInfo(path=path, step=3, size_bytes=321, files=("ckpt.pt",), newest_mtime_s=NOW - 60,
+                                  step_source="reported")
+    assert info.folder == tmp_path
 
 
 def test_describe_falls_back_to_the_folder_name(tmp_path):

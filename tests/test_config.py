@@ -20,7 +20,7 @@ from guard.run.config import (
     resolve,
     split_repeat,
 )
-from guard.errors import UsageError
+from guard.errors import PreflightError, UsageError
 
 NO_FLAGS: dict[str, object] = {}
 
@@ -303,13 +303,43 @@ def test_unknown_option_is_a_usage_error(script: Path) -> None:
         build_config(["--bogus", str(script)], {})
 
 
-def test_a_folder_and_a_broken_script_are_usage_errors(tmp_path: Path) -> None:
+def test_a_folder_is_a_usage_error_and_a_broken_script_a_preflight_failure(tmp_path: Path) -> None:
     with pytest.raises(UsageError, match="is a folder"):
         build_config([str(tmp_path)], {})
     broken = tmp_path / "broken.py"
     broken.write_text("x = 1\ndef f(:\n")
-    with pytest.raises(UsageError, match="line 2"):
+    with pytest.raises(PreflightError) as caught:
         build_config([str(broken)], {})
+    assert caught.value.check == "script" and caught.value.exit_code == 3
+    assert "line 2" in caught.value.message and "def f(:" in caught.value.message
+    assert caught.value.message.splitlines()[-1].endswith("      ^")  # the caret under the column
+    assert "broken.py line 2" in (caught.value.hint or "")
+
+
+def test_bare_resume_means_on_and_leaves_the_script_alone(script: Path) -> None:
+    assert build_config(["--resume", str(script)], {}).resume == "on"
+    assert build_config(["--resume", "--push-to", "./x", str(script)], {}).resume == "on"
+    config = build_config(["--resume", "if-valid", str(script), "--resume"], {})
+    assert (config.resume, config.script, config.script_args) == ("if-valid", script, ("--resume",))
+    assert build_config(["--resume=off", str(script)], {}).resume == "off"
+
+
+def test_stall_timeout_zero_is_off(script: Path) -> None:
+    from guard.run.timers import StallWatch
+
+    config = build_config(["--stall-timeout", "0", str(script)], {})
+    watch = StallWatch(config.stall_timeout_s, 0.0)
+    assert watch.due_at() == float("inf") and not watch.expired(1e9)
+
+
+def test_help_shows_defaults_as_the_readme_writes_them() -> None:
+    from guard.run.cli import _parser
+
+    text = " ".join(_parser().format_help().split())
+    for option, default in (("stall_timeout", "30m"), ("heartbeat", "5m"), ("grace", "30s"), ("margin", "auto"),
+                            ("resume", "auto"), ("dry_run", "off"), ("timeout", "none")):
+        assert f"env {env_name(option)}; default: {default})" in text
+    assert "1800.0" not in text and "default: -)" not in text
 
 
 def test_preflight_subcommand_needs_no_script() -> None:
@@ -321,3 +351,23 @@ def test_preflight_subcommand_needs_no_script() -> None:
 def test_skip_check_reasons_may_hold_commas_in_the_environment() -> None:
     values, _ = resolve({}, {"GUARD_SKIP_CHECK": "gpu=not needed, really,hub-auth=offline"})
     assert values["skip_check"] == (("gpu", "not needed, really"), ("hub-auth", "offline"))
+
+
+def test_push_to_an_existing_folder_without_dot_slash_is_a_usage_error(script: Path, tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "checkpoints" / "run1").mkdir(parents=True)
+    with pytest.raises(UsageError, match="is a folder here") as caught:
+        build_config(["--push-to", "checkpoints/run1", str(script)], {})
+    assert "did you mean ./checkpoints/run1" in (caught.value.hint or "")
+    assert build_config(["--push-to", "./checkpoints/run1", str(script)], {}).push_to == "./checkpoints/run1"
+    assert build_config(["--push-to", "hf://checkpoints/run1", str(script)], {}).push_to == "hf://checkpoints/run1"
+    assert build_config(["--push-to", "acme/run2", str(script)], {}).push_to == "acme/run2"  # no such folder
+
+
+def test_guard_options_in_the_jobs_arguments() -> None:
+    from guard.run.config import guard_options_in
+
+    assert guard_options_in(["--steps", "3", "--timeout", "1h", "--push-to=./x", "--timeout", "2h"]) == [
+        "--timeout", "--push-to"]
+    assert guard_options_in(["--steps", "3", "--", "--timeout"]) == []

@@ -326,7 +326,7 @@ def test_fetch_round_trip(hub, api, repo_id, tmp_path, trainer_state):
     fetched = securer.fetch_last_checkpoint(tmp_path / "resume", deadline=time.monotonic() + 60)
     assert fetched is not None and fetched.step == 42  # from trainer_state.json, or from the commit title
     assert fetched.path == tmp_path / "resume" / "checkpoint-42" and local_files(fetched.path) == local_files(ckpt)
-    assert fetched.revision != pushed.revision and len(fetched.revision) == 40  # the newest commit
+    assert fetched.revision == pushed.revision  # the commit the guard recorded, not a later HEAD
     assert sorted(os.listdir(tmp_path / "resume")) == ["checkpoint-42"]  # no staging left behind
 
 

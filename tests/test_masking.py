@@ -182,3 +182,12 @@ def test_other_loggers_and_warnings_are_masked(capsys: pytest.CaptureFixture[str
     assert "retrying https://u:***@host" in err
     assert "ValueError: bad value ***" in err
     assert "UserWarning: deprecated token ***" in err
+
+
+def test_command_line_secrets_follow_secret_named_options() -> None:
+    from guard.run.masking import command_line_secrets
+
+    argv = ["train.py", "--wandb-key", "abcd1234efgh", "--hf_token=tok-5678-abcd", "--api_key", "-x",
+            "--tokenizer_name", "gpt2-medium", "--max_tokens", "100000000", "--eos_token", "<|endoftext|>",
+            "--db.password=pw12345678", "--client-secret", "cs-0000-1111"]
+    assert command_line_secrets(argv) == ["abcd1234efgh", "tok-5678-abcd", "pw12345678", "cs-0000-1111"]

@@ -160,6 +160,11 @@ def test_verdict_after_a_partial_flush_mid_line_is_not_escaped() -> None:
         (b"loss_scale=1024", []),
         (b"CrossEntropyLoss(2.0)", []),
         (b"losses=3", []),
+        (b"best loss: inf", []),
+        (b"val loss 2.1 (step 3)", []),
+        (b"min loss so far: 1.0", []),
+        (b"Best-Loss=inf", []),
+        (b"epoch 1 step 3 loss 2.0 best loss inf", [(3, 2.0)]),
     ],
 )
 def test_parse_losses(line: bytes, expected: list) -> None:
@@ -320,3 +325,18 @@ def test_upper_case_and_sentence_end_losses() -> None:
     flt = make()
     run(flt, b"LOSS=2.0\n", b"the loss: 2.3.\n", flush_between=False)
     assert [v for _, v in flt.events.losses] == [2.0, 2.3]
+
+
+def test_the_root_of_a_chain_and_of_a_dataloader_worker_error_is_kept() -> None:
+    flt = make()
+    run(flt, b"Traceback (most recent call last):\n  File \"a.py\", line 1\nOSError: [Errno 28] No space left\n\n"
+             b"The above exception was the direct cause of the following exception:\n\n"
+             b"Traceback (most recent call last):\n  File \"a.py\", line 3\nRuntimeError: could not save\n")
+    assert flt.events.last_exception == "RuntimeError: could not save"
+    assert flt.events.root_exception == "OSError: [Errno 28] No space left"
+    run(flt, b"Traceback (most recent call last):\n  File \"t.py\", line 9\n"
+             b"RuntimeError: Caught RuntimeError in DataLoader worker process 0.\n"
+             b"Original Traceback (most recent call last):\n  File \"w.py\", line 2\n"
+             b"RuntimeError: unable to allocate shared memory(shm) for file </torch_1_2_0>\n")
+    assert flt.events.last_exception == "RuntimeError: Caught RuntimeError in DataLoader worker process 0."
+    assert flt.events.root_exception.startswith("RuntimeError: unable to allocate shared memory")

@@ -22,8 +22,8 @@ def test_local_by_default() -> None:
 def test_hf_jobs() -> None:
     info = detect(HF_JOBS)
     assert info.name == "hf_jobs"
-    assert info.details == {"job_id": "6712ab", "accelerator": "a10g-small", "cpu_cores": "4", "memory": "15Gi"}
-    assert info.describe() == "hf_jobs (job_id=6712ab accelerator=a10g-small cpu_cores=4 memory=15Gi)"
+    assert info.details == {"job_id": "6712ab", "flavor": "a10g-small", "cpu_cores": "4", "memory": "15Gi"}
+    assert info.describe() == "hf_jobs (job_id=6712ab flavor=a10g-small cpu_cores=4 memory=15Gi)"
 
 
 @pytest.mark.parametrize("missing", ["JOB_ID", "CPU_CORES", "MEMORY"])

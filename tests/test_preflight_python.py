@@ -33,11 +33,35 @@ def test_satisfied_pinned_dependencies_pass(tmp_path: Path) -> None:
     assert f"packaging {PACKAGING}" in rows[0].seen
 
 
-def test_missing_and_unsatisfied_dependencies_fail_together(tmp_path: Path) -> None:
+def test_missing_and_unsatisfied_dependencies_warn_together_without_uv(tmp_path: Path) -> None:
     rows = check_pep723(analyze_script(script(tmp_path, ["notapkg-xyz-guard>=1", "packaging<1"])))
-    assert rows[0].status == "fail"
+    assert rows[0].status == "warn"
     assert "notapkg-xyz-guard not installed" in rows[0].seen
     assert f"packaging {PACKAGING} installed, <1 asked" in rows[0].seen
+    assert "does not run through uv" in rows[0].seen and "--uv on" in (rows[0].hint or "")
+
+
+def test_in_a_uv_environment_the_dependencies_are_uvs(tmp_path: Path) -> None:
+    facts = analyze_script(script(tmp_path, ["notapkg-xyz-guard>=1"]))
+    rows = check_pep723(facts, uv_environment="/envs/job-123")
+    assert [r.status for r in rows] == ["pass"]
+    assert rows[0].seen == "PEP 723: installed by uv in /envs/job-123: notapkg-xyz-guard"
+    rows = check_pep723(facts, uv_error="uv sync --script exited 1: No solution found")
+    assert [r.status for r in rows] == ["fail"] and "No solution found" in rows[0].seen
+
+
+def test_import_names_come_from_packages_distributions(tmp_path: Path, monkeypatch: Any) -> None:
+    from guard.preflight import python_env
+
+    # the real metadata of this environment: nvidia-ml-py installs pynvml, PyYAML installs yaml
+    facts = analyze_script(script(tmp_path, ["nvidia-ml-py", "PyYAML", "packaging"]))
+    names = key_imports(facts)
+    assert {"pynvml", "yaml", "packaging"} <= set(names)
+    assert not {"nvidia_ml_py", "pyyaml"} & set(names)
+    # scikit-learn is checked as sklearn (a stand-in mapping: sklearn is not installed here)
+    monkeypatch.setattr(python_env, "_packages_distributions", lambda: {"sklearn": ["scikit-learn"]})
+    assert key_imports(analyze_script(script(tmp_path, ["scikit-learn"]))) == ["sklearn"]
+    assert key_imports(analyze_script(script(tmp_path, ["scikit-learn"])), pep723_modules=False) == []
 
 
 def test_unpinned_dependencies_warn(tmp_path: Path) -> None:

@@ -102,7 +102,7 @@ def test_a_float_nan_between_checks_is_sent_at_once_and_waits_for_the_stop() -> 
     watch = LossWatch(fake, sanity_steps=2, check_every=10)  # type: ignore[arg-type]
     for step in range(1, 6):
         watch.observe(math.nan if step == 5 else 1.0, None, "report")
-    assert _steps(fake) == [(1, 1, True), (2, 1, True), (5, 3, False)]
+    assert _steps(fake) == [(1, 1, True), (2, 1, True), (5, 1, False)]  # the bad step itself
     assert math.isnan(fake.sent[-1]["loss"])
     assert fake.waits == 1
 
@@ -184,9 +184,9 @@ def test_a_tensor_nan_between_checks_is_still_reported_as_not_finite(syncs: list
     for step in range(1, 13):
         loss = torch.tensor(math.nan if step == 4 else 1.0 / step)
         watch.observe(loss, None, "backward")
-    # Step 4's NaN is in the window 3..7: the message at step 7 carries step 7's (finite) loss but says not finite.
-    assert _steps(fake) == [(1, 1, True), (2, 1, True), (7, 5, False), (12, 5, True)]
-    assert fake.sent[2]["loss"] == pytest.approx(1.0 / 7)
+    # Step 4's NaN is in the window 3..7: read at step 7, the message names step 4 and its NaN (not step 7's loss).
+    assert _steps(fake) == [(1, 1, True), (2, 1, True), (4, 1, False), (12, 5, True)]
+    assert math.isnan(fake.sent[2]["loss"])
     assert fake.waits == 1
 
 
@@ -474,16 +474,63 @@ def test_public_api_with_a_supervisor(server: Server, agents: list[Agent], monke
     assert recv(conn)["t"] == "hello"
     assert recv(conn) == {"t": "step", "step": 1, "loss": 2.5, "finite": True, "n": 1, "source": "report"}
     assert not guard.should_checkpoint() and not guard.should_stop()
+    # the first use of each API call is announced once: the supervisor learns the job can answer requests
+    assert recv(conn) == {"t": "api", "name": "should_checkpoint"}
+    assert recv(conn) == {"t": "api", "name": "should_stop"}
     conn.send(protocol.encode({"t": "checkpoint", "stop": True}))
     wait_until(guard.should_checkpoint, "the checkpoint request")
     guard.report(step=2, loss=2.0)  # pending: one step since the last send
-    guard.checkpoint_saved(tmp_path / "ckpt")
+    guard.checkpoint_saved(tmp_path / "ckpt")  # this script reads should_stop(): it is not ended here
+    assert recv(conn) == {"t": "api", "name": "checkpoint_saved"}
     assert recv(conn) == {"t": "step", "step": 2, "loss": 2.0, "finite": True, "n": 1, "source": "report"}
     saved = recv(conn)
     assert saved["t"] == "checkpoint_saved"
     assert (saved["path"], saved["step"], saved["requested"]) == (str(tmp_path / "ckpt"), 2, True)
     assert guard.should_stop()  # the request said: then stop
     assert not guard.should_checkpoint()
+
+
+def test_a_script_that_does_not_read_should_stop_ends_after_the_requested_save(
+        server: Server, agents: list[Agent], monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(agent_module, "_AGENT", None)
+    monkeypatch.setenv(protocol.ENV_SOCKET, server.path)
+    agent = agent_module.get()
+    agents.append(agent)
+    guard.report(step=1, loss=2.5)
+    conn = server.accept()
+    conn.send(protocol.encode({"t": "checkpoint"}))  # a save without a stop: the job goes on
+    wait_until(guard.should_checkpoint, "the checkpoint request")
+    guard.checkpoint_saved(tmp_path / "a")
+    conn.send(protocol.encode({"t": "checkpoint", "stop": True}))
+    wait_until(guard.should_checkpoint, "the stop request")
+    with pytest.raises(SystemExit) as ended:
+        guard.checkpoint_saved(tmp_path / "b")
+    assert ended.value.code == 0
+    guard.checkpoint_saved("")  # ignored with a warning, never a push of the working folder
+    kinds = []
+    conn.settimeout(2.0)
+    while True:
+        try:
+            kinds.append(recv(conn))
+        except (TimeoutError, OSError):
+            break
+        if sum(m.get("t") == "checkpoint_saved" for m in kinds) == 2:
+            break
+    assert [m["path"] for m in kinds if m["t"] == "checkpoint_saved"] == [str(tmp_path / "a"), str(tmp_path / "b")]
+
+
+def test_a_rank_that_does_not_report_the_save_ends_when_it_asks_again(
+        server: Server, agents: list[Agent], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(agent_module, "_AGENT", None)
+    monkeypatch.setenv(protocol.ENV_SOCKET, server.path)
+    agent = agent_module.get()
+    agents.append(agent)
+    guard.report(step=1, loss=2.5)
+    conn = server.accept()
+    conn.send(protocol.encode({"t": "checkpoint", "stop": True}))
+    wait_until(guard.should_checkpoint, "the stop request")  # this rank saves its part (or waits at a barrier)
+    with pytest.raises(SystemExit):
+        guard.should_checkpoint()  # the next step: its part is done
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -80,19 +80,62 @@ def test_a_damaged_checkpoint_on_the_server_is_refused(hub: HubServer, tmp_path:
     assert "train_begin global_step=0" in fresh.stdout
 
 
-def test_requeue_runs_scontrol_after_a_secured_stop(tmp_path: Path) -> None:
+def test_requeue_runs_scontrol_after_the_verdict_and_survives_slurms_sigterm(tmp_path: Path) -> None:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     calls = tmp_path / "scontrol-calls"
     scontrol = bin_dir / "scontrol"
-    scontrol.write_text(f"#!/bin/sh\necho \"$@\" >> {calls}\nexit 0\n")
+    report = tmp_path / "report.json"
+    # Like Slurm, the requeue is followed by a SIGTERM to the guard; the VERDICT and the report are out by then.
+    scontrol.write_text(f"#!/bin/sh\necho \"$@\" >> {calls}\n[ \"$1\" = requeue ] || exit 1\n"
+                        f"test -f {report} && echo report-written >> {calls}\nkill -TERM $PPID\nsleep 0.5\nexit 0\n")
     scontrol.chmod(0o755)
     import os
 
     env = {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "SLURM_JOB_ID": "4242", "SLURM_RESTART_COUNT": "0"}
-    run = run_guard([*FAST, "--requeue", "--timeout", "12s", "--margin", "5s", "--push-to", str(tmp_path / "dest"),
+    run = run_guard([*FAST, "--requeue", "--report", str(report), "--timeout", "12s", "--margin", "5s", "--push-to", str(tmp_path / "dest"),
                      str(REPO / "examples" / "train_loop.py"), "--steps", "100000", "--save-every", "100000",
                      "--output-dir", str(tmp_path / "out")], env=env, timeout_s=60)
     assert run.returncode == 75, run.stderr[-3000:]
     assert "requeue 4242" in calls.read_text()
+    assert "report-written" in calls.read_text()
+    assert run.verdict.startswith("VERDICT: TIMEOUT")
     assert "platform: slurm" in run.stderr
+
+
+def test_sigterm_during_preflight_ends_the_guard_within_grace(tmp_path: Path) -> None:
+    import os
+    import signal
+    import time
+
+    import psutil
+
+    from conftest import start_guard
+
+    lib = tmp_path / "lib"
+    lib.mkdir()
+    pid_file = tmp_path / "import-pid"
+    (lib / "slowimport.py").write_text(f"import os, time\nopen({str(pid_file)!r}, 'w').write(str(os.getpid()))\n"
+                                       "time.sleep(120)\n")
+    script = tmp_path / "train.py"
+    script.write_text("import slowimport\nprint('never')\n")
+    proc = start_guard(["--grace", "4s", str(script)], env={"PYTHONPATH": f"{REPO}{os.pathsep}{lib}"})
+    try:
+        deadline = time.monotonic() + 60
+        while not pid_file.exists() and time.monotonic() < deadline:  # preflight is importing the module
+            time.sleep(0.1)
+        assert pid_file.exists()
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=30)
+        took_s = time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
+    assert out.strip().splitlines()[-1].startswith("VERDICT: INTERRUPTED reason=signal")
+    assert took_s < 4
+    assert "never" not in out
+    importer = int(pid_file.read_text())
+    time.sleep(0.5)
+    assert not psutil.pid_exists(importer) or psutil.Process(importer).status() == psutil.STATUS_ZOMBIE

@@ -145,14 +145,15 @@ def test_usage_error_from_the_environment() -> None:
     assert "GUARD_GRACE" in run.stderr
 
 
-def test_a_folder_or_a_broken_script_is_a_usage_error(tmp_path: Path) -> None:
+def test_a_folder_is_a_usage_error_and_a_broken_script_a_preflight_failure(tmp_path: Path) -> None:
     run = run_guard([str(tmp_path)])
     assert run.returncode == 2 and "is a folder" in run.stderr
     broken = tmp_path / "broken.py"
     broken.write_text("def f(:\n    pass\n")
     run = run_guard([str(broken)])
     assert_one_verdict(run)
-    assert run.returncode == 2 and "line 1" in run.stderr
+    assert run.returncode == 3 and "line 1" in run.stderr
+    assert (run.fields()["reason"], run.fields()["check"]) == ("preflight", "script")
 
 
 def test_secrets_are_masked_even_when_split_across_reads() -> None:

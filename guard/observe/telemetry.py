@@ -332,6 +332,13 @@ class Heartbeat:
         self.next_check = -math.inf
         self.next_beat = clock() + interval_s if interval_s > 0 else math.inf
         self.last_figures: dict[str, float] = {}
+        self.saves = 0
+        self.newest_save: str | None = None
+
+    def on_save(self, path: str) -> None:
+        """The job finished saving a checkpoint (counted in the next heartbeat as ``saves=N(newest NAME)``)."""
+        self.saves += 1
+        self.newest_save = os.path.basename(os.path.normpath(path)) or path
 
     def set_max_steps(self, max_steps: Any) -> None:
         """The run's last step (the Trainer's ``state.max_steps``); ignored unless a positive integer."""
@@ -424,6 +431,8 @@ class Heartbeat:
         if proj is not None:
             parts.append(f"eta={fmt_duration(proj['eta_s'])}")
             figures["guard/eta_s"] = proj["eta_s"]
+        if self.saves:
+            parts.append(f"saves={self.saves}({self.newest_save})")
         if samples is None:
             parts.append(f"gpu=n/a({f'no answer within {GPU_WAIT_S:g}s' if slow else self.gpus.reason})")
         for gpu in samples or []:

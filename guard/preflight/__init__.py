@@ -6,15 +6,18 @@ of ``CHECK_NAMES``. A check that does not apply is an ``n/a`` row with its reaso
 turns a whole group into one ``n/a`` row carrying the reason. Any ``fail`` row means the job must not start:
 ``VERDICT: FAIL reason=preflight check=<row name> exit=3``.
 
-Modules: ``script`` (static analysis, PEP 723), ``env``, ``hub``, ``gpu``, ``storage``, ``python_env``,
-``trainer``, ``misc`` (budget, distributed, tracking). Nothing here imports ``huggingface_hub`` unless a Hub
+Modules: ``script`` (static analysis, PEP 723), ``env``, ``hub``, ``gpu``, ``storage``, ``data`` (shards, the
+datasets cache), ``python_env``, ``trainer``, ``misc`` (budget, distributed, tracking), ``launch`` (the launcher's
+command, the launch smoke). A launcher command (``-- torchrun ... train.py``) is read for the script it runs. Nothing here imports ``huggingface_hub`` unless a Hub
 check runs, nor ``pynvml`` unless the GPU check runs, nor ever ``torch``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
+import socket
 import subprocess
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -25,15 +28,54 @@ from typing import Any
 from guard.errors import UsageError
 from guard.preflight._common import NoAnswer, call_bounded, hf_offline, one_line
 from guard.preflight._job import HubTarget, JobView, parse_push_to
-from guard.preflight._models import CHECK_NAMES, CheckResult, PreflightOptions, PreflightReport, Status
+from guard.preflight._models import (
+    CHECK_NAMES,
+    CheckResult,
+    PreflightOptions,
+    PreflightReport,
+    Status,
+)
+from guard.preflight.data import (
+    ShardSet,
+    check_data,
+    check_datasets_cache,
+    check_hub_splits,
+    find_hub_splits,
+    find_local_data,
+    shard_bytes,
+)
+from guard.preflight.cmdline import JobArgs, read_job_args
 from guard.preflight.env import check_env
 from guard.preflight.gpu import GpuInfo, check_gpus
+from guard.preflight.hfjobs import (
+    FLAVORS,
+    HfJobsTable,
+    expected_flavor,
+    read_hf_jobs_file,
+)
 from guard.preflight.hub import HubProbe, RepoRef, check_hub_auth, check_hub_repos
-from guard.preflight.misc import check_budget, check_distributed, check_tracking
-from guard.preflight.python_env import check_imports, check_pep723
+from guard.preflight.launch import (
+    LaunchCommand,
+    check_launch,
+    parse_launch,
+    run_launch_smoke,
+    smoke_wanted,
+)
+from guard.preflight.misc import (
+    check_budget,
+    check_distributed,
+    check_optional_imports,
+    check_tracking,
+)
+from guard.preflight.python_env import UV_HINT, check_imports, check_pep723
 from guard.preflight.script import ScriptFacts, analyze_script
-from guard.preflight.storage import check_cache, check_free_space, check_shm, check_writable
-from guard.preflight.trainer import check_trainer_config
+from guard.preflight.storage import (
+    check_cache,
+    check_free_space,
+    check_shm,
+    check_writable,
+)
+from guard.preflight.trainer import check_compile_mentions, check_trainer_config
 
 __all__ = [
     "CHECK_NAMES",
@@ -97,15 +139,21 @@ def run_preflight(
     if unknown:
         raise UsageError(f"--skip-check: no check named {unknown[0]!r}; the checks are: {', '.join(CHECK_NAMES)}",
                          option="--skip-check")
+    launch = parse_launch(opts.command) if opts.command else None
+    if opts.script is None and launch is not None and launch.script is not None:
+        opts = dataclasses.replace(opts, script=launch.script, script_args=launch.script_args)
     facts: ScriptFacts | None = None
     script_error: CheckResult | None = None
+    job_args = read_job_args(opts.script_args) if opts.script is not None else JobArgs()
     if opts.script is not None:
         try:
-            facts = analyze_script(opts.script)
+            facts = analyze_script(opts.script, overrides=job_args.values)
         except OSError as exc:
             script_error = CheckResult("python", "fail", f"cannot read {opts.script}: {exc.strerror or exc}",
                                        "check the script's path")
-    job = JobView.build(opts, facts, environ)
+    hf_jobs = read_hf_jobs_file(opts.script) if script_error is None else None
+    opts = with_flavor_gpus(opts, hf_jobs, environ)
+    job = JobView.build(opts, facts, environ, job_args)
     probe = HubProbe(environ, hf_api, opts.network_timeout_s)
     skip = opts.skip_checks
     rows: dict[str, list[CheckResult]] = {}
@@ -142,23 +190,28 @@ def run_preflight(
         f_gpu: Future = pool.submit(gpu_task)
         f_repos: Future = pool.submit(repos_task)
         f_auth = pool.submit(guarded, "hub-auth", lambda: check_hub_auth(job.hub_target, environ=environ, probe=probe))
-        f_python = pool.submit(guarded, "python", lambda: _python_rows(facts, script_error, environ, runner))
+        f_python = pool.submit(guarded, "python", lambda: _python_rows(facts, script_error, environ, runner, opts,
+                                                                           hf_jobs)
+                               + check_optional_imports(job))
         f_tracking = pool.submit(guarded, "tracking", lambda: check_tracking(
             job, environ=environ, space_private=None if _offline_or_skipped(environ, skip) else probe.space_private))
-        f_dist = pool.submit(guarded, "distributed", lambda: check_distributed(
-            opts, environ=environ, gpus=f_gpu.result()[1]))
-        rows["env"] = guarded("env", lambda: check_env(opts, job, environ=environ))
+        f_dist = pool.submit(guarded, "distributed", lambda: _distributed_rows(
+            opts, launch, environ=environ, gpus=f_gpu.result()[1]))
+        f_data = pool.submit(guarded, "data", lambda: _data_rows(opts, facts, environ, probe))
+        rows["env"] = guarded("env", lambda: check_env(opts, job, environ=environ, hf_jobs=hf_jobs))
         rows["budget"] = guarded("budget", lambda: [check_budget(opts)])
         rows["storage"] = guarded("storage", lambda: _storage_rows(opts, job, environ, f_repos))
         gpu_rows, gpus = f_gpu.result()
         rows["gpu"] = gpu_rows
         rows["trainer-config"] = guarded("trainer-config", lambda: check_trainer_config(
-            job.config, gpus=gpus, timeout_known=opts.timeout_s is not None, environ=environ) if facts else [
+            job.config, gpus=gpus, timeout_known=opts.timeout_s is not None, environ=environ)
+            + check_compile_mentions(job, gpus) if facts else [
             CheckResult("trainer-config", "n/a", "no script given: checked when the Trainer is built")])
         rows["hub-repos"] = f_repos.result()[0]
         rows["hub-auth"] = f_auth.result()
         rows["python"] = f_python.result()
         rows["tracking"] = f_tracking.result()
+        rows["data"] = f_data.result()
         rows["distributed"] = f_dist.result()
     results = tuple(row for name in CHECK_NAMES for row in rows.get(name, []))
     return PreflightReport(results=results, elapsed_s=clock() - start, facts=facts,
@@ -181,16 +234,86 @@ def _repo_refs(opts: PreflightOptions, facts: ScriptFacts | None) -> list[RepoRe
     return list(unique.values())
 
 
+def with_flavor_gpus(opts: PreflightOptions, hf_jobs: HfJobsTable | None,
+                     environ: Mapping[str, str]) -> PreflightOptions:
+    """On HF Jobs, the GPUs the flavor gives (``ACCELERATOR``, else the script's ``[tool.hf-jobs] flavor``) become
+    the GPU check's expectation, unless ``--require-gpus``/``--gpu-type`` say otherwise (see ``hfjobs.FLAVORS``).
+    A CPU flavor or an unknown name expects nothing."""
+    if opts.platform != "hf_jobs" or opts.require_gpus or opts.gpu_type:
+        return opts
+    flavor = expected_flavor(hf_jobs, environ)
+    if flavor is None or flavor[0] not in FLAVORS or not FLAVORS[flavor[0]].count:
+        return opts
+    name, source = flavor
+    gpus = FLAVORS[name]
+    import dataclasses
+
+    return dataclasses.replace(opts, require_gpus=gpus.count, gpu_type=gpus.gpu_type,
+                               gpu_source=f"flavor {name} ({source}): {gpus.count}x {gpus.gpu_type}")
+
+
 def _python_rows(facts: ScriptFacts | None, script_error: CheckResult | None, environ: Mapping[str, str],
-                 runner: Callable[..., Any]) -> list[CheckResult]:
+                 runner: Callable[..., Any], opts: PreflightOptions | None = None,
+                 hf_jobs: HfJobsTable | None = None) -> list[CheckResult]:
     if script_error is not None:
         return [script_error]
+    header: list[CheckResult] = []
+    if hf_jobs is not None and hf_jobs.error is not None:
+        header.append(CheckResult("python", "fail", hf_jobs.error,
+                                  "fix the table: hf jobs uv run refuses it too (keys and types: huggingface_hub's "
+                                  "cli/_uv_script_header.py)"))
     if facts is not None and facts.syntax_error:
-        return [CheckResult("python", "fail", f"{facts.path.name} does not parse: {facts.syntax_error}",
-                            f"fix the syntax error (python -m py_compile {facts.path.name})")] + check_pep723(facts)
+        return header + [CheckResult("python", "fail", f"{facts.path.name} does not parse: {facts.syntax_error}",
+                                     f"fix the syntax error (python -m py_compile {facts.path.name})")] + check_pep723(facts)
     if facts is None:
-        return [CheckResult("python", "n/a", "no script given: no PEP 723 block or imports to check")]
-    return check_pep723(facts) + [check_imports(facts, environ=environ, runner=runner)]
+        return header + [CheckResult("python", "n/a", "no script given: no PEP 723 block or imports to check")]
+    uv_environment = opts.uv_environment if opts is not None else None
+    uv_error = opts.uv_error if opts is not None else None
+    pep723 = check_pep723(facts, uv_environment=uv_environment, uv_error=uv_error)
+    if uv_error is not None:
+        return header + pep723
+    missing = any(row.status == "warn" and "not installed" in row.seen for row in pep723)
+    imports = check_imports(facts, environ=environ, runner=runner,
+                            python=opts.python_executable if opts is not None else None,
+                            missing_hint=UV_HINT if missing else None)
+    return header + pep723 + [imports]
+
+
+def _data_rows(opts: PreflightOptions, facts: ScriptFacts | None, environ: Mapping[str, str],
+               probe: HubProbe) -> list[CheckResult]:
+    required = [ShardSet(pattern, count) for pattern, count in opts.require_shards]
+    found = [s for s in find_local_data(opts.script, opts.script_args)
+             if s.pattern not in {r.pattern for r in required}]
+    rows = check_data([*required, *found])
+    uses_datasets = bool(opts.require_datasets) or (facts is not None and (
+        "datasets" in facts.imports or bool(facts.datasets)))
+    size = shard_bytes([*required, *found]) if uses_datasets else None
+    cache = check_datasets_cache(environ, data_bytes=size, uses_datasets=uses_datasets)
+    if cache is not None:
+        rows.append(cache)
+    wants = find_hub_splits(opts.script) if "hub-repos" not in opts.skip_checks and not hf_offline(environ) else []
+    if wants:
+        rows = [row for row in rows if row.status != "n/a"]
+        rows += check_hub_splits(wants, info_of=lambda repo_id: probe.call("dataset_info", repo_id),
+                                 required=opts.require_datasets) or [
+            CheckResult("data", "n/a", "no shards named; the Hub datasets' splits could not be listed")]
+    return rows
+
+
+def _distributed_rows(opts: PreflightOptions, launch: LaunchCommand | None, *, environ: Mapping[str, str],
+                      gpus: list[GpuInfo] | None) -> list[CheckResult]:
+    """The environment's world (``check_distributed``), the launcher's command, then the launch smoke."""
+    rows = check_distributed(opts, environ=environ, gpus=gpus)
+    if launch is not None:
+        launch_rows = check_launch(launch, gpus=gpus, timeout_s=opts.network_timeout_s, resolve=socket.getaddrinfo)
+        rows = [row for row in rows if row.status != "n/a"] + launch_rows
+    want, why = smoke_wanted(opts.launch_smoke, launch, gpus)
+    if want and any(row.status == "fail" for row in rows):
+        want, why = False, "not run: the world's arguments failed above"
+    if not want or launch is None:
+        return [*rows, CheckResult("distributed", "n/a", f"launch smoke: {why}")]
+    log.info("preflight: launch smoke under %s (at most %.0fs)", launch.launcher, opts.launch_smoke_timeout_s)
+    return [*rows, run_launch_smoke(launch, timeout_s=opts.launch_smoke_timeout_s, environ=environ)]
 
 
 def _storage_rows(opts: PreflightOptions, job: JobView, environ: Mapping[str, str],

@@ -19,6 +19,7 @@ CHECK_NAMES: tuple[str, ...] = (
     "hub-repos",
     "gpu",
     "storage",
+    "data",
     "python",
     "budget",
     "trainer-config",
@@ -69,6 +70,18 @@ class PreflightOptions:
         skip_checks: ``--skip-check NAME=REASON`` pairs; each named check becomes ``n/a`` with the reason.
         platform: ``hf_jobs``, ``slurm``, ``kubernetes``, ``torchrun`` or ``local``.
         network_timeout_s: the limit of each network call, in seconds.
+        gpu_source: where ``require_gpus``/``gpu_type`` came from when not from the flags (e.g. ``"flavor
+            a10g-large (ACCELERATOR)"``), for the GPU rows; None: the flags.
+        python_executable: the interpreter that will run the job (a uv script environment's), or None for this
+            one; the import check runs it.
+        uv_environment: where uv built the script's environment (``--uv``), or None when the job does not run
+            there; the PEP 723 row then says so instead of comparing with this interpreter.
+        uv_error: why uv could not build that environment (a ``fail`` row), or None.
+        command: the job's command (``-- COMMAND``); a launcher command (torchrun, accelerate launch) names the
+            script the ranks run, checked as the script form's.
+        require_shards: ``--require-shards`` as ``(glob, min_count or None)`` pairs.
+        launch_smoke: ``--launch-smoke``: ``auto``, ``on`` or ``off``.
+        launch_smoke_timeout_s: ``--launch-smoke-timeout`` in seconds.
     """
 
     script: Path | None = None
@@ -87,6 +100,14 @@ class PreflightOptions:
     skip_checks: Mapping[str, str] = field(default_factory=dict)
     platform: str = "local"
     network_timeout_s: float = 3.0
+    gpu_source: str | None = None
+    python_executable: str | None = None
+    uv_environment: str | None = None
+    uv_error: str | None = None
+    command: tuple[str, ...] = ()
+    require_shards: tuple[tuple[str, int | None], ...] = ()
+    launch_smoke: str = "auto"
+    launch_smoke_timeout_s: float = 120.0
 
 
 @dataclass(frozen=True)

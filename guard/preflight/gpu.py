@@ -86,6 +86,8 @@ def check_gpus(
     required = opts.require_gpus or (1 if opts.gpu_type else 0)  # a GPU type asks for at least one GPU
     need = f"--require-gpus {opts.require_gpus}" if opts.require_gpus else (
         f"--gpu-type {opts.gpu_type}" if opts.gpu_type else None)
+    if opts.gpu_source and need:
+        need = opts.gpu_source
     if nvml is None:
         try:
             import pynvml as nvml  # noqa: PLC0415 - lazy on purpose
@@ -188,13 +190,14 @@ def _inspect(
         where = " (after CUDA_VISIBLE_DEVICES)" if environ.get("CUDA_VISIBLE_DEVICES") is not None else ""
         rows.append(CheckResult(
             NAME, "fail", f"{len(visible)} GPU{'s' if len(visible) != 1 else ''} visible{where}, "
-            f"--require-gpus {opts.require_gpus}",
+            + (opts.gpu_source or f"--require-gpus {opts.require_gpus}"),
             "request more GPUs (Slurm --gres=gpu:N, HF Jobs a larger flavor) or lower --require-gpus"))
     if opts.gpu_type:
         wrong = [info for _, _, info in visible if opts.gpu_type.lower() not in info.name.lower()]
         if wrong or not visible:
             names = ", ".join(sorted({info.name for _, _, info in visible})) or "no GPU"
-            rows.append(CheckResult(NAME, "fail", f"GPU type {names}; --gpu-type {opts.gpu_type!r} asked",
+            asked = opts.gpu_source or f"--gpu-type {opts.gpu_type!r}"
+            rows.append(CheckResult(NAME, "fail", f"GPU type {names}; {asked} asked",
                                     "run on a machine with that GPU type, or change --gpu-type"))
 
     persistence_off: list[int] = []

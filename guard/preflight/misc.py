@@ -12,15 +12,22 @@ from __future__ import annotations
 import importlib.util
 import re
 import socket
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from importlib import metadata
 
-from guard.preflight._common import NoAnswer, call_bounded, fmt_duration, hf_token
+from guard.preflight._common import (
+    NoAnswer,
+    call_bounded,
+    fmt_duration,
+    hf_offline,
+    hf_token,
+)
 from guard.preflight._job import JobView
 from guard.preflight._models import CheckResult, PreflightOptions
 from guard.preflight.gpu import GpuInfo
 
-__all__ = ["EXPECTED_FACTOR", "check_budget", "check_distributed", "check_tracking"]
+__all__ = ["EXPECTED_FACTOR", "check_budget", "check_distributed", "check_optional_imports", "check_tracking"]
 
 #: ``--expected-duration D`` fails when the timeout is under ``EXPECTED_FACTOR`` x D.
 EXPECTED_FACTOR = 1.3
@@ -166,14 +173,30 @@ def check_tracking(
         space_private: asks the Hub whether an existing Space is private (None: unknown or missing).
     """
     name = "tracking"
-    if not job.trackers and not job.trackio_space_id:
+    maybe = [m for m in job.mentions if m.kind == "tracker" and m.what not in job.trackers]
+    if not job.trackers and not job.trackio_space_id and not maybe:
         return [CheckResult(name, "n/a", "no tracker (no report_to wandb/mlflow/trackio, none used in the script)")]
     rows: list[CheckResult] = []
+    imported = {m.what for m in job.mentions if m.kind == "import"}  # the python row already warns for these
+    for mention in {m.what: m for m in reversed(maybe)}.values():
+        if mention.what not in imported and _installed(mention.what) is None:
+            rows.append(CheckResult(name, "warn", f"{mention.what} not installed: {mention.describe(job.script_name)}",
+                                    f"only if you turn it on: pip install {mention.what}"))
+    wandb_mode = (environ.get("WANDB_MODE") or "").strip().lower()
     for tracker in sorted(job.trackers | ({"trackio"} if job.trackio_space_id else set())):
         version = _installed(tracker)
+        if version is None and tracker == "wandb" and wandb_mode == "disabled":
+            rows.append(CheckResult(name, "warn", "reports to wandb, wandb not installed (WANDB_MODE=disabled: "
+                                    "nothing would be logged)", "pip install wandb, or remove wandb from report_to "
+                                    "(transformers' WandbCallback and `import wandb` still need the package)"))
+            continue
         if version is None:
             rows.append(CheckResult(name, "fail", f"reports to {tracker}, but {tracker} is not installed",
                                     f"pip install {tracker}, or remove it from report_to"))
+            continue
+        if tracker == "wandb" and wandb_mode in ("offline", "disabled", "dryrun"):
+            where = "runs stay in ./wandb (wandb sync later)" if wandb_mode != "disabled" else "nothing is logged"
+            rows.append(CheckResult(name, "pass", f"wandb {version} installed, WANDB_MODE={wandb_mode}: {where}"))
             continue
         if tracker != "trackio":
             rows.append(CheckResult(name, "pass", f"{tracker} {version} installed (credentials: env rows)"))
@@ -181,6 +204,10 @@ def check_tracking(
         space = job.trackio_space_id
         if not space:
             rows.append(CheckResult(name, "pass", f"trackio {version}: logs locally (no Space)"))
+            continue
+        if offline := hf_offline(environ):
+            rows.append(CheckResult(name, "warn", f"trackio Space {space} with {offline}: metrics stay local",
+                                    "unset HF_HUB_OFFLINE to sync to the Space, or drop space_id"))
             continue
         token, _where = hf_token(environ)
         if not token:
@@ -196,4 +223,31 @@ def check_tracking(
             state = "is public" if existing is False else "would be created public (private not set)"
             rows.append(CheckResult(name, "warn", f"trackio Space {space} {state}: metrics and config visible to all",
                                     "pass private=True to trackio.init (Trainer: hub_private_repo=True)"))
+    if not rows:
+        only = ", ".join(sorted({m.what for m in maybe}))
+        rows.append(CheckResult(name, "n/a", f"no tracker in use ({only} only on a path not taken)"))
+    return rows
+
+
+def check_optional_imports(job: JobView, *, stdlib: frozenset[str] | None = None) -> list[CheckResult]:
+    """Modules the script imports only under an ``if`` that may not be taken: not installed is a warning.
+
+    Found with ``importlib.util.find_spec`` (the module is not run). An installed one adds no row.
+    """
+
+    skip = stdlib if stdlib is not None else frozenset(getattr(sys, "stdlib_module_names", ())) | frozenset(
+        sys.builtin_module_names)
+    rows: list[CheckResult] = []
+    seen: set[str] = set()
+    for mention in job.mentions:
+        if mention.kind != "import" or mention.what in seen or mention.what in skip:
+            continue
+        seen.add(mention.what)
+        try:
+            missing = importlib.util.find_spec(mention.what) is None
+        except (ImportError, ValueError):
+            missing = True
+        if missing:
+            rows.append(CheckResult("python", "warn", f"{mention.what} not installed: {mention.describe(job.script_name)}",
+                                    f"only if you turn it on: pip install {mention.what}"))
     return rows

@@ -57,15 +57,29 @@ sys.stdout.write("\\n{_MARK}" + json.dumps(out) + "\\n")
 Runner = Callable[..., Any]  # subprocess.run
 
 
-def check_pep723(facts: ScriptFacts | None) -> list[CheckResult]:
+#: What to do when the script's PEP 723 dependencies are not installed here.
+UV_HINT = ("run the guard under uv (uv run --with jobguard python -m guard ..., hf jobs uv run ...) or pass --uv on "
+           "so that uv installs them; or pip install them here")
+
+
+def check_pep723(facts: ScriptFacts | None, *, uv_environment: str | None = None,
+                 uv_error: str | None = None) -> list[CheckResult]:
     """Rows for the script's PEP 723 ``script`` block: each dependency installed and satisfying its specifier.
 
-    Unpinned dependencies (no version specifier) are a warning; ``requires-python`` is checked against this
-    interpreter; dependencies whose environment marker does not apply here are skipped.
+    Args:
+        facts: the script's facts, or None without a script.
+        uv_environment: the folder where uv built the script's environment (``--uv``): the job runs there, so the
+            dependencies are uv's to install and this interpreter's packages do not matter.
+        uv_error: why uv could not build that environment: a ``fail`` row.
+
+    Dependencies missing here (or at another version) are a ``warn``, not a ``fail``: the job is not run through
+    uv, nothing installs them, and the import check fails the run when the script really imports one. Unpinned
+    dependencies (no version specifier) are a warning; ``requires-python`` is checked against this interpreter;
+    dependencies whose environment marker does not apply here are skipped.
     """
-    from packaging.markers import InvalidMarker, UndefinedEnvironmentName  # noqa: PLC0415 - fast, but lazy
-    from packaging.requirements import InvalidRequirement, Requirement  # noqa: PLC0415
-    from packaging.specifiers import InvalidSpecifier, SpecifierSet  # noqa: PLC0415
+    from packaging.markers import InvalidMarker, UndefinedEnvironmentName
+    from packaging.requirements import InvalidRequirement, Requirement
+    from packaging.specifiers import InvalidSpecifier, SpecifierSet
 
     if facts is None:
         return [CheckResult(NAME, "n/a", "no script given: no PEP 723 block to read")]
@@ -76,9 +90,14 @@ def check_pep723(facts: ScriptFacts | None) -> list[CheckResult]:
     if block.error:
         return [CheckResult(NAME, "fail", f"{name}: {block.error}",
                             "fix the block: uv and hf jobs uv run refuse it too")]
+    if uv_error is not None:
+        return [CheckResult(NAME, "fail", f"PEP 723: uv could not build {name}'s environment: {one_line(uv_error, 240)}",
+                            "fix the dependencies (uv sync --script shows the error), or --uv off to run with this "
+                            "interpreter")]
     rows: list[CheckResult] = []
     problems: list[str] = []
-    if block.requires_python:
+    missing: list[str] = []
+    if block.requires_python and uv_environment is None:
         try:
             if not SpecifierSet(block.requires_python).contains(platform.python_version(), prereleases=True):
                 problems.append(f"requires-python {block.requires_python}, this is Python {platform.python_version()}")
@@ -92,6 +111,11 @@ def check_pep723(facts: ScriptFacts | None) -> list[CheckResult]:
         except InvalidRequirement as exc:
             problems.append(f"{text!r} is not a valid requirement ({one_line(exc, 80)})")
             continue
+        if not req.specifier and req.url is None:
+            unpinned.append(req.name)
+        if uv_environment is not None:
+            satisfied.append(req.name)
+            continue
         try:
             if req.marker is not None and not req.marker.evaluate():
                 continue
@@ -100,48 +124,56 @@ def check_pep723(facts: ScriptFacts | None) -> list[CheckResult]:
         try:
             version = metadata.version(req.name)
         except metadata.PackageNotFoundError:
-            problems.append(f"{req.name} not installed")
+            missing.append(f"{req.name} not installed")
             continue
         if req.specifier and not req.specifier.contains(version, prereleases=True):
-            problems.append(f"{req.name} {version} installed, {req.specifier} asked")
+            missing.append(f"{req.name} {version} installed, {req.specifier} asked")
             continue
-        if not req.specifier and req.url is None:
-            unpinned.append(req.name)
         satisfied.append(f"{req.name} {version}")
     if problems:
         rows.append(CheckResult(NAME, "fail", f"PEP 723: {'; '.join(problems)}",
-                                "install what the block asks (pip install '<name><spec>') or run with uv run"))
-    else:
-        listed = ", ".join(satisfied) if satisfied else "no dependencies"
-        rows.append(CheckResult(NAME, "pass", f"PEP 723: {listed}"))
+                                "fix the block (uv refuses it too), or run with a matching Python"))
+    if missing:
+        rows.append(CheckResult(NAME, "warn", f"PEP 723: {'; '.join(missing)} (the job does not run through uv: "
+                                "nothing installs them)", UV_HINT))
+    if not problems and not missing:
+        if uv_environment is not None:
+            listed = ", ".join(satisfied) if satisfied else "no dependencies"
+            rows.append(CheckResult(NAME, "pass", f"PEP 723: installed by uv in {uv_environment}: {listed}"))
+        else:
+            listed = ", ".join(satisfied) if satisfied else "no dependencies"
+            rows.append(CheckResult(NAME, "pass", f"PEP 723: {listed}"))
     if unpinned:
         rows.append(CheckResult(NAME, "warn", f"PEP 723: unpinned: {', '.join(unpinned)}",
                                 "pin versions (e.g. name==1.2.3) so a rerun gets the same code"))
     return rows
 
 
-def _import_name(dist: str) -> str | None:
-    """The top-level module a distribution installs (``top_level.txt``, else the normalized name)."""
-    try:
-        top = metadata.distribution(dist).read_text("top_level.txt")
-    except metadata.PackageNotFoundError:
-        return None
+def _import_names(dist: str) -> list[str]:
+    """The top-level modules an installed distribution provides, from
+    ``importlib.metadata.packages_distributions()`` (``scikit-learn`` -> ``sklearn``); [] when not installed."""
+    from packaging.utils import canonicalize_name
+
+    wanted = canonicalize_name(dist)
+    names = [module for module, dists in _packages_distributions().items()
+             if not module.startswith("_") and any(canonicalize_name(d) == wanted for d in dists)]
     normalized = dist.replace("-", "_").replace(".", "_").lower()
-    if top:
-        names = [line.strip() for line in top.splitlines() if line.strip() and not line.startswith("_")]
-        if normalized in names or not names:
-            return normalized
-        return names[0]
-    return normalized
+    # a distribution that ships several top-level modules (and helpers): try the one named like it, else all
+    return [normalized] if normalized in names else sorted(names)
 
 
-def key_imports(facts: ScriptFacts) -> list[str]:
+def _packages_distributions() -> Mapping[str, list[str]]:
+    return metadata.packages_distributions()
+
+
+def key_imports(facts: ScriptFacts, *, pep723_modules: bool = True) -> list[str]:
     """The modules to try: the script's unconditional third-party imports, plus its PEP 723 dependencies' modules.
 
     Standard-library modules, the guard itself and modules that live next to the script are left out; torch and
-    transformers go first.
+    transformers go first. ``pep723_modules=False`` leaves out the dependencies' modules (they are looked up in
+    this interpreter's metadata, which says nothing about a uv script environment).
     """
-    from packaging.requirements import InvalidRequirement, Requirement  # noqa: PLC0415
+    from packaging.requirements import InvalidRequirement, Requirement
 
     stdlib = set(getattr(sys, "stdlib_module_names", ())) | set(sys.builtin_module_names)
     folder = facts.path.parent
@@ -152,15 +184,13 @@ def key_imports(facts: ScriptFacts) -> list[str]:
         if (folder / f"{module}.py").exists() or (folder / module).is_dir():
             continue
         names.append(module)
-    if facts.pep723 and not facts.pep723.error:
+    if pep723_modules and facts.pep723 and not facts.pep723.error:
         for text in facts.pep723.dependencies:
             try:
                 req = Requirement(text)
             except InvalidRequirement:
                 continue
-            module = _import_name(req.name)
-            if module and module not in stdlib:
-                names.append(module)
+            names.extend(m for m in _import_names(req.name) if m not in stdlib)
     ordered = [m for m in _KEY_FIRST if m in names] + [m for m in names if m not in _KEY_FIRST]
     return list(dict.fromkeys(ordered))
 
@@ -172,6 +202,8 @@ def check_imports(
     runner: Runner = subprocess.run,
     timeout_s: float = IMPORT_TIMEOUT_S,
     modules: Sequence[str] | None = None,
+    python: str | None = None,
+    missing_hint: str | None = None,
 ) -> CheckResult:
     """Try the job's key imports, each in its own child process (``sys.executable -c ...``), side by side.
 
@@ -184,22 +216,27 @@ def check_imports(
         runner: ``subprocess.run`` or a stand-in with its signature.
         timeout_s: each child's time limit; past it the row is ``warn`` (slow is not broken).
         modules: the modules to try; None: ``key_imports(facts)``.
+        python: the interpreter that will run the job (a uv script environment's); None: ``sys.executable``.
+        missing_hint: the hint for a ``ModuleNotFoundError`` (e.g. the PEP 723 dependencies are not installed
+            here: run under uv); None: install or repair the module.
     """
     if facts is None and modules is None:
         return CheckResult(NAME, "n/a", "no script given: the job's imports are unknown")
-    names = list(modules) if modules is not None else key_imports(facts)  # type: ignore[arg-type]
+    executable = python or sys.executable
+    names = (list(modules) if modules is not None
+             else key_imports(facts, pep723_modules=python is None))  # type: ignore[arg-type]
     if not names:
         return CheckResult(NAME, "n/a", "the script imports no third-party module at top level")
     folder = str(facts.path.parent.absolute()) if facts is not None else str(Path.cwd())
 
     def one(name: str) -> dict[str, Any]:
         try:
-            proc = runner([sys.executable, "-c", _CHILD, folder, name], capture_output=True, text=True,
+            proc = runner([executable, "-c", _CHILD, folder, name], capture_output=True, text=True,
                           timeout=timeout_s, env=dict(environ), cwd=folder)
         except subprocess.TimeoutExpired:
             return {"timeout": True}
         except OSError as exc:
-            return {"ok": False, "error": f"could not start {sys.executable}: {exc}"}
+            return {"ok": False, "error": f"could not start {executable}: {exc}"}
         for line in (proc.stdout or "").splitlines():
             if line.startswith(_MARK):
                 return json.loads(line[len(_MARK):]).get(name, {"ok": False, "error": "no answer"})
@@ -216,8 +253,10 @@ def check_imports(
             return CheckResult(NAME, "fail", f"import {first} killed the child process (exit {info['crash']}): "
                                f"{one_line(info['error'], 200)}{others}",
                                f"run python -c 'import {first}' to see the crash")
-        return CheckResult(NAME, "fail", f"import {first} failed: {one_line(info.get('error'), 200)}{others}",
-                           f"install or repair {first} in this environment (pip install ...)")
+        error = str(info.get("error") or "")
+        hint = (missing_hint if missing_hint and error.startswith("ModuleNotFoundError")
+                else f"install or repair {first} in this environment (pip install ...)")
+        return CheckResult(NAME, "fail", f"import {first} failed: {one_line(error, 200)}{others}", hint)
     slow = [n for n in names if results[n].get("timeout")]
     if slow:
         return CheckResult(NAME, "warn", f"importing {', '.join(slow)} did not finish in {timeout_s:g} s",

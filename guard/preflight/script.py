@@ -6,6 +6,13 @@ trackers it reports to, its top-level imports and its PEP 723 ``script`` block.
 
 A string counts as a literal when it is written in the call, or when the argument is a name assigned exactly
 one literal value in the script (``model_id = "org/name"`` ... ``from_pretrained(model_id)``).
+
+Paths not taken: a Hub push, a tracker start, ``torch.compile`` or an import written inside an ``if`` whose test
+is a flag or config value (``if training_args.push_to_hub:``, ``if wandb_log:``) happens only when that value is
+true. The test is evaluated with what is known: the job's command line (``overrides``, from
+``guard.preflight.cmdline``), else the script's single literal for a plain name (``wandb_log = False``).
+True: the code counts as run. False or unknown: it is a ``Mention``, which the checks turn into a warning at
+most, never a failure. ``if __name__ == "__main__":`` is taken; ``if TYPE_CHECKING:`` is not.
 """
 
 from __future__ import annotations
@@ -23,7 +30,8 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 
-__all__ = ["PEP723_REGEX", "Pep723Block", "ScriptFacts", "analyze_script", "analyze_source", "read_pep723"]
+__all__ = ["PEP723_REGEX", "Mention", "Pep723Block", "ScriptFacts", "analyze_script", "analyze_source",
+           "read_pep723"]
 
 #: The canonical regular expression of the inline script metadata specification
 #: (packaging.python.org, "Inline script metadata", from PEP 723).
@@ -67,6 +75,36 @@ class Pep723Block:
 
 
 @dataclass(frozen=True)
+class Mention:
+    """Something the script does only on a path that may not be taken.
+
+    Attributes:
+        kind: ``push`` (a ``push_to_hub`` call), ``tracker`` (``wandb.init`` ...), ``compile`` (``torch.compile``)
+            or ``import``.
+        what: the repo id pushed to (``""`` when none is named), the tracker, ``torch.compile``, or the module.
+        condition: the ``if`` test it depends on, as source text (``training_args.push_to_hub``); ``not (...)``
+            for an ``else`` branch.
+        line: the line of the call or import (1-based).
+        taken: False when the test is known false (a flag off on the command line or by its literal), None when
+            unknown.
+    """
+
+    kind: str
+    what: str
+    condition: str
+    line: int
+    taken: bool | None = None
+
+    def describe(self, script: str) -> str:
+        """``"push_to_hub() in run_clm.py line 640 runs only if training_args.push_to_hub (off)"``."""
+        label = {"push": f"push_to_hub({self.what!r})" if self.what else "push_to_hub()",
+                 "tracker": f"{self.what}.init()", "compile": "torch.compile()",
+                 "import": f"import {self.what}"}.get(self.kind, self.what)
+        state = "off" if self.taken is False else "not set on the command line"
+        return f"{label} in {script} line {self.line} runs only if {self.condition} ({state})"
+
+
+@dataclass(frozen=True)
 class ScriptFacts:
     """What the script says about the job, read statically.
 
@@ -86,7 +124,10 @@ class ScriptFacts:
             a bare import does not count (it is often optional, inside ``try``).
         trackio_space_id: ``trackio.init(space_id=...)`` literal, if any.
         trackio_private: ``trackio.init(private=...)`` literal (None: not given or not a literal).
-        imports: top-level modules imported unconditionally at module level (not inside ``try`` or functions).
+        imports: top-level modules imported unconditionally at module level (not inside ``try`` or functions, nor
+            under an ``if`` that is not known to be taken).
+        mentions: pushes, tracker starts, ``torch.compile`` calls and module-level imports on a path that may not
+            be taken (see the module docstring); they are in none of the fields above.
         pep723: the PEP 723 block, or None when there is none.
         syntax_error: the parse error, or None.
     """
@@ -101,6 +142,7 @@ class ScriptFacts:
     trackio_space_id: str | None = None
     trackio_private: bool | None = None
     imports: tuple[str, ...] = ()
+    mentions: tuple[Mention, ...] = ()
     pep723: Pep723Block | None = None
     syntax_error: str | None = None
 
@@ -137,32 +179,47 @@ def read_pep723(source: str) -> Pep723Block | None:
     return Pep723Block(dependencies=tuple(deps), requires_python=requires)
 
 
-def analyze_script(path: Path) -> ScriptFacts:
+def analyze_script(path: Path, *, overrides: Mapping[str, Any] | None = None) -> ScriptFacts:
     """Read ``path`` (UTF-8) and analyse it; see ``analyze_source``.
 
     Raises:
         OSError: the script cannot be read.
     """
     source = Path(path).read_text(encoding="utf-8", errors="replace")
-    return analyze_source(source, path=Path(path))
+    return analyze_source(source, path=Path(path), overrides=overrides)
 
 
-def analyze_source(source: str, *, path: Path) -> ScriptFacts:
+def syntax_error_text(exc: SyntaxError) -> str:
+    """``"line 3: invalid syntax"`` plus the offending line and a caret under the column, as Python shows it."""
+    text = f"line {exc.lineno}: {exc.msg}"
+    if exc.text:
+        line = exc.text.rstrip("\n")
+        stripped = line.lstrip()
+        caret = max(0, (exc.offset or 1) - 1 - (len(line) - len(stripped)))
+        text += f"\n    {stripped}\n    {' ' * min(caret, len(stripped))}^"
+    return text
+
+
+def analyze_source(source: str, *, path: Path, overrides: Mapping[str, Any] | None = None) -> ScriptFacts:
     """Analyse a script's text without running it.
 
     Args:
         source: the script's text.
         path: where it lives; ids that name an existing path next to it (or in the current folder) are local.
+        overrides: the job's command-line settings (``JobArgs.values``: name -> value), used to decide whether
+            an ``if`` on a flag is taken; None: none known.
 
     Returns:
-        The facts; on a syntax error only ``pep723`` and ``syntax_error`` are set.
+        The facts; on a syntax error only ``pep723`` and ``syntax_error`` (``syntax_error_text``) are set.
     """
     pep723 = read_pep723(source)
     try:
         tree = ast.parse(source, filename=str(path))
     except SyntaxError as exc:
-        return ScriptFacts(path=path, pep723=pep723, syntax_error=f"line {exc.lineno}: {exc.msg}")
-    visitor = _Visitor(_single_literals(tree))
+        return ScriptFacts(path=path, pep723=pep723, syntax_error=syntax_error_text(exc))
+    names = _single_literals(tree)
+    conditions = _Conditions(names, overrides or {})
+    visitor = _Visitor(names, conditions)
     visitor.visit(tree)
     local_roots = (path.parent, Path.cwd())
     config = visitor.trainer_config()
@@ -188,7 +245,8 @@ def analyze_source(source: str, *, path: Path) -> ScriptFacts:
         trackers=frozenset(visitor.trackers),
         trackio_space_id=visitor.trackio_space_id,
         trackio_private=visitor.trackio_private,
-        imports=tuple(dict.fromkeys(_unconditional_imports(tree))),
+        imports=tuple(dict.fromkeys(_unconditional_imports(tree, conditions, visitor.mentions))),
+        mentions=tuple(visitor.mentions),
         pep723=pep723,
     )
 
@@ -251,9 +309,94 @@ def _call_owner(node: ast.Call) -> str:
     return ""
 
 
-class _Visitor(ast.NodeVisitor):
-    def __init__(self, names: dict[str, Any]) -> None:
+_NOT_KNOWN = object()
+
+
+class _Conditions:
+    """Evaluates ``if`` tests with three values: True, False, or None (unknown).
+
+    A name or attribute reads its last part from ``overrides`` (the command line: ``training_args.push_to_hub``
+    -> ``push_to_hub``); a plain name falls back to its single literal in the script. ``and``/``or``/``not`` and
+    one comparison of two known values are evaluated; anything else is unknown.
+    """
+
+    def __init__(self, names: Mapping[str, Any], overrides: Mapping[str, Any]) -> None:
         self.names = names
+        self.overrides = overrides
+
+    def value(self, node: ast.AST) -> Any:
+        if isinstance(node, ast.Constant):
+            return node.value
+        if isinstance(node, ast.Name):
+            if node.id == "__name__":
+                return "__main__"
+            if node.id == "TYPE_CHECKING":
+                return False
+            if node.id in self.overrides:
+                return self.overrides[node.id]
+            return self.names.get(node.id, _NOT_KNOWN)
+        if isinstance(node, ast.Attribute):
+            if node.attr == "TYPE_CHECKING":
+                return False
+            return self.overrides.get(node.attr, _NOT_KNOWN)
+        if isinstance(node, (ast.List, ast.Tuple)):
+            items = [self.value(item) for item in node.elts]
+            return _NOT_KNOWN if any(item is _NOT_KNOWN for item in items) else items
+        return _NOT_KNOWN
+
+    def truth(self, node: ast.AST) -> bool | None:
+        """Whether the test is true: True, False, or None when it depends on what only the run knows."""
+        if isinstance(node, ast.BoolOp):
+            parts = [self.truth(v) for v in node.values]
+            stop = isinstance(node.op, ast.Or)  # or: any True decides; and: any False decides
+            if stop in parts:
+                return stop
+            return None if None in parts else not stop
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
+            inner = self.truth(node.operand)
+            return None if inner is None else not inner
+        if isinstance(node, ast.Compare) and len(node.ops) == 1:
+            left, right = self.value(node.left), self.value(node.comparators[0])
+            if left is _NOT_KNOWN or right is _NOT_KNOWN:
+                return None
+            op = node.ops[0]
+            try:
+                if isinstance(op, (ast.Eq, ast.Is)):
+                    return bool(left == right)
+                if isinstance(op, (ast.NotEq, ast.IsNot)):
+                    return bool(left != right)
+                if isinstance(op, ast.In):
+                    return bool(left in right)
+                if isinstance(op, ast.NotIn):
+                    return bool(left not in right)
+            except TypeError:
+                return None
+            return None
+        value = self.value(node)
+        if value is _NOT_KNOWN:
+            return None
+        if isinstance(value, str):
+            return value.strip().lower() not in ("false", "no", "0", "none", "f", "n", "")
+        return bool(value)
+
+    def asked(self, node: ast.AST) -> bool:
+        """Whether the test names a flag that the command line turns on (``--wandb_log=True``): the user asked
+        for that path, even when the rest of the test (``and master_process``) is known only at run time."""
+        for sub in ast.walk(node):
+            key = sub.id if isinstance(sub, ast.Name) else sub.attr if isinstance(sub, ast.Attribute) else None
+            if key is not None and key in self.overrides:
+                value = self.overrides[key]
+                if value is True or (isinstance(value, str) and value.strip().lower() in ("true", "yes", "1")):
+                    return True
+        return False
+
+
+class _Visitor(ast.NodeVisitor):
+    def __init__(self, names: dict[str, Any], conditions: _Conditions | None = None) -> None:
+        self.names = names
+        self.conditions = conditions or _Conditions(names, {})
+        self.guards: list[tuple[str, bool | None]] = []  # enclosing tests not known true: (text, taken)
+        self.mentions: list[Mention] = []
         self.models: list[str] = []
         self.datasets: list[str] = []
         self.hub_model_ids: list[str] = []
@@ -297,6 +440,38 @@ class _Visitor(ast.NodeVisitor):
             return node.args[index]
         return None
 
+    # -- paths not taken -----------------------------------------------------------------------------------
+    def _branch(self, test: ast.expr, body: list[ast.AST], orelse: list[ast.AST]) -> None:
+        self.visit(test)
+        truth = self.conditions.truth(test)
+        if truth is None and self.conditions.asked(test):
+            truth = True
+        text = ast.unparse(test)
+        for branch, value, label in ((body, truth, text), (orelse, None if truth is None else not truth,
+                                                           f"not ({text})")):
+            pushed = value is not True
+            if pushed:
+                self.guards.append((label, value))
+            for stmt in branch:
+                self.visit(stmt)
+            if pushed:
+                self.guards.pop()
+
+    def visit_If(self, node: ast.If) -> None:
+        self._branch(node.test, list(node.body), list(node.orelse))
+
+    def visit_IfExp(self, node: ast.IfExp) -> None:
+        self._branch(node.test, [node.body], [node.orelse])
+
+    def guarded(self, kind: str, what: str, node: ast.AST) -> bool:
+        """Record a ``Mention`` when ``node`` is on a path that may not be taken; True when it was recorded."""
+        if not self.guards:
+            return False
+        off = next(((text, value) for text, value in self.guards if value is False), None)
+        text, value = off or self.guards[0]
+        self.mentions.append(Mention(kind, what, text, getattr(node, "lineno", 0), value))
+        return True
+
     # -- calls ---------------------------------------------------------------------------------------------
     def visit_Call(self, node: ast.Call) -> None:
         name = _call_name(node)
@@ -326,7 +501,9 @@ class _Visitor(ast.NodeVisitor):
             elif text and repo_type == "model":
                 self.models.append(text)
         elif name == "push_to_hub" and isinstance(node.func, ast.Attribute):
-            self.push_calls.append(self.text(self.arg(node, 0, "repo_id")) or "")
+            repo = self.text(self.arg(node, 0, "repo_id")) or ""
+            if not self.guarded("push", repo, node):
+                self.push_calls.append(repo)
         elif name in _SAVE_CALLS:
             if text := self.text(self.arg(node, 0)):
                 self.written.add(text)
@@ -337,15 +514,20 @@ class _Visitor(ast.NodeVisitor):
         elif name == "gradient_checkpointing_enable":
             self.checkpointing_call = True
         elif name == "compile" and owner == "torch":
-            self.compile_call = True
+            if not self.guarded("compile", "torch.compile", node):
+                self.compile_call = True
         elif name == "init" and owner in ("wandb", "trackio"):
+            if self.guarded("tracker", owner, node):
+                self.generic_visit(node)
+                return
             self.trackers.add(owner)
             if owner == "trackio":
                 self.trackio_space_id = self.text(self.arg(node, 99, "space_id")) or self.trackio_space_id
                 private = self.literal(self.arg(node, 99, "private"))
                 if isinstance(private, bool):
                     self.trackio_private = private
-        elif owner == "mlflow" and name in ("start_run", "set_tracking_uri", "log_metric", "autolog"):
+        elif owner == "mlflow" and name in ("start_run", "set_tracking_uri", "log_metric", "autolog") and \
+                not self.guarded("tracker", "mlflow", node):
             self.trackers.add("mlflow")
         if name.endswith("Loss") and name[:1].isupper():
             self.losses.append(name)
@@ -408,22 +590,40 @@ class _Visitor(ast.NodeVisitor):
         return config
 
 
-def _unconditional_imports(tree: ast.Module) -> list[str]:
-    """Top-level module names imported at module level outside ``try`` (optional imports) and functions."""
+def _unconditional_imports(tree: ast.Module, conditions: _Conditions, mentions: list[Mention]) -> list[str]:
+    """Top-level module names imported at module level outside ``try`` (optional imports) and functions.
+
+    An ``if`` known true is followed, a known false one's ``else``; imports under a test that is not known to be
+    true are added to ``mentions`` (kind ``import``) instead.
+    """
     names: list[str] = []
 
-    def walk(body: list[ast.stmt]) -> None:
-        for stmt in body:
-            if isinstance(stmt, ast.Import):
-                names.extend(alias.name.split(".")[0] for alias in stmt.names)
-            elif isinstance(stmt, ast.ImportFrom) and stmt.module and not stmt.level:
-                names.append(stmt.module.split(".")[0])
-            elif isinstance(stmt, ast.If):
-                test = ast.unparse(stmt.test)
-                if "TYPE_CHECKING" not in test:
-                    walk(stmt.body)
-            elif isinstance(stmt, ast.With):
-                walk(stmt.body)
+    def imported(stmt: ast.stmt) -> list[str]:
+        if isinstance(stmt, ast.Import):
+            return [alias.name.split(".")[0] for alias in stmt.names]
+        if isinstance(stmt, ast.ImportFrom) and stmt.module and not stmt.level:
+            return [stmt.module.split(".")[0]]
+        return []
 
-    walk(tree.body)
+    def walk(body: list[ast.stmt], guard: tuple[str, bool | None] | None) -> None:
+        for stmt in body:
+            for module in imported(stmt):
+                if guard is None:
+                    names.append(module)
+                else:
+                    mentions.append(Mention("import", module, guard[0], stmt.lineno, guard[1]))
+            if isinstance(stmt, ast.If):
+                test = ast.unparse(stmt.test)
+                truth = conditions.truth(stmt.test)
+                if truth is None and conditions.asked(stmt.test):
+                    truth = True
+                if truth is False and "TYPE_CHECKING" in test:
+                    continue
+                walk(stmt.body, guard if truth is True else guard or (test, truth))
+                negated = None if truth is None else not truth
+                walk(stmt.orelse, guard if negated is True else guard or (f"not ({test})", negated))
+            elif isinstance(stmt, ast.With):
+                walk(stmt.body, guard)
+
+    walk(tree.body, None)
     return names

@@ -11,13 +11,16 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import PurePath
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from guard.preflight._common import hf_offline
 from guard.preflight._models import CheckResult
 from guard.preflight.gpu import GpuInfo
 
-__all__ = ["check_trainer_config"]
+if TYPE_CHECKING:
+    from guard.preflight._job import JobView
+
+__all__ = ["check_compile_mentions", "check_job_settings", "check_trainer_config"]
 
 NAME = "trainer-config"
 
@@ -123,3 +126,48 @@ def _summary(config: Mapping[str, Any], gpus: Sequence[GpuInfo] | None) -> str:
     ccs = sorted({g.cc_text for g in gpus or () if g.compute_capability})
     gpu = f"; GPU cc {'/'.join(ccs)}" if ccs else ""
     return (shown or "no setting to check") + gpu
+
+
+def check_compile_mentions(job: JobView, gpus: Sequence[GpuInfo] | None) -> list[CheckResult]:
+    """A ``torch.compile`` the script calls only under an ``if`` that may not be taken, on a GPU Triton cannot
+    compile for: a warning (the same setting, always on, is a failure in ``check_trainer_config``).
+
+    Also one warning per config file named on the job's command line that could not be read.
+    """
+    rows = [CheckResult(NAME, "warn", f"job arguments: {problem}", "check the file's path and format")
+            for problem in job.args.problems]
+    compiles = [m for m in job.mentions if m.kind == "compile"]
+    known = [g for g in gpus or () if g.compute_capability is not None]
+    if compiles and known and job.config.get("torch_compile") is not True:
+        lowest = min(known, key=lambda g: g.compute_capability or (0, 0))
+        if (lowest.compute_capability or (0, 0)) < COMPILE_MIN_CC:
+            rows.append(CheckResult(
+                NAME, "warn", f"{compiles[0].describe(job.script_name)}; GPU {lowest.index} ({lowest.name}, "
+                f"cc {lowest.cc_text}) is under Triton's cc 7.0", "keep it off on this GPU"))
+    return rows
+
+
+def check_job_settings(
+    config: Mapping[str, Any],
+    *,
+    gpus: Sequence[GpuInfo] | None,
+    timeout_known: bool,
+    environ: Mapping[str, str],
+) -> list[CheckResult]:
+    """What the supervisor runs when the agent reports the Trainer's arguments (``training_args`` when
+    ``TrainingArguments`` is built, ``trainer_config`` when training begins).
+
+    ``check_trainer_config``'s rows, plus the credentials the actual settings need (``env`` rows: a Hub token for
+    ``push_to_hub=True``, ``WANDB_API_KEY`` for ``report_to`` wandb unless ``WANDB_MODE`` is offline/disabled,
+    ``MLFLOW_TRACKING_URI``) and the trackers installed (``tracking`` rows). Only ``fail`` and ``warn`` rows of
+    those two groups are returned. Arguments as for ``check_trainer_config``.
+    """
+    from guard.preflight._job import job_from_config  # _job imports the script module
+    from guard.preflight._models import PreflightOptions
+    from guard.preflight.env import check_env
+    from guard.preflight.misc import check_tracking
+
+    rows = check_trainer_config(config, gpus=gpus, timeout_known=timeout_known, environ=environ)
+    job = job_from_config(config, environ)
+    extra = check_env(PreflightOptions(), job, environ=environ) + check_tracking(job, environ=environ)
+    return rows + [row for row in extra if row.status in ("fail", "warn")]

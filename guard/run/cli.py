@@ -9,6 +9,7 @@ line is printed, last on stdout.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.metadata
 import logging
 import os
@@ -23,9 +24,9 @@ from typing import Any, NoReturn
 
 from guard import __version__
 from guard.run.config import OPTIONS, Config, debug_enabled, env_name, log_level, resolve
-from guard.errors import GuardError, UsageError
-from guard.run.masking import Masker, MaskingFilter
-from guard.run.output import STDERR
+from guard.errors import GuardError, PreflightError, UsageError
+from guard.run.masking import Masker, MaskingFilter, command_line_secrets, secret_values
+from guard.run.output import LINES
 from guard.run.platform import detect
 from guard.contract import EXIT_GUARD_ERROR, RunResult, render_line, signal_name, write_report
 
@@ -51,8 +52,11 @@ def _parser(prog: str = "python -m guard") -> argparse.ArgumentParser:
                      epilog="DURATION: 7200, 45s, 90m, 1.5h, 1d, HH:MM:SS or D-HH:MM:SS. Exit codes: README.")
     parser.add_argument("--version", action="version", version=f"jobguard {__version__}")
     for opt in OPTIONS:
-        help_text = f"{opt.help} (env {env_name(opt.name)}; default: {opt.default if opt.default not in (None, ()) else '-'})"
-        if opt.flag_only_bool:
+        help_text = f"{opt.help} (env {env_name(opt.name)}; default: {opt.default_text()})"
+        if opt.bare is not None:
+            parser.add_argument(opt.flag, dest=opt.name, metavar=opt.metavar, nargs="?", const=opt.bare,
+                                help=help_text)
+        elif opt.flag_only_bool:
             parser.add_argument(opt.flag, dest=opt.name, action="store_const", const=True, default=None, help=help_text)
         elif opt.repeat:
             parser.add_argument(opt.flag, dest=opt.name, action="append", metavar=opt.metavar, help=help_text)
@@ -63,7 +67,8 @@ def _parser(prog: str = "python -m guard") -> argparse.ArgumentParser:
 
 def _split(argv: Sequence[str]) -> tuple[list[str], list[str], bool]:
     """Split ``argv`` into (guard options, job part, command form?) at ``--`` or at the first non-option."""
-    takes_value = {o.flag for o in OPTIONS if not o.flag_only_bool}
+    takes_value = {o.flag for o in OPTIONS if not o.flag_only_bool and o.bare is None}
+    optional = {o.flag: o.choices for o in OPTIONS if o.bare is not None}
     i = 0
     while i < len(argv):
         token = argv[i]
@@ -73,6 +78,8 @@ def _split(argv: Sequence[str]) -> tuple[list[str], list[str], bool]:
             return list(argv[:i]), list(argv[i:]), False
         if token in takes_value:
             i += 1  # the option's value
+        elif token in optional and i + 1 < len(argv) and argv[i + 1].strip().lower() in optional[token]:
+            i += 1  # ``--resume on train.py``; ``--resume train.py`` leaves the script alone
         i += 1
     return list(argv), [], False
 
@@ -93,8 +100,12 @@ def _check_script(path_text: str) -> Path:
     try:
         compile(source, str(path), "exec", dont_inherit=True)
     except SyntaxError as exc:
-        raise UsageError(f"{path_text} line {exc.lineno}: {exc.msg}", option="SCRIPT",
-                         hint=f"fix the syntax error (python -m py_compile {path_text} shows it)") from exc
+        from guard.preflight.script import syntax_error_text
+
+        shown = syntax_error_text(exc).replace("\n", "\n[guard] ")
+        raise PreflightError(f"{path_text} does not parse: {shown}", check="script",
+                             hint=f"fix the syntax error at {path.name} line {exc.lineno} "
+                             f"(python -m py_compile {path_text} shows it)") from exc
     except ValueError as exc:  # null bytes
         raise UsageError(f"{path_text} is not Python source: {exc}", option="SCRIPT") from exc
     return path
@@ -131,6 +142,10 @@ def build_config(argv: Sequence[str], environ: Mapping[str, str], *, subcommand:
         raise UsageError("--timeout must be more than 0 seconds", option="--timeout")
     if values["grace"] <= 0:
         raise UsageError("--grace must be more than 0 seconds", option="--grace")
+    if values["push_to"]:
+        from guard.secure.hub import parse_destination
+
+        parse_destination(values["push_to"])  # a malformed or ambiguous DEST is a usage error before anything runs
     return Config(values=values, sources=sources, command=command, script=script, script_args=script_args,
                   subcommand=subcommand, environ=dict(environ))
 
@@ -147,10 +162,8 @@ class _MaskingFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         text = self.masker.mask_text(super().format(record))
-        if STDERR.mid_line:  # the job's last stderr line is unfinished (a progress bar): start a new line
-            STDERR.mid_line = False
-            text = "\n" + text
-        return text
+        # The job's last line is unfinished (a progress bar): start a new line.
+        return LINES.line_break(2).decode() + text
 
 
 def _setup_logging(masker: Masker, environ: Mapping[str, str]) -> None:
@@ -209,8 +222,8 @@ def _emit_verdict(result: RunResult, masker: Masker, report: str | None) -> int:
     except (OSError, ValueError):
         pass
     line = render_line(result, masker) + "\n"
-    try:
-        os.write(1, line.encode())
+    try:  # the VERDICT starts a line, also after a job's unfinished last line (stdout, or a merged log)
+        os.write(1, LINES.line_break(1) + line.encode())
     except OSError:
         pass
     return result.exit_code
@@ -233,12 +246,27 @@ def _preflight_only(config: Config, masker: Masker, started: float) -> RunResult
     return preflight_only(config, masker, started)
 
 
+def _end_children() -> None:
+    """SIGKILL every process this one started (preflight's import children; the job never started on this
+    path), so that none outlives the guard (CONTRACT.md, "Processes")."""
+    try:
+        import psutil
+
+        for child in psutil.Process().children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                child.kill()
+    except ImportError:
+        pass
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``python -m guard`` and the ``jobguard`` console script. Returns the exit code."""
     started = time.monotonic()
     args = list(sys.argv[1:] if argv is None else argv)
     environ = dict(os.environ)
-    masker = Masker.from_environ(environ)
+    # Secrets: the environment's, and the values of secret-named options on the command line (the job's own
+    # `--wandb-key VALUE` included): masked in every line the guard writes and in the job's output.
+    masker = Masker(secret_values(environ) + command_line_secrets(args))
     _setup_logging(masker, environ)
     if args[:1] == ["watch"]:
         from guard import watch
@@ -248,6 +276,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if subcommand == "preflight":
         args = args[1:]
     report: str | None = environ.get(env_name("report")) or None
+    config: Config | None = None
     try:
         config = build_config(args, environ, subcommand=subcommand)
         report = config.values["report"]
@@ -274,4 +303,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         hint = "set GUARD_DEBUG=1 for the traceback and report it as a bug"
         result = RunResult("FAIL", "guard_error", EXIT_GUARD_ERROR, time.monotonic() - started, hint=hint)
     result.elapsed_s = time.monotonic() - started
-    return _emit_verdict(result, masker, report)
+    code = _emit_verdict(result, masker, report)
+    from guard.run import stages
+
+    if config is not None and subcommand == "run":
+        stages.requeue(config, result)  # after the VERDICT and the report: Slurm's SIGTERM may follow at once
+    if stages.abandoned_work:  # preflight left running after a signal: end its children, do not wait at exit
+        _end_children()
+        logging.shutdown()
+        os._exit(code)
+    return code

@@ -31,6 +31,7 @@ __all__ = [
     "debug_enabled",
     "env_name",
     "format_duration_s",
+    "guard_options_in",
     "log_level",
     "parse_duration",
     "parse_size",
@@ -138,6 +139,41 @@ def _parse_resume(text: str, *, option: str) -> str:
     raise UsageError(f"{option}: {text!r}; accepted: on, off, if-valid, auto", option=option)
 
 
+def _parse_shards(text: str, *, option: str) -> tuple[str, int | None]:
+    """``GLOB[:MIN]`` -> ``(glob, min or None)``; a ``:`` followed by anything but digits belongs to the glob."""
+    raw = str(text).strip()
+    pattern, sep, count = raw.rpartition(":")
+    if sep and count.strip().isdigit():
+        if not pattern.strip() or int(count) < 1:
+            raise UsageError(f"{option}: {text!r} must be GLOB or GLOB:MIN with MIN >= 1", option=option)
+        return pattern.strip(), int(count)
+    if not raw:
+        raise UsageError(f"{option}: an empty value is not allowed", option=option)
+    return raw, None
+
+
+def _parse_smoke(text: str, *, option: str) -> str:
+    low = str(text).strip().lower()
+    if low in TRUE_VALUES - {""}:
+        return "on"
+    if low in FALSE_VALUES - {""}:
+        return "off"
+    if low == "auto":
+        return "auto"
+    raise UsageError(f"{option}: {text!r}; accepted: auto, on, off", option=option)
+
+
+def _parse_uv(text: str, *, option: str) -> str:
+    low = str(text).strip().lower()
+    if low in TRUE_VALUES:
+        return "on"
+    if low in FALSE_VALUES:
+        return "off"
+    if low == "auto":
+        return low
+    raise UsageError(f"{option}: {text!r}; accepted: auto, on, off", option=option)
+
+
 def _parse_text(text: str, *, option: str) -> str:
     value = str(text).strip()
     if not value:
@@ -159,10 +195,26 @@ class Option:
     metavar: str | None = None
     repeat: bool = False
     flag_only_bool: bool = False  # a switch such as --dry-run
+    bare: str | None = None  # the value of the flag given alone (``--resume`` means ``on``); None: a value is needed
+    choices: tuple[str, ...] = ()  # with ``bare``: the words read as the flag's value (anything else is the job's)
 
     @property
     def flag(self) -> str:
         return "--" + self.name.replace("_", "-")
+
+    def default_text(self) -> str:
+        """The default as the README writes it: ``30m`` for 1800 s, ``auto`` for ``--margin``, ``off`` for a
+        switch, ``none`` when there is none."""
+        value = self.default
+        if self.name == "margin":
+            return "auto"
+        if self.flag_only_bool:
+            return "on" if value else "off"
+        if value in (None, ()):
+            return "none"
+        if self.metavar and self.metavar.startswith("DURATION") and isinstance(value, (int, float)):
+            return format_duration_s(value)
+        return str(value)
 
 
 def format_duration_s(seconds: float) -> str:
@@ -197,9 +249,13 @@ OPTIONS: tuple[Option, ...] = (
     Option("push_to", "where secured checkpoints go: hf://NS/NAME, hf://datasets/NS/NAME, NS/NAME or a path",
            None, _parse_text, "DEST"),
     Option("output_dir", "where the job writes its checkpoints", None, _parse_text, "DIR"),
+    Option("background_push", "with a destination, push each complete checkpoint as the job saves it: on, off",
+           True, _parse_bool, "on|off"),
+    Option("push_interval", "the least time between two background pushes (the Hub's commit rate limits)", 600.0,
+           lambda t, option: parse_duration(t, option=option), "DURATION"),
     Option("sanity_steps", "training steps whose loss must be finite", 5, _parse_count, "N"),
     Option("dry_run", "stop the job once the sanity steps pass", False, _parse_bool, flag_only_bool=True),
-    Option("stall_timeout", "no training step (before the first: no output) for this long is a hang", 1800.0,
+    Option("stall_timeout", "no training step (before the first: no output) for this long is a hang (0: off)", 1800.0,
            lambda t, option: parse_duration(t, option=option), "DURATION"),
     Option("require_env", "an environment variable that must be set and non-empty (repeatable)", (),
            _parse_text, "NAME", repeat=True),
@@ -215,15 +271,26 @@ OPTIONS: tuple[Option, ...] = (
            None, lambda t, option: parse_duration(t, option=option), "DURATION"),
     Option("skip_check", "turn a preflight check into n/a with a reason (repeatable)", (), _parse_skip,
            "NAME=REASON", repeat=True),
+    Option("require_shards", "local data files the job reads: GLOB[:MIN] files at least, each readable in its "
+           "format (repeatable)", (), _parse_shards, "GLOB[:MIN]", repeat=True),
+    Option("launch_smoke", "before a torchrun/accelerate launch job, a tiny all_reduce under the same launcher: "
+           "auto (more than one process or node), on, off", "auto", _parse_smoke, "auto|on|off"),
+    Option("launch_smoke_timeout", "time limit of the launch smoke", 120.0,
+           lambda t, option: parse_duration(t, option=option), "DURATION"),
     Option("no_preflight", "skip every preflight check (each is listed as n/a)", False, _parse_bool,
            flag_only_bool=True),
     # --- resume, watch internals ---
-    Option("resume", "fetch DEST/last-checkpoint before the job starts: on, off, if-valid, auto", "auto",
-           _parse_resume, "MODE"),
+    Option("resume", "fetch DEST/last-checkpoint before the job starts: on, off, if-valid, auto (alone: on)", "auto",
+           _parse_resume, "MODE", bare="on",
+           choices=("on", "off", "if-valid", "auto", "1", "0", "true", "false", "yes", "no")),
+    Option("uv", "run a PEP 723 script in the environment uv builds for it: auto (when the guard runs under uv "
+           "and the script's dependencies are missing here), on, off", "auto", _parse_uv, "MODE"),
     Option("requeue", "after a secured TIMEOUT/INTERRUPTED under Slurm, run `scontrol requeue $SLURM_JOB_ID`", False,
            _parse_bool, flag_only_bool=True),
     Option("check_every", "after the sanity pass, read the loss from the device every N steps", 10,
            _parse_count, "N"),
+    Option("max_skipped_steps", "optimizer steps in a row a GradScaler may skip (inf/NaN gradients: the fp16 loss "
+           "scale collapsing) before the run fails as non_finite_loss; 0: off", 50, _parse_count, "N"),
     Option("heartbeat", "interval of the [guard] heartbeat line (0: off)", 300.0,
            lambda t, option: parse_duration(t, option=option), "DURATION"),
     Option("trackio", "log losses, heartbeats and the verdict into this trackio project (jobguard[trackio])", None,
@@ -279,7 +346,9 @@ class Config:
         rows = []
         for opt in OPTIONS:
             value = self.values[opt.name]
-            if isinstance(value, tuple):
+            if opt.name == "require_shards":
+                text = ",".join(f"{glob}:{count}" if count else glob for glob, count in value) or "-"
+            elif isinstance(value, tuple):
                 text = ",".join("=".join(v) if isinstance(v, tuple) else str(v) for v in value) or "-"
             elif value is None:
                 text = "auto" if opt.name == "margin" else "-"
@@ -348,6 +417,24 @@ def log_level(environ: Mapping[str, str] | None = None) -> str:
     """``GUARD_LOG_LEVEL`` (default ``INFO``)."""
     env = os.environ if environ is None else environ
     return env.get("GUARD_LOG_LEVEL", "INFO").strip().upper() or "INFO"
+
+
+def guard_options_in(args: Sequence[str]) -> list[str]:
+    """The guard's own flags found among the job's arguments (``--timeout`` in ``train.py --timeout 1h``).
+
+    Everything after the script belongs to the job, so such a flag reaches the job, which may refuse it
+    (argparse: exit 2, "unrecognized arguments"). ``--flag=value`` counts too; the job's own ``--`` ends the
+    search. Returns the flags in order, each once.
+    """
+    flags = {opt.flag for opt in OPTIONS}
+    found: list[str] = []
+    for token in args:
+        if token == "--":
+            break
+        flag = token.split("=", 1)[0]
+        if flag in flags and flag not in found:
+            found.append(flag)
+    return found
 
 
 def split_repeat(values: Sequence[str]) -> tuple[str, ...]:

@@ -24,7 +24,7 @@ import re
 import urllib.parse
 from collections.abc import Iterable, Mapping
 
-__all__ = ["MASK", "Masker", "MaskingFilter", "secret_values"]
+__all__ = ["MASK", "Masker", "MaskingFilter", "command_line_secrets", "secret_values"]
 
 MASK = b"***"
 SECRET_NAME = re.compile(r"TOKEN|KEY|SECRET|PASSWORD", re.IGNORECASE)
@@ -41,6 +41,36 @@ def secret_values(environ: Mapping[str, str]) -> list[str]:
         if SECRET_NAME.search(name) and len(value) >= MIN_SECRET_LEN and not value.isspace()
     }
     return sorted(found)
+
+
+# An option name whose last word names a secret: `--wandb-key`, `--hf_token`, `--api-key`, `--apikey`,
+# `--db-password`, `--client_secret`. Words only *containing* one do not count (`--tokenizer_name`, `--max_tokens`,
+# `--keyword`), nor a tokenizer's special tokens (`--pad_token`, `--eos_token`: text, not credentials).
+_SECRET_OPTION = re.compile(r"^--?(?:[\w.]*[-_.])?\w*(?:key|token|secret|password|passwd|pwd)$", re.IGNORECASE)
+_SPECIAL_TOKEN = re.compile(r"(?:^|[-_.])(?:pad|eos|bos|unk|sep|cls|mask|special|chat)[-_.]?token$", re.IGNORECASE)
+
+
+def command_line_secrets(argv: Iterable[str]) -> list[str]:
+    """The values that follow secret-named options on a command line (contract, "Secrets").
+
+    ``--wandb-key VALUE`` and ``--hf_token=VALUE`` give ``VALUE``; a following token that is itself an option
+    (starts with ``-``) is not taken. Values under 8 characters are left to ``Masker`` (it ignores them).
+
+    Example:
+        >>> command_line_secrets(["train.py", "--wandb-key", "abcd1234efgh", "--hf_token=hf_x", "--lr", "3"])
+        ['abcd1234efgh', 'hf_x']
+    """
+    args = list(argv)
+    found: list[str] = []
+    for i, arg in enumerate(args):
+        name, eq, value = arg.partition("=")
+        if not _SECRET_OPTION.match(name) or _SPECIAL_TOKEN.search(name):
+            continue
+        if eq:
+            found.append(value)
+        elif i + 1 < len(args) and not args[i + 1].startswith("-"):
+            found.append(args[i + 1])
+    return [value for value in found if value and not value.isspace()]
 
 
 def _encoded_forms(value: str) -> set[bytes]:

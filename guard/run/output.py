@@ -17,12 +17,13 @@ CUDA out-of-memory error.
 from __future__ import annotations
 
 import math
+import os
 import re
 from dataclasses import dataclass, field
 
 from guard.run.masking import Masker
 
-__all__ = ["JOB_VERDICT_PREFIX", "OutputEvents", "StreamFilter", "parse_losses"]
+__all__ = ["JOB_VERDICT_PREFIX", "LINES", "LineState", "OutputEvents", "StreamFilter", "parse_losses"]
 
 JOB_VERDICT_PREFIX = b"[job] "
 _VERDICT = b"VERDICT:"
@@ -36,6 +37,13 @@ _LOSS = re.compile(
     rb"""(?P<v>[-+]?(?:nan|inf(?:inity)?|\d+(?:\.\d*)?(?:[eE][-+]?\d+)?|\.\d+(?:[eE][-+]?\d+)?))(?!\w|\.\d)""",
     re.IGNORECASE,
 )
+# A loss qualified by the word before it is another quantity, not a training step's loss: `best loss: inf` (printed
+# before the first step), `val loss`, `min loss so far`, `target loss`.
+_QUALIFIED = re.compile(
+    rb"(?:best|min|minimum|max|maximum|lowest|highest|val|valid|validation|eval|evaluation|test|target|initial|"
+    rb"final|expected|threshold|ref|reference|baseline|running|smoothed)[\s_-]*['\"]?$",
+    re.IGNORECASE,
+)
 _STEP = re.compile(rb"""(?<![\w])['"]?(?:global_)?step['"]?\s*[:=]?\s*(?P<s>\d+)\b""", re.IGNORECASE)
 _EXC_LINE = re.compile(rb"^(?P<type>[A-Za-z_][\w.]*)(?::\s?(?P<msg>.*))?$")
 _CUDA_OOM = (b"CUDA out of memory", b"OutOfMemoryError", b"CUDA error: out of memory")
@@ -44,12 +52,17 @@ _CUDA_OOM = (b"CUDA out of memory", b"OutOfMemoryError", b"CUDA error: out of me
 def parse_losses(line: bytes) -> list[tuple[int | None, float]]:
     """Losses a line prints, each with the step printed on the same line (or None).
 
+    Only a training step's loss counts: ``loss`` alone as a key (``{'loss': ...}``, ``loss=``, ``loss:``), never a
+    name around it (``eval_loss``) or a qualifying word before it (``best loss: inf``, ``val loss 2.1``).
+
     Example:
         >>> parse_losses(b"{'loss': 'nan', 'grad_norm': 1.0}")
         [(None, nan)]
     """
     found = []
     for m in _LOSS.finditer(line):
+        if _QUALIFIED.search(line[max(0, m.start() - 24) : m.start()]):
+            continue
         try:
             value = float(m.group("v"))
         except ValueError:
@@ -60,14 +73,51 @@ def parse_losses(line: bytes) -> list[tuple[int | None, float]]:
 
 
 class LineState:
-    """Whether the job's output last left the guard's stderr in the middle of a line (a progress bar redrawn with
-    ``\\r``); the guard's own log lines then start on a new line, so that they stay greppable as ``^[guard]``."""
+    """Whether the job's output last left the guard's stdout or stderr in the middle of a line (a progress bar
+    redrawn with ``\\r``, a last line without a newline).
 
-    mid_line = False
+    The guard's own lines (``[guard] ...`` on stderr, the VERDICT on stdout) must start a line, so that they stay
+    greppable as ``^[guard]`` / ``^VERDICT:``. When stdout and stderr are the same file (``2>&1`` into a log, one
+    terminal), the state is the one of the last write to either; otherwise each stream has its own.
+    """
+
+    def __init__(self) -> None:
+        self.mid: dict[int, bool] = {}
+        self.last_fd: int | None = None
+        self._merged: bool | None = None
+
+    def wrote(self, fd: int, data: bytes) -> None:
+        """Record a write of ``data`` (non-empty) to ``fd``."""
+        if data:
+            self.mid[fd] = not data.endswith(b"\n")
+            self.last_fd = fd
+
+    def merged(self) -> bool:
+        """stdout and stderr are the same open file (``fstat``: same device and inode); checked once."""
+        if self._merged is None:
+            try:
+                out, err = os.fstat(1), os.fstat(2)
+                self._merged = (out.st_dev, out.st_ino) == (err.st_dev, err.st_ino)
+            except OSError:
+                self._merged = False
+        return self._merged
+
+    def needs_break(self, fd: int) -> bool:
+        """A line written to ``fd`` now would not start a line."""
+        if fd in (1, 2) and self.merged():
+            return self.last_fd in (1, 2) and self.mid.get(self.last_fd, False)
+        return self.mid.get(fd, False)
+
+    def line_break(self, fd: int) -> bytes:
+        """``b"\\n"`` when a line written to ``fd`` now needs one first (and record the guard's line), else ``b""``."""
+        brk = b"\n" if self.needs_break(fd) else b""
+        self.wrote(fd, b"\n")
+        return brk
 
 
-#: The state of the guard's stderr, shared by the supervisor (which writes the job's stderr) and the log handler.
-STDERR = LineState()
+#: The state of the guard's stdout (fd 1) and stderr (fd 2), shared by the supervisor (which writes the job's
+#: output), the log handler and the VERDICT.
+LINES = LineState()
 
 
 @dataclass
@@ -77,12 +127,16 @@ class OutputEvents:
     Attributes:
         losses: ``(step or None, loss)`` in the order printed; the supervisor drains it.
         last_exception: ``"Type: message"`` of the last traceback's final line, or None.
+        root_exception: the error at the root of that one: the first of a chain (Python prints the cause first,
+            then "The above exception was the direct cause ..." / "During handling of the above exception ..."),
+            or a DataLoader worker's own error (the last line of its "Original Traceback").
         cuda_oom: a CUDA out-of-memory error was printed.
         job_verdicts: the job's own ``VERDICT:`` lines (text after ``VERDICT:``), escaped in the output.
     """
 
     losses: list[tuple[int | None, float]] = field(default_factory=list)
     last_exception: str | None = None
+    root_exception: str | None = None
     cuda_oom: bool = False
     job_verdicts: list[str] = field(default_factory=list)
 
@@ -103,6 +157,8 @@ class StreamFilter:
         self._pending = b""
         self._at_line_start = True
         self._in_traceback = False
+        self._chained = False  # a chain separator came after the last exception: the next one is not a root
+        self._worker = False  # inside a DataLoader worker's "Original Traceback": its error is the root
         self._line_head = b""  # the part of the current line already written (for parsing), bounded
 
     @property
@@ -136,7 +192,14 @@ class StreamFilter:
     def close(self) -> bytes:
         """End of stream: write everything held."""
         data, self._pending = self._pending, b""
-        return self._emit(data, line_complete=True) if data else b""
+        if data:
+            return self._emit(data, line_complete=True)
+        if self._line_head:  # the last line went out unfinished (a progress bar): it still counts
+            head, self._line_head = self._line_head, b""
+            if self.parse and (b"oss" in head or b"OSS" in head):
+                self.events.losses.extend(parse_losses(head))
+            self._scan_errors(head)
+        return b""
 
     def _emit(self, data: bytes, *, line_complete: bool) -> bytes:
         out = self.masker.mask(data)
@@ -176,11 +239,23 @@ class StreamFilter:
         if line.startswith(b"Traceback (most recent call last)"):
             self._in_traceback = True
             return
+        if line.startswith(b"Original Traceback (most recent call last)"):  # torch's ExceptionWrapper
+            self._in_traceback = self._worker = True
+            return
+        if line.startswith((b"The above exception was the direct cause", b"During handling of the above exception")):
+            self._chained = True
+            return
         if self._in_traceback and line and not line[:1].isspace():
             m = _EXC_LINE.match(line)
             if m and (b"Error" in line or b"Exception" in line or b"Interrupt" in line or b":" in line):
-                self.events.last_exception = line.decode("utf-8", "replace")[:500]
-                self._in_traceback = False
+                text = line.decode("utf-8", "replace")[:500]
+                if self._worker:
+                    self.events.root_exception = text  # the worker's own error, behind "Caught X in DataLoader"
+                else:
+                    if not self._chained or self.events.root_exception is None:
+                        self.events.root_exception = text
+                    self.events.last_exception = text
+                self._in_traceback = self._chained = self._worker = False
 
 
 def finite(value: float | None) -> bool:

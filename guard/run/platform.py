@@ -5,7 +5,10 @@ Sources of the variables:
   "Built-in environment variables"). ``JOB_ID`` alone is ambiguous (SGE sets it too), so all of ``JOB_ID``,
   ``CPU_CORES`` and ``MEMORY`` are required.
 - Slurm: ``SLURM_JOB_ID`` (``sbatch(1)``, OUTPUT ENVIRONMENT VARIABLES).
-- Kubernetes: ``KUBERNETES_SERVICE_HOST``, set in every container of a pod by the kubelet.
+  ``ACCELERATOR`` names the flavor's hardware (e.g. ``a10g-small``, ``a100x4``; ``none`` or empty on CPU), kept
+  as ``flavor``.
+- Kubernetes: ``KUBERNETES_SERVICE_HOST``, set in every container of a pod by the kubelet; the pod's name is the
+  container's hostname (``HOSTNAME``), or ``POD_NAME`` where the pod spec passes it (downward API).
 - torchrun: ``TORCHELASTIC_RUN_ID`` (set for each worker by ``torch.distributed.elastic``), or ``LOCAL_RANK``
   with ``WORLD_SIZE``.
 """
@@ -33,13 +36,13 @@ class PlatformInfo:
 def detect(environ: Mapping[str, str]) -> PlatformInfo:
     """Detect the platform (first match: HF Jobs, Slurm, Kubernetes, torchrun, local)."""
     if environ.get("JOB_ID") and environ.get("CPU_CORES") and environ.get("MEMORY"):
-        return PlatformInfo("hf_jobs", {"job_id": environ["JOB_ID"], "accelerator": environ.get("ACCELERATOR", ""),
+        return PlatformInfo("hf_jobs", {"job_id": environ["JOB_ID"], "flavor": environ.get("ACCELERATOR", ""),
                                         "cpu_cores": environ["CPU_CORES"], "memory": environ["MEMORY"]})
     if environ.get("SLURM_JOB_ID"):
         keys = ("SLURM_JOB_ID", "SLURM_JOB_PARTITION", "SLURM_RESTART_COUNT", "SLURM_PROCID", "SLURM_NODEID")
         return PlatformInfo("slurm", {k.lower().removeprefix("slurm_"): environ.get(k, "") for k in keys})
     if environ.get("KUBERNETES_SERVICE_HOST"):
-        return PlatformInfo("kubernetes", {"pod": environ.get("HOSTNAME", "")})
+        return PlatformInfo("kubernetes", {"pod": environ.get("POD_NAME") or environ.get("HOSTNAME", "")})
     if environ.get("TORCHELASTIC_RUN_ID") or (environ.get("LOCAL_RANK") and environ.get("WORLD_SIZE")):
         return PlatformInfo("torchrun", {"rank": environ.get("RANK", ""), "world_size": environ.get("WORLD_SIZE", "")})
     return PlatformInfo("local")

@@ -127,6 +127,11 @@ def cgroup_memory(root: Path = Path("/sys/fs/cgroup")) -> CgroupMemory | None:
     return None
 
 
+#: Processes the guard starts for itself (``guard.secure.worker``): direct children of the guard that are not the
+#: job's, so that stopping the job never stops a push.
+HELPER_PIDS: set[int] = set()
+
+
 class JobProcess:
     """The job: a child in its own session, with its stdout and stderr on pipes.
 
@@ -157,6 +162,7 @@ class JobProcess:
         self.pid = -1
         self.returncode: int | None = None
         self.known_pids: set[int] = set()
+        self.exclude_pids: set[int] = set()  # the guard's own children (securing workers): never the job's
         self.peak_rss_bytes = 0
         self.last_rss_bytes = 0
         self.reaped = 0
@@ -240,20 +246,32 @@ class JobProcess:
         return reaped
 
     def descendants(self) -> list[psutil.Process]:
-        """Every live process of the job's tree: under the job, or re-parented to the guard (subreaper)."""
+        """Every live process of the job's tree: under the job, or re-parented to the guard (subreaper); never the
+        guard's own helpers (``HELPER_PIDS``: the securing workers) or what they started."""
         found: dict[int, psutil.Process] = {}
         try:
             for proc in psutil.Process().children(recursive=True):
+                if proc.pid in HELPER_PIDS or (HELPER_PIDS and self._under_helper(proc)):
+                    continue
                 if proc.pid in self.known_pids or self._in_job_tree(proc):
                     found[proc.pid] = proc
         except psutil.Error:
             pass
         return list(found.values())
 
+    @staticmethod
+    def _under_helper(proc: psutil.Process) -> bool:
+        try:
+            return any(p.pid in HELPER_PIDS for p in proc.parents())
+        except psutil.Error:
+            return False
+
     def _in_job_tree(self, proc: psutil.Process) -> bool:
         try:
             parents = proc.parents()
         except psutil.Error:
+            return False
+        if proc.pid in self.exclude_pids:
             return False
         return any(p.pid in self.known_pids for p in parents) or proc.ppid() == os.getpid()
 

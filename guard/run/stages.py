@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from guard.secure import budget
-from guard.run.config import Config, env_name
+from guard.run.config import Config, env_name, guard_options_in
 from guard.run.masking import Masker
 from guard.run.platform import PlatformInfo, detect
 from guard.contract import EXIT_PREFLIGHT, RunResult, signal_name
@@ -23,6 +23,11 @@ from guard.contract import EXIT_PREFLIGHT, RunResult, signal_name
 __all__ = ["preflight_only", "resolve_budget", "run_job"]
 
 log = logging.getLogger("guard.stages")
+
+
+#: Set when work was left running in a thread after a signal (preflight): the CLI then ends the process right
+#: after the VERDICT instead of waiting for that work's threads at interpreter exit.
+abandoned_work = False
 
 
 class EarlySignals:
@@ -45,8 +50,39 @@ class EarlySignals:
             signal.signal(signum, handler)
 
 
+def _unless_signalled(work: Any, early: EarlySignals) -> tuple[bool, Any]:
+    """Run ``work()`` in a daemon thread while the main thread waits for it or for a signal; returns
+    ``(True, value)``, or ``(False, None)`` once a signal arrived (the work is left behind: nothing it finds matters
+    any more, and the VERDICT must come within --grace). Re-raises what ``work`` raised."""
+    import threading
+
+    global abandoned_work
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["value"] = work()
+        except BaseException as exc:  # handed to the main thread
+            box["error"] = exc
+
+    thread = threading.Thread(target=target, name="guard-preflight-stage", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        if any(s != signal.SIGHUP for s in early.received):
+            abandoned_work = True
+            log.warning("%s received during preflight: stopping here", signal_name(early.received[0]))
+            return False, None
+        thread.join(0.1)
+    if "error" in box:
+        raise box["error"]
+    return True, box.get("value")
+
+
 def resolve_budget(config: Config, platform: PlatformInfo) -> budget.Deadline:
     """The job's deadline from ``--timeout``/``--started-at``, Slurm or HF Jobs (see ``budget.resolve_deadline``).
+
+    Without ``--timeout``/``GUARD_TIMEOUT``, the script's own ``[tool.hf-jobs] timeout`` is the timeout (the one
+    ``hf jobs uv run`` submits); on HF Jobs it counts from the container's start like any explicit timeout.
 
     Raises:
         UsageError: a malformed ``--started-at``.
@@ -58,13 +94,43 @@ def resolve_budget(config: Config, platform: PlatformInfo) -> budget.Deadline:
         option = "--started-at" if config.sources["started_at"] == "flag" else env_name("started_at")
         started_at_s = budget.parse_started_at(config.started_at, option=option)
         started_source = option
+    timeout_s = config.timeout_s
     timeout_source = "--timeout" if config.sources["timeout"] == "flag" else env_name("timeout")
-    return budget.resolve_deadline(timeout_s=config.timeout_s, timeout_source=timeout_source,
+    if timeout_s is None:
+        from guard.preflight.hfjobs import TABLE, read_hf_jobs_file
+
+        table = read_hf_jobs_file(config.script)
+        if table is not None and table.timeout_s is not None:
+            timeout_s = table.timeout_s
+            timeout_source = f"[{TABLE}] timeout in {table.path.name}"
+    return budget.resolve_deadline(timeout_s=timeout_s, timeout_source=timeout_source,
                                    started_at_s=started_at_s, started_at_source=started_source,
                                    environ=config.environ, platform=platform, now_s=time.time())
 
 
-def _preflight_options(config: Config, deadline: budget.Deadline, platform: PlatformInfo) -> Any:
+def _uv_environment(config: Config) -> tuple[Any, Any]:
+    """``--uv``: decide whether the job runs in the script's uv environment, and build it then (``guard.run.uvenv``).
+
+    Returns:
+        ``(plan, environment)``; ``environment`` is None when the job runs with this interpreter.
+    """
+    from guard.run import uvenv
+
+    plan = uvenv.plan_uv(config.uv, config.script, config.environ)
+    log.info("uv: %s", plan.why)
+    if not plan.use or config.script is None:
+        return plan, None
+    log.info("uv: building %s's environment (%s sync --script)", config.script.name, plan.uv or "uv")
+    env = uvenv.sync_script(plan.uv, config.script, config.environ)
+    if env.error:
+        log.error("uv: %s", env.error)
+    else:
+        log.info("uv: the job's Python: %s (environment %s, ready in %.1fs)", env.python, env.prefix, env.seconds)
+    return plan, env
+
+
+def _preflight_options(config: Config, deadline: budget.Deadline, platform: PlatformInfo,
+                       uv_env: Any = None) -> Any:
     from guard.preflight import PreflightOptions
 
     return PreflightOptions(
@@ -75,17 +141,22 @@ def _preflight_options(config: Config, deadline: budget.Deadline, platform: Plat
         timeout_source=deadline.source if deadline.timeout_s is not None else None,
         output_dir=Path(config.output_dir) if config.output_dir else None, push_to=config.push_to,
         skip_checks=dict(config.skip_check), platform=platform.name,
+        python_executable=uv_env.python if uv_env is not None else None,
+        uv_environment=uv_env.prefix if uv_env is not None else None,
+        uv_error=uv_env.error if uv_env is not None else None,
+        command=() if config.script else tuple(config.command), require_shards=tuple(config.require_shards),
+        launch_smoke=config.launch_smoke, launch_smoke_timeout_s=float(config.launch_smoke_timeout),
     )
 
 
-def _run_preflight(config: Config, deadline: budget.Deadline, platform: PlatformInfo) -> Any:
+def _run_preflight(config: Config, deadline: budget.Deadline, platform: PlatformInfo, uv_env: Any = None) -> Any:
     """Run the checks, log the table; returns the report (None with ``--no-preflight``)."""
     if config.no_preflight:
         log.warning("preflight skipped (--no-preflight): no check ran")
         return None
     from guard.preflight import render_table, run_preflight
 
-    options = _preflight_options(config, deadline, platform)
+    options = _preflight_options(config, deadline, platform, uv_env)
     log.info("preflight: running the checks (each network call at most %.0fs, side by side)",
              options.network_timeout_s)
     report = run_preflight(options, environ=config.environ)
@@ -118,7 +189,8 @@ def requeue(config: Config, result: RunResult, *, runner: Any = None) -> None:
     """``--requeue``: after a secured stop (exit 75) under Slurm, ``scontrol requeue $SLURM_JOB_ID`` (bounded).
 
     ``scontrol requeue`` puts the job back in the queue with the same id; Slurm then ends this instance with
-    SIGTERM/KillWait/SIGKILL (``scontrol.1``), so the VERDICT is printed first by the caller's flow.
+    SIGTERM/KillWait/SIGKILL (``scontrol.1``). So the CLI calls this only after the VERDICT and the report are
+    written, and SIGTERM is ignored from the call on (the guard exits right after it, with the VERDICT's code).
     """
     import subprocess
 
@@ -126,6 +198,10 @@ def requeue(config: Config, result: RunResult, *, runner: Any = None) -> None:
     if not config.requeue or result.exit_code != 75 or not job_id:
         return
     run = runner or subprocess.run
+    try:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # Slurm's SIGTERM to this instance must not cut the call
+    except ValueError:  # not the main thread
+        pass
     try:
         done = run(["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=15)
     except (OSError, subprocess.SubprocessError) as exc:
@@ -156,11 +232,12 @@ def _securer_factory(environ: Mapping[str, str]) -> Any:
     return make
 
 
-def _resume_folder(config: Config, report: Any) -> str:
-    """Where a fetched checkpoint goes: ``--output-dir``, else the script's literal ``output_dir=`` (read by
-    preflight, never by running the script), else ``./guard-resume``. A Trainer resumes from any folder."""
-    if config.output_dir:
-        return str(config.output_dir)
+def _resume_folder(output_dir: str | None, report: Any) -> str:
+    """Where a fetched checkpoint goes: the output folder (``--output-dir``, else the job's own argument), else the
+    script's literal ``output_dir=`` (read by preflight, never by running the script), else ``./guard-resume``.
+    A Trainer resumes from any folder."""
+    if output_dir:
+        return output_dir
     facts = getattr(report, "facts", None)
     literal = (getattr(facts, "trainer_config", None) or {}).get("output_dir") if facts is not None else None
     if isinstance(literal, str) and literal:
@@ -168,13 +245,27 @@ def _resume_folder(config: Config, report: Any) -> str:
     return "guard-resume"
 
 
-def _resume(config: Config, securer: Any, report: Any, platform: PlatformInfo) -> tuple[str | None, Any]:
-    """Fetch ``DEST/last-checkpoint`` when resuming; returns (folder or None, fetched info or None).
+#: Without a deadline, the resume fetch may take this long at most (seconds).
+FETCH_LIMIT_S = 900.0
+
+
+def _fetch_deadline(deadline: budget.Deadline) -> float:
+    """When the resume's peek and fetch must be over (monotonic seconds): half of what is left of the budget
+    (the rest is for training and securing), else ``FETCH_LIMIT_S``."""
+    if deadline.deadline_s is None:
+        return time.monotonic() + FETCH_LIMIT_S
+    return time.monotonic() + max(1.0, 0.5 * (deadline.deadline_s - time.time()))
+
+
+def _resume(config: Config, securer: Any, report: Any, platform: PlatformInfo, *, output_dir: str | None,
+            deadline: budget.Deadline, early: EarlySignals) -> Any:
+    """The checkpoint to resume from when resuming (``guard.secure.resume.choose``), or None.
 
     Raises:
         PreflightError: a corrupt or partial download (``check=resume``), unless ``--resume if-valid``.
     """
     from guard.errors import GuardError, PreflightError
+    from guard.secure import resume
 
     mode = config.resume
     if mode == "auto":
@@ -183,40 +274,66 @@ def _resume(config: Config, securer: Any, report: Any, platform: PlatformInfo) -
         if mode == "on":
             log.info("Slurm requeued this job (SLURM_RESTART_COUNT=%s): resuming", restarts)
     if mode == "off":
-        return None, None
+        return None
     if securer is None:
         raise PreflightError("--resume needs a destination to fetch from", check="resume",
                              hint="pass --push-to DEST (the same as the run that secured the checkpoint)")
-    folder = _resume_folder(config, report)
+    folder = _resume_folder(output_dir, report)
     try:
-        fetched = securer.fetch_last_checkpoint(folder, deadline=time.monotonic() + 900)
+        return resume.choose(folder, securer, deadline=_fetch_deadline(deadline), abort=lambda: bool(early.received))
+    except resume.Interrupted:
+        return None  # the caller sees early.received
     except GuardError as exc:
         if mode == "if-valid":
             log.warning("the secured checkpoint is not usable (%s): starting fresh (--resume if-valid)", exc.message)
-            return None, None
+            return None
         raise PreflightError(f"cannot resume: {exc.message}", check="resume",
                              hint="the checkpoint at the destination is damaged; --resume if-valid starts fresh") from exc
-    if fetched is None:
-        log.info("nothing secured at %s yet: starting fresh", securer.destination)
-        return None, None
-    log.info("resuming from %s (step %s, revision %s)", fetched.path, fetched.step, fetched.revision)
-    return str(fetched.path), fetched
+
+
+def output_folder(config: Config) -> tuple[str | None, str]:
+    """The job's output folder and where it came from: ``--output-dir`` (or its environment variable), else the
+    job's own ``--output_dir``/``--output-dir``/``--out_dir``/``--save`` argument (``layout.output_dir_from_args``),
+    else None (a Trainer's ``output_dir`` or the folder of the job's ``torch.save`` calls fill it in later)."""
+    from guard.secure.layout import output_dir_from_args
+
+    if config.output_dir:
+        return str(config.output_dir), ("--output-dir" if config.sources.get("output_dir") == "flag"
+                                        else env_name("output_dir"))
+    args = config.script_args if config.script else config.command
+    found = output_dir_from_args(args)
+    if found is not None:
+        return found[0], f"the job's {found[1]} argument"
+    return None, "not known yet: a Trainer's output_dir, or the folder the job saves into, once seen"
 
 
 def run_job(config: Config, masker: Masker, started: float) -> RunResult:
     """Budget, preflight, resume, the supervised job. Raises ``GuardError`` subclasses for the CLI's boundary."""
-    from guard.secure.plan import Securing
+    from guard.secure.securing import Securing
     from guard.run.supervisor import Supervisor
 
     platform = detect(config.environ)
+    if misplaced := guard_options_in(config.script_args):
+        log.info("the job's arguments hold %s, also a guard option: after the script it goes to the job, not the "
+                 "guard (guard options go before the script)", ", ".join(misplaced))
+    output_dir, output_source = output_folder(config)
+    log.info("output folder: %s (%s)", output_dir or "-", output_source)
     with EarlySignals() as early:
         deadline = resolve_budget(config, platform)
         factory = _securer_factory(config.environ)
         securer = factory(config.push_to) if config.push_to else None
-        report = _run_preflight(config, deadline, platform)
-        if report is not None and report.failed is not None:
-            return _preflight_failed(report, started)
-        resume_path, fetched = _resume(config, securer, report, platform)
+        _, uv_env = _uv_environment(config)
+        finished, report = _unless_signalled(lambda: _run_preflight(config, deadline, platform, uv_env), early)
+        if finished and uv_env is not None and uv_env.error and report is None:  # --no-preflight: cannot run it
+            from guard.errors import PreflightError
+
+            raise PreflightError(f"uv could not build the script's environment: {uv_env.error}", check="python",
+                                 hint="uv sync --script SCRIPT shows the error; --uv off runs with this interpreter")
+        if finished and report is not None and report.failed is not None:
+            return _with_platform(_preflight_failed(report, started), platform)
+        fetched = None if not finished else _resume(config, securer, report, platform, output_dir=output_dir,
+                                                    deadline=deadline, early=early)
+        resume_path = str(fetched.path) if fetched is not None else None
     if early.received:
         signum = early.received[0]
         log.warning("%s received before the job started: not starting it", signal_name(signum))
@@ -233,19 +350,25 @@ def run_job(config: Config, masker: Masker, started: float) -> RunResult:
 
         estimator.observe_size(fetched.size_bytes)
     securing = Securing(deadline=deadline, estimator=estimator, securer=securer, securer_factory=factory,
-                        output_dir=config.output_dir, grace_s=config.grace_s,
-                        refresher=_slurm_refresher(config, platform))
+                        output_dir=output_dir, grace_s=config.grace_s,
+                        refresher=_slurm_refresher(config, platform), background=config.background_push,
+                        push_interval_s=config.push_interval)
     if fetched is not None:
         securing.latest_reported = describe(fetched.path, step=fetched.step)
     gpus = report.gpus if report is not None else None
 
     def trainer_check(trainer_config: Mapping[str, Any]) -> list[Any]:
-        from guard.preflight import check_trainer_config
+        from guard.preflight.trainer import check_job_settings
 
-        return check_trainer_config(trainer_config, gpus=gpus, timeout_known=deadline.deadline_s is not None,
-                                    environ=config.environ)
+        return check_job_settings(trainer_config, gpus=gpus, timeout_known=deadline.deadline_s is not None,
+                                  environ=config.environ)
 
-    env_extra = {}
+    env_extra: dict[str, str] = {}
+    if uv_env is not None and uv_env.python and config.script is not None:
+        import dataclasses
+
+        config = dataclasses.replace(config, command=(uv_env.python, str(config.script), *config.script_args))
+        env_extra.update(uv_env.env_extra)
     if resume_path:
         from guard import protocol
 
@@ -258,7 +381,15 @@ def run_job(config: Config, masker: Masker, started: float) -> RunResult:
         result.extra["resumed_from"] = f"{fetched.path}@{fetched.revision}"
     if report is not None:
         result.details["preflight"] = report.to_json()
-    requeue(config, result)
+    if uv_env is not None:
+        result.details["uv"] = {"python": uv_env.python, "environment": uv_env.prefix}
+    return _with_platform(result, platform)
+
+
+def _with_platform(result: RunResult, platform: PlatformInfo) -> RunResult:
+    """Where the job ran, in the report: ``details["platform"]`` (name and ids: HF Jobs job id and flavor, Slurm
+    job id, pod name)."""
+    result.details["platform"] = {"name": platform.name, **{k: v for k, v in platform.details.items() if v}}
     return result
 
 
@@ -291,12 +422,14 @@ def preflight_only(config: Config, masker: Masker, started: float) -> RunResult:
     """``python -m guard preflight``: the checks, the table, a VERDICT (PASS ok, or FAIL preflight exit 3)."""
     platform = detect(config.environ)
     deadline = resolve_budget(config, platform)
-    report = _run_preflight(config, deadline, platform)
+    _, uv_env = _uv_environment(config)
+    report = _run_preflight(config, deadline, platform, uv_env)
     if report is None:
-        return RunResult("PASS", "ok", 0, time.monotonic() - started)
+        return _with_platform(RunResult("PASS", "ok", 0, time.monotonic() - started), platform)
     if report.failed is not None:
-        return _preflight_failed(report, started)
+        return _with_platform(_preflight_failed(report, started), platform)
     warnings = sum(row.status == "warn" for row in report.results)
     log.info("preflight passed (%d warning%s)", warnings, "" if warnings == 1 else "s")
-    return RunResult("PASS", "ok", 0, time.monotonic() - started, details={"preflight": report.to_json()})
+    return _with_platform(RunResult("PASS", "ok", 0, time.monotonic() - started,
+                                    details={"preflight": report.to_json()}), platform)
 

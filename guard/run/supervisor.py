@@ -3,7 +3,7 @@
 One thread, one ``select`` loop over: the job's stdout and stderr pipes, the agent socket (new connections and
 messages), a self-pipe that signal handlers write to (``signal.set_wakeup_fd``; the handlers only append to a
 list), and timers (stall, partial-line flush, deadline, grace escalation, memory sampling). Pushes to the
-destination run on one worker thread so that output keeps flowing and signals keep being handled meanwhile.
+destination run in worker processes (``guard.secure.worker``) that the loop polls and kills at their deadline.
 
 The run ends in a ``verdict.RunResult``; the job's failure is data, never an exception. The first decision the
 guard takes (non-finite loss, stall, dry run done, deadline, signal) fixes the outcome; the job's exit after
@@ -28,7 +28,7 @@ from guard.run.channel import AgentChannel, AgentConn
 from guard.run.config import Config
 from guard.run.masking import Masker
 from guard.run.helpers import HELPERS, Wakeup
-from guard.run.output import STDERR, OutputEvents, StreamFilter
+from guard.run.output import LINES, OutputEvents, StreamFilter
 from guard.run.process import JobProcess, cgroup_memory, default_signals, set_subreaper
 from guard.run.ranks import RankWatch
 from guard.run.timers import Escalation, StallWatch
@@ -51,6 +51,9 @@ SAMPLE_EVERY_S = 2.0  # job tree memory sampling
 REAP_EVERY_S = 2.0  # orphans are reaped on SIGCHLD (at most twice a second) and at least this often
 READ_BYTES = 1 << 16
 WRITE_RETRY_S = 0.01  # while output waits for a paused reader: how often the loop tries again
+EXPLODE_FACTOR = 100.0  # a finite loss this many times its early level (the median of the first steps) exploded
+EARLY_STEPS = 5  # steps whose median is the loss's early level
+NAN_SETTLE_S = 2.0  # with several ranks, how long to wait for the others' reports before naming the first NaN
 
 
 def _grow_pipe(fd: int, size_bytes: int = 1 << 20) -> None:
@@ -84,7 +87,7 @@ class Supervisor:
         spawner: ``subprocess.Popen``-like (injected for tests).
         trainer_config_check: called with the Trainer arguments the agent reports; returns preflight rows
             (objects with ``name``, ``status``, ``seen``, ``hint``); a ``fail`` row stops the job.
-        securer: the securing flow (``guard.secure.plan.Securing``) or None.
+        securer: the securing flow (``guard.secure.securing.Securing``) or None.
         heartbeat: ``guard.observe.telemetry.Heartbeat`` (heartbeat lines, the projection, trackio) or None.
         out, err: file descriptors for the job's stdout and stderr (default 1 and 2).
     """
@@ -135,10 +138,21 @@ class Supervisor:
         self.agents_seen = 0  # agents that said hello (connections close when their process ends)
         self.rank_begun: dict[int, int] = {}  # rank -> steps begun, from the answers to a stack dump
         self.last_exception: str | None = None
+        self.early_losses: list[float] = []  # the first EARLY_STEPS finite losses (the explosion check's level)
+        self.exploded: dict[str, Any] | None = None  # step, loss, early: the loss exploded while staying finite
+        self.nan_reports: list[tuple[int, int, float, int]] = []  # (step, rank or -1, loss, n), non-finite
+        self.nan_decide_at: float | None = None
+        self.root_exception: str | None = None  # the innermost error behind the last one (chain, DataLoader worker)
+        self.train_error: dict[str, Any] | None = None  # Trainer.train() raised (the script may have swallowed it)
+        self.train_end: dict[str, Any] | None = None  # Trainer.train() ended: step, max_steps, stopped
+        self.agent_watching = False  # an agent hooked torch (or a Trainer): it sees the real losses
+        self.hang_where: str | None = None  # where the main thread waits, when the job looked hung
         self.cuda_oom = False
         self.trainer_config: dict[str, Any] | None = None
+        self._settings_logged: set[tuple[str, str]] = set()  # setting-check rows already logged
         self.trainer_push: dict[str, Any] | None = None
         self.checkpoints: list[dict[str, Any]] = []
+        self.api_used: set[str] = set()  # the guard API calls the job's agents reported (``api`` messages)
         self.signals: list[int] = []
         self.job: JobProcess | None = None
         self.exited_at: float | None = None
@@ -210,6 +224,9 @@ class Supervisor:
         self._sel.register(self._wakeup_r, selectors.EVENT_READ, "wakeup")
         env = self._job_env(sock_path)
         self.job = JobProcess(self.config.command, env, **({"spawner": self.spawner} if self.spawner else {}))
+        from guard.secure.worker import RUNNING
+
+        self.job.exclude_pids = RUNNING  # securing workers are the guard's, not the job's
         if self.securer is not None and self.securer.output_dir and self.securer.latest_reported is None:
             found = None
             try:
@@ -341,7 +358,7 @@ class Supervisor:
 
     def _next_due(self, now: float) -> float:
         due = [self.stall.due_at(), self.ranks.due_at(), self.escalation.due_at(), self.next_sample,
-               self.stop_at or math.inf]
+               self.stop_at or math.inf, self.nan_decide_at or math.inf]
         if self.job is not None:
             due.append(self.job.abandon_at())
         due += [since + PARTIAL_FLUSH_S for since in self.partial_since.values()]
@@ -371,6 +388,8 @@ class Supervisor:
             self.heartbeat.tick(now, Snapshot(
                 tree_rss_bytes=(self.job.last_rss_bytes or None) if running and self.job else None,
                 cgroup=cgroup_memory()))
+        if self.outcome is None and self._non_finite_settled(now):
+            self._decide_non_finite()
         stalled_rank = self.ranks.stalled_rank(now) if self.outcome is None and not self.stall.paused else None
         if stalled_rank is not None:
             silent = self.ranks.silent_for_s(stalled_rank, now)
@@ -386,6 +405,8 @@ class Supervisor:
         if self.stall.expired(now) and self.outcome is None:
             silent = self.stall.silent_for_s(now)
             what = "no training step" if self.stall.first_step_seen else "no output and no training step"
+            if self.train_end is not None:
+                what = f"no progress since training ended at step {self.train_end.get('step')}"
             log.error("%s for %.0fs (--stall-timeout %.0fs): the job looks hung", what, silent,
                       self.config.stall_timeout_s)
             stuck = self.stuck_rank()
@@ -428,6 +449,13 @@ class Supervisor:
         """On a machine other than node 0 whose ranks share torch.distributed's store: node 0's guard decides
         checkpoints (its rank 0 relays them through the store, see ``guard.inside.agent._dist``); this guard only waits."""
         return self.node_rank not in (None, 0) and any(c.info.get("store") for c in self.agents.values())
+
+    @property
+    def job_answers_checkpoints(self) -> bool:
+        """Whether the job can answer a checkpoint request: it runs a Trainer (the agent's callback saves on
+        request) or its script called ``guard.should_checkpoint()``/``checkpoint_saved()``. False means asking it
+        only wastes time: forward signals at once and secure what it saved itself."""
+        return self.trainer_config is not None or bool(self.api_used & {"should_checkpoint", "checkpoint_saved"})
 
     def training_ranks(self) -> set[int]:
         """Ranks that reported training steps."""
@@ -483,6 +511,7 @@ class Supervisor:
             self._write(self.targets[fd], flt.close())
             self._sel.unregister(fd)
             self.partial_since.pop(fd, None)
+            self._after_output(now)  # the last, unterminated line counts too
             return True
         self.stall.output(now)
         self._write(self.targets[fd], flt.feed(data))
@@ -497,19 +526,39 @@ class Supervisor:
         events = self.events
         if events.losses:
             losses, events.losses[:] = list(events.losses), []
-            if self.loss_source != "agent":
+            if self._output_decides():
                 for step, value in losses:
                     self._on_step(now, step, value, math.isfinite(value), 1, "output", None)
         if events.cuda_oom:
             self.cuda_oom = True
         if events.last_exception:
             self.last_exception = events.last_exception
+        if events.root_exception:
+            self.root_exception = events.root_exception
+
+    def _output_decides(self) -> bool:
+        """Losses parsed from the output count only while no agent sees the losses itself: once an agent has
+        hooked torch (or a Trainer, or reported a step), a number the job prints (``best loss: inf`` before the
+        first step) must not decide. Jobs with no agent (not Python) and Python jobs without torch (JAX, numpy)
+        keep the output's losses. Agent messages not read yet are read first (the agent says so when torch is
+        imported, before the script can print a loss)."""
+        if self.loss_source == "agent" or self.agent_watching:
+            return False
+        for _ in range(3):  # accept, then read the hello; bounded, never blocks (timeout 0)
+            events = [key for key, _ in self._sel.select(0) if key.data in ("listen", "agent")]
+            if not events:
+                break
+            for key in events:
+                if key.data == "listen":
+                    self.channel.accept()
+                else:
+                    self._read_agent(key.fd)
+        return not self.agent_watching and self.loss_source != "agent"
 
     def _write(self, fd: int, data: bytes) -> None:
         if not data or (fd == self.out_fd and self._closed_out):
             return
-        if fd == self.err_fd:
-            STDERR.mid_line = not data.endswith(b"\n")
+        LINES.wrote(fd, data)
         writer = self.writers.get(fd)
         if writer is None:
             writer = self.writers[fd] = OutputWriter(fd)
@@ -539,6 +588,7 @@ class Supervisor:
     def _finish_output(self) -> None:
         for fd, flt in self.filters.items():
             self._write(self.targets[fd], flt.close())
+        self._after_output(self.clock())
         for writer in self.writers.values():
             writer.close()  # the run is over: wait for the reader (the VERDICT comes after this output)
 
@@ -572,15 +622,28 @@ class Supervisor:
             value = float(loss) if isinstance(loss, (int, float)) else math.nan
             self._on_step(now, message.get("step"), value, bool(message.get("finite", True)),
                           int(message.get("n", 1)), "agent", fd)
+            if isinstance(message.get("skipped"), int):
+                self._on_skipped(message["skipped"], message.get("step"), conn.info.get("rank"))
         elif kind == "trainer_config":
             self._on_trainer_config(fd, message.get("config") or {})
+        elif kind == "training_args":  # built before the job's data work: check now, answer ack or stop
+            self._check_settings(fd, message.get("config") or {})
         elif kind == "checkpoint_saved":
             message = {**message, "rank": conn.info.get("rank")}
             self.checkpoints.append(message)
+            if self.heartbeat is not None and message.get("zero", True) and message.get("path"):
+                self.heartbeat.on_save(str(message["path"]))
             if self.securer is not None:
                 self.securer.on_checkpoint_saved(self, message)
+        elif kind == "file_saved":
+            if self.securer is not None and hasattr(self.securer, "on_file_saved"):
+                self.securer.on_file_saved(self, {**message, "rank": conn.info.get("rank")})
+        elif kind == "api":
+            self.api_used.add(str(message.get("name")))
         elif kind == "exception":
             self.last_exception = f"{message.get('exc_type')}: {message.get('message')}"
+            if message.get("root"):
+                self.root_exception = str(message["root"])
             if "OutOfMemoryError" in str(message.get("exc_type")):
                 self.cuda_oom = True
         elif kind == "push_result":
@@ -596,14 +659,26 @@ class Supervisor:
             self.stall.step(now)
             if conn.info.get("rank") is not None:
                 self.ranks.alive(int(conn.info["rank"]), now)
+        elif kind == "watching":
+            self.agent_watching = True
         elif kind == "train_end":
-            log.debug("training ended at step %s", message.get("step"))
+            log.debug("training ended at step %s of %s", message.get("step"), message.get("max_steps"))
+            if self.train_end is None or conn.info.get("rank") in (None, 0):
+                self.train_end = message
             if conn.info.get("rank") is not None:
                 self.ranks.finished(int(conn.info["rank"]))
+        elif kind == "train_error":
+            if self.train_error is None:
+                self.train_error = message
+                log.warning("Trainer.train() raised %s at step %s of %s", message.get("root") or
+                            message.get("exc_type"), message.get("step"), message.get("max_steps"))
 
     def _on_progress(self, conn: AgentConn, message: dict[str, Any]) -> None:
         """A rank's answer to a stack dump: how many steps it has begun. Names the rank that holds up the rest."""
         rank = conn.info.get("rank")
+        if message.get("where") and rank in (None, 0) and self.outcome is not None \
+                and self.outcome.reason == "stalled" and self.hang_where is None:
+            self._name_hang(str(message["where"]))
         if rank is None or not isinstance(message.get("begun"), int):
             return
         self.rank_begun[int(rank)] = message["begun"]
@@ -615,6 +690,20 @@ class Supervisor:
             self.outcome.extra["rank"] = behind[0]
             log.error("rank %d has begun fewer steps (%d) than the others: it is the one stuck; the others wait "
                       "for it in a collective", behind[0], fewest)
+
+    def _name_hang(self, where: str) -> None:
+        """The stalled verdict's hint names where the main thread waits (from the agent's stack answer); after
+        ``Trainer.train()`` returned, the hang is not in training: say so."""
+        assert self.outcome is not None
+        self.hang_where = where
+        if self.train_end is not None:
+            log.error("training ended at step %s; since then the job waits in %s", self.train_end.get("step"), where)
+            self.outcome.hint = (f"training ended at step {self.train_end.get('step')} (Trainer.train() returned), "
+                                 f"then the job hung in {where}: that call never returned (a push, an upload, a "
+                                 "collective or a thread join after training); see the stacks above")
+        else:
+            log.error("the job's main thread waits in %s", where)
+            self.outcome.hint = f"the main thread waits in {where}; {self.outcome.hint}"
 
     def _on_trainer_config(self, fd: int, config: dict[str, Any]) -> None:
         if self.trainer_config is None:
@@ -628,10 +717,15 @@ class Supervisor:
                 from guard.observe.telemetry import follow_trainer
 
                 follow_trainer(self.heartbeat, config, self.masker)
+        self._check_settings(fd, config)
+
+    def _check_settings(self, fd: int, config: dict[str, Any]) -> None:
+        """Run the Trainer-settings checks; a ``fail`` ends the job as ``preflight``, else the agent gets ``ack``."""
         rows = self.trainer_config_check(config) if self.trainer_config_check else []
         failed = next((row for row in rows if row.status == "fail"), None)
         for row in rows:
-            if row.status in ("fail", "warn"):
+            if row.status in ("fail", "warn") and (row.status, row.seen) not in self._settings_logged:
+                self._settings_logged.add((row.status, row.seen))
                 log.log(logging.ERROR if row.status == "fail" else logging.WARNING, "preflight %s %s: %s%s",
                         row.name, row.status, row.seen, f" (hint: {row.hint})" if row.hint else "")
         if failed is not None and self.outcome is None:
@@ -656,18 +750,9 @@ class Supervisor:
             log.info("reading losses from the job's output (no agent step seen)")
         rank = self.agents[fd].info.get("rank") if fd is not None and fd in self.agents else None
         if not finite or not math.isfinite(value):
-            if self.outcome is None:
-                self.step = int(step) if step is not None else (self.step or 0) + n
-                self.loss = value
-                where = f"step {self.step}" if n == 1 else f"steps {int(step) - n + 1}..{step}"
-                phase = "sanity pass" if not self.sanity_done else "training"
-                log.error("non-finite loss %s at %s (%s)%s", value, where, phase,
-                          f" on rank {rank}" if rank is not None else "")
-                extra = {"rank": rank} if rank is not None else {}
-                batches = f"the batch of step {self.step}" if n == 1 else f"the batches of {where}"
-                self._decide(Outcome("FAIL", "non_finite_loss", EXIT_NON_FINITE, extra=extra, hint=(
-                    "lower the learning rate or add warmup, clip gradients (max_grad_norm), prefer bf16 over fp16, "
-                    f"and check {batches} for empty or corrupt inputs")))
+            if not math.isnan(value) and math.isfinite(value):
+                value = math.nan  # never a finite loss on a non_finite_loss verdict
+            self._non_finite(now, step, value, n, rank)
             return
         if rank is not None:  # step and loss come from the lowest rank; the others were checked for NaN above
             if not self.ranks.on_step(int(rank), int(step) if step is not None else None, now):
@@ -679,6 +764,7 @@ class Supervisor:
                 return
         self.step = int(step) if step is not None else (self.step or 0) + n
         self.loss = value
+        self._check_explosion(value)
         self.stall.step(now)
         if self.securer is not None:
             self.securer.on_step(self, now)
@@ -688,6 +774,81 @@ class Supervisor:
             self.sanity.append(value)
             if len(self.sanity) >= self.config.sanity_steps:
                 self._sanity_passed()
+
+    def _check_explosion(self, value: float) -> None:
+        """Name, once, a finite loss that exploded against its early level (in the spirit of Lightning's loss
+        spike detection): ``EXPLODE_FACTOR`` times the median of the first ``EARLY_STEPS`` losses."""
+        if len(self.early_losses) < EARLY_STEPS:
+            self.early_losses.append(value)
+            return
+        if self.exploded is not None:
+            return
+        early = sorted(self.early_losses)[len(self.early_losses) // 2]
+        if abs(value) > EXPLODE_FACTOR * max(abs(early), 1e-6):
+            self.exploded = {"step": self.step, "loss": value, "early": early}
+            log.warning("the loss exploded: %.6g at step %s, %.0fx its early level %.4g (the median of the first %d "
+                        "steps): the run is diverging; lower the learning rate, add warmup or clip gradients",
+                        value, self.step, abs(value) / max(abs(early), 1e-6), early, EARLY_STEPS)
+
+    def _on_skipped(self, skipped: int, step: Any, rank: Any) -> None:
+        """A GradScaler skipped ``skipped`` optimizer steps in a row (inf/NaN gradients): past
+        ``--max-skipped-steps`` the fp16 loss scale is collapsing and nothing is learned."""
+        limit = int(self.config.values.get("max_skipped_steps") or 0)
+        if self.outcome is not None or not limit or skipped < limit:
+            return
+        log.error("the GradScaler skipped the last %d optimizer steps (inf/NaN gradients; --max-skipped-steps %d)%s",
+                  skipped, limit, f" on rank {rank}" if rank is not None else "")
+        if isinstance(step, int):
+            self.step = step
+        self.loss = None  # the loss itself is finite: no loss= on a non_finite_loss verdict
+        extra = {"rank": rank} if rank is not None else {}
+        self._decide(Outcome("FAIL", "non_finite_loss", EXIT_NON_FINITE, extra=extra, hint=(
+            f"fp16 overflow: the loss scale kept collapsing and the last {skipped} optimizer steps were all skipped "
+            "(gradients inf/NaN), so nothing was learned: prefer bf16 over fp16, lower the learning rate or add "
+            "warmup, clip gradients, and look for a layer whose activations overflow fp16")))
+
+    def _non_finite(self, now: float, step: Any, value: float, n: int, rank: int | None) -> None:
+        """A non-finite loss. With several ranks, the first one to report is not always the one where it
+        happened first (a NaN on rank 1 reaches rank 0 through the gradient all-reduce one step later, and rank 0's
+        message may arrive first): wait until every rank has reported that far (at most ``NAN_SETTLE_S``), then
+        name the earliest step and its rank."""
+        if self.outcome is not None:
+            return
+        at = int(step) if step is not None else (self.step or 0) + n
+        self.nan_reports.append((at, rank if rank is not None else -1, value, n))
+        ranks = self._live_ranks()
+        if len(ranks) < 2:
+            self._decide_non_finite()
+            return
+        if self.nan_decide_at is None:
+            self.nan_decide_at = now + NAN_SETTLE_S
+        self._recheck = True
+
+    def _live_ranks(self) -> set[int]:
+        return {int(c.info["rank"]) for c in self.agents.values() if isinstance(c.info.get("rank"), int)}
+
+    def _non_finite_settled(self, now: float) -> bool:
+        if self.nan_decide_at is None:
+            return False
+        if now >= self.nan_decide_at:
+            return True
+        first = min(at for at, _, _, _ in self.nan_reports)
+        bad = {r for _, r, _, _ in self.nan_reports}
+        return all(r in bad or self.rank_progress.get(r, (-1, 0.0))[0] >= first for r in self._live_ranks())
+
+    def _decide_non_finite(self) -> None:
+        at, rank_or_none, value, n = min(self.nan_reports, key=lambda r: (r[0], r[1]))
+        rank = None if rank_or_none < 0 else rank_or_none
+        self.nan_decide_at = None
+        self.step, self.loss = at, value
+        where = f"step {at}" if n == 1 else f"steps {at - n + 1}..{at}"
+        phase = "sanity pass" if not self.sanity_done else "training"
+        log.error("non-finite loss %s at %s (%s)%s", value, where, phase, f" on rank {rank}" if rank is not None else "")
+        extra = {"rank": rank} if rank is not None else {}
+        batches = f"the batch of step {at}" if n == 1 else f"the batches of {where}"
+        hint = ("lower the learning rate or add warmup, clip gradients (max_grad_norm), prefer bf16 over fp16, "
+                f"and check {batches} for empty or corrupt inputs")
+        self._decide(Outcome("FAIL", "non_finite_loss", EXIT_NON_FINITE, extra=extra, hint=hint))
 
     def _sanity_passed(self) -> None:
         self.sanity_done = True
@@ -710,6 +871,8 @@ class Supervisor:
         self.ranks.pause()
         if stop:
             self._stop_job(self.clock())
+        if self.securer is not None:
+            self.securer.on_decided(self, outcome)  # a failure secures what was saved before it
 
     def _stop_job(self, now: float, grace_s: float | None = None) -> None:
         """SIGTERM to the job's process group (and its escaped descendants); SIGKILL after the grace."""

@@ -16,7 +16,7 @@ class StallWatch:
     """A hang is no training step for ``timeout_s`` seconds, or, before the first step, no output at all.
 
     Args:
-        timeout_s: the ``--stall-timeout`` in seconds.
+        timeout_s: the ``--stall-timeout`` in seconds; 0 (or less) turns the watch off.
         now: the clock's value at start (monotonic seconds).
     """
 
@@ -41,7 +41,7 @@ class StallWatch:
         self.paused = True
 
     def due_at(self) -> float:
-        return math.inf if self.paused else self.last_progress + self.timeout_s
+        return math.inf if self.paused or self.timeout_s <= 0 else self.last_progress + self.timeout_s
 
     def expired(self, now: float) -> bool:
         return now >= self.due_at()

@@ -1,8 +1,23 @@
 """Finding complete checkpoints on disk: never one still being written.
 
+What counts as a checkpoint, in this order of preference:
+
+1. a folder the job said it finished: the Trainer's save event (``on_save``) or ``guard.checkpoint_saved(path)``;
+   what the job said wins over every rule below (no mtime rule applies to it);
+2. a ``checkpoint-N`` folder (the Trainer's), a ``checkpoint_N`` folder (accelerate's automatic naming,
+   ``ProjectConfiguration(automatic_checkpoint_naming=True)``) or a ``step_N`` folder (accelerate's
+   ``save_state(f"step_{N}")`` in its examples), complete by the rules below; the highest N wins;
+3. when no such folder is complete: a stable set of model/optimizer files (``*.pt``, ``*.pth``, ``*.safetensors``,
+   ``*.bin``) at the top of the output folder (nanoGPT's ``ckpt.pt``, a loop's ``last.pt``), secured as one folder.
+   Files whose names carry a step (``model_step_200.pt``, ``iter-300.pt``) are grouped by it and the highest step
+   wins; otherwise the step is unknown here (the agent reports the step of every ``torch.save`` it sees, which
+   the supervisor prefers: see ``SavedFiles``).
+
 A checkpoint folder counts as complete when:
 
-- it holds the Trainer's state file ``trainer_state.json`` or the guard's marker ``guard_checkpoint.json``.
+- it holds the Trainer's state file ``trainer_state.json`` or the guard's marker ``guard_checkpoint.json``, or (an
+  accelerate folder) an RNG state file ``random_states_<process>.pkl``, which accelerate's ``save_state`` writes
+  after the model, optimizer, scheduler and sampler states (``accelerate/checkpointing.py``);
   ``Trainer._save_checkpoint`` (transformers 5.24.0, ``trainer.py``) writes the model, then optimizer, scheduler,
   scaler and RNG states, and ``trainer_state.json`` *last*; ``guard.checkpoint_saved(path)`` writes the marker after
   the script's own save;
@@ -13,6 +28,9 @@ A checkpoint folder counts as complete when:
 
 The Trainer rotates old checkpoints (``rotate_checkpoints``) while we may be scanning: a folder or file that vanishes
 mid-scan is skipped, never an error.
+
+Symbolic links are never followed out of a checkpoint: a link to a file inside the checkpoint counts as that
+file's content; a link that points outside it (or to a folder, or nowhere) is left out and named in the log.
 """
 
 from __future__ import annotations
@@ -22,7 +40,7 @@ import logging
 import os
 import re
 import stat as _stat
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,10 +49,15 @@ from guard.errors import SupervisorError
 __all__ = [
     "GUARD_MARKER_NAME",
     "INCOMPLETE_SENTINEL_NAME",
+    "MODEL_FILE_SUFFIXES",
     "TRAINER_STATE_NAME",
     "CheckpointInfo",
+    "SavedFiles",
     "describe",
     "is_complete",
+    "is_suspect",
+    "list_files",
+    "loose_files",
     "newest_complete",
     "tree_size_bytes",
     "why_incomplete",
@@ -49,7 +72,14 @@ GUARD_MARKER_NAME = "guard_checkpoint.json"
 #: Present while transformers' JIT checkpointing is saving (``trainer_jit_checkpoint.py``).
 INCOMPLETE_SENTINEL_NAME = "checkpoint-is-incomplete.txt"
 
-_CHECKPOINT_RE = re.compile(r"checkpoint-([0-9]+)")
+#: Folder names whose N is a step: the Trainer's ``checkpoint-N``, accelerate's ``checkpoint_N`` and ``step_N``.
+_FOLDER_RE = re.compile(r"(?:checkpoint-|checkpoint_|step_)([0-9]+)")
+_ACCELERATE_RNG_RE = re.compile(r"random_states_[0-9]+\.pkl")
+#: Suffixes of model and optimizer files written by ``torch.save``, safetensors and the Trainer.
+MODEL_FILE_SUFFIXES = (".pt", ".pth", ".safetensors", ".bin")
+#: Files with a model suffix that are not model state (the Trainer's pickled ``TrainingArguments``).
+_NOT_MODEL_FILES = frozenset({"training_args.bin"})
+_STEP_IN_NAME_RE = re.compile(r"(?:^|[^a-z])(?:global_step|step|iter|iteration|it)[-_]?([0-9]+)(?![0-9])", re.IGNORECASE)
 StatFn = Callable[[str], os.stat_result]
 
 
@@ -61,8 +91,14 @@ class CheckpointInfo:
         path: the folder (or, for a custom loop, the single file).
         step: the training step it was saved at, or None when unknown.
         size_bytes: the sum of its files' sizes.
-        files: its files as sorted relative POSIX paths (a tuple; ``(name,)`` for a single file).
+        files: its files as sorted relative POSIX paths under ``folder`` (``(name,)`` for a single file).
         newest_mtime_s: the newest file mtime, epoch seconds.
+        root: the folder ``files`` are relative to when it is not ``path`` (a set of loose files: the output
+            folder), else None. Push ``folder`` with exactly ``files``.
+        step_source: where ``step`` comes from: ``"trainer_state"`` (``global_step``), ``"reported"`` (the job's
+            ``checkpoint_saved`` or the agent's step count at the save: the guard's own step unit, comparable with
+            the VERDICT's ``step``), ``"marker"``, ``"name"`` (N of the folder or file name: the job's unit, which
+            may differ, e.g. with gradient accumulation), or None (unknown).
     """
 
     path: Path
@@ -70,19 +106,58 @@ class CheckpointInfo:
     size_bytes: int
     files: tuple[str, ...]
     newest_mtime_s: float
+    root: Path | None = None
+    step_source: str | None = None
+
+    @property
+    def folder(self) -> Path:
+        """The folder to push: ``root`` when set, else ``path`` (a folder), else the single file's folder."""
+        if self.root is not None:
+            return self.root
+        return self.path.parent if self.files == (self.path.name,) and not self.path.is_dir() else self.path
+
+
+_links_logged: set[str] = set()
+
+
+def _link_inside(link: str, top: Path) -> bool:
+    """True when the symlink ``link`` resolves to a regular file inside ``top`` (never followed out of it)."""
+    try:
+        target = Path(os.path.realpath(link))
+        return target.is_file() and target.is_relative_to(Path(os.path.realpath(top)))
+    except OSError:
+        return False
+
+
+def _refuse_link(link: str) -> None:
+    if link not in _links_logged:
+        _links_logged.add(link)
+        try:
+            target = os.readlink(link)
+        except OSError:
+            target = "?"
+        log.warning("left out %s -> %s: a symbolic link that points outside the checkpoint (or to a folder, or "
+                    "nowhere); the guard never follows links out of a checkpoint: save real files", link, target)
 
 
 def _walk(path: Path, stat: StatFn) -> dict[str, tuple[int, float]]:
-    """``{relative posix path: (size, mtime)}`` for every regular file under ``path`` (symlinks followed for files,
-    not for folders). Raises FileNotFoundError when ``path`` itself is gone."""
+    """``{relative posix path: (size, mtime)}`` for every regular file under ``path``; a symlink counts only when
+    it points to a file inside ``path`` (see the module docstring). Raises FileNotFoundError when ``path`` itself
+    is gone."""
     top = stat(str(path))
     if not _stat.S_ISDIR(top.st_mode):
         return {path.name: (top.st_size, top.st_mtime)}
     found: dict[str, tuple[int, float]] = {}
     for root, dirs, names in os.walk(path, onerror=None, followlinks=False):
         dirs.sort()
+        for name in [d for d in dirs if os.path.islink(os.path.join(root, d))]:
+            dirs.remove(name)
+            _refuse_link(os.path.join(root, name))
         for name in sorted(names):
             full = os.path.join(root, name)
+            if os.path.islink(full) and not _link_inside(full, path):
+                _refuse_link(full)
+                continue
             try:
                 st = stat(full)
             except (FileNotFoundError, NotADirectoryError):
@@ -92,6 +167,16 @@ def _walk(path: Path, stat: StatFn) -> dict[str, tuple[int, float]]:
     if not found and not path.exists():
         raise FileNotFoundError(str(path))
     return found
+
+
+def list_files(folder: str | os.PathLike[str]) -> list[str]:
+    """The files of a checkpoint folder to push, as sorted POSIX relative paths: regular files, and symlinks to
+    files inside ``folder``; links pointing out of it are left out (and logged once). An empty list when
+    ``folder`` does not exist."""
+    try:
+        return sorted(_walk(Path(folder), os.stat))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
 
 
 def tree_size_bytes(path: str | os.PathLike[str], *, stat: StatFn = os.stat) -> int:
@@ -122,8 +207,8 @@ def is_complete(path: str | os.PathLike[str], *, now_s: float, stable_for_s: flo
     return why_incomplete(path, now_s=now_s, stable_for_s=stable_for_s, stat=stat) is None
 
 
-def _check(path: Path, now_s: float, stable_for_s: float,
-           stat: StatFn) -> tuple[dict[str, tuple[int, float]], str | None]:
+def _check(path: Path, now_s: float, stable_for_s: float, stat: StatFn,
+           reported: bool = False) -> tuple[dict[str, tuple[int, float]], str | None]:
     try:
         first = _walk(path, stat)
     except FileNotFoundError:
@@ -134,7 +219,10 @@ def _check(path: Path, now_s: float, stable_for_s: float,
         return first, "empty"
     if INCOMPLETE_SENTINEL_NAME in first:
         return first, f"{INCOMPLETE_SENTINEL_NAME} present (a JIT checkpoint still being saved, or one that failed)"
-    if TRAINER_STATE_NAME not in first and GUARD_MARKER_NAME not in first:
+    if reported:
+        return first, None  # the job said the save is done (Trainer on_save, checkpoint_saved): no mtime rule
+    accelerate = not path.name.startswith("checkpoint-") and any(_ACCELERATE_RNG_RE.fullmatch(n) for n in first)
+    if TRAINER_STATE_NAME not in first and GUARD_MARKER_NAME not in first and not accelerate:
         return first, f"no {TRAINER_STATE_NAME} or {GUARD_MARKER_NAME} (save not finished)"
     newest_name, (_, newest_mtime_s) = max(first.items(), key=lambda item: item[1][1])
     if newest_mtime_s > now_s - stable_for_s:
@@ -158,27 +246,46 @@ def _step_from_json(path: Path, name: str, key: str) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
 
 
-def _info(path: Path, files: dict[str, tuple[int, float]], step: int | None) -> CheckpointInfo:
+def _info(path: Path, files: dict[str, tuple[int, float]], step: int | None, *, root: Path | None = None,
+          step_source: str | None = None) -> CheckpointInfo:
     return CheckpointInfo(path=path, step=step, size_bytes=sum(size for size, _ in files.values()),
-                          files=tuple(sorted(files)), newest_mtime_s=max(m for _, m in files.values()))
+                          files=tuple(sorted(files)), newest_mtime_s=max(m for _, m in files.values()), root=root,
+                          step_source=step_source if step is not None else None)
+
+
+def _folder_step(path: Path, name_step: int) -> tuple[int, str]:
+    found = _step_from_json(path, TRAINER_STATE_NAME, "global_step")
+    if found is not None:
+        return found, "trainer_state"
+    found = _step_from_json(path, GUARD_MARKER_NAME, "step")
+    if found is not None:
+        return found, "marker"
+    return name_step, "name"
 
 
 def newest_complete(output_dir: str | os.PathLike[str], *, now_s: float, stable_for_s: float = 2.0,
-                    stat: StatFn = os.stat, seen: set[tuple[str, str]] | None = None) -> CheckpointInfo | None:
-    """The newest complete ``checkpoint-N`` folder (highest N) under ``output_dir``.
+                    stat: StatFn = os.stat, seen: set[tuple[str, str]] | None = None,
+                    reported: Collection[str] = (), loose: bool = True) -> CheckpointInfo | None:
+    """The newest complete checkpoint under ``output_dir`` (see the module docstring for what counts).
 
     Folders newer than the one returned that are skipped are logged with the reason (still being written, no state
     file, the JIT sentinel); a partial folder is never returned.
 
     Args:
-        output_dir: the job's output folder (``TrainingArguments.output_dir``).
+        output_dir: the job's output folder (``TrainingArguments.output_dir``, ``--output-dir``, the job's own
+            ``--out_dir``...).
         now_s: now, epoch seconds.
-        stable_for_s: how long every file must have been left unchanged (default 2 s).
+        stable_for_s: how long every file must have been left unchanged (default 2 s); 0 at resume time, when
+            no job is writing.
         stat: ``os.stat``-like callable (tests inject one).
         seen: pass the same set on every call to log each (folder, reason) only once; None logs every time.
+        reported: absolute paths of folders the job said it finished saving (the Trainer's save event,
+            ``checkpoint_saved``): complete without the mtime rule.
+        loose: also consider loose model files at the top of ``output_dir`` when no folder is complete (pass
+            False for a Trainer, whose root files are its final model).
 
     Returns:
-        The :class:`CheckpointInfo` (step = N), or None when there is none (or ``output_dir`` does not exist).
+        The :class:`CheckpointInfo`, or None when there is none (or ``output_dir`` does not exist).
     """
     base = Path(output_dir)
     try:
@@ -186,18 +293,130 @@ def newest_complete(output_dir: str | os.PathLike[str], *, now_s: float, stable_
     except (FileNotFoundError, NotADirectoryError):
         log.debug("no checkpoints: %s does not exist", base)
         return None
-    candidates = sorted(((int(m.group(1)), name) for name in names if (m := _CHECKPOINT_RE.fullmatch(name))),
+    said = {os.path.abspath(p) for p in reported}
+    candidates = sorted(((int(m.group(1)), name) for name in names if (m := _FOLDER_RE.fullmatch(name))),
                         reverse=True)
     for step, name in candidates:
         path = base / name
-        files, reason = _check(path, now_s, stable_for_s, stat)
+        if not path.is_dir() or path.is_symlink():
+            continue
+        files, reason = _check(path, now_s, stable_for_s, stat, reported=os.path.abspath(path) in said)
         if reason is None:
-            return _info(path, files, step)
+            found, source = _folder_step(path, step)
+            return _info(path, files, found, step_source=source)
         if seen is None or (str(path), reason) not in seen:
             log.info("skipped checkpoint %s: %s", path, reason)
             if seen is not None:
                 seen.add((str(path), reason))
-    return None
+    return loose_files(base, now_s=now_s, stable_for_s=stable_for_s, stat=stat) if loose else None
+
+
+def _is_scratch(name: str) -> bool:
+    """A hidden or temporary folder name (``.partial-checkpoint-1``, ``tmp``, ``tmp-x``, ``x.tmp``)."""
+    lowered = name.lower()
+    return lowered.startswith((".", "tmp")) or lowered.endswith((".tmp", "-tmp", "_tmp"))
+
+
+def _is_model_file(name: str) -> bool:
+    return name.endswith(MODEL_FILE_SUFFIXES) and not name.startswith((".", "_")) and name not in _NOT_MODEL_FILES
+
+
+def loose_files(output_dir: str | os.PathLike[str], *, now_s: float, stable_for_s: float = 2.0,
+                stat: StatFn = os.stat) -> CheckpointInfo | None:
+    """A stable set of model/optimizer files at the top of ``output_dir``, as one checkpoint (``root`` is the
+    folder; ``files`` the set), or None.
+
+    Files named with a step (``model_step_200.pt``) are grouped by it; the group with the highest step wins over
+    the files without one when it is as new; the files without a step form one set, step unknown. A set counts
+    only when none of its files changed within ``stable_for_s`` and two stat passes agree.
+    """
+    base = Path(output_dir)
+    try:
+        names = sorted(n for n in os.listdir(base) if _is_model_file(n))
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+
+    def look() -> dict[str, tuple[int, float]]:
+        out = {}
+        for name in names:
+            full = base / name
+            if full.is_symlink():
+                continue  # a link at the top of the output folder is not the job's save
+            try:
+                st = stat(str(full))
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            if _stat.S_ISREG(st.st_mode):
+                out[name] = (st.st_size, st.st_mtime)
+        return out
+
+    first = look()
+    if not first:
+        return None
+    groups: dict[int | None, dict[str, tuple[int, float]]] = {}
+    for name, entry in first.items():
+        m = _STEP_IN_NAME_RE.search(name)
+        groups.setdefault(int(m.group(1)) if m else None, {})[name] = entry
+    stepped = [k for k in groups if k is not None]
+    choices = ([groups[max(stepped)]] if stepped else []) + ([groups[None]] if None in groups else [])
+    chosen = max(choices, key=lambda g: max(m for _, m in g.values()))
+    step = next((k for k, g in groups.items() if g is chosen), None)
+    newest = max(m for _, m in chosen.values())
+    if newest > now_s - stable_for_s:
+        log.debug("model files in %s still being written", base)
+        return None
+    second = look()
+    if any(second.get(name) != entry for name, entry in chosen.items()):
+        return None
+    path = base / next(iter(chosen)) if len(chosen) == 1 else base
+    return _info(path, chosen, step, root=base, step_source="name")
+
+
+class SavedFiles:
+    """Files the agent saw the job save (``torch.save`` returned), grouped into checkpoints.
+
+    A save that returned is complete: no mtime rule. Files saved into the same folder at the same step (the
+    agent's step count, the guard's step unit) form one checkpoint, e.g. ``model.pt`` and ``optim.pt``.
+    """
+
+    def __init__(self) -> None:
+        self._by_folder: dict[Path, tuple[int | None, dict[str, float]]] = {}
+
+    def add(self, path: str | os.PathLike[str], step: int | None, *, stat: StatFn = os.stat) -> CheckpointInfo | None:
+        """Record one saved file; returns the checkpoint it belongs to (its folder's files of that step that
+        still exist), or None when the file is gone or is not a model file."""
+        where = Path(os.path.abspath(path))
+        if not _is_model_file(where.name) or any(_is_scratch(part) for part in where.parent.parts[-2:]):
+            return None  # a save into a hidden or temporary folder is renamed into place later (or dropped)
+        folder = where.parent
+        last_step, names = self._by_folder.get(folder, (None, {}))
+        if last_step != step:
+            names = {}
+        names[where.name] = 0.0
+        self._by_folder[folder] = (step, names)
+        files: dict[str, tuple[int, float]] = {}
+        for name in list(names):
+            try:
+                st = stat(str(folder / name))
+            except OSError:
+                names.pop(name)
+                continue
+            files[name] = (st.st_size, st.st_mtime)
+        if not files:
+            return None
+        target = folder / next(iter(files)) if len(files) == 1 else folder
+        return _info(target, files, step, root=folder, step_source="reported")
+
+
+def is_suspect(info: CheckpointInfo, *, bad_step: int | None, bad_at_s: float | None) -> bool:
+    """True when ``info`` may hold weights trained on a non-finite loss: saved at or after the first non-finite
+    step ``bad_step`` (when its step is in the guard's unit: ``trainer_state``, ``reported``, ``marker``), else
+    written at or after ``bad_at_s`` (epoch seconds, when the guard saw that step)."""
+    if info.step is not None and bad_step is not None and info.step_source in ("trainer_state", "reported", "marker"):
+        return info.step >= bad_step
+    if bad_at_s is not None:
+        return info.newest_mtime_s >= bad_at_s
+    return False
 
 
 def describe(path: str | os.PathLike[str], *, step: int | None = None, stat: StatFn = os.stat) -> CheckpointInfo:
@@ -218,13 +437,15 @@ def describe(path: str | os.PathLike[str], *, step: int | None = None, stat: Sta
     if not files:
         raise SupervisorError(f"the job reported checkpoint {where}, but it does not exist or is empty",
                               hint="call guard.checkpoint_saved(path) after the save, with the folder or file written")
-    found = None
+    found, source = None, None
     if where.is_dir():
-        found = _step_from_json(where, TRAINER_STATE_NAME, "global_step")
+        found, source = _step_from_json(where, TRAINER_STATE_NAME, "global_step"), "trainer_state"
         if found is None:
-            found = step if step is not None else _step_from_json(where, GUARD_MARKER_NAME, "step")
+            found, source = step, "reported"
+        if found is None:
+            found, source = _step_from_json(where, GUARD_MARKER_NAME, "step"), "marker"
     elif step is not None:
-        found = step
-    if found is None and (m := _CHECKPOINT_RE.fullmatch(where.name)):
-        found = int(m.group(1))
-    return _info(where, files, found)
+        found, source = step, "reported"
+    if found is None and (m := _FOLDER_RE.fullmatch(where.name)):
+        found, source = int(m.group(1)), "name"
+    return _info(where, files, found, step_source=source)

@@ -56,18 +56,21 @@ if TYPE_CHECKING:
     from huggingface_hub import CommitOperationAdd, HfApi
 
 __all__ = ["CHECKPOINT_FOLDER", "MANIFEST_NAME", "REQUEST_TIMEOUTS_S", "Destination", "FetchedCheckpoint",
-           "PushResult", "Securer", "final_model_files", "install_request_bounds", "parse_destination"]
+           "PushResult", "SecuredRecord", "Securer", "final_model_files", "install_request_bounds", "parse_destination"]
 
 logger = logging.getLogger("guard.hub")
 T = TypeVar("T")
 
 CHECKPOINT_FOLDER = "last-checkpoint"
+#: The title of every checkpoint commit the guard makes; the newest commit with this title is the secured one.
+CHECKPOINT_COMMIT_TITLE = "guard: checkpoint step {step}"
 MANIFEST_NAME = "guard_manifest.json"
 _MIN_ATTEMPT_S = 1.0  # don't start another attempt with less time than this left
 _ACCEPTED_FORMS = ("hf://NS/NAME, hf://datasets/NS/NAME, NS/NAME (a Hub model repo), "
                    "or a folder path (absolute, or starting with ./, ../ or file://)")
 _NAME = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,94}[A-Za-z0-9_])?")
 _STEP_IN_TITLE = re.compile(r"checkpoint step (\d+)")
+_GUARD_TITLE = re.compile(r"guard: checkpoint step (\d+)")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -101,8 +104,12 @@ def parse_destination(text: str) -> Destination:
     """Parse ``--push-to``: ``hf://NS/NAME``, ``hf://datasets/NS/NAME``, bare ``NS/NAME`` (a Hub model repo), or a
     folder path (absolute, or starting with ``./``, ``../`` or ``file://``). Forms from ``shared/CONTRACT.md``.
 
+    A bare ``NS/NAME`` that names an existing folder here (``checkpoints/run1``) is refused: it would mean a Hub
+    repo, and with a token the guard would create one by mistake.
+
     Raises:
-        UsageError: (``option="--push-to"``) for anything else, naming the accepted forms.
+        UsageError: (``option="--push-to"``) for anything else, naming the accepted forms; for a bare form that is
+            also a local folder, with "did you mean ./NAME".
     """
     raw = text.strip() if isinstance(text, str) else ""
     if raw.startswith("file://") and len(raw) > len("file://"):
@@ -116,6 +123,10 @@ def parse_destination(text: str) -> Destination:
             repo_type, parts = ("dataset" if parts[0] == "datasets" else "model"), parts[1:]
     if len(parts) == 2 and all(_NAME.fullmatch(p) and "--" not in p and ".." not in p for p in parts) \
             and not parts[1].endswith(".git"):
+        if not raw.startswith("hf://") and os.path.exists(raw):
+            raise UsageError(f"--push-to {raw}: a bare NS/NAME is a Hub repo, but ./{raw} is a folder here",
+                             option="--push-to",
+                             hint=f"did you mean ./{raw}? (write hf://{raw} for the Hub repo)")
         return Destination("hub", repo_id="/".join(parts), repo_type=repo_type)
     raise UsageError(f"--push-to {text!r} is not a destination: use {_ACCEPTED_FORMS}", option="--push-to",
                      hint="e.g. --push-to hf://alice/my-run or --push-to ./secured")
@@ -156,6 +167,15 @@ class PushResult:
 
 
 @dataclass(frozen=True)
+class SecuredRecord:
+    """What the destination records as secured: ``revision`` (Hub commit id, or the ``last-checkpoint`` folder)
+    and ``step`` (None when not recorded)."""
+
+    revision: str
+    step: int | None
+
+
+@dataclass(frozen=True)
 class FetchedCheckpoint:
     """A verified copy of the destination's ``last-checkpoint/``: ``path`` is ``INTO/checkpoint-<step>``."""
 
@@ -172,16 +192,45 @@ class FetchedCheckpoint:
 
 
 def _list_files(folder: Path, keep: Callable[[str], bool] = lambda rel: True) -> list[str]:
-    """Files under ``folder`` (posix relative paths, sorted), minus ``.git``/``.cache`` folders and ``keep`` misses."""
-    out = []
-    for dirpath, dirnames, filenames in os.walk(folder):
-        dirnames[:] = [d for d in dirnames if d not in (".git", ".cache")]
-        for name in filenames:
-            full = Path(dirpath, name)
-            rel = full.relative_to(folder).as_posix()
-            if full.is_file() and keep(rel):
-                out.append(rel)
-    return sorted(out)
+    """Files under ``folder`` (posix relative paths, sorted), minus ``.git``/``.cache`` folders and ``keep`` misses.
+    Symbolic links are never followed out of ``folder`` (``checkpoints.list_files``)."""
+    from guard.secure.checkpoints import list_files
+
+    return [rel for rel in list_files(folder)
+            if not rel.startswith((".git/", ".cache/")) and "/.git/" not in rel and "/.cache/" not in rel and keep(rel)]
+
+
+def _signatures(folder: Path, files: list[str]) -> dict[str, tuple[int, int]]:
+    """``{rel: (size, mtime_ns)}``: compared before and after a copy to catch a file rewritten meanwhile."""
+    out = {}
+    for rel in files:
+        with contextlib.suppress(OSError):
+            st = os.stat(folder / rel)
+            out[rel] = (st.st_size, st.st_mtime_ns)
+    return out
+
+
+def _default_dir_mode() -> int:
+    """The mode a new folder gets from the process umask (``0o777 & ~umask``), read from ``/proc/self/status``
+    (Linux 4.7+, ``Umask:``) when possible, else by setting and restoring the umask."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return 0o777 & ~int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return 0o777 & ~mask
+
+
+def _staging_dir(prefix: str, parent: Path) -> Path:
+    """A fresh temporary folder in ``parent`` with the destination's default permissions (``tempfile.mkdtemp``
+    creates 0700 folders, which would then be swapped in as the secured one)."""
+    staging = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+    os.chmod(staging, _default_dir_mode())
+    return staging
 
 
 def final_model_files(output_dir: str | os.PathLike[str]) -> list[str]:
@@ -257,6 +306,16 @@ def _swap_in(staging: Path, target: Path) -> Path | None:
     return old
 
 
+def _remove_stale_staging(root: Path) -> None:
+    """Remove ``.last-checkpoint.tmp-<pid>-*`` folders left by a push that was killed (its process is gone)."""
+    import psutil
+
+    for entry in root.glob(f".{CHECKPOINT_FOLDER}.tmp-*"):
+        pid = entry.name[len(f".{CHECKPOINT_FOLDER}.tmp-"):].split("-", 1)[0]
+        if entry.is_dir() and not (pid.isdigit() and psutil.pid_exists(int(pid))):
+            shutil.rmtree(entry, ignore_errors=True)
+
+
 def _step_from_trainer_state(folder: Path) -> int | None:
     try:
         return int(json.loads((folder / "trainer_state.json").read_text())["global_step"])
@@ -290,19 +349,27 @@ class Securer:
                  log: logging.Logger = logger, backoff_s: float = 1.0, max_backoff_s: float = 8.0) -> None:
         self.destination = destination if isinstance(destination, Destination) else parse_destination(destination)
         self._api, self._token = api, token
+        self.token = token  # for worker processes (guard.secure.worker), sent on their stdin
         self._clock, self._sleep, self._log = clock, sleep, log
         self._backoff_s, self._max_backoff_s = backoff_s, max_backoff_s
         self._repo_ready = False
 
     # -- public API -------------------------------------------------------------------------------------------
 
-    def push_checkpoint(self, local_dir: str | os.PathLike[str], *, step: int, deadline: float) -> PushResult:
+    def push_checkpoint(self, local_dir: str | os.PathLike[str], *, step: int, deadline: float,
+                        files: list[str] | None = None) -> PushResult:
         """Secure a complete checkpoint folder as ``DEST/last-checkpoint/`` (replacing the previous one), verified.
+
+        The Hub commit is titled ``guard: checkpoint step N`` (``CHECKPOINT_COMMIT_TITLE``): that title is the
+        record ``fetch_last_checkpoint`` looks for, so that an unrelated commit on top never changes what is
+        resumed from.
 
         Args:
             local_dir: the checkpoint folder (e.g. ``output/checkpoint-120``); must not change meanwhile.
             step: its training step (in the commit message / manifest).
             deadline: clock value by which the push, retries included, must be over.
+            files: the files to secure, relative to ``local_dir`` (``CheckpointInfo.files``: a set of loose model
+                files in an output folder); default: every file of the folder.
 
         Returns:
             The verified ``PushResult`` (``revision``: Hub commit id, or the ``last-checkpoint`` folder).
@@ -312,7 +379,10 @@ class Securer:
                 or the retries ran out of time; its message lists every attempt.
         """
         folder = Path(local_dir)
-        files = _list_files(folder) if folder.is_dir() else []
+        if files is None:
+            files = _list_files(folder) if folder.is_dir() else []
+        else:
+            files = sorted(rel for rel in files if (folder / rel).is_file())
         what = f"checkpoint step {step}"
         if not files:
             raise PushFailedError(f"cannot secure {what}: {folder} has no files", destination=str(self.destination),
@@ -320,7 +390,7 @@ class Securer:
         if self.destination.kind == "folder":
             attempt = lambda: self._folder_push_checkpoint(folder, files, step)  # noqa: E731
         else:
-            message = f"guard: {what}"
+            message = CHECKPOINT_COMMIT_TITLE.format(step=step)
             attempt = lambda: self._hub_push(folder, files, f"{CHECKPOINT_FOLDER}/", message, replace=True)  # noqa: E731
         return self._push(what, folder, files, step, attempt, deadline)
 
@@ -344,8 +414,52 @@ class Securer:
             attempt = lambda: self._hub_push(folder, files, "", "guard: final model", replace=False)  # noqa: E731
         return self._push("the final model", folder, files, None, attempt, deadline)
 
-    def fetch_last_checkpoint(self, into_dir: str | os.PathLike[str], *, deadline: float) -> FetchedCheckpoint | None:
-        """Download the destination's ``last-checkpoint/`` (newest commit), verify every file, and place it as
+    def peek_last_checkpoint(self, *, deadline: float) -> SecuredRecord | None:
+        """What the guard secured last, without downloading it, or None when nothing is.
+
+        Hub: the newest commit titled ``guard: checkpoint step N`` (``CHECKPOINT_COMMIT_TITLE``, the record every
+        checkpoint push makes), so that a commit on top (a README, the Trainer's own push) never changes what is
+        resumed from; a ``last-checkpoint/`` without such a commit (pushed by something else) is HEAD's, step
+        unknown. Folder: the folder itself and its manifest's step.
+
+        Raises:
+            HubError: the destination cannot be read before ``deadline``.
+        """
+        result, _ = self._with_retries(f"reading {CHECKPOINT_FOLDER}'s record", self._peek, deadline, push=False)
+        return result
+
+    def _peek(self) -> SecuredRecord | None:
+        if self.destination.kind == "folder":
+            assert self.destination.path is not None
+            source = self.destination.path / CHECKPOINT_FOLDER
+            if not source.is_dir():
+                return None
+            manifest: dict[str, Any] = {}
+            with contextlib.suppress(OSError, ValueError):
+                manifest = json.loads((source / MANIFEST_NAME).read_text())
+            step = manifest.get("step")
+            return SecuredRecord(str(source), step if isinstance(step, int) else _step_from_trainer_state(source))
+        from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundError
+
+        api, repo_id, repo_type = self._hub(), self.destination.repo_id, self.destination.repo_type
+        assert repo_id is not None
+        try:
+            for commit in api.list_repo_commits(repo_id, repo_type=repo_type):
+                if match := _GUARD_TITLE.fullmatch(commit.title.strip()):
+                    return SecuredRecord(commit.commit_id, int(match[1]))
+            sha = api.repo_info(repo_id, repo_type=repo_type).sha
+        except (RepositoryNotFoundError, RevisionNotFoundError):
+            return None
+        if sha is None:
+            return None
+        self._log.info("no commit at %s records a secured checkpoint (titled %r): using HEAD's %s/ if any",
+                       self.destination, CHECKPOINT_COMMIT_TITLE.format(step="N"), CHECKPOINT_FOLDER)
+        return SecuredRecord(sha, None)
+
+    def fetch_last_checkpoint(self, into_dir: str | os.PathLike[str], *, deadline: float,
+                              revision: str | None = None) -> FetchedCheckpoint | None:
+        """Download the destination's ``last-checkpoint/`` at the revision the guard recorded (``revision``, else
+        ``peek_last_checkpoint``'s; never a later unrelated HEAD), verify every file, and place it as
         ``into_dir/checkpoint-<step>``. A ``checkpoint-<step>`` already there is kept when it holds the same files,
         else moved aside to a hidden ``.checkpoint-<step>.replaced-<time>-<pid>`` folder (never deleted).
 
@@ -358,8 +472,18 @@ class Securer:
         """
         into = Path(into_dir)
         into.mkdir(parents=True, exist_ok=True)
-        fetch = self._folder_fetch if self.destination.kind == "folder" else self._hub_fetch
-        result, _ = self._with_retries(f"fetching {CHECKPOINT_FOLDER}", lambda: fetch(into), deadline, push=False)
+        if self.destination.kind == "folder":
+            result, _ = self._with_retries(f"fetching {CHECKPOINT_FOLDER}", lambda: self._folder_fetch(into),
+                                           deadline, push=False)
+            return result
+        if revision is None:
+            record = self.peek_last_checkpoint(deadline=deadline)
+            if record is None:
+                return None
+            revision = record.revision
+        recorded = revision
+        result, _ = self._with_retries(f"fetching {CHECKPOINT_FOLDER}@{recorded[:12]}",
+                                       lambda: self._hub_fetch(into, recorded), deadline, push=False)
         return result
 
     # -- retries ----------------------------------------------------------------------------------------------
@@ -442,6 +566,7 @@ class Securer:
         if not self._repo_ready:
             api.create_repo(repo_id, repo_type=repo_type, private=True, exist_ok=True)
             self._repo_ready = True
+        before = _signatures(folder, files)
         adds = [CommitOperationAdd(path_in_repo=prefix + rel, path_or_fileobj=str(folder / rel)) for rel in files]
         deletes = []
         if replace:
@@ -456,6 +581,9 @@ class Securer:
         info = api.create_commit(repo_id, deletes + adds, commit_message=message, repo_type=repo_type,
                                  commit_description=f"Secured by jobguard: {len(files)} files from {folder.name}.")
         self._verify_hub(api, info.oid, adds)
+        changed = [rel for rel, sig in _signatures(folder, files).items() if before.get(rel) != sig]
+        if changed:  # rewritten in place while uploading: what was sent may be torn; the retry's commit replaces it
+            raise Mismatch([f"{rel} changed while it was uploaded" for rel in changed])
         return info.oid
 
     def _verify_hub(self, api: HfApi, revision: str, adds: list[CommitOperationAdd]) -> None:
@@ -482,7 +610,7 @@ class Securer:
         if problems:
             raise Mismatch(problems)
 
-    def _hub_fetch(self, into: Path) -> FetchedCheckpoint | None:
+    def _hub_fetch(self, into: Path, revision: str) -> FetchedCheckpoint | None:
         from huggingface_hub import RepoFile
         from huggingface_hub.errors import EntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError
         from huggingface_hub.utils.sha import git_hash
@@ -490,14 +618,14 @@ class Securer:
         api, repo_id, repo_type = self._hub(), self.destination.repo_id, self.destination.repo_type
         assert repo_id is not None
         try:
-            sha = api.repo_info(repo_id, repo_type=repo_type).sha
+            sha = revision
             entries = [e for e in api.list_repo_tree(repo_id, path_in_repo=CHECKPOINT_FOLDER, recursive=True,
                                                      revision=sha, repo_type=repo_type) if isinstance(e, RepoFile)]
         except (RepositoryNotFoundError, RevisionNotFoundError, EntryNotFoundError):
             return None
         if not entries or sha is None:
             return None
-        staging = Path(tempfile.mkdtemp(prefix=".guard-fetch-", dir=into))
+        staging = _staging_dir(".guard-fetch-", into)
         try:
             api.snapshot_download(repo_id, repo_type=repo_type, revision=sha, local_dir=staging,
                                   cache_dir=staging / ".cache" / "hub", allow_patterns=[f"{CHECKPOINT_FOLDER}/*"])
@@ -553,9 +681,14 @@ class Securer:
         assert root is not None
         root.mkdir(parents=True, exist_ok=True)
         target = root / CHECKPOINT_FOLDER
-        staging = Path(tempfile.mkdtemp(prefix=f".{CHECKPOINT_FOLDER}.tmp-", dir=root))
+        _remove_stale_staging(root)
+        staging = _staging_dir(f".{CHECKPOINT_FOLDER}.tmp-{os.getpid()}-", root)
         try:
+            before = _signatures(folder, files)
             sums = {rel: _copy_and_hash(folder / rel, staging / rel) for rel in files}
+            changed = [rel for rel, sig in _signatures(folder, files).items() if before.get(rel) != sig]
+            if changed:  # a job that saves in place (torch.save over ckpt.pt) wrote it again meanwhile: torn copy
+                raise Mismatch([f"{rel} changed while it was copied" for rel in changed])
             manifest = {"step": step, "source": str(folder),
                         "files": {rel: {"size": size, "sha256": sha} for rel, (size, sha) in sums.items()}}
             with open(staging / MANIFEST_NAME, "w") as out:
@@ -564,13 +697,14 @@ class Securer:
                 os.fsync(out.fileno())
             for dirpath, _, _ in sorted(os.walk(staging), key=lambda w: -len(w[0])):
                 _fsync_dir(Path(dirpath))
+            # Verified before the swap: a push killed at any point leaves the previous last-checkpoint in place.
+            self._verify_folder(staging, {rel: sums[rel] for rel in files}, exclude={MANIFEST_NAME})
             old = _swap_in(staging, target)
             _fsync_dir(root)
             if old is not None:
                 shutil.rmtree(old, ignore_errors=True)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
-        self._verify_folder(target, {rel: sums[rel] for rel in files}, exclude={MANIFEST_NAME})
         return str(target)
 
     def _folder_push_final(self, folder: Path, files: list[str]) -> str:

@@ -26,7 +26,7 @@ from typing import Any
 from ... import protocol
 from ..settings import AgentSettings, agent_settings
 
-__all__ = ["Agent", "get", "install"]
+__all__ = ["Agent", "get", "install", "root_cause"]
 
 _AGENT: Agent | None = None
 _INSTALLED = False
@@ -50,9 +50,14 @@ def _rank_info() -> dict[str, Any]:
 class LossWatch:
     """Turns losses into ``step`` messages: one by one in the sanity pass, then every ``check_every`` steps.
 
-    After the sanity pass a tensor loss is only added to a device-side accumulator (an asynchronous kernel,
-    no host-device sync); the accumulator and the last loss are read every ``check_every`` steps. A NaN or an
-    infinity in any of the steps in between makes the accumulated sum non-finite, so none is missed.
+    After the sanity pass a tensor loss is only kept (detached, a reference: no kernel, no host-device sync);
+    every ``check_every`` steps the kept losses are stacked and read in one transfer. So the first non-finite
+    step between two reads is known exactly: its message carries that step and its non-finite value (``n=1``),
+    while a finite window's message carries the last step and loss and ``n`` (the steps it covers).
+    Float losses (``guard.report(loss=2.3)``) cost nothing to check: a non-finite one is sent at once.
+
+    With a ``GradScaler``, ``skipped`` (consecutive optimizer steps skipped for inf/NaN gradients, counted on the
+    device by ``_torch``) rides along on each message.
     """
 
     def __init__(self, agent: Agent, sanity_steps: int, check_every: int) -> None:
@@ -61,10 +66,9 @@ class LossWatch:
         self.check_every = max(1, check_every)
         self.count = 0
         self.step = 0
-        self._acc: Any = None
-        self._last: Any = None
-        self._since = 0
+        self._kept: list[tuple[int, Any]] = []  # (step, detached tensor or float) since the last read
         self._bad_float = False
+        self.skipped: Any = None  # consecutive skipped optimizer steps: a device tensor (set by _torch), or None
 
     def observe(self, loss: Any, step: int | None, source: str) -> None:
         self.count += 1
@@ -72,36 +76,50 @@ class LossWatch:
         is_float = isinstance(loss, (int, float))
         if self.count <= self.sanity_steps:
             value = float(loss) if is_float else float(loss.detach().float().item())
-            self._send(value, math.isfinite(value), 1, source)
+            self._send(self.step, value, math.isfinite(value), 1, source)
             return
-        self._since += 1
         if is_float:
-            value = float(loss)
-            self._last = value
-            if not math.isfinite(value):
+            self._kept.append((self.step, float(loss)))
+            if not math.isfinite(loss):
                 self._bad_float = True
         else:
-            detached = loss.detach()
-            self._last = detached
-            self._acc = detached.float() if self._acc is None else self._acc + detached.float()
-        if self._since >= self.check_every or self._bad_float:
+            self._kept.append((self.step, loss.detach()))
+        if len(self._kept) >= self.check_every or self._bad_float:
             self.flush(source)
 
-    def flush(self, source: str) -> None:
-        if not self._since:
-            return
-        if isinstance(self._last, float):
-            value, finite = self._last, not self._bad_float
-        else:
-            value = float(self._last.float().item())
-            total = float(self._acc.item()) if self._acc is not None else 0.0
-            finite = math.isfinite(value) and math.isfinite(total)
-        self._send(value, finite, self._since, source)
-        self._acc, self._since, self._bad_float = None, 0, False
+    def _values(self) -> list[float]:
+        items = [value for _, value in self._kept]
+        tensors = [value for value in items if not isinstance(value, float)]
+        if not tensors:
+            return [float(v) for v in items]
+        torch = sys.modules.get("torch")
+        if torch is not None and len(tensors) == len(items):
+            try:  # one kernel and one transfer for the whole window
+                return [float(v) for v in torch.stack([t.float().reshape(()) for t in tensors]).tolist()]
+            except (RuntimeError, TypeError, ValueError):  # different devices or shapes: one by one
+                pass
+        return [v if isinstance(v, float) else float(v.float().item()) for v in items]
 
-    def _send(self, value: float, finite: bool, n: int, source: str) -> None:
-        sent = self.agent.send({"t": "step", "step": self.step, "loss": value, "finite": finite, "n": n,
-                                "source": source})
+    def flush(self, source: str) -> None:
+        if not self._kept:
+            return
+        values = self._values()
+        steps = [step for step, _ in self._kept]
+        self._kept, self._bad_float = [], False
+        bad = next((i for i, value in enumerate(values) if not math.isfinite(value)), None)
+        if bad is not None:  # the first non-finite step of the window, with its value
+            self._send(steps[bad], values[bad], False, 1, source)
+        else:
+            self._send(steps[-1], values[-1], True, len(values), source)
+
+    def _send(self, step: int, value: float, finite: bool, n: int, source: str) -> None:
+        message = {"t": "step", "step": step, "loss": value, "finite": finite, "n": n, "source": source}
+        if self.skipped is not None:
+            try:
+                message["skipped"] = int(self.skipped.item())  # read with the losses: no extra sync per step
+            except (RuntimeError, TypeError, ValueError):
+                self.skipped = None
+        sent = self.agent.send(message)
         if sent and not finite:
             # The supervisor stops the job on a non-finite loss; wait for it here (bounded) so that the job does
             # not train on past the bad step while the message travels.
@@ -117,9 +135,14 @@ class Agent:
         self.dropped = 0
         self.dead = False
         self.backward_hook = True  # off once a Trainer or guard.report() provides the losses
+        self.scaled: tuple[Any, Any] | None = None  # (GradScaler.scale's result, the loss it scaled)
+        self.user_loss: Any = None  # the loss given to accelerate's Accelerator.backward, while it runs
         self.begun = 0  # steps (or micro-batches) this process has begun: a cheap counter, never sent per step
         self.checkpoint_request: dict[str, Any] | None = None
         self.stop_requested = False
+        self.trainer = False  # a Trainer is instrumented: its saves come through its callback, not torch.save
+        self.api_used: set[str] = set()  # guard.should_checkpoint / checkpoint_saved / should_stop calls seen
+        self.served_stop = False  # should_checkpoint() answered True to a request with stop (deadline, signal)
         self.watch = LossWatch(self, settings.sanity_steps, settings.check_every)
         self.watch.step = settings.resume_step  # a resumed plain loop counts on from the checkpoint's step
         self._sock: socket.socket | None = None
@@ -198,7 +221,7 @@ class Agent:
                 _dump_threads()
                 # How far this rank got: a rank blocked outside a collective has begun fewer steps than the
                 # ranks waiting for it inside one.
-                self.send({"t": "progress", "begun": self.begun, "step": self.watch.step})
+                self.send({"t": "progress", "begun": self.begun, "step": self.watch.step, "where": _main_where()})
 
     def warn(self, text: str) -> None:
         """One ``[guard] agent:`` line on stderr, once per text."""
@@ -217,18 +240,60 @@ class Agent:
         if not self.dead:
             self._acked.wait(self.settings.ack_timeout_s)
 
+    def ask(self, message: dict[str, Any]) -> None:
+        """Send ``message`` and wait (bounded) for its ``ack``: each question waits for its own answer."""
+        if not self.dead:
+            self._acked.clear()
+        if self.send(message):
+            self.wait_ack()
+
     # -- what the hooks and the public API call -------------------------------------------------------------
 
     def on_loss(self, loss: Any, step: int | None, source: str) -> None:
         self.watch.observe(loss, step, source)
 
     def checkpoint_due(self) -> bool:
+        if self.served_stop and not self.trainer:
+            # Asked again after answering a stop request: this rank's part of the save is done (a rank other than
+            # the one that calls checkpoint_saved, e.g. in DDP): end it like the saving rank.
+            self.stop_requested = True
+            self.end_process()
         self.relay.poll(self.watch.count, self.settings.check_every)
         request = self.checkpoint_request
         if request is None:
             return False
         at_step = request.get("at_step")
-        return at_step is None or self.watch.step >= int(at_step)
+        due = at_step is None or self.watch.step >= int(at_step)
+        if due and request.get("stop") and not self.trainer:
+            self.served_stop = True
+        return due
+
+    def note_api(self, name: str) -> None:
+        """Tell the supervisor (once per name) that the script uses the guard's API: a script that calls
+        ``should_checkpoint`` can answer a checkpoint request; one that calls ``should_stop`` ends itself."""
+        if name not in self.api_used:
+            self.api_used.add(name)
+            self.send({"t": "api", "name": name})
+
+    def file_saved(self, path: str, save_s: float) -> None:
+        """``torch.save`` wrote ``path`` (complete: the call returned); not reported under a Trainer (its callback
+        reports its saves) nor once the script uses ``should_checkpoint``/``checkpoint_saved`` (it reports them)."""
+        if self.trainer or self.api_used & {"should_checkpoint", "checkpoint_saved"}:
+            return  # the script reports its own checkpoints: a file of one is not a checkpoint yet
+        self.send({"t": "file_saved", "path": os.path.abspath(path), "step": self.watch.step,
+                   "save_s": round(save_s, 3)})
+
+    def end_process(self) -> None:
+        """After a stop the guard asked for (deadline, signal) and the checkpoint saved: end the process, so that
+        the script's code after training does not run as if training had finished. A script that reads
+        ``guard.should_stop()`` handles the stop itself and is left alone. Raises ``SystemExit(0)``
+        (``finally`` blocks and ``atexit`` handlers still run)."""
+        if "should_stop" in self.api_used or not self.stop_requested:
+            return
+        _warn_once("the guard stopped training (deadline or signal) and the checkpoint is saved: ending the "
+                   "process here (a script that reads guard.should_stop() handles this itself)")
+        self.watch.flush("report")
+        raise SystemExit(0)
 
     def checkpoint_done(self, path: str, step: int | None, *, save_s: float | None = None, zero: bool = True) -> None:
         request, self.checkpoint_request = self.checkpoint_request, None
@@ -237,6 +302,61 @@ class Agent:
         self.watch.flush("report")
         self.send({"t": "checkpoint_saved", "path": os.path.abspath(path), "step": step, "save_s": save_s,
                    "requested": request is not None, "zero": zero})
+
+
+def root_cause(exc: BaseException) -> str:
+    """``"Type: message"`` of the error at the root of ``exc``: the innermost of its chain (``__cause__``, else
+    ``__context__``), and inside a DataLoader worker's re-raised error (``Caught X in DataLoader worker process N``
+    with the worker's ``Original Traceback``, ``torch.utils.data._utils.ExceptionWrapper``) the worker's own last line.
+    """
+    seen: set[int] = set()
+    inner = exc
+    while id(inner) not in seen:
+        seen.add(id(inner))
+        nxt = inner.__cause__ or (None if inner.__suppress_context__ else inner.__context__)
+        if nxt is None:
+            break
+        inner = nxt
+    text = str(inner)
+    if "Original Traceback (most recent call last):" in text:
+        lines = [line for line in text.splitlines() if line.strip()]
+        if lines and not lines[-1].startswith(" "):
+            return lines[-1].strip()[:500]
+    return f"{type(inner).__name__}: {text}"[:500]
+
+
+def _short(filename: str) -> str:
+    for marker in ("site-packages/", "dist-packages/"):
+        if marker in filename:
+            return filename.split(marker, 1)[1]
+    return os.path.basename(filename)
+
+
+def _main_where() -> str | None:
+    """Where the main thread waits, in one line: its innermost frame, the innermost frame of a library (not the
+    standard library) and the script's frame, inner to outer: ``wait (threading.py:331) <- upload
+    (mylib/push.py:12) <- train.py:40``. None when the main thread is not found."""
+    import sysconfig
+    import traceback
+
+    frame = sys._current_frames().get(threading.main_thread().ident or -1)
+    if frame is None:
+        return None
+    stack = traceback.extract_stack(frame)
+    if not stack:
+        return None
+    stdlib = sysconfig.get_paths().get("stdlib", "\0")
+    script = os.path.abspath(sys.argv[0]) if sys.argv and sys.argv[0] else "\0"
+    picked = [stack[-1]]
+    library = next((f for f in reversed(stack) if not f.filename.startswith(stdlib)
+                    and os.path.abspath(f.filename) != script and "guard/inside" not in f.filename), None)
+    if library is not None and library is not stack[-1]:
+        picked.append(library)
+    own = next((f for f in reversed(stack) if os.path.abspath(f.filename) == script), None)
+    parts = [f"{f.name} ({_short(f.filename)}:{f.lineno})" for f in picked if f is not own]
+    if own is not None:
+        parts.append(f"{own.name} ({_short(own.filename)}:{own.lineno})")
+    return " <- ".join(parts)
 
 
 def _dump_threads() -> None:
@@ -377,7 +497,9 @@ def install() -> None:
     _INSTALLED = True
     from . import _torch, _transformers
 
-    hooks = {"torch": _torch.patch, "transformers.trainer": _transformers.patch}
+    hooks = {"torch": _torch.patch, "transformers.trainer": _transformers.patch,
+             "transformers.training_args": _transformers.patch_arguments,
+             "accelerate.accelerator": _torch.patch_accelerate}
     for name, hook in list(hooks.items()):
         if name in sys.modules:  # already imported (rare: the agent was installed late)
             try:
@@ -392,7 +514,8 @@ def install() -> None:
         agent = get()
         if agent is not None and not issubclass(exc_type, (SystemExit,)):
             agent.watch.flush("report")
-            agent.send({"t": "exception", "exc_type": exc_type.__name__, "message": str(exc)[:500]})
+            agent.send({"t": "exception", "exc_type": exc_type.__name__, "message": str(exc)[:500],
+                        "root": root_cause(exc)})
         previous(exc_type, exc, tb)
 
     sys.excepthook = excepthook

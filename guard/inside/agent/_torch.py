@@ -1,4 +1,4 @@
-"""Plain PyTorch loops: the scalar loss a loop calls ``.backward()`` on.
+"""Plain PyTorch loops: the scalar loss a loop calls ``.backward()`` on, as the user means it.
 
 ``torch.Tensor.backward`` is wrapped once, when the job imports torch. The wrapper looks at tensors with one
 element only (a loss; ``backward(gradient=...)`` on a vector is something else), and hands them to the agent's
@@ -7,7 +7,21 @@ element only (a loss; ``backward(gradient=...)`` on a vector is something else),
 ``guard.report()`` provides the losses. A step here is one ``.backward()`` call: with gradient accumulation
 that is one micro-batch; call ``guard.report(step=..., loss=...)`` to count optimizer steps instead.
 
-CUDA graphs: while a stream is being captured (``torch.cuda.is_current_stream_capturing()``), the wrapper does
+The loss the user means, not the tensor ``.backward()`` runs on:
+
+- ``scaler.scale(loss).backward()`` (mixed precision, ``torch.amp.GradScaler``): ``GradScaler.scale`` is wrapped
+  to remember which tensor it returned for which loss; the backward hook then watches the unscaled loss.
+- ``accelerator.backward(loss)`` (``accelerate``): it divides the loss by the gradient accumulation steps before
+  its backward (``Accelerator.backward``, accelerate 1.x); the wrapper remembers the loss it was given.
+- ``GradScaler.update`` is wrapped to count, on the device, the consecutive optimizer steps skipped because the
+  gradients held inf/NaN (its ``found_inf_per_device``, the same tensors ``update`` consumes); ``LossWatch`` reads
+  the count along with the losses, and the supervisor fails the run when the loss scale keeps collapsing.
+
+``torch.save`` is wrapped too: when it returns, a save to a named file is complete, and the agent reports the
+file with the step it has counted (``file_saved``). That is how the guard sees the checkpoints of a loop that
+never calls the guard's API (nanoGPT's ``ckpt.pt``), with their step, without reading them.
+
+CUDA graphs: while a stream is being captured (``torch.cuda.is_current_stream_capturing()``), the backward hook does
 nothing at all (a ``.item()`` there would break the capture); it asks only once CUDA is initialized, so a CPU job
 never touches CUDA. A captured step is later run by ``CUDAGraph.replay()``, which calls no ``.backward()``: the
 replay is wrapped too and, every ``check_every`` replays, tells the supervisor the job is making progress
@@ -18,9 +32,11 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+import os
+import time
 from typing import Any
 
-__all__ = ["patch"]
+__all__ = ["patch", "patch_accelerate"]
 
 
 def _capture_probe(torch: Any) -> Callable[[], bool]:
@@ -43,7 +59,7 @@ def _capture_probe(torch: Any) -> Callable[[], bool]:
 
 
 def patch(torch: Any) -> None:
-    """Wrap ``torch.Tensor.backward`` and ``torch.cuda.CUDAGraph.replay`` (idempotent)."""
+    """Wrap ``torch.Tensor.backward`` and ``torch.amp.GradScaler.scale``/``update`` (idempotent)."""
     from .. import agent as agent_module
     original = torch.Tensor.backward
     if getattr(original, "__guard_wrapped__", False):
@@ -53,18 +69,34 @@ def patch(torch: Any) -> None:
     @functools.wraps(original)
     def backward(self: Any, *args: Any, **kwargs: Any) -> Any:
         agent = agent_module.get()
-        if agent is not None and not capturing():
+        if agent is not None and capturing():  # recording a CUDA graph: no hook work at all
+            return original(self, *args, **kwargs)
+        if agent is not None:
             agent.begun += 1
-            if agent.backward_hook and self.numel() == 1:
-                try:
-                    agent.on_loss(self, None, "backward")
-                except Exception as exc:  # noqa: BLE001 - never break the job
-                    agent.backward_hook = False
-                    agent_module._warn_once(f"loss hook disabled: {exc!r}")
+        if agent is not None and agent.backward_hook and self.numel() == 1:
+            try:
+                loss = self
+                if agent.user_loss is not None:  # inside accelerator.backward(loss)
+                    loss = agent.user_loss
+                elif agent.scaled is not None and agent.scaled[0] is self:  # scaler.scale(loss).backward()
+                    loss = agent.scaled[1]
+                agent.scaled = None
+                agent.on_loss(loss, None, "backward")
+            except Exception as exc:  # never break the job
+                agent.backward_hook = False
+                agent_module._warn_once(f"loss hook disabled: {exc!r}")
         return original(self, *args, **kwargs)
 
     backward.__guard_wrapped__ = True  # type: ignore[attr-defined]
     torch.Tensor.backward = backward
+    agent = agent_module.get()
+    if agent is not None:  # from now on this agent sees the losses: printed numbers no longer decide
+        agent.send({"t": "watching", "what": "torch"})
+    try:
+        _patch_scaler(torch, agent_module)
+    except Exception as exc:  # an unknown torch version: the scaled loss is watched instead
+        agent_module._warn_once(f"GradScaler hook failed: {exc!r}")
+    _wrap_save(torch, agent_module)
     _patch_replay(torch, agent_module)
 
 
@@ -88,3 +120,81 @@ def _patch_replay(torch: Any, agent_module: Any) -> None:
 
     replay.__guard_wrapped__ = True  # type: ignore[attr-defined]
     graph_class.replay = replay
+
+
+def _patch_scaler(torch: Any, agent_module: Any) -> None:
+    scaler_cls = torch.amp.grad_scaler.GradScaler
+    original_scale, original_update = scaler_cls.scale, scaler_cls.update
+
+    @functools.wraps(original_scale)
+    def scale(self: Any, outputs: Any) -> Any:
+        result = original_scale(self, outputs)
+        agent = agent_module.get()
+        if agent is not None and result is not outputs and isinstance(outputs, torch.Tensor) and outputs.numel() == 1:
+            agent.scaled = (result, outputs)
+        return result
+
+    @functools.wraps(original_update)
+    def update(self: Any, new_scale: Any = None) -> Any:
+        agent = agent_module.get()
+        if agent is not None and new_scale is None and getattr(self, "_enabled", False):
+            try:
+                found = [f for state in self._per_optimizer_states.values()
+                         for f in state["found_inf_per_device"].values()]
+                if found:
+                    device = found[0].device
+                    hit = torch.stack([f.to(device).float().reshape(()) for f in found]).sum().clamp(max=1.0)
+                    prev = agent.watch.skipped
+                    # consecutive skipped steps: +1 on a skip, back to 0 on a good step (device ops, no sync)
+                    agent.watch.skipped = hit if prev is None else (prev.to(device) + 1.0) * hit
+            except Exception as exc:  # never break the job
+                agent_module._warn_once(f"skipped-step count disabled: {exc!r}")
+        return original_update(self, new_scale)
+
+    scaler_cls.scale, scaler_cls.update = scale, update
+
+
+def patch_accelerate(module: Any) -> None:
+    """Wrap ``accelerate.accelerator.Accelerator.backward`` to remember the loss it was given (idempotent)."""
+    from .. import agent as agent_module
+
+    cls = module.Accelerator
+    original = cls.backward
+    if getattr(original, "__guard_wrapped__", False):
+        return
+
+    @functools.wraps(original)
+    def backward(self: Any, loss: Any, **kwargs: Any) -> Any:
+        agent = agent_module.get()
+        if agent is None:
+            return original(self, loss, **kwargs)
+        agent.user_loss = loss
+        try:
+            return original(self, loss, **kwargs)
+        finally:
+            agent.user_loss = None
+
+    backward.__guard_wrapped__ = True  # type: ignore[attr-defined]
+    cls.backward = backward
+
+
+def _wrap_save(torch: Any, agent_module: Any) -> None:
+    original = getattr(torch, "save", None)
+    if original is None or getattr(original, "__guard_wrapped__", False):
+        return
+
+    @functools.wraps(original)
+    def save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> Any:
+        started = time.monotonic()
+        result = original(obj, f, *args, **kwargs)
+        if isinstance(f, (str, os.PathLike)):
+            agent = agent_module.get()
+            if agent is not None:
+                try:
+                    agent.file_saved(os.fspath(f), time.monotonic() - started)
+                except Exception as exc:  # never break the job
+                    agent_module._warn_once(f"save hook failed: {exc!r}")
+        return result
+
+    save.__guard_wrapped__ = True  # type: ignore[attr-defined]
+    torch.save = save

@@ -13,7 +13,15 @@
 - ``_push_from_checkpoint`` / ``_finish_current_push`` wrapped, to report the result of the Trainer's background
   pushes (``upload_folder(run_as_future=True)``), whose failures the Trainer never raises.
 - ``train`` wrapped to pass ``resume_from_checkpoint`` when the supervisor fetched a checkpoint and the script
-  did not ask for one.
+  did not ask for one, and to end the process when ``train()`` returns because the guard stopped it (deadline,
+  signal), so that the script's code after ``train()`` (a "final" save, a ``push_to_hub``) does not run on a
+  half-trained model (``Agent.end_process``; every rank of a torchrun job does this).
+
+``TrainingArguments.__post_init__`` is wrapped too (``patch_arguments``, when the job imports
+``transformers.training_args``): the arguments that matter are sent as ``training_args`` the moment they are
+built (HfArgumentParser, TrlParser or a literal call), and the job waits, bounded, for the go-ahead. A scripted
+job builds them before loading and preprocessing its data, so a missing tracker key or Hub token stops it
+there, not after the data work.
 """
 
 from __future__ import annotations
@@ -25,7 +33,7 @@ from typing import Any
 
 from ... import protocol
 
-__all__ = ["patch"]
+__all__ = ["patch", "patch_arguments"]
 
 
 def _arg(args: Any, name: str) -> Any:
@@ -37,6 +45,39 @@ def _arg(args: Any, name: str) -> Any:
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     return str(value)
+
+
+def patch_arguments(args_module: Any) -> None:
+    """Wrap ``TrainingArguments.__post_init__`` of ``transformers.training_args`` (idempotent).
+
+    Subclasses (TRL's ``SFTConfig`` ...) call it through ``super().__post_init__()``. Each distinct set of
+    reported values is sent once per process.
+    """
+    from .. import agent as agent_module
+
+    cls = args_module.TrainingArguments
+    original = cls.__post_init__
+    if getattr(original, "__guard_wrapped__", False):
+        return
+    sent: list[dict[str, Any]] = []
+
+    @functools.wraps(original)
+    def __post_init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        agent = agent_module.get()
+        if agent is None:
+            return
+        try:
+            config = {name: _arg(self, name) for name in protocol.TRAINER_FIELDS if name != "max_steps"}
+            if config in sent:
+                return
+            sent.append(config)
+            agent.ask({"t": "training_args", "config": config})
+        except Exception as exc:  # noqa: BLE001 - never break the job
+            agent_module._warn_once(f"cannot report the TrainingArguments: {exc!r}")
+
+    __post_init__.__guard_wrapped__ = True  # type: ignore[attr-defined]
+    cls.__post_init__ = __post_init__
 
 
 def patch(trainer_module: Any) -> None:
@@ -57,6 +98,18 @@ def patch(trainer_module: Any) -> None:
             self.micro: list[Any] = []
             self.save_started_s: float | None = None
             self.requested = False
+            self.stop_seen = False  # a callback (or the guard) asked training to stop: an early end is legitimate
+
+        def _note_stop(self, control: Any) -> None:
+            # This callback runs after the others (added last), so it sees their should_training_stop.
+            if getattr(control, "should_training_stop", False):
+                self.stop_seen = True
+
+        def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            self._note_stop(control)
+
+        def on_evaluate(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            self._note_stop(control)
 
         def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             config = {name: _arg(args, name) for name in protocol.TRAINER_FIELDS}
@@ -66,8 +119,7 @@ def patch(trainer_module: Any) -> None:
             config["world_process_zero"] = bool(state.is_world_process_zero)
             loss_fn = getattr(self.trainer, "compute_loss_func", None)
             config["loss_class"] = type(loss_fn).__name__ if loss_fn is not None else None
-            if self.agent.send({"t": "trainer_config", "config": config}):
-                self.agent.wait_ack()
+            self.agent.ask({"t": "trainer_config", "config": config})
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             losses, self.micro = self.micro, []
@@ -83,6 +135,7 @@ def patch(trainer_module: Any) -> None:
                 control.should_training_stop = True
             if control.should_save:
                 self.save_started_s = time.monotonic()
+            self._note_stop(control)
 
         def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             save_s = time.monotonic() - self.save_started_s if self.save_started_s is not None else None
@@ -100,7 +153,8 @@ def patch(trainer_module: Any) -> None:
 
         def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             self.agent.watch.flush("trainer")
-            self.agent.send({"t": "train_end", "step": state.global_step})
+            self.agent.send({"t": "train_end", "step": state.global_step, "max_steps": state.max_steps,
+                             "stopped": self.stop_seen or self.agent.stop_requested})
 
     original_init = Trainer.__init__
 
@@ -120,7 +174,10 @@ def patch(trainer_module: Any) -> None:
 
 
 def _instrument(trainer: Any, agent: Any, callback: Any) -> None:
+    from .. import agent as agent_module
+
     agent.backward_hook = False  # the Trainer's training_step gives the losses; no double counting
+    agent.trainer = True  # its saves come through on_save, not torch.save
     trainer._guard_callback = callback
     trainer.add_callback(callback)
 
@@ -172,6 +229,18 @@ def _instrument(trainer: Any, agent: Any, callback: Any) -> None:
     def train(*args: Any, **kwargs: Any) -> Any:
         if resume_path and not args and kwargs.get("resume_from_checkpoint") in (None, False):
             kwargs["resume_from_checkpoint"] = resume_path
-        return train_fn(*args, **kwargs)
+        try:
+            result = train_fn(*args, **kwargs)
+        except Exception as exc:
+            # Said before the script sees it: a script that swallows it and exits 0 did not finish its run.
+            state = getattr(trainer, "state", None)
+            agent.watch.flush("trainer")
+            agent.send({"t": "train_error", "exc_type": type(exc).__name__, "message": str(exc)[:500],
+                        "root": agent_module.root_cause(exc), "step": getattr(state, "global_step", None),
+                        "max_steps": getattr(state, "max_steps", None)})
+            raise
+        if agent.stop_requested:  # the guard stopped training: the code after train() must not run as if finished
+            agent.end_process()
+        return result
 
     trainer.train = train

@@ -1,0 +1,125 @@
+"""Where a job keeps its checkpoints: its output folder, the paths it may report, what to say when none is found.
+
+- ``output_dir_from_args``: the output folder named in the job's own arguments, for when ``--output-dir`` is not
+  given (``--output_dir`` of ``TrainingArguments``/``HfArgumentParser`` scripts, ``--output-dir``, nanoGPT's
+  ``--out_dir=``, Megatron's ``--save``), both ``--flag VALUE`` and ``--flag=VALUE``.
+- ``check_reported_path``: a path from ``guard.checkpoint_saved(path)`` is pushed only when it lies inside the
+  output folder; never ``/``, the home folder, the working folder or a folder above it (``checkpoint_saved("")``
+  would otherwise secure the working folder).
+- ``nothing_found_hint``: the VERDICT's hint when nothing recognisable was saved: what the guard would recognise,
+  never a flag that was already given.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+from guard.errors import SupervisorError
+
+__all__ = ["OUTPUT_DIR_FLAGS", "check_reported_path", "is_plausible_output_dir", "nothing_found_hint",
+           "output_dir_from_args"]
+
+#: The job arguments that name its output folder, in order of preference.
+OUTPUT_DIR_FLAGS = ("--output_dir", "--output-dir", "--out_dir", "--out-dir", "--save")
+
+
+def output_dir_from_args(args: Sequence[str]) -> tuple[str, str] | None:
+    """The output folder the job's own arguments name, and the flag that named it.
+
+    Args:
+        args: the job's arguments after the script (or the whole command for ``-- COMMAND``); scanning stops at a
+            bare ``--``.
+
+    Returns:
+        ``(folder, flag)`` for the first flag of ``OUTPUT_DIR_FLAGS`` found (the last value when a flag repeats,
+        as argparse does), or None. A flag without a value (last argument, or followed by another option) is
+        ignored.
+    """
+    found: dict[str, str] = {}
+    args = list(args)
+    for i, token in enumerate(args):
+        if token == "--":
+            break
+        flag, sep, value = token.partition("=")
+        if flag not in OUTPUT_DIR_FLAGS:
+            continue
+        if not sep:
+            value = args[i + 1] if i + 1 < len(args) and not args[i + 1].startswith("-") else ""
+        if value:
+            found[flag] = value
+    for flag in OUTPUT_DIR_FLAGS:
+        if flag in found:
+            return found[flag], flag
+    return None
+
+
+def _forbidden(path: Path, cwd: Path) -> str | None:
+    home = Path(os.path.expanduser("~")).resolve()
+    if path == Path(path.anchor):
+        return "the filesystem root"
+    if path == home:
+        return "the home folder"
+    if path == cwd:
+        return "the working folder"
+    if cwd.is_relative_to(path):
+        return "a folder above the working folder"
+    return None
+
+
+def is_plausible_output_dir(path: str | os.PathLike[str], *, cwd: str | os.PathLike[str] | None = None) -> bool:
+    """Whether ``path`` may serve as the output folder when the guard learns it from a file the job saved: not
+    ``/``, the home folder, the working folder or a folder above it, nor a hidden folder (a cache)."""
+    here = Path(cwd or os.getcwd()).resolve()
+    where = (here / Path(path)).resolve()
+    return _forbidden(where, here) is None and not any(part.startswith(".") for part in where.parts[1:])
+
+
+def check_reported_path(path: str | os.PathLike[str] | None, *, output_dir: str | os.PathLike[str] | None,
+                        cwd: str | os.PathLike[str] | None = None) -> Path:
+    """Check a path from ``guard.checkpoint_saved(path)`` before anything is pushed from it.
+
+    Args:
+        path: what the job reported (absolute, or relative to ``cwd``).
+        output_dir: the job's output folder when known; the path must be it or inside it.
+        cwd: the job's working folder (default: this process's).
+
+    Returns:
+        The path, absolute and resolved.
+
+    Raises:
+        SupervisorError: an empty path, ``/``, the home folder, the working folder or one above it, or a path
+            outside a known output folder. The message names the path; the hint says what to report.
+    """
+    hint = ("call guard.checkpoint_saved(path) with the checkpoint's own folder or file inside the output folder "
+            "(--output-dir), e.g. guard.checkpoint_saved(f\"{out}/checkpoint-{step}\")")
+    if path is None or not os.fspath(path).strip():
+        raise SupervisorError("the job reported a checkpoint with an empty path: nothing secured from it", hint=hint)
+    here = Path(cwd or os.getcwd()).resolve()
+    where = (here / Path(os.fspath(path))).resolve()
+    what = _forbidden(where, here)
+    if what is not None:
+        raise SupervisorError(f"the job reported {where} ({what}) as a checkpoint: the guard does not push it",
+                              hint=hint)
+    if output_dir is not None:
+        base = (here / Path(output_dir)).resolve()
+        if not (where == base or where.is_relative_to(base)):
+            raise SupervisorError(f"the job reported checkpoint {where}, outside its output folder {base}: the "
+                                  "guard does not push it", hint=hint)
+    return where
+
+
+def nothing_found_hint(*, output_dir: str | None, destination_given: bool) -> str:
+    """The hint when no checkpoint could be secured because none was recognisable (or none was saved).
+
+    Never names a flag that was already given: ``--push-to`` only without a destination, ``--output-dir`` only
+    when no output folder is known.
+    """
+    if not destination_given:
+        return "no destination: pass --push-to DEST so that a checkpoint leaves the machine"
+    recognised = ("call guard.checkpoint_saved(path) after each save, or save checkpoint-N folders (or *.pt, "
+                  "*.safetensors files)")
+    if output_dir is None:
+        return f"no output folder known: pass --output-dir DIR (where the job saves), or {recognised}"
+    return f"nothing in {output_dir} was recognisable as a complete checkpoint: {recognised} there"

@@ -1,0 +1,156 @@
+"""Choosing the checkpoint a run resumes from: the newest complete one, secured or local, never a partial folder.
+
+- The secured one is what the guard recorded (``hub.Securer.peek_last_checkpoint``: the newest commit titled
+  ``guard: checkpoint step N``, or a folder destination's manifest), fetched at that revision, never a later HEAD.
+- The output folder's own newest complete checkpoint (``checkpoints.newest_complete``; no mtime rule: no job is
+  writing now) wins when its step is at least the secured one's: nothing is downloaded then.
+- A partial ``checkpoint-N`` folder newer than the chosen one, which a Trainer would pick up itself
+  (``get_last_checkpoint`` takes the highest N), is moved aside as ``checkpoint-N.partial-guard`` and named in the
+  log; only folders the Trainer wrote (its files, or the JIT sentinel) are moved, never a plain loop's own folders.
+- The peek and the fetch run in a worker process (``guard.secure.worker.run_bounded``), killed at the deadline or
+  at once on a signal (``abort``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from guard.errors import HubError
+from guard.secure import checkpoints
+
+__all__ = ["PARTIAL_SUFFIX", "Interrupted", "ResumeFrom", "choose", "move_aside_partials"]
+
+log = logging.getLogger("guard.resume")
+
+PARTIAL_SUFFIX = ".partial-guard"
+_TRAINER_CHECKPOINT_RE = re.compile(r"checkpoint-([0-9]+)")
+#: Files ``Trainer._save_checkpoint`` writes before ``trainer_state.json`` (transformers 5.24 ``trainer.py``).
+_TRAINER_FILES = ("training_args.bin", "optimizer.pt", "scheduler.pt", "rng_state.pth", "scaler.pt")
+
+
+class Interrupted(Exception):
+    """A signal ended the peek or the fetch (the worker was killed)."""
+
+
+@dataclass(frozen=True)
+class ResumeFrom:
+    """The checkpoint a run resumes from.
+
+    Attributes:
+        path: the folder (or single file) in the output folder.
+        step: its step, or None when unknown (a loose file without a step in its name).
+        revision: the Hub commit id or the destination folder it was fetched from, or ``"local"``.
+        size_bytes: its size.
+        source: ``"destination"`` (fetched) or ``"output folder"`` (already there).
+    """
+
+    path: Path
+    step: int | None
+    revision: str
+    size_bytes: int
+    source: str
+
+
+def _trainer_written(folder: Path) -> bool:
+    try:
+        names = set(os.listdir(folder))
+    except OSError:
+        return False
+    return (checkpoints.INCOMPLETE_SENTINEL_NAME in names or any(n in names for n in _TRAINER_FILES)
+            or any(n.startswith("rng_state") for n in names))
+
+
+def move_aside_partials(folder: str | os.PathLike[str], *, newer_than: int | None) -> list[Path]:
+    """Move every partial Trainer ``checkpoint-N`` folder with N above ``newer_than`` (all when None) aside as
+    ``checkpoint-N.partial-guard`` (a number is added when that exists); returns the new paths."""
+    base = Path(folder)
+    moved: list[Path] = []
+    try:
+        names = sorted(os.listdir(base))
+    except OSError:
+        return moved
+    for name in names:
+        match = _TRAINER_CHECKPOINT_RE.fullmatch(name)
+        path = base / name
+        if match is None or not path.is_dir() or (newer_than is not None and int(match[1]) <= newer_than):
+            continue
+        reason = checkpoints.why_incomplete(path, now_s=time.time(), stable_for_s=0.0)
+        if reason is None or not _trainer_written(path):
+            continue
+        target, n = base / f"{name}{PARTIAL_SUFFIX}", 1
+        while target.exists():
+            n += 1
+            target = base / f"{name}{PARTIAL_SUFFIX}{n}"
+        os.rename(path, target)
+        log.warning("moved the partial checkpoint %s aside to %s (%s): the job would resume from it otherwise",
+                    path, target.name, reason)
+        moved.append(target)
+    return moved
+
+
+def _bounded(run: Callable[..., Any], op: str, args: dict[str, Any], deadline: float, abort: Callable[[], bool],
+             securer: Any) -> dict[str, Any] | None:
+    result = run(op, args, deadline, abort, destination=str(securer.destination),
+                 token=getattr(securer, "token", None))
+    if result.error_type == "killed":
+        raise Interrupted(op)
+    if not result.ok:
+        raise HubError(result.error or f"{op} failed", destination=str(securer.destination),
+                       hint=result.hint or "check the destination; --resume if-valid starts fresh instead")
+    data: dict[str, Any] | None = result.data
+    return data
+
+
+def choose(folder: str | os.PathLike[str], securer: Any, *, deadline: float, abort: Callable[[], bool],
+           run: Callable[..., Any] | None = None) -> ResumeFrom | None:
+    """The newest complete checkpoint among the secured one and ``folder``'s own; fetches the secured one into
+    ``folder`` (as ``checkpoint-<step>``) only when it is newer. None when there is none (starting fresh).
+
+    Args:
+        folder: the job's output folder (created when missing).
+        securer: the ``hub.Securer`` of ``--push-to``.
+        deadline: monotonic seconds by which peek and fetch must be over (they are killed then).
+        abort: returns True once a signal arrived: the work is killed at once.
+        run: ``worker.run_bounded`` (tests inject one).
+
+    Raises:
+        Interrupted: ``abort`` became true.
+        HubError: the destination could not be read, or the download is corrupt or partial.
+    """
+    if run is None:
+        from guard.secure.worker import run_bounded
+
+        run = run_bounded
+    base = Path(folder)
+    base.mkdir(parents=True, exist_ok=True)
+    local = checkpoints.newest_complete(base, now_s=time.time(), stable_for_s=0.0)
+    record = _bounded(run, "peek_last_checkpoint", {}, deadline, abort, securer)
+    chosen: ResumeFrom | None = None
+    if local is not None and (record is None or (local.step is not None and record.get("step") is not None
+                                                 and local.step >= record["step"])):
+        why = "nothing is secured at the destination" if record is None else (
+            f"as new as or newer than the secured step {record['step']}")
+        log.info("resuming from the output folder's own %s (step %s): %s", local.path, local.step, why)
+        chosen = ResumeFrom(local.path, local.step, "local", local.size_bytes, "output folder")
+    elif record is not None:
+        if local is not None:
+            log.info("the output folder's %s (step %s) is older than the secured step %s (or not comparable): "
+                     "fetching the secured one", local.path, local.step, record.get("step"))
+        data = _bounded(run, "fetch_last_checkpoint", {"into_dir": str(base), "revision": record["revision"]},
+                        deadline, abort, securer)
+        if data is not None:
+            chosen = ResumeFrom(Path(data["path"]), data["step"], data["revision"], int(data["size_bytes"]),
+                                "destination")
+            log.info("resuming from %s (step %s, secured at %s@%s)", chosen.path, chosen.step, securer.destination,
+                     chosen.revision)
+    move_aside_partials(base, newer_than=chosen.step if chosen is not None else None)
+    if chosen is None:
+        log.info("nothing secured at %s and no complete checkpoint in %s: starting fresh", securer.destination, base)
+    return chosen

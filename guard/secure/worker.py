@@ -1,0 +1,412 @@
+"""Securing work in a child process that the supervisor can kill: push, hash, copy, verify, fetch.
+
+Everything that may wait on the network or a disk (``hub.Securer``'s push, verification and fetch, Xet transfers
+included, which run in Rust outside any Python timeout) runs in a child process, ``python -m
+guard.secure.worker``, in its own session. The supervisor's loop polls it without blocking (``Handle.poll``) and
+kills its whole process group with SIGKILL at the deadline (``Handle.kill``; ``psutil`` finds descendants that
+left the group). What a killed push leaves is never taken for secured: a Hub commit is atomic (no commit, nothing
+changed) and a folder destination swaps ``last-checkpoint`` in only after the copy was verified.
+
+The child reads one request (JSON) on stdin, writes its log records to stderr (one JSON object a line, re-logged
+by the parent through the guard's masking handler) and its result as one ``RESULT`` line on stdout. It dies with
+the guard (``PR_SET_PDEATHSIG``, Linux ``prctl(2)``).
+
+API::
+
+    handle = start("push_checkpoint", {"local_dir": "...", "step": 120}, deadline, destination="alice/run")
+    result = handle.poll()        # None while it runs; a WorkResult once it ended or was killed at the deadline
+    handle.kill("signal")         # ends it now; poll() then returns the killed result
+    result = run_bounded("fetch_last_checkpoint", {"into_dir": "out"}, deadline, lambda: bool(flags),
+                         destination="alice/run")   # blocking, for stages outside the loop
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field, is_dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ["OPS", "RUNNING", "Handle", "Pusher", "WorkResult", "run_bounded", "start"]
+
+log = logging.getLogger("guard.secure.worker")
+
+#: Operations a worker runs: ``hub.Securer`` methods (their keyword arguments, without ``deadline``).
+OPS = ("push_checkpoint", "push_final", "fetch_last_checkpoint", "peek_last_checkpoint")
+#: The child stops its own retries this long before the deadline, so that it can still report why.
+CHILD_EARLIER_S = 0.5
+POLL_S = 0.1  # how often run_bounded polls
+#: Pids of the workers running now (the supervisor never counts them as the job's processes).
+RUNNING: set[int] = set()
+_RESULT = "RESULT "
+
+
+@dataclass(frozen=True)
+class WorkResult:
+    """How one worker operation ended, as plain data.
+
+    Attributes:
+        op: the operation (one of ``OPS``).
+        ok: True when it finished and returned ``data`` (a push: uploaded and verified).
+        data: the operation's return value as a dict (``hub.PushResult`` / ``hub.FetchedCheckpoint`` fields, paths
+            as text), or None (a fetch that found nothing, or a failure).
+        error: one line on what went wrong, or None.
+        hint: what to do about it, or None.
+        error_type: ``"PushFailedError"``, ``"HubError"`` (the error's class), ``"deadline"`` (killed at the
+            deadline), ``"killed"`` (killed on request, e.g. a signal), ``"crash"`` (the child died), or None.
+        elapsed_s: seconds from start to the end or the kill (the parent's clock).
+    """
+
+    op: str
+    ok: bool
+    data: dict[str, Any] | None = None
+    error: str | None = None
+    hint: str | None = None
+    error_type: str | None = None
+    elapsed_s: float = 0.0
+
+    @property
+    def killed(self) -> bool:
+        """True when the worker was killed (deadline or request), not ended on its own."""
+        return self.error_type in ("deadline", "killed")
+
+    def _get(self, key: str, default: Any = None) -> Any:
+        return (self.data or {}).get(key, default)
+
+    @property
+    def pushed(self) -> str | None:
+        """``DEST@REVISION`` of a push, else None."""
+        if not self.ok or self.data is None or "destination" not in self.data:
+            return None
+        return f"{self.data['destination']}@{self.data['revision']}"
+
+    @property
+    def revision(self) -> str | None:
+        return self._get("revision")
+
+    @property
+    def files(self) -> tuple[str, ...]:
+        return tuple(self._get("files") or ())
+
+    @property
+    def size_bytes(self) -> int:
+        return int(self._get("size_bytes") or 0)
+
+    @property
+    def step(self) -> int | None:
+        return self._get("step")
+
+    @property
+    def destination(self) -> str | None:
+        return self._get("destination")
+
+    @property
+    def attempts(self) -> int:
+        return int(self._get("attempts") or 0)
+
+
+def _plain(value: Any) -> Any:
+    if is_dataclass(value) and not isinstance(value, type):
+        return {k: _plain(v) for k, v in asdict(value).items()}
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, Path):
+        return str(value)
+    return value
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The parent's side
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class Handle:
+    """One running worker; see ``start``. Not thread-safe; poll it from one loop.
+
+    Args:
+        proc: the child (``subprocess.Popen`` with pipes, started in its own session).
+        op: the operation.
+        deadline: when it must be over, in ``clock`` seconds; ``poll`` kills it then.
+        clock: monotonic seconds.
+    """
+
+    def __init__(self, proc: subprocess.Popen[bytes], op: str, deadline: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.proc, self.op, self.deadline, self.clock = proc, op, deadline, clock
+        self.started = clock()
+        RUNNING.add(proc.pid)
+        self.result: WorkResult | None = None
+        self._buffers: dict[int, bytes] = {}
+        self._payload: dict[str, Any] | None = None
+        for pipe in (proc.stdout, proc.stderr):
+            if pipe is not None:
+                os.set_blocking(pipe.fileno(), False)
+                self._buffers[pipe.fileno()] = b""
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def _drain(self, final: bool = False) -> None:
+        for pipe in (self.proc.stdout, self.proc.stderr):
+            if pipe is None or pipe.closed:
+                continue
+            fd = pipe.fileno()
+            while True:
+                try:
+                    chunk = os.read(fd, 1 << 16)
+                except BlockingIOError:
+                    break
+                except OSError:
+                    chunk = b""
+                if not chunk:
+                    break
+                self._buffers[fd] += chunk
+            data = self._buffers[fd]
+            *lines, rest = data.split(b"\n")
+            if final and rest:
+                lines, rest = [*lines, rest], b""
+            self._buffers[fd] = rest
+            for line in lines:
+                self._line(line.decode("utf-8", "replace"), is_stdout=pipe is self.proc.stdout)
+
+    def _line(self, text: str, *, is_stdout: bool) -> None:
+        if is_stdout and text.startswith(_RESULT):
+            with contextlib.suppress(ValueError):
+                self._payload = json.loads(text[len(_RESULT):])
+            return
+        try:
+            record = json.loads(text)
+            level, name, message = int(record["level"]), str(record["name"]), str(record["message"])
+        except (ValueError, KeyError, TypeError):
+            if text.strip():
+                log.info("worker: %s", text.rstrip())
+            return
+        logging.getLogger(name if name.startswith("guard") else "guard.secure.worker").log(level, "%s", message)
+
+    def poll(self) -> WorkResult | None:
+        """The result once the worker ended (or was killed at its deadline just now); None while it runs.
+
+        Never blocks beyond reading what the pipes hold.
+        """
+        if self.result is not None:
+            return self.result
+        self._drain()
+        if self.proc.poll() is None:
+            if self.clock() >= self.deadline:
+                log.warning("%s still running at its deadline: killing it", self.op.replace("_", " "))
+                return self.kill("deadline")
+            return None
+        self._drain(final=True)
+        self._close()
+        elapsed_s = self.clock() - self.started
+        payload = self._payload
+        if payload is None:
+            code = self.proc.returncode
+            why = f"signal {-code}" if code is not None and code < 0 else f"exit {code}"
+            self.result = WorkResult(self.op, False, error=f"the securing worker died ({why}) before it reported",
+                                     hint="set GUARD_DEBUG=1 and report it", error_type="crash", elapsed_s=elapsed_s)
+        else:
+            self.result = WorkResult(self.op, bool(payload.get("ok")), payload.get("data"), payload.get("error"),
+                                     payload.get("hint"), payload.get("error_type"), elapsed_s)
+        return self.result
+
+    def kill(self, why: str = "killed") -> WorkResult:
+        """SIGKILL the worker's process group and every descendant (``psutil``); returns the killed result.
+
+        Args:
+            why: ``"deadline"`` or ``"killed"`` (the result's ``error_type``).
+        """
+        if self.result is not None:
+            return self.result
+        _kill_tree(self.proc)
+        self._drain(final=True)
+        self._close()
+        text = ("the deadline was reached" if why == "deadline" else "stopped before it finished")
+        self.result = WorkResult(self.op, False, error=f"{self.op.replace('_', ' ')} killed: {text}",
+                                 hint="a larger --margin (or --grace) leaves more time to secure it",
+                                 error_type=why, elapsed_s=self.clock() - self.started)
+        return self.result
+
+    def _close(self) -> None:
+        RUNNING.discard(self.proc.pid)
+        for pipe in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
+            if pipe is not None:
+                with contextlib.suppress(OSError):
+                    pipe.close()
+
+
+def _kill_tree(proc: subprocess.Popen[bytes]) -> None:
+    import psutil
+
+    try:
+        descendants = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.Error:
+        descendants = []
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)  # its own session: the group id is its pid
+    for child in descendants:
+        with contextlib.suppress(psutil.Error):
+            child.kill()
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        proc.kill()
+    try:
+        proc.wait(timeout=5.0)
+    except subprocess.TimeoutExpired:  # pragma: no cover - a process stuck in the kernel (D state)
+        log.warning("the securing worker (pid %d) did not die within 5s of SIGKILL", proc.pid)
+
+
+def start(op: str, args: Mapping[str, Any], deadline: float, *, destination: str, token: str | None = None,
+          clock: Callable[[], float] = time.monotonic, environ: Mapping[str, str] | None = None) -> Handle:
+    """Start ``hub.Securer(destination).<op>(**args, deadline=...)`` in a child process; returns at once.
+
+    Args:
+        op: one of ``OPS``.
+        args: the operation's keyword arguments (JSON-able; paths as text), without ``deadline``.
+        deadline: when it must be over, in ``clock`` seconds. The child stops retrying ``CHILD_EARLIER_S`` before;
+            ``Handle.poll`` kills it at the deadline.
+        destination: ``--push-to`` text.
+        token: the Hub token (sent on the child's stdin, never on its command line), or None for the default.
+        clock: monotonic seconds (the deadline's clock).
+        environ: the child's environment (default ``os.environ``).
+
+    Raises:
+        ValueError: an unknown ``op``.
+        OSError: the child could not be started.
+    """
+    if op not in OPS:
+        raise ValueError(f"unknown worker operation {op!r}; expected one of {', '.join(OPS)}")
+    env = dict(os.environ if environ is None else environ)
+    root = str(Path(__file__).resolve().parent.parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+    request = {"op": op, "args": _plain(dict(args)), "destination": destination, "token": token,
+               "remaining_s": deadline - clock() - CHILD_EARLIER_S, "parent": os.getpid(),
+               "level": logging.getLogger("guard").getEffectiveLevel()}
+    proc = subprocess.Popen([sys.executable, "-m", "guard.secure.worker"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, start_new_session=True)
+    from guard.run.process import HELPER_PIDS
+
+    HELPER_PIDS.add(proc.pid)  # stopping the job (signal_all) must never stop a push
+    handle = Handle(proc, op, deadline, clock)
+    assert proc.stdin is not None
+    try:
+        proc.stdin.write(json.dumps(request).encode())
+        proc.stdin.close()
+    except OSError:  # died at once: poll() reports it
+        pass
+    return handle
+
+
+def run_bounded(op: str, args: Mapping[str, Any], deadline: float, abort: Callable[[], bool], *, destination: str,
+                token: str | None = None, clock: Callable[[], float] = time.monotonic,
+                sleep: Callable[[float], None] = time.sleep) -> WorkResult:
+    """Run a worker operation to its end, blocking, for stages outside the supervisor's loop (the resume fetch).
+
+    Returns early, with the worker killed (``error_type`` ``"killed"``), once ``abort()`` is true (e.g. a signal
+    handler appended to a list); at ``deadline`` it is killed (``"deadline"``).
+    """
+    handle = start(op, args, deadline, destination=destination, token=token, clock=clock)
+    while True:
+        result = handle.poll()
+        if result is not None:
+            return result
+        if abort():
+            return handle.kill("killed")
+        sleep(POLL_S)
+
+
+@dataclass
+class Pusher:
+    """Starts workers for one destination (the plan's pusher collaborator).
+
+    Args:
+        destination: ``--push-to`` text (or the Trainer's ``hub_model_id``).
+        token: the Hub token, or None.
+        clock: monotonic seconds.
+        environ: the workers' environment (default ``os.environ``).
+    """
+
+    destination: str
+    token: str | None = None
+    clock: Callable[[], float] = time.monotonic
+    environ: Mapping[str, str] | None = None
+    started: list[Handle] = field(default_factory=list, repr=False)
+
+    def start(self, op: str, args: Mapping[str, Any], deadline: float) -> Handle:
+        """``start`` for this destination (see the module function)."""
+        handle = start(op, args, deadline, destination=self.destination, token=self.token, clock=self.clock,
+                       environ=self.environ)
+        self.started.append(handle)
+        return handle
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The child's side
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class _JsonLines(logging.Handler):
+    def emit(self, record: logging.LogRecord) -> None:
+        if not record.name.startswith("guard") and record.levelno < logging.WARNING:
+            return  # the HTTP client's request lines and the like: not the guard's log
+        try:
+            line = json.dumps({"level": record.levelno, "name": record.name, "message": record.getMessage()})
+            sys.stderr.write(line + "\n")
+            sys.stderr.flush()
+        except Exception:  # noqa: BLE001 - logging must not end the push
+            self.handleError(record)
+
+
+def _die_with_parent(parent: int) -> None:
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            import ctypes
+
+            pr_set_pdeathsig = 1
+            ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if os.getppid() != parent:  # the parent is already gone
+        os._exit(1)
+
+
+def _child_main() -> int:
+    request = json.loads(sys.stdin.read())
+    _die_with_parent(int(request.get("parent") or os.getppid()))
+    root = logging.getLogger()
+    root.handlers[:] = [_JsonLines()]
+    root.setLevel(int(request.get("level") or logging.INFO))
+    from guard.errors import GuardError
+    from guard.secure import hub
+
+    op, args = request["op"], dict(request.get("args") or {})
+    out: dict[str, Any]
+    try:
+        if op not in OPS:
+            raise ValueError(f"unknown operation {op!r}")
+        hub.install_request_bounds()
+        securer = hub.Securer(request["destination"], token=request.get("token") or None)
+        value = getattr(securer, op)(**args, deadline=time.monotonic() + float(request["remaining_s"]))
+        out = {"ok": True, "data": _plain(value) if value is not None else None}
+    except GuardError as exc:
+        out = {"ok": False, "error": exc.message, "hint": exc.hint, "error_type": type(exc).__name__}
+    except Exception as exc:  # noqa: BLE001 - a fault in the push is reported as data, never a hang
+        out = {"ok": False, "error": f"{op} failed: {exc!r}", "hint": "set GUARD_DEBUG=1 and report it",
+               "error_type": "crash"}
+    sys.stdout.write(_RESULT + json.dumps(out) + "\n")
+    sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover - run as a child process
+    _code = _child_main()
+    sys.stderr.flush()
+    os._exit(_code)  # no interpreter shutdown: a transfer thread that still hangs must not keep the child alive

@@ -1,0 +1,47 @@
+"""A plain loop that saves OUT/checkpoint-N/ every --save-every steps and reports it with guard.checkpoint_saved;
+--nan-at, --crash-at or --hang-at K make step K fail (NaN loss from then on, an exception, a hang)."""
+
+import argparse
+import os
+import time
+
+import torch
+
+try:
+    import guard
+except ImportError:  # run without the guard
+    guard = None
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--output-dir", required=True)
+parser.add_argument("--steps", type=int, default=100000)
+parser.add_argument("--step-s", type=float, default=0.05)
+parser.add_argument("--save-every", type=int, default=10)
+parser.add_argument("--nan-at", type=int, default=0)
+parser.add_argument("--crash-at", type=int, default=0)
+parser.add_argument("--hang-at", type=int, default=0)
+args = parser.parse_args()
+
+torch.manual_seed(0)
+model = torch.nn.Linear(8, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.05)
+x, y = torch.randn(64, 8), torch.randn(64, 1)
+for step in range(1, args.steps + 1):
+    if step == args.crash_at:
+        raise RuntimeError(f"boom at step {step}")
+    if step == args.hang_at:
+        time.sleep(3600)
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    if args.nan_at and step >= args.nan_at:
+        loss = loss * float("nan")
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    print(f"step {step} loss={loss.item():.4f}", flush=True)
+    if step % args.save_every == 0:
+        folder = os.path.join(args.output_dir, f"checkpoint-{step}")
+        os.makedirs(folder, exist_ok=True)
+        torch.save({"model": model.state_dict(), "step": step}, os.path.join(folder, "model.pt"))
+        if guard is not None:
+            guard.checkpoint_saved(folder, step=step)
+    time.sleep(args.step_s)

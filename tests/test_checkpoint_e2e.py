@@ -1,0 +1,79 @@
+"""End to end: the checkpoints of jobs that are not Trainers and do not name checkpoint-N folders are secured;
+a job stopped by the guard does not run its code after training."""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from conftest import JOBS, run_guard, signal_when, start_guard
+
+pytestmark = [pytest.mark.slow]
+
+FAST = ["--skip-check", "python=imports are checked by the other tests"]
+NANO = str(JOBS / "nanogpt_like.py")
+
+
+def test_a_loop_that_saves_ckpt_pt_is_secured_at_the_deadline_without_waiting_for_it(tmp_path: Path) -> None:
+    out, dest = tmp_path / "out-run", tmp_path / "dest"
+    started = time.monotonic()
+    run = run_guard([*FAST, "--timeout", "25s", "--push-to", str(dest), NANO, f"--out_dir={out}"], cwd=tmp_path,
+                    timeout_s=90)
+    took_s = time.monotonic() - started
+    assert run.returncode == 75, run.stderr[-3000:]
+    fields = run.fields()
+    assert (fields["status"], fields["secured"]) == ("TIMEOUT", "yes")
+    assert fields["checkpoint"] == str(out / "ckpt.pt")
+    assert (dest / "last-checkpoint" / "ckpt.pt").is_file()
+    assert f"output folder: {out} (the job's --out_dir argument)" in run.stderr
+    assert "training finished" not in run.stdout
+    assert took_s < 25 + 10
+
+
+def test_sigterm_reaches_a_loop_without_the_api_at_once_and_its_checkpoint_is_secured(tmp_path: Path) -> None:
+    ready, dest = tmp_path / "ready", tmp_path / "dest"
+    proc = start_guard([*FAST, "--grace", "20s", "--push-to", str(dest), NANO, f"--ready={ready}"], cwd=tmp_path)
+    sent = time.monotonic()
+    out, err = signal_when(proc, ready, signal.SIGTERM)
+    took_s = time.monotonic() - sent
+    verdict = [line for line in out.splitlines() if line.startswith("VERDICT:")][-1]
+    assert proc.returncode == 75, err[-3000:]
+    assert "INTERRUPTED" in verdict and "secured=yes" in verdict
+    # the output folder came from the job's torch.save calls (nanoGPT's default out_dir, no argument)
+    assert f"output folder: {tmp_path / 'out'} (where the job saves with torch.save)" in err
+    assert (dest / "last-checkpoint" / "ckpt.pt").is_file()
+    assert took_s < 20  # not the whole grace spent waiting for a save the job cannot make
+
+
+def test_a_loop_using_the_api_ends_after_the_requested_save(tmp_path: Path) -> None:
+    out, dest = tmp_path / "out", tmp_path / "dest"
+    run = run_guard([*FAST, "--timeout", "30s", "--margin", "8s", "--push-to", str(dest), NANO, f"--out_dir={out}",
+                     "--api=True",
+                     "--eval_interval=100000"], cwd=tmp_path, timeout_s=90)
+    assert run.returncode == 75, run.stderr[-3000:]
+    assert "ending the process here" in run.stderr
+    assert "training finished" not in run.stdout and not (out / "final.pt").exists()
+    assert (dest / "last-checkpoint" / "ckpt.pt").is_file()
+
+
+def test_nothing_recognisable_gets_a_hint_that_says_what_would_be(tmp_path: Path) -> None:
+    out, dest = tmp_path / "out", tmp_path / "dest"
+    run = run_guard([*FAST, "--timeout", "15s", "--push-to", str(dest), NANO, f"--out_dir={out}",
+                     "--ckpt_name=state.ckpt"], cwd=tmp_path, timeout_s=90)
+    assert run.returncode == 124, run.stderr[-3000:]
+    hint = run.fields()["hint"]
+    assert "checkpoint_saved" in hint and "checkpoint-N" in hint
+    assert "--push-to" not in hint and "--output-dir" not in hint
+
+
+def test_a_trainer_stopped_at_the_deadline_does_not_run_the_code_after_train(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    run = run_guard([*FAST, "--timeout", "20s", "--margin", "6s", "--push-to", str(tmp_path / "dest"),
+                     str(JOBS / "slow_trainer.py"), "--output-dir", str(out), "--step-s", "0.05"], timeout_s=90)
+    assert run.returncode == 75, run.stderr[-3000:]
+    assert "trainer finished" not in run.stdout
+    assert not (out / "model.safetensors").exists()  # no "final" model from a half-trained run
+    assert "still being written" not in run.stderr  # the Trainer said its checkpoints were complete
+    assert (tmp_path / "dest" / "last-checkpoint" / "trainer_state.json").is_file()

@@ -1,0 +1,227 @@
+"""What counts as a checkpoint beyond checkpoint-N folders, where the output folder is, which reported paths are
+refused, and what the hint says when nothing is recognisable."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from guard.errors import SupervisorError
+from guard.secure.checkpoints import (
+    TRAINER_STATE_NAME,
+    SavedFiles,
+    describe,
+    is_suspect,
+    list_files,
+    loose_files,
+    newest_complete,
+)
+from guard.secure.layout import (
+    check_reported_path,
+    is_plausible_output_dir,
+    nothing_found_hint,
+    output_dir_from_args,
+)
+
+NOW = 1_787_236_200.0
+
+
+def write(path: Path, size: int, *, mtime_s: float = NOW - 60) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b"x" * size)
+    os.utime(path, (mtime_s, mtime_s))
+    return path
+
+
+# -- the output folder from the job's arguments ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("args", "expected"), [
+    (["--output_dir", "runs/a", "--lr", "1"], ("runs/a", "--output_dir")),
+    (["--output-dir=out/b"], ("out/b", "--output-dir")),
+    (["--device=cpu", "--out_dir=out-shakespeare"], ("out-shakespeare", "--out_dir")),
+    (["--save", "/ckpt/megatron"], ("/ckpt/megatron", "--save")),
+    (["--out_dir", "first", "--out_dir", "second"], ("second", "--out_dir")),  # argparse keeps the last one
+    (["--save", "--other"], None),  # a flag without a value
+    (["--output_dir"], None),
+    (["--", "--output_dir", "x"], None),  # past a bare --: not the job's options
+    (["--output_dirs", "x", "--saved", "y"], None),  # other flags with the same start
+    (["--save=a", "--output-dir", "b"], ("b", "--output-dir")),  # --output_dir/--output-dir before --save
+])
+def test_output_dir_from_args(args, expected):
+    assert output_dir_from_args(args) == expected
+
+
+# -- reported paths ------------------------------------------------------------------------------------------------
+
+
+def test_reported_paths_that_would_push_the_wrong_thing_are_refused(tmp_path, monkeypatch):
+    work = tmp_path / "work"
+    (work / "out" / "checkpoint-5").mkdir(parents=True)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    (tmp_path / "home").mkdir()
+    for bad in ("", "   ", None, "/", ".", str(work), str(tmp_path), str(tmp_path / "home")):
+        with pytest.raises(SupervisorError) as err:
+            check_reported_path(bad, output_dir=None, cwd=work)
+        assert "checkpoint_saved" in err.value.hint
+    with pytest.raises(SupervisorError, match="outside its output folder"):
+        check_reported_path(str(tmp_path / "elsewhere"), output_dir="out", cwd=work)
+    assert check_reported_path("out/checkpoint-5", output_dir="out", cwd=work) == work / "out" / "checkpoint-5"
+    assert check_reported_path("out", output_dir=str(work / "out"), cwd=work) == work / "out"
+    assert not is_plausible_output_dir(work, cwd=work)
+    assert not is_plausible_output_dir(work / ".cache" / "x", cwd=work)
+    assert is_plausible_output_dir(work / "out", cwd=work)
+
+
+def test_the_hint_never_names_a_flag_already_given():
+    hint = nothing_found_hint(output_dir="ckpt", destination_given=True)
+    assert "--push-to" not in hint and "--output-dir" not in hint
+    assert "guard.checkpoint_saved(path)" in hint and "checkpoint-N" in hint and "ckpt" in hint
+    assert "--output-dir" in nothing_found_hint(output_dir=None, destination_given=True)
+    assert "--push-to" in nothing_found_hint(output_dir="ckpt", destination_given=False)
+
+
+# -- loose model files, accelerate folders, reported folders -------------------------------------------------------
+
+
+def test_nanogpt_ckpt_pt_is_a_checkpoint_once_stable(tmp_path):
+    write(tmp_path / "ckpt.pt", 500, mtime_s=NOW - 0.5)
+    assert newest_complete(tmp_path, now_s=NOW) is None  # still being written
+    info = newest_complete(tmp_path, now_s=NOW + 5)
+    assert info is not None
+    assert info.path == tmp_path / "ckpt.pt" and info.folder == tmp_path and info.files == ("ckpt.pt",)
+    assert info.step is None and info.size_bytes == 500
+
+
+def test_loose_files_group_by_the_step_in_their_names(tmp_path):
+    write(tmp_path / "model_step_100.pt", 10, mtime_s=NOW - 90)
+    write(tmp_path / "optim_step_100.pt", 20, mtime_s=NOW - 90)
+    write(tmp_path / "model_step_200.pt", 30, mtime_s=NOW - 30)
+    write(tmp_path / "optim_step_200.pt", 40, mtime_s=NOW - 30)
+    write(tmp_path / "training_args.bin", 5, mtime_s=NOW - 10)  # the Trainer's arguments: not model state
+    write(tmp_path / "notes.txt", 5, mtime_s=NOW - 10)
+    info = loose_files(tmp_path, now_s=NOW)
+    assert info.files == ("model_step_200.pt", "optim_step_200.pt")
+    assert info.step == 200 and info.step_source == "name" and info.path == tmp_path
+
+
+def test_folders_win_over_loose_files_and_a_trainer_ignores_them(tmp_path):
+    write(tmp_path / "last.pt", 10)
+    assert newest_complete(tmp_path, now_s=NOW).files == ("last.pt",)
+    assert newest_complete(tmp_path, now_s=NOW, loose=False) is None
+    folder = tmp_path / "checkpoint-4"
+    write(folder / "model.safetensors", 10)
+    (folder / TRAINER_STATE_NAME).write_text(json.dumps({"global_step": 4}))
+    os.utime(folder / TRAINER_STATE_NAME, (NOW - 60, NOW - 60))
+    info = newest_complete(tmp_path, now_s=NOW)
+    assert info.path == folder and info.step == 4 and info.step_source == "trainer_state"
+
+
+def test_accelerate_save_state_folders(tmp_path):
+    for step in (50, 100):
+        folder = tmp_path / f"step_{step}"
+        write(folder / "model.safetensors", 10)
+        write(folder / "optimizer.bin", 10)
+    write(tmp_path / "step_50" / "random_states_0.pkl", 3)  # written last by save_state
+    info = newest_complete(tmp_path, now_s=NOW, loose=False)
+    assert info.path == tmp_path / "step_50" and info.step == 50 and info.step_source == "name"
+    write(tmp_path / "step_100" / "random_states_0.pkl", 3)
+    assert newest_complete(tmp_path, now_s=NOW).step == 100
+    auto = tmp_path / "checkpoint_120"  # automatic_checkpoint_naming
+    write(auto / "model.safetensors", 10)
+    write(auto / "random_states_0.pkl", 3)
+    assert newest_complete(tmp_path, now_s=NOW).path == auto
+
+
+def test_a_folder_the_job_said_it_finished_needs_no_mtime_rule(tmp_path, caplog):
+    folder = tmp_path / "checkpoint-7"
+    write(folder / "model.safetensors", 10, mtime_s=NOW)
+    (folder / TRAINER_STATE_NAME).write_text("{}")
+    os.utime(folder / TRAINER_STATE_NAME, (NOW, NOW))
+    with caplog.at_level(logging.INFO, logger="guard.checkpoints"):
+        assert newest_complete(tmp_path, now_s=NOW, reported=[str(folder)]).path == folder
+    assert "still being written" not in caplog.text
+    assert newest_complete(tmp_path, now_s=NOW, loose=False) is None  # unreported: the mtime rule applies
+
+
+def test_symlinks_are_never_followed_out_of_a_checkpoint(tmp_path, caplog):
+    secret = write(tmp_path / "outside" / "id_rsa", 7)
+    folder = tmp_path / "out" / "checkpoint-3"
+    write(folder / "model.pt", 10)
+    (folder / GUARD_MARKER).write_text("{}")
+    os.symlink(secret, folder / "leak.pt")
+    os.symlink(tmp_path / "outside", folder / "dirlink")
+    os.symlink("model.pt", folder / "alias.pt")  # inside: counts as that file's content
+    with caplog.at_level(logging.WARNING, logger="guard.checkpoints"):
+        files = list_files(folder)
+    assert files == ["alias.pt", GUARD_MARKER, "model.pt"]
+    assert "leak.pt" in caplog.text and "dirlink" in caplog.text
+    assert "leak.pt" not in describe(folder).files
+
+
+GUARD_MARKER = "guard_checkpoint.json"
+
+
+def test_saved_files_group_one_save_and_carry_the_agents_step(tmp_path):
+    saved = SavedFiles()
+    write(tmp_path / "ckpt" / "model.pt", 10)
+    info = saved.add(tmp_path / "ckpt" / "model.pt", 40)
+    assert info.files == ("model.pt",) and info.step == 40 and info.step_source == "reported"
+    write(tmp_path / "ckpt" / "optim.pt", 20)
+    info = saved.add(tmp_path / "ckpt" / "optim.pt", 40)
+    assert info.files == ("model.pt", "optim.pt") and info.folder == tmp_path / "ckpt" and info.size_bytes == 30
+    info = saved.add(tmp_path / "ckpt" / "model.pt", 80)  # the next save starts a new set
+    assert info.files == ("model.pt",) and info.step == 80
+    write(tmp_path / "ckpt" / "data.json", 5)
+    assert saved.add(tmp_path / "ckpt" / "data.json", 80) is None  # not a model file
+
+
+def test_a_checkpoint_saved_after_the_first_non_finite_step_is_suspect(tmp_path):
+    saved = SavedFiles()
+    write(tmp_path / "ckpt.pt", 10, mtime_s=NOW - 5)
+    before = saved.add(tmp_path / "ckpt.pt", 99)
+    after = saved.add(tmp_path / "ckpt.pt", 100)
+    assert not is_suspect(before, bad_step=100, bad_at_s=None)
+    assert is_suspect(after, bad_step=100, bad_at_s=None)
+    named = loose_files(tmp_path, now_s=NOW)  # the job's own unit: judged by when it was written
+    assert is_suspect(named, bad_step=1, bad_at_s=NOW - 10)
+    assert not is_suspect(named, bad_step=1, bad_at_s=NOW - 1)
+
+
+# -- the folder destination --------------------------------------------------------------------------------------
+
+
+def test_a_folder_destination_pushes_exactly_the_files_with_default_permissions(tmp_path):
+    from guard.secure.hub import Securer
+
+    out = tmp_path / "out"
+    write(out / "ckpt.pt", 100)
+    write(out / "log.txt", 5)
+    old = os.umask(0o022)
+    try:
+        result = Securer(str(tmp_path / "dest")).push_checkpoint(out, step=9, deadline=float("inf"),
+                                                                files=["ckpt.pt"])
+    finally:
+        os.umask(old)
+    target = tmp_path / "dest" / "last-checkpoint"
+    assert result.files == ("ckpt.pt",)
+    assert sorted(p.name for p in target.iterdir()) == ["ckpt.pt", "guard_manifest.json"]
+    assert stat.S_IMODE(target.stat().st_mode) == 0o755
+
+
+def test_the_slurm_recipe_does_not_start_the_grace_flow_early():
+    recipe = (Path(__file__).resolve().parent.parent / "docs" / "slurm.md").read_text()
+    directives = [line for line in recipe.splitlines() if line.startswith("#SBATCH")]
+    assert directives and not any("--signal" in line for line in directives)
+
+
+def test_a_save_into_a_hidden_or_temporary_folder_is_not_a_checkpoint_yet(tmp_path):
+    saved = SavedFiles()
+    for folder in (".partial-checkpoint-1", "tmp", "ckpt.tmp"):
+        write(tmp_path / folder / "model.pt", 10)
+        assert saved.add(tmp_path / folder / "model.pt", 1) is None

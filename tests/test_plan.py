@@ -1,0 +1,219 @@
+"""The securing plan as a state machine, driven by a fake clock and a fake pusher, for every event order."""
+
+from __future__ import annotations
+
+import signal
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from fakes import FakeClock, FakePusher, ckpt
+
+from guard.secure.budget import MarginEstimator
+from guard.secure.plan import (
+    SAFETY_S,
+    Decide,
+    ForwardSignal,
+    Plan,
+    RequestSave,
+    State,
+    StopJob,
+)
+
+
+def make(clock: FakeClock, pusher: FakePusher | None, *, deadline_at: float | None = 1000.0, grace_s: float = 30.0,
+         interval_s: float = 0.0, background: bool = True, final: str | None = "/out") -> Plan:
+    estimator = MarginEstimator(fixed_margin_s=100.0, log_changes=False)
+    return Plan(clock=clock, pusher=pusher, estimator=estimator, deadline_at=deadline_at, grace_s=grace_s,
+                background=background, push_interval_s=interval_s, final_output_dir=final)
+
+
+def run_until(plan: Plan, clock: FakeClock, end: float, step_s: float = 0.1) -> list[Any]:
+    actions: list[Any] = []
+    while clock.now < end and plan.state is not State.DONE:
+        clock.advance(step_s)
+        actions += plan.tick()
+    return actions
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock(0.0)
+
+
+def test_background_pushes_one_at_a_time_newer_replaces_queued(clock: FakeClock) -> None:
+    pusher = FakePusher(clock, rate=lambda now: 1e6)  # 1 MB checkpoint: 2 s per push
+    plan = make(clock, pusher)
+    plan.checkpoint(ckpt(10))
+    plan.checkpoint(ckpt(20))
+    plan.checkpoint(ckpt(30))
+    assert [h.args["step"] for h in pusher.started] == [10]
+    assert plan.queued is not None and plan.queued.step == 30
+    run_until(plan, clock, 10.0)
+    assert [h.args["step"] for h in pusher.started] == [10, 30]
+    assert plan.secured is not None and plan.secured.info is not None and plan.secured.info.step == 30
+
+
+def test_push_interval_limits_background_pushes(clock: FakeClock) -> None:
+    pusher = FakePusher(clock)
+    plan = make(clock, pusher, interval_s=60.0)
+    plan.checkpoint(ckpt(10))
+    run_until(plan, clock, 5.0)
+    plan.checkpoint(ckpt(20))
+    run_until(plan, clock, 30.0)
+    assert len(pusher.started) == 1
+    run_until(plan, clock, 61.0)
+    assert [h.args["step"] for h in pusher.started] == [10, 20]
+
+
+def test_signal_during_a_background_push_asks_for_a_save_and_ends_within_grace(clock: FakeClock) -> None:
+    pusher = FakePusher(clock, rate=lambda now: 0.01e6)  # very slow: 100 s for 1 MB
+    plan = make(clock, pusher, grace_s=10.0)
+    plan.checkpoint(ckpt(10))
+    clock.advance(1.0)
+    actions = plan.signal(signal.SIGTERM, can_save=True)
+    assert Decide("INTERRUPTED", "signal", signal.SIGTERM) in actions and RequestSave() in actions
+    assert plan.secure_by == pytest.approx(1.0 + 10.0 - SAFETY_S)
+    assert pusher.started[0].deadline <= plan.secure_by
+    clock.advance(1.0)
+    plan.checkpoint(ckpt(11))  # the fresh save supersedes the running background push
+    assert pusher.killed and pusher.started[-1].args["step"] == 11
+    run_until(plan, clock, 30.0)
+    assert plan.state is State.DONE and clock.now <= plan.secure_by + 0.11
+    assert plan.secured is None  # too slow for the grace: honestly not secured
+
+
+def test_signal_to_a_job_that_cannot_save_is_forwarded_at_once_and_its_save_is_pushed(clock: FakeClock) -> None:
+    pusher = FakePusher(clock)
+    plan = make(clock, pusher, grace_s=20.0)
+    actions = plan.signal(signal.SIGTERM, can_save=False)
+    assert ForwardSignal(signal.SIGTERM) in actions and RequestSave() not in actions
+    clock.advance(2.0)
+    plan.checkpoint(ckpt(7))  # written by the job's own SIGTERM handler
+    run_until(plan, clock, 15.0)
+    assert plan.secured is not None and plan.secured.info is not None and plan.secured.info.step == 7
+
+
+def test_signal_during_the_final_push_shortens_it_to_the_grace(clock: FakeClock) -> None:
+    pusher = FakePusher(clock, rate=lambda now: 0.001e6)  # a hung transfer
+    plan = make(clock, pusher, deadline_at=None, grace_s=3.0)
+    plan.job_exit(ok=True)
+    assert plan.state is State.FINAL_PUSH
+    clock.advance(5.0)
+    assert plan.signal(signal.SIGTERM, can_save=True) == []
+    assert plan.secure_by == pytest.approx(5.0 + 3.0 - SAFETY_S)
+    run_until(plan, clock, 60.0)
+    assert plan.state is State.DONE and clock.now <= 5.0 + 3.0
+    assert plan.final is not None and plan.final.result.killed
+
+
+def test_two_signals_the_second_never_extends(clock: FakeClock) -> None:
+    pusher = FakePusher(clock)
+    plan = make(clock, pusher, grace_s=30.0)
+    plan.signal(signal.SIGTERM, can_save=True)
+    first = plan.secure_by
+    clock.advance(10.0)
+    assert plan.signal(signal.SIGINT, can_save=True) == []
+    assert plan.secure_by == first  # 10 + 28.5 > 28.5: unchanged
+    assert plan.signum == signal.SIGTERM
+    plan2 = make(clock, FakePusher(clock), grace_s=30.0)
+    plan2.deadline_near(can_save=True)  # deadline far away: secure_by = 998.5
+    plan2.signal(signal.SIGTERM, can_save=True)
+    assert plan2.secure_by == pytest.approx(clock.now + 30.0 - SAFETY_S)
+
+
+def test_deadline_mid_push_keeps_the_push_of_the_newest_and_bounds_it(clock: FakeClock) -> None:
+    pusher = FakePusher(clock, rate=lambda now: 0.1e6)  # 11 s per push
+    plan = make(clock, pusher, deadline_at=50.0)
+    plan.checkpoint(ckpt(40))
+    clock.advance(3.0)
+    actions = plan.deadline_near(can_save=True)
+    assert Decide("TIMEOUT", "deadline") in actions
+    assert any(isinstance(a, StopJob) and a.at == pytest.approx(50.0 - SAFETY_S - 2.0) for a in actions)
+    assert pusher.started[0].deadline <= 50.0 - SAFETY_S
+    run_until(plan, clock, 60.0)
+    assert plan.state is State.DONE and plan.secured is not None
+    assert plan.secured.info is not None and plan.secured.info.step == 40  # the job never saved again
+
+
+def test_deadline_push_cut_off_is_not_secured(clock: FakeClock) -> None:
+    pusher = FakePusher(clock, rate=lambda now: 0.01e6)
+    plan = make(clock, pusher, deadline_at=20.0)
+    plan.deadline_near(can_save=True)
+    plan.checkpoint(ckpt(5))
+    run_until(plan, clock, 30.0)
+    assert plan.state is State.DONE and plan.secured is None and clock.now <= 20.0 - SAFETY_S + 0.11
+    assert pusher.killed and pusher.killed[0].result is not None and pusher.killed[0].result.error_type == "deadline"
+
+
+def test_failure_while_a_push_runs_keeps_it_when_it_is_the_newest(clock: FakeClock) -> None:
+    pusher = FakePusher(clock, rate=lambda now: 0.5e6)
+    plan = make(clock, pusher, grace_s=10.0)
+    plan.checkpoint(ckpt(30))
+    clock.advance(0.5)
+    plan.failure("crash")
+    assert plan.state is State.SECURING and len(pusher.started) == 1 and plan.push is not None
+    assert plan.push.kind == "securing"
+    run_until(plan, clock, 20.0)
+    assert plan.secured is not None and plan.secured.info is not None and plan.secured.info.step == 30
+
+
+def test_non_finite_loss_secures_the_checkpoint_before_it_and_names_the_later_one_suspect(clock: FakeClock) -> None:
+    pusher = FakePusher(clock, rate=lambda now: 0.2e6)
+    plan = make(clock, pusher, grace_s=30.0, interval_s=1000.0)
+    plan.checkpoint(ckpt(10))
+    run_until(plan, clock, 10.0)  # step 10 secured in the background
+    plan.checkpoint(ckpt(20))  # queued (interval)
+    plan.checkpoint(ckpt(30))  # saved after the NaN at step 25
+    plan.failure("non_finite_loss", bad_from_step=25)
+    assert plan.suspect is not None and plan.suspect.step == 30
+    run_until(plan, clock, 40.0)
+    pushed = [h.args["step"] for h in pusher.started]
+    assert 30 not in pushed
+    assert plan.secured is not None and plan.secured.info is not None and plan.secured.info.step in (10, 20)
+
+
+def test_failed_push_at_the_deadline_is_reported(clock: FakeClock) -> None:
+    pusher = FakePusher(clock)
+    pusher.fail_next = True
+    plan = make(clock, pusher, deadline_at=100.0)
+    plan.deadline_near(can_save=True)
+    plan.checkpoint(ckpt(3))
+    run_until(plan, clock, 99.0)
+    assert plan.state is State.DONE and plan.secured is None and plan.error is not None
+
+
+def test_no_destination_never_pushes(clock: FakeClock) -> None:
+    plan = make(clock, None)
+    plan.checkpoint(ckpt(1))
+    assert plan.failure("stalled") == [] and plan.state is State.DONE
+    assert plan.newest is not None and plan.newest.step == 1
+
+
+class _Job:
+    returncode = None
+
+    def alive(self) -> bool:
+        return True
+
+    def signal_all(self, signum: int) -> None:
+        self.signalled = signum
+
+
+def test_early_signal_with_many_ranks_does_not_crash(clock: FakeClock) -> None:
+    from guard.secure.budget import Deadline
+    from guard.secure.securing import Securing
+
+    sent: list[dict] = []
+    agents = {i: SimpleNamespace(info={"world_size": 4, "rank": i}) for i in range(4)}
+    sup = SimpleNamespace(job=_Job(), agents=agents, trainer_config={"output_dir": "/out"}, checkpoints=[],
+                          rank_progress={}, config=SimpleNamespace(check_every=10), outcome=None,
+                          stall=SimpleNamespace(pause=lambda: None), stop_at=None, stop_grace_s=None,
+                          node_rank=None, follows_node_0=False, training_ranks=lambda: set(),
+                          broadcast=lambda message: sent.append(message) or 4, _recheck=False)
+    securing = Securing(deadline=Deadline(0.0, None, None, "none"), estimator=MarginEstimator(log_changes=False),
+                        securer=SimpleNamespace(destination="alice/run", token=None), clock=clock,
+                        pusher_factory=lambda dest, token: FakePusher(clock))
+    assert securing.on_signal(sup, signal.SIGTERM, clock.now)
+    assert sent and sent[0]["t"] == "checkpoint" and sent[0]["at_step"] == 22
+    assert sup.outcome is not None and sup.outcome.status == "INTERRUPTED"

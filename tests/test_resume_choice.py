@@ -1,0 +1,103 @@
+"""Resume picks the newest complete checkpoint, secured or local, never a partial folder, and fetches the revision
+the guard recorded, not the destination's HEAD. Real worker processes, a real folder destination and the local
+Hub server."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from guard.secure import resume
+from guard.secure.checkpoints import TRAINER_STATE_NAME
+from guard.secure.hub import Securer
+from tests.hubserver import TOKENS, HubServer, client_constants
+
+
+def trainer_checkpoint(out: Path, step: int, *, state: bool = True, payload: bytes = b"w") -> Path:
+    folder = out / f"checkpoint-{step}"
+    folder.mkdir(parents=True)
+    (folder / "model.safetensors").write_bytes(payload * 100)
+    (folder / "optimizer.pt").write_bytes(b"o" * 50)
+    if state:
+        (folder / TRAINER_STATE_NAME).write_text(json.dumps({"global_step": step}))
+    return folder
+
+
+def deadline(s: float = 60.0) -> float:
+    return time.monotonic() + s
+
+
+def test_a_newer_complete_local_checkpoint_wins_and_a_partial_one_is_moved_aside(tmp_path: Path) -> None:
+    dest = Securer(str(tmp_path / "dest"))
+    dest.push_checkpoint(trainer_checkpoint(tmp_path / "run1", 10), step=10, deadline=math.inf)
+    out = tmp_path / "out"
+    trainer_checkpoint(out, 20)
+    trainer_checkpoint(out, 30, state=False)  # the Trainer was killed while saving it
+    chosen = resume.choose(out, dest, deadline=deadline(), abort=lambda: False)
+    assert chosen is not None
+    assert (chosen.path, chosen.step, chosen.source) == (out / "checkpoint-20", 20, "output folder")
+    assert not (out / "checkpoint-30").exists()
+    assert (out / f"checkpoint-30{resume.PARTIAL_SUFFIX}" / "optimizer.pt").is_file()  # kept, named, never used
+    assert not (out / "checkpoint-10").exists()  # nothing fetched
+
+
+def test_an_older_local_checkpoint_loses_to_the_secured_one(tmp_path: Path) -> None:
+    dest = Securer(str(tmp_path / "dest"))
+    dest.push_checkpoint(trainer_checkpoint(tmp_path / "run1", 30), step=30, deadline=math.inf)
+    out = tmp_path / "out"
+    trainer_checkpoint(out, 20)
+    trainer_checkpoint(out, 40, state=False)
+    chosen = resume.choose(out, dest, deadline=deadline(), abort=lambda: False)
+    assert (chosen.path, chosen.step, chosen.source) == (out / "checkpoint-30", 30, "destination")
+    assert (out / "checkpoint-30" / TRAINER_STATE_NAME).is_file()
+    assert (out / f"checkpoint-40{resume.PARTIAL_SUFFIX}").is_dir()
+
+
+def test_nothing_anywhere_starts_fresh_and_a_plain_loops_folders_are_left_alone(tmp_path: Path, caplog) -> None:
+    out = tmp_path / "out"
+    (out / "checkpoint-5").mkdir(parents=True)
+    (out / "checkpoint-5" / "model.pt").write_bytes(b"x")  # a loop's own folder, no Trainer files: not moved
+    with caplog.at_level("INFO", logger="guard.resume"):
+        assert resume.choose(out, Securer(str(tmp_path / "dest")), deadline=deadline(), abort=lambda: False) is None
+    assert "starting fresh" in caplog.text
+    assert (out / "checkpoint-5").is_dir()
+
+
+def test_a_signal_ends_the_fetch(tmp_path: Path) -> None:
+    dest = Securer(str(tmp_path / "dest"))
+    dest.push_checkpoint(trainer_checkpoint(tmp_path / "run1", 10), step=10, deadline=math.inf)
+    with pytest.raises(resume.Interrupted):
+        resume.choose(tmp_path / "out", dest, deadline=deadline(), abort=lambda: True)
+
+
+@pytest.mark.hub
+def test_the_recorded_revision_is_fetched_not_head(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from huggingface_hub import HfApi
+
+    with HubServer() as hub, client_constants():
+        for name, value in hub.env(token=TOKENS["write"], hf_home=tmp_path / "hf").items():
+            monkeypatch.setenv(name, value)  # for the worker processes
+        api = HfApi(endpoint=hub.url, token=TOKENS["write"])
+        securer = Securer("alice/recorded", api=api, token=TOKENS["write"])
+        securer.push_checkpoint(trainer_checkpoint(tmp_path / "run", 10, payload=b"a"), step=10, deadline=deadline())
+        second = securer.push_checkpoint(trainer_checkpoint(tmp_path / "run", 20, payload=b"b"), step=20,
+                                         deadline=deadline())
+        # someone moves HEAD: an unrelated commit that even rewrites last-checkpoint/
+        (tmp_path / "other.safetensors").write_bytes(b"z" * 100)
+        api.upload_file(path_or_fileobj=str(tmp_path / "other.safetensors"),
+                        path_in_repo="last-checkpoint/model.safetensors", repo_id="alice/recorded",
+                        commit_message="unrelated change")
+        api.upload_file(path_or_fileobj=b"# notes\n", path_in_repo="README.md", repo_id="alice/recorded",
+                        commit_message="readme")
+        assert api.repo_info("alice/recorded").sha != second.revision
+        out = tmp_path / "out"
+        chosen = resume.choose(out, Securer("alice/recorded", token=TOKENS["write"]), deadline=deadline(),
+                               abort=lambda: False)
+    assert (chosen.step, chosen.revision, chosen.source) == (20, second.revision, "destination")
+    assert (out / "checkpoint-20" / "model.safetensors").read_bytes() == b"b" * 100
+    assert os.listdir(out) == ["checkpoint-20"]
