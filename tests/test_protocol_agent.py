@@ -229,7 +229,7 @@ def test_graph_replays_tell_the_supervisor_the_job_goes_on(monkeypatch: pytest.M
     for _ in range(7):
         torch.cuda.CUDAGraph.replay(graph)  # type: ignore[arg-type]
     assert replays == [graph] * 7  # the real replay ran each time
-    assert sent == [{"t": "replay", "n": 3}, {"t": "replay", "n": 3}]
+    assert [m for m in sent if m["t"] == "replay"] == [{"t": "replay", "n": 3}, {"t": "replay", "n": 3}]
     assert agent.begun == 7
 
 
