@@ -31,9 +31,9 @@ replay is wrapped too and, every ``check_every`` replays, tells the supervisor t
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 __all__ = ["patch", "patch_accelerate"]
@@ -82,7 +82,7 @@ def patch(torch: Any) -> None:
                     loss = agent.scaled[1]
                 agent.scaled = None
                 agent.on_loss(loss, None, "backward")
-            except Exception as exc:  # never break the job
+            except Exception as exc:  # noqa: BLE001 - never break the job
                 agent.backward_hook = False
                 agent_module._warn_once(f"loss hook disabled: {exc!r}")
         return original(self, *args, **kwargs)
