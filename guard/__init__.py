@@ -22,12 +22,20 @@ import os
 import sys
 from typing import Any
 
+#: The private name the job's ``sitecustomize`` loads this package under (never ``guard``, which a project's own
+#: ``guard.py`` may be); the agent of the process lives in ``PRIVATE_NAME + ".inside.agent"``.
+PRIVATE_NAME = "_jobguard"
+
 
 class _LazyAgent:
-    """``guard.inside.agent``, imported on first use (the supervisor process never needs it)."""
+    """The process's agent, imported on first use (the supervisor process never needs it): the one the job's
+    ``sitecustomize`` loaded under the private name, else ``guard.inside.agent``."""
 
     def get(self) -> Any:
-        from guard.inside import agent
+        loaded = sys.modules.get(PRIVATE_NAME + ".inside.agent")
+        if loaded is not None:
+            return loaded.get()
+        from .inside import agent
         return agent.get()
 
 

@@ -6,17 +6,25 @@ The grammar (``../shared/CONTRACT.md``, "The VERDICT line")::
 
 The text after ``VERDICT: `` splits with ``shlex.split``; values with spaces or quotes are quoted with
 ``shlex.quote``. Optional keys appear in a fixed order when known.
+
+Statuses, reasons and exit codes are enums (``Status``, ``Reason``: ``str`` enums; ``ExitCode``: an ``int`` enum),
+so they compare equal to, and render as, the plain values the contract writes. The VERDICT line is rendered
+(``render_line``) and parsed (``parse_verdict``, used by ``python -m guard watch``) here.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
+import re
 import shlex
 import signal
 import tempfile
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
+from enum import Enum, IntEnum
 from pathlib import Path
 from typing import Any
 
@@ -32,25 +40,95 @@ __all__ = [
     "EXIT_STALLED",
     "EXIT_TIMEOUT_UNSECURED",
     "EXIT_USAGE",
+    "ExitCode",
+    "Reason",
     "RunResult",
+    "Status",
+    "Verdict",
+    "parse_verdict",
     "render_line",
     "signal_name",
     "write_report",
 ]
 
-# Exit codes of the contract.
-EXIT_OK = 0
-EXIT_USAGE = 2
-EXIT_PREFLIGHT = 3
-EXIT_NON_FINITE = 4
-EXIT_STALLED = 5
-EXIT_PUSH_FAILED = 6
-EXIT_INCOMPLETE = 7  # the job exited 0, but training ended early on an error it swallowed
-EXIT_GUARD_ERROR = 70
-EXIT_SECURED = 75  # stopped early, the newest checkpoint is secured where pushed= says (EX_TEMPFAIL)
-EXIT_TIMEOUT_UNSECURED = 124  # as timeout(1)
+log = logging.getLogger("guard.contract")
 
-STATUSES = ("PASS", "FAIL", "TIMEOUT", "INTERRUPTED")
+
+class Status(str, Enum):
+    """The VERDICT's STATUS (contract, "The VERDICT line")."""
+
+    PASS = "PASS"
+    FAIL = "FAIL"
+    TIMEOUT = "TIMEOUT"
+    INTERRUPTED = "INTERRUPTED"
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+class Reason(str, Enum):
+    """The VERDICT's ``reason=`` (contract, the table of statuses, reasons and exit codes)."""
+
+    OK = "ok"
+    DRY_RUN = "dry_run"
+    USAGE = "usage"
+    PREFLIGHT = "preflight"
+    NON_FINITE_LOSS = "non_finite_loss"
+    STALLED = "stalled"
+    PUSH_FAILED = "push_failed"
+    INCOMPLETE = "incomplete"
+    CRASH = "crash"
+    OOM = "oom"
+    KILLED = "killed"
+    GUARD_ERROR = "guard_error"
+    DEADLINE = "deadline"
+    SIGNAL = "signal"
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+class ExitCode(IntEnum):
+    """The guard's fixed exit codes (a crash exits with the job's own code; a signal with 128 + its number)."""
+
+    OK = 0
+    USAGE = 2
+    PREFLIGHT = 3
+    NON_FINITE = 4
+    STALLED = 5
+    PUSH_FAILED = 6
+    INCOMPLETE = 7  # the job exited 0, but training ended early on an error it swallowed
+    GUARD_ERROR = 70
+    SECURED = 75  # stopped early, the newest checkpoint is secured where pushed= says (EX_TEMPFAIL)
+    TIMEOUT_UNSECURED = 124  # as timeout(1)
+
+    def __str__(self) -> str:  # "5", as on Python 3.11+, also on 3.10
+        return str(int(self))
+
+    def __format__(self, spec: str) -> str:
+        return format(int(self), spec)
+
+
+# The module-level names other modules use (aliases of the enums' members).
+EXIT_OK = ExitCode.OK
+EXIT_USAGE = ExitCode.USAGE
+EXIT_PREFLIGHT = ExitCode.PREFLIGHT
+EXIT_NON_FINITE = ExitCode.NON_FINITE
+EXIT_STALLED = ExitCode.STALLED
+EXIT_PUSH_FAILED = ExitCode.PUSH_FAILED
+EXIT_INCOMPLETE = ExitCode.INCOMPLETE
+EXIT_GUARD_ERROR = ExitCode.GUARD_ERROR
+EXIT_SECURED = ExitCode.SECURED
+EXIT_TIMEOUT_UNSECURED = ExitCode.TIMEOUT_UNSECURED
+
+STATUSES = tuple(status.value for status in Status)
+REASONS = tuple(reason.value for reason in Reason)
 #: Optional keys, in the order they are written.
 OPTIONAL_KEYS = (
     "step",
@@ -92,9 +170,9 @@ class RunResult:
         details: anything else for the JSON report (preflight rows, job exit status, exceptions ...).
     """
 
-    status: str
-    reason: str
-    exit_code: int
+    status: str  # a Status (or its plain value)
+    reason: str  # a Reason (or its plain value)
+    exit_code: int  # an ExitCode, or the job's code, or 128 + a signal
     elapsed_s: float = 0.0
     step: int | None = None
     loss: float | None = None
@@ -109,6 +187,8 @@ class RunResult:
 
 
 def _format_value(value: Any) -> str:
+    if isinstance(value, Enum):
+        return str(value.value)
     if isinstance(value, float):
         if math.isnan(value) or math.isinf(value):
             return str(value)
@@ -137,8 +217,79 @@ def render_line(result: RunResult, masker: Masker | None = None) -> str:
         shown = " ".join(_format_value(value).splitlines())  # one line, whatever a hint contained
         return masker.mask_text(shown) if masker else shown  # masked before quoting, so quoting can't hide it
 
-    parts = [result.status] + [f"{key}={shlex.quote(text(value))}" for key, value in fields.items()]
+    parts = [str(result.status)] + [f"{key}={shlex.quote(text(value))}" for key, value in fields.items()]
     return "VERDICT: " + " ".join(parts)  # status, keys and numbers carry no secret; every value was masked
+
+
+_TIMESTAMP = r"\d{4}-\d{2}-\d{2}[T ]\d{2}:\d{2}:\d{2}(?:[.,]\d{1,9})?(?:Z|[+-]\d{2}:?\d{2})?"
+_VERDICT_LINE = re.compile(rf"^(?:{_TIMESTAMP}[ \t]+|\[{_TIMESTAMP}\][ \t]+)?VERDICT: (?P<rest>.*)$")
+_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_EXIT = re.compile(r"^[0-9]{1,3}$")
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """One parsed guard VERDICT line.
+
+    Attributes:
+        status: one of ``STATUSES``.
+        reason: the ``reason=`` value (``ok``, ``non_finite_loss``, ...).
+        exit_code: the ``exit=`` value, 0..255.
+        elapsed_s: the ``elapsed=`` value, seconds since the guard started.
+        fields: every ``KEY=VALUE`` pair of the line as strings, required keys included (``step``, ``loss``,
+            ``pushed``, ``hint``... when present).
+    """
+
+    status: str
+    reason: str
+    exit_code: int
+    elapsed_s: float
+    fields: Mapping[str, str] = field(default_factory=dict, hash=False)
+
+
+def parse_verdict(line: str) -> Verdict | None:
+    """Parse one log line as a guard VERDICT line (the inverse of ``render_line``).
+
+    A line counts when it starts with ``VERDICT: ``, after at most one timestamp prefix (``2025-01-02T03:04:05Z``
+    or the same in brackets, as log collectors add).
+
+    Args:
+        line: one line of the log, with or without its trailing ``\\n`` / ``\\r\\n``.
+
+    Returns:
+        The ``Verdict``, or ``None`` when the line is not a guard VERDICT line, or it is but does not parse (shell
+        quoting, unknown STATUS, a token that is not ``KEY=VALUE``, a missing or malformed
+        ``reason``/``exit``/``elapsed``); the latter is logged at debug level.
+    """
+    match = _VERDICT_LINE.match(line.rstrip("\r\n"))
+    if match is None:
+        return None
+    try:
+        tokens = shlex.split(match["rest"])
+    except ValueError as exc:
+        log.debug("VERDICT-like line ignored (%s): %r", exc, line)
+        return None
+    if not tokens or tokens[0] not in STATUSES:
+        log.debug("VERDICT-like line ignored (STATUS not one of %s): %r", "/".join(STATUSES), line)
+        return None
+    fields: dict[str, str] = {}
+    for token in tokens[1:]:
+        key, sep, value = token.partition("=")
+        if not sep or not _KEY.match(key):
+            log.debug("VERDICT-like line ignored (%r is not KEY=VALUE): %r", token, line)
+            return None
+        fields[key] = value
+    reason = fields.get("reason", "")
+    exit_text = fields.get("exit", "")
+    exit_code = int(exit_text) if _EXIT.match(exit_text) else -1
+    try:
+        elapsed_s = float(fields.get("elapsed", ""))
+    except ValueError:
+        elapsed_s = math.nan
+    if not reason or not 0 <= exit_code <= 255 or not math.isfinite(elapsed_s) or elapsed_s < 0:
+        log.debug("VERDICT-like line ignored (reason, exit 0..255 or elapsed missing or malformed): %r", line)
+        return None
+    return Verdict(tokens[0], reason, exit_code, elapsed_s, fields)
 
 
 def report_dict(result: RunResult) -> dict[str, Any]:
@@ -155,7 +306,8 @@ def report_dict(result: RunResult) -> dict[str, Any]:
             return [clean(v) for v in value]
         return value
 
-    return clean(data)
+    cleaned: dict[str, Any] = clean(data)
+    return cleaned
 
 
 def write_report(path: str | os.PathLike[str], result: RunResult, masker: Masker | None = None) -> None:

@@ -28,6 +28,8 @@ Agent -> supervisor (``t``):
 ``train_error``     exc_type, message, root, step, max_steps: ``Trainer.train()`` raised (the script may catch it)
 ``watching``        what (``torch``): the agent hooked torch and sees the losses; printed losses stop deciding
 ``progress``        begun, step, where (the main thread's stack in one line): the answer to ``dump``
+``replay``          n: CUDA-graph replays since the last such message (sent every ``check_every``); progress without
+                    a loss (a replayed step calls no ``.backward()``), so not a stall
 
 Supervisor -> agent (``t``):
 
@@ -64,7 +66,8 @@ ENV_CHECK_EVERY = "GUARD_AGENT_CHECK_EVERY"
 ENV_RESUME_PATH = "GUARD_AGENT_RESUME_PATH"
 #: The training step of that checkpoint: a plain loop's ``.backward()`` count continues from it.
 ENV_RESUME_STEP = "GUARD_AGENT_RESUME_STEP"
-#: The folder holding the ``guard`` package, appended to ``sys.path`` by the agent's ``sitecustomize``.
+#: The folder holding the ``guard`` package (informational: the agent's ``sitecustomize`` finds the package from its
+#: own location and loads it under a private name, see ``guard.PRIVATE_NAME``).
 ENV_PKG_ROOT = "GUARD_AGENT_PKG_ROOT"
 
 MAX_MESSAGE_BYTES = 64 * 1024

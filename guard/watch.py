@@ -31,20 +31,25 @@ import argparse
 import dataclasses
 import io
 import logging
-import math
 import os
 import re
 import select
-import shlex
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import BinaryIO, Protocol, TextIO
 
-from guard.run.config import DURATION_FORMS, parse_duration
+from guard.contract import (
+    EXIT_USAGE,
+    STATUSES,
+    RunResult,
+    Verdict,
+    parse_verdict,
+    render_line,
+)
 from guard.errors import UsageError
-from guard.contract import EXIT_USAGE, STATUSES, RunResult, render_line
+from guard.run.config import DURATION_FORMS, parse_duration
 
 __all__ = [
     "EXIT_INTERRUPTED",
@@ -71,75 +76,6 @@ EXIT_INTERRUPTED = 130
 #: Only the first bytes of an over-long line are kept for parsing (a VERDICT line is far shorter).
 MAX_LINE_BYTES = 64 * 1024
 _READ_SIZE = 64 * 1024
-
-_TIMESTAMP = r"\d{4}-\d{2}-\d{2}[T ]\d{2}:\d{2}:\d{2}(?:[.,]\d{1,9})?(?:Z|[+-]\d{2}:?\d{2})?"
-_VERDICT_LINE = re.compile(rf"^(?:{_TIMESTAMP}[ \t]+|\[{_TIMESTAMP}\][ \t]+)?VERDICT: (?P<rest>.*)$")
-_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-_EXIT = re.compile(r"^[0-9]{1,3}$")
-
-
-@dataclasses.dataclass(frozen=True)
-class Verdict:
-    """One parsed guard VERDICT line.
-
-    Attributes:
-        status: one of ``STATUSES``.
-        reason: the ``reason=`` value (``ok``, ``non_finite_loss``, ...).
-        exit_code: the ``exit=`` value, 0..255.
-        elapsed_s: the ``elapsed=`` value, seconds since the guard started.
-        fields: every ``KEY=VALUE`` pair of the line as strings, required keys included (``step``, ``loss``,
-            ``pushed``, ``hint``... when present).
-    """
-
-    status: str
-    reason: str
-    exit_code: int
-    elapsed_s: float
-    fields: Mapping[str, str] = dataclasses.field(default_factory=dict, hash=False)
-
-
-def parse_verdict(line: str) -> Verdict | None:
-    """Parse one log line as a guard VERDICT line.
-
-    Args:
-        line: one line of the log, with or without its trailing ``\\n`` / ``\\r\\n``.
-
-    Returns:
-        The ``Verdict``, or ``None`` when the line is not a guard VERDICT line: it does not start with
-        ``VERDICT: `` (after at most one timestamp prefix, see the module docstring), or it does but does not
-        parse (shell quoting, unknown STATUS, a token that is not ``KEY=VALUE``, a missing or malformed
-        ``reason``/``exit``/``elapsed``); the latter is logged at debug level.
-    """
-    match = _VERDICT_LINE.match(line.rstrip("\r\n"))
-    if match is None:
-        return None
-    try:
-        tokens = shlex.split(match["rest"])
-    except ValueError as exc:
-        logger.debug("VERDICT-like line ignored (%s): %r", exc, line)
-        return None
-    if not tokens or tokens[0] not in STATUSES:
-        logger.debug("VERDICT-like line ignored (STATUS not one of %s): %r", "/".join(STATUSES), line)
-        return None
-    fields: dict[str, str] = {}
-    for token in tokens[1:]:
-        key, sep, value = token.partition("=")
-        if not sep or not _KEY.match(key):
-            logger.debug("VERDICT-like line ignored (%r is not KEY=VALUE): %r", token, line)
-            return None
-        fields[key] = value
-    reason = fields.get("reason", "")
-    exit_text = fields.get("exit", "")
-    exit_code = int(exit_text) if _EXIT.match(exit_text) else -1
-    try:
-        elapsed_s = float(fields.get("elapsed", ""))
-    except ValueError:
-        elapsed_s = math.nan
-    if not reason or not 0 <= exit_code <= 255 or not math.isfinite(elapsed_s) or elapsed_s < 0:
-        logger.debug("VERDICT-like line ignored (reason, exit 0..255 or elapsed missing or malformed): %r", line)
-        return None
-    return Verdict(tokens[0], reason, exit_code, elapsed_s, fields)
-
 
 # ---------------------------------------------------------------------------------------------------------------
 # Reading the stream

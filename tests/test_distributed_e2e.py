@@ -179,3 +179,39 @@ def test_two_nodes_at_the_deadline_save_at_one_step_and_node_0_secures(tmp_path:
     assert set(steps) == {"0", "1"} and steps["0"] == steps["1"], saves
     state = json.loads((dest / "last-checkpoint" / "trainer_state.json").read_text())
     assert state["global_step"] == steps["0"]
+
+
+def test_a_rank_stopped_while_the_other_trains_on_is_stalled(tmp_path: Path) -> None:
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    # The stall timeout also covers the start (torch imports, no output): long enough for a loaded machine.
+    proc = start_guard([*FAST, "--stall-timeout", "15s", "--", TORCHRUN, "--standalone", "--nproc-per-node", "2",
+                        str(JOBS / "ddp_loop.py"), "--independent", "--step-s", "0.05", "--pid-dir", str(pids)])
+    stopped = None
+    try:
+        deadline = time.monotonic() + 90
+        seen = ""
+        while "sanity pass" not in seen and time.monotonic() < deadline:
+            seen += proc.stderr.readline()
+        while len(list(pids.iterdir())) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(1.0)  # both ranks have stepped
+        assert proc.poll() is None, seen
+        stopped = int((pids / "rank1.pid").read_text())
+        try:
+            os.kill(stopped, signal.SIGSTOP)
+        except ProcessLookupError:
+            kill_quietly(proc)
+            out, err = proc.communicate(timeout=30)
+            raise AssertionError(f"rank 1 (pid {stopped}) is gone:\n{seen}{err[:3000]}{out}") from None
+        started = time.monotonic()
+        stdout, stderr = proc.communicate(timeout=90)
+    finally:
+        kill_quietly(proc)
+        if stopped is not None and pid_alive(stopped):
+            os.kill(stopped, signal.SIGKILL)
+    verdict = [line for line in stdout.splitlines() if line.startswith("VERDICT:")][-1]
+    assert verdict.startswith("VERDICT: FAIL reason=stalled exit=5 "), (seen + stderr)[-3000:]
+    assert " rank=1" in verdict
+    assert time.monotonic() - started < 60
+    assert "rank 1: no training step for" in stderr

@@ -112,6 +112,78 @@ def test_split_secret_never_leaks_through_safe_len_at_any_offset() -> None:
         assert written == b"the secret is *** in full\n", cut
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# Cost: bounded for large and many secrets
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_a_large_secret_split_across_reads_is_held_back_and_masked() -> None:
+    pem = "-----BEGIN PRIVATE KEY-----\n" + "AbCd+/09" * 1024 + "\n-----END PRIVATE KEY-----"
+    masker = Masker([pem])
+    data = b"progress " * 100 + pem.encode()[:5000]
+    assert masker.safe_len(data) == len(b"progress " * 100)
+    assert masker.safe_len(data + b"x") == len(data) + 1  # no longer a beginning of the secret
+    assert masker.mask(b"key: " + pem.encode() + b" end") == b"key: *** end"
+    # No table of the secret's prefixes is kept: the masker holds the secret's forms and nothing that grows with
+    # the square of its length.
+    held = sum(len(value) for value in vars(masker).values() if isinstance(value, (bytes, str)))
+    held += sum(len(form) for form in masker._secrets)
+    assert held < 4 * 4 * len(pem)
+    assert not any(isinstance(value, dict) for value in vars(masker).values())
+
+
+def test_safe_len_with_many_secrets_finds_the_longest_held_tail() -> None:
+    secrets = [f"secret-{n:04d}-value" for n in range(300)]
+    masker = Masker(secrets)
+    assert masker.safe_len(b"line secret-0299-va") == len(b"line ")
+    assert masker.safe_len(b"line secr") == len(b"line ")
+    assert masker.safe_len(b"line secret-9999") == len(b"line secret-9999")
+    assert masker.mask(b"a secret-0007-value b secret-0123-value") == b"a *** b ***"
+
+
+def test_a_beginning_that_repeats_inside_the_tail_is_found() -> None:
+    masker = Masker(["abcabcabX"])
+    assert masker.safe_len(b"zzabcabcab") == len(b"zz")  # "abcabcab" is a beginning; "abcab" would be too short
+    assert masker.safe_len(b"abcabcabc") == len(b"abc")  # the whole is no beginning (X), "abcabc" is
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Every logger and every warning that reaches the guard's output
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_other_loggers_and_warnings_are_masked(capsys: pytest.CaptureFixture[str]) -> None:
+    import logging
+    import warnings
+
+    from guard.run import cli
+
+    secret = "s3cr3t-Value-1234567"
+    root = logging.getLogger()
+    before = list(root.handlers)
+    try:
+        cli._setup_logging(Masker([secret]), {})
+        logging.getLogger("guard.test").warning("guard line %s", secret)
+        logging.getLogger("urllib3.connectionpool").warning("retrying https://u:%s@host", secret)
+        try:
+            raise ValueError(f"bad value {secret}")
+        except ValueError:
+            logging.getLogger("some.library").exception("failed")
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.warn(f"deprecated token {secret}", UserWarning, stacklevel=1)
+    finally:
+        logging.captureWarnings(False)
+        for handler in [h for h in root.handlers if h not in before]:
+            root.removeHandler(handler)
+    err = capsys.readouterr().err
+    assert secret not in err
+    assert "guard line ***" in err
+    assert "retrying https://u:***@host" in err
+    assert "ValueError: bad value ***" in err
+    assert "UserWarning: deprecated token ***" in err
+
+
 def test_command_line_secrets_follow_secret_named_options() -> None:
     from guard.run.masking import command_line_secrets
 

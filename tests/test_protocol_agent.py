@@ -19,7 +19,7 @@ import guard
 from guard.inside import agent as agent_module
 from guard import protocol
 from guard.inside.agent import Agent, LossWatch
-from guard.run.config import AgentSettings
+from guard.inside.settings import AgentSettings
 
 # ---------------------------------------------------------------------------------------------------------------
 # protocol
@@ -188,6 +188,62 @@ def test_a_tensor_nan_between_checks_is_still_reported_as_not_finite(syncs: list
     assert _steps(fake) == [(1, 1, True), (2, 1, True), (4, 1, False), (12, 5, True)]
     assert math.isnan(fake.sent[2]["loss"])
     assert fake.waits == 1
+
+
+@needs_torch
+def test_no_hook_work_during_cuda_graph_capture(monkeypatch: pytest.MonkeyPatch) -> None:
+    from guard.inside.agent import _torch
+
+    monkeypatch.setattr(torch.Tensor, "backward", torch.Tensor.backward)  # restored after the test
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", torch.cuda.CUDAGraph.replay)
+    capturing = [True]
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    agent = Agent(AgentSettings(socket_path=None, sanity_steps=5))
+    seen: list[Any] = []
+    monkeypatch.setattr(agent, "on_loss", lambda loss, step, source: seen.append(loss))
+    monkeypatch.setattr(agent_module, "get", lambda: agent)
+    _torch.patch(torch)
+    w = torch.ones(3, requires_grad=True)
+    (w * 2).sum().backward()  # "captured": no .item(), no count
+    assert seen == [] and agent.begun == 0
+    assert w.grad is not None  # the real backward ran
+    capturing[0] = False
+    (w * 2).sum().backward()
+    assert len(seen) == 1 and agent.begun == 1
+
+
+@needs_torch
+def test_graph_replays_tell_the_supervisor_the_job_goes_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    from guard.inside.agent import _torch
+
+    monkeypatch.setattr(torch.Tensor, "backward", torch.Tensor.backward)
+    replays: list[Any] = []
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", lambda self: replays.append(self))
+    agent = Agent(AgentSettings(socket_path=None, sanity_steps=5, check_every=3))
+    sent: list[dict[str, Any]] = []
+    monkeypatch.setattr(agent, "send", lambda message: sent.append(message) or True)
+    monkeypatch.setattr(agent_module, "get", lambda: agent)
+    _torch.patch(torch)
+    graph = object()
+    for _ in range(7):
+        torch.cuda.CUDAGraph.replay(graph)  # type: ignore[arg-type]
+    assert replays == [graph] * 7  # the real replay ran each time
+    assert [m for m in sent if m["t"] == "replay"] == [{"t": "replay", "n": 3}, {"t": "replay", "n": 3}]
+    assert agent.begun == 7
+
+
+def test_a_cpu_only_torch_is_never_capturing() -> None:
+    from types import SimpleNamespace
+
+    from guard.inside.agent._torch import _capture_probe
+
+    def broken() -> bool:
+        raise RuntimeError("Tried to instantiate dummy base class _cuda_isCurrentStreamCapturing")
+
+    assert _capture_probe(SimpleNamespace(cuda=SimpleNamespace(is_initialized=lambda: True,
+                                                                is_current_stream_capturing=broken)))() is False
+    assert _capture_probe(SimpleNamespace())() is False
 
 
 @needs_torch

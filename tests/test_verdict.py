@@ -176,3 +176,35 @@ def test_report_masks_secrets_in_every_form(tmp_path: Path) -> None:
     data = _strict_load(target)
     assert data["hint"] == "bad ***"
     assert data["details"]["env"]["X"] == "***"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Enums: the same text and numbers as the plain values; rendering and parsing round-trip
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_enums_render_as_the_contract_values() -> None:
+    from guard.contract import EXIT_STALLED, STATUSES, ExitCode, Reason, Status
+
+    assert EXIT_STALLED is ExitCode.STALLED and EXIT_STALLED == 5
+    assert [str(code) for code in (ExitCode.OK, ExitCode.SECURED)] == ["0", "75"]
+    assert f"{ExitCode.TIMEOUT_UNSECURED}" == "124" and f"{Reason.NON_FINITE_LOSS}" == "non_finite_loss"
+    assert Status.FAIL == "FAIL" and str(Status.TIMEOUT) == "TIMEOUT" and STATUSES[0] == "PASS"
+    plain = RunResult("FAIL", "stalled", 5, 3.21, extra={"rank": 1})
+    typed = RunResult(Status.FAIL, Reason.STALLED, ExitCode.STALLED, 3.21, extra={"rank": 1})
+    assert render_line(typed) == render_line(plain) == "VERDICT: FAIL reason=stalled exit=5 elapsed=3.2 rank=1"
+    assert json.loads(json.dumps(report_dict(typed))) == json.loads(json.dumps(report_dict(plain)))
+
+
+def test_render_then_parse_round_trips() -> None:
+    from guard.contract import parse_verdict
+
+    result = RunResult("TIMEOUT", "deadline", 75, 12.34, step=7, loss=2.5,
+                       extra={"checkpoint": "/out/checkpoint 7", "pushed": "hf://me/run@abc", "secured": True},
+                       hint="resume with --resume")
+    parsed = parse_verdict(render_line(result) + "\n")
+    assert parsed is not None
+    assert (parsed.status, parsed.reason, parsed.exit_code, parsed.elapsed_s) == ("TIMEOUT", "deadline", 75, 12.3)
+    assert parsed.fields["checkpoint"] == "/out/checkpoint 7" and parsed.fields["secured"] == "yes"
+    assert parsed.fields["hint"] == "resume with --resume"
+    assert parse_verdict("[job] VERDICT: PASS reason=ok exit=0 elapsed=1.0") is None

@@ -129,7 +129,7 @@ def test_parse_verdict_reads_status_required_keys_and_quoted_fields() -> None:
     ],
 )
 def test_parse_verdict_ignores_malformed_verdict_like_lines(line: str, caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.DEBUG, logger="guard.watch"):
+    with caplog.at_level(logging.DEBUG, logger="guard.contract"):
         assert parse_verdict(line) is None
     if line.startswith("VERDICT: "):
         assert any("VERDICT-like line ignored" in record.getMessage() for record in caplog.records)

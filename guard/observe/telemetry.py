@@ -286,6 +286,10 @@ class Snapshot:
     cgroup: CgroupMemory | None = None
 
 
+#: How long a heartbeat waits for the GPU figures read on the helper thread before it is written without them (s).
+GPU_WAIT_S = 2.0
+
+
 class Heartbeat:
     """One ``[guard] heartbeat`` line every ``interval_s``, and the projection against the deadline.
 
@@ -300,12 +304,20 @@ class Heartbeat:
             ``alert(title, text, level, step)``), or None.
         window_s: the step-rate window (seconds). min_span_s: the rate counts for the projection once its window
             covers this long (so the first slow steps do not cry wolf); default 60.
+        helpers: a ``guard.run.helpers.Helpers`` that reads the GPUs (NVML) on its worker thread, so that
+            ``tick`` never waits for NVML: when a beat is due it starts the read and returns None; the line comes
+            once the read finished (``due_at`` says when to look again), or after ``GPU_WAIT_S`` without GPU
+            figures. None (default): NVML is read inside ``tick``.
     """
 
     def __init__(self, interval_s: float, *, clock: Callable[[], float] = time.monotonic,
                  wall: Callable[[], float] = time.time, deadline_s: Callable[[], float | None] = lambda: None,
                  margin_s: Callable[[], float] = lambda: 0.0, gpus: GpuSampler | None = None,
-                 tracker: Any = None, window_s: float = 300.0, min_span_s: float = 60.0) -> None:
+                 tracker: Any = None, window_s: float = 300.0, min_span_s: float = 60.0,
+                 helpers: Any = None) -> None:
+        self.helpers = helpers
+        self._gpu_read: Any = None  # a helpers.Pending of gpus.sample()
+        self._gpu_read_since = 0.0
         self.interval_s = interval_s
         self.clock, self.wall = clock, wall
         self.deadline_s, self.margin_s = deadline_s, margin_s
@@ -335,6 +347,8 @@ class Heartbeat:
 
     def due_at(self) -> float:
         """When ``tick`` next has work (monotonic seconds; ``inf`` with heartbeats off)."""
+        if self._gpu_read is not None:
+            return self._gpu_read_since if self._gpu_read.done() else self._gpu_read_since + GPU_WAIT_S
         return self.next_beat
 
     def on_step(self, now: float, step: int | None, loss: float | None) -> str | None:
@@ -387,6 +401,17 @@ class Heartbeat:
         """When due, build, log and return the heartbeat line (without the ``[guard] `` prefix); else None."""
         if now < self.next_beat:
             return None
+        samples, slow = None, False
+        if self.helpers is not None:  # NVML off the loop
+            if self._gpu_read is None:
+                self._gpu_read, self._gpu_read_since = self.helpers.submit(self.gpus.sample), now
+                return None
+            if not self._gpu_read.done() and now < self._gpu_read_since + GPU_WAIT_S:
+                return None
+            slow = not self._gpu_read.done()
+            samples, self._gpu_read = self._gpu_read.result(), None
+        else:
+            samples = self.gpus.sample()
         self.next_beat = now + self.interval_s
         figures: dict[str, float] = {}
         parts = ["heartbeat"]
@@ -408,9 +433,8 @@ class Heartbeat:
             figures["guard/eta_s"] = proj["eta_s"]
         if self.saves:
             parts.append(f"saves={self.saves}({self.newest_save})")
-        samples = self.gpus.sample()
         if samples is None:
-            parts.append(f"gpu=n/a({self.gpus.reason})")
+            parts.append(f"gpu=n/a({f'no answer within {GPU_WAIT_S:g}s' if slow else self.gpus.reason})")
         for gpu in samples or []:
             parts.append(f"{gpu.label}={gpu.text()}")
             for key, value in (("util_pct", gpu.utilization_pct), ("temp_c", gpu.temperature_c),

@@ -25,7 +25,7 @@ from typing import Any, NoReturn
 from guard import __version__
 from guard.run.config import OPTIONS, Config, debug_enabled, env_name, log_level, resolve
 from guard.errors import GuardError, PreflightError, UsageError
-from guard.run.masking import Masker, command_line_secrets, secret_values
+from guard.run.masking import Masker, MaskingFilter, command_line_secrets, secret_values
 from guard.run.output import LINES
 from guard.run.platform import detect
 from guard.contract import EXIT_GUARD_ERROR, RunResult, render_line, signal_name, write_report
@@ -156,8 +156,8 @@ def build_config(argv: Sequence[str], environ: Mapping[str, str], *, subcommand:
 
 
 class _MaskingFormatter(logging.Formatter):
-    def __init__(self, masker: Masker) -> None:
-        super().__init__("[guard] %(message)s")
+    def __init__(self, masker: Masker, fmt: str = "[guard] %(message)s") -> None:
+        super().__init__(fmt)
         self.masker = masker
 
     def format(self, record: logging.LogRecord) -> str:
@@ -167,15 +167,27 @@ class _MaskingFormatter(logging.Formatter):
 
 
 def _setup_logging(masker: Masker, environ: Mapping[str, str]) -> None:
+    """The guard's logger, plus a handler on the root logger for every other logger (a library's warning) and for
+    ``warnings`` (``logging.captureWarnings``): both masked by a ``MaskingFilter`` on the handler."""
     logger = logging.getLogger("guard")
     for handler in list(logger.handlers):
         logger.removeHandler(handler)
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(_MaskingFormatter(masker))
+    handler.addFilter(MaskingFilter(masker))
     logger.addHandler(handler)
     level = log_level(environ)
     logger.setLevel(level if isinstance(logging.getLevelName(level), int) else "INFO")
     logger.propagate = False
+    root = logging.getLogger()
+    for old in [h for h in root.handlers if getattr(h, "guard_masked", False)]:
+        root.removeHandler(old)
+    other = logging.StreamHandler(sys.stderr)
+    other.guard_masked = True  # type: ignore[attr-defined]
+    other.setFormatter(_MaskingFormatter(masker, "[guard] %(name)s: %(levelname)s: %(message)s"))
+    other.addFilter(MaskingFilter(masker))
+    root.addHandler(other)
+    logging.captureWarnings(True)
 
 
 def _version_of(dist: str) -> str:

@@ -4,9 +4,9 @@ Every option resolves as: the command-line flag, else the environment variable `
 default (see ``OPTIONS``). The resolved ``Config`` is frozen and remembers where each value came from
 (``Config.sources``: ``"flag"``, ``"env"`` or ``"default"``), so the config log can say it.
 
-The supervisor -> agent variables (``GUARD_AGENT_*``, named in ``guard.protocol``) are read here too
-(``agent_settings``), so that no other module calls ``os.environ`` for a ``GUARD_*`` name. The one exception is
-``guard/inside/_site/sitecustomize.py``, which reads ``GUARD_AGENT_PKG_ROOT`` to find this package before it can import it.
+The supervisor -> agent variables (``GUARD_AGENT_*``, named in ``guard.protocol``) are the one exception: the
+in-job agent reads them itself (``guard.inside.settings``, stdlib only), so that code running inside the job never
+imports this module; ``AgentSettings`` and ``agent_settings`` are re-exported here.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from guard import protocol
 from guard.errors import UsageError
+from guard.inside.settings import AgentSettings, agent_settings
 
 __all__ = [
     "OPTIONS",
@@ -417,37 +417,6 @@ def log_level(environ: Mapping[str, str] | None = None) -> str:
     """``GUARD_LOG_LEVEL`` (default ``INFO``)."""
     env = os.environ if environ is None else environ
     return env.get("GUARD_LOG_LEVEL", "INFO").strip().upper() or "INFO"
-
-
-@dataclass(frozen=True)
-class AgentSettings:
-    """What the supervisor tells the in-job agent (see ``guard.protocol`` for the variable names)."""
-
-    socket_path: str | None
-    sanity_steps: int = 5
-    check_every: int = 10
-    resume_path: str | None = None
-    resume_step: int = 0
-    ack_timeout_s: float = 10.0
-
-
-def agent_settings(environ: Mapping[str, str] | None = None) -> AgentSettings:
-    """Read the ``GUARD_AGENT_*`` variables the supervisor set for the job. Never raises."""
-    env = os.environ if environ is None else environ
-
-    def _int(name: str, default: int) -> int:
-        try:
-            return max(0, int(env.get(name, default)))
-        except ValueError:
-            return default
-
-    return AgentSettings(
-        socket_path=env.get(protocol.ENV_SOCKET) or None,
-        sanity_steps=_int(protocol.ENV_SANITY_STEPS, 5),
-        check_every=max(1, _int(protocol.ENV_CHECK_EVERY, 10)),
-        resume_path=env.get(protocol.ENV_RESUME_PATH) or None,
-        resume_step=_int(protocol.ENV_RESUME_STEP, 0),
-    )
 
 
 def guard_options_in(args: Sequence[str]) -> list[str]:

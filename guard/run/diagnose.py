@@ -2,9 +2,10 @@
 
 Rules (the contract's table): an outcome the guard decided wins (non-finite loss, stall, dry run, preflight,
 deadline, signal). Otherwise the job's own exit decides: 0 is ``PASS ok``; a non-zero exit is ``crash`` with
-the job's exit code, or ``oom`` when the job printed a CUDA out-of-memory error; a death by signal is
-``killed`` (128 + n), or ``oom`` when it was a SIGKILL and the cgroup's ``oom_kill`` counter rose or the job's
-memory was near the cgroup's limit.
+the job's exit code, or ``oom`` when the job printed a CUDA out-of-memory error or the cgroup's ``oom_kill`` counter
+rose during the run (the kernel killed one of its processes, e.g. one torchrun worker, and the launcher exited
+non-zero); a death by signal is ``killed`` (128 + n), or ``oom`` when the counter rose, or when it was a SIGKILL and
+the job's memory was near the cgroup's limit.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 
 from guard.run.config import guard_options_in
 from guard.run.process import cgroup_memory
-from guard.contract import EXIT_INCOMPLETE, RunResult, signal_name
+from guard.contract import EXIT_GUARD_ERROR, EXIT_INCOMPLETE, RunResult, signal_name
 
 __all__ = ["cause_hint", "job_result"]
 
@@ -33,10 +34,14 @@ NO_LOSS_HINT = (
 )
 
 
-def _host_oom(sup: Any) -> tuple[bool, str]:
+def _host_oom(sup: Any, *, near_limit: bool = True) -> tuple[bool, str]:
+    """Whether the job ran out of host memory: the cgroup's ``oom_kill`` counter rose since the start, or (with
+    ``near_limit``) the job's memory was within 10% of the cgroup's limit."""
     start, end = sup.cgroup_start, cgroup_memory()
     if start is not None and end is not None and end.oom_kills > start.oom_kills:
         return True, f"the kernel's OOM killer ran in the job's cgroup ({end.oom_kills - start.oom_kills} kill(s))"
+    if not near_limit:
+        return False, ""
     limit = end.limit_bytes if end is not None else None
     rss = sup.job.last_rss_bytes if sup.job is not None else 0
     if limit and rss >= OOM_NEAR_LIMIT * limit:
@@ -151,16 +156,25 @@ def job_result(sup: Any) -> RunResult:
     if outcome is not None:
         result = RunResult(outcome.status, outcome.reason, int(outcome.exit_code or 0), elapsed_s,
                            hint=outcome.hint, extra=dict(outcome.extra))
+    elif sup.job is not None and sup.job.status_lost:
+        result = RunResult("FAIL", "guard_error", EXIT_GUARD_ERROR, elapsed_s, extra={"job_exit": "unknown"}, hint=(
+            "the job's exit status was lost (another process reaped it), so whether it succeeded is unknown: "
+            "check its output above"))
     elif code == 0 and (why := incomplete_reason(sup)) is not None:
         log.error("the job exited 0, but its run is incomplete: %s", why)
         result = RunResult("FAIL", "incomplete", EXIT_INCOMPLETE, elapsed_s, hint=why)
     elif code == 0:
         result = RunResult("PASS", "ok", 0, elapsed_s)
     elif code is not None and code > 0:
+        host_oom, why = (False, "") if sup.cuda_oom else _host_oom(sup, near_limit=False)
         if sup.cuda_oom:
             result = RunResult("FAIL", "oom", code, elapsed_s, hint=(
                 "CUDA out of memory: lower the per-device batch size (keep the effective batch with gradient "
                 "accumulation), enable gradient checkpointing, use bf16, or pick a GPU with more memory"))
+        elif host_oom:
+            result = RunResult("FAIL", "oom", code, elapsed_s, hint=(
+                f"out of host memory ({why}): lower DataLoader num_workers or prefetch_factor, stream or shard "
+                "the dataset, or ask the platform for more memory"))
         elif code == 2 and not sup.last_exception and (misplaced := guard_options_in(sup.config.script_args)):
             # argparse's exit status for a usage error: the job refused an option meant for the guard
             result = RunResult("FAIL", "crash", code, elapsed_s, hint=(
@@ -170,7 +184,7 @@ def job_result(sup: Any) -> RunResult:
             result = RunResult("FAIL", "crash", code, elapsed_s, hint=cause_hint(sup, code))
     else:
         signum = -(code if code is not None else -signal.SIGKILL)
-        oom, why = _host_oom(sup) if signum == signal.SIGKILL else (False, "")
+        oom, why = _host_oom(sup, near_limit=signum == signal.SIGKILL)
         if oom:
             result = RunResult("FAIL", "oom", 128 + signum, elapsed_s, hint=(
                 f"out of host memory ({why}): lower DataLoader num_workers or prefetch_factor, stream or shard "
@@ -189,6 +203,9 @@ def job_result(sup: Any) -> RunResult:
         result.loss = None  # a finite loss never stands on a non_finite_loss verdict (a later step's echo)
     if sup.node_rank is not None:
         result.extra.setdefault("node", sup.node_rank)
+    if sup.job is not None and sup.job.survivors_left:  # outlived SIGKILL and the bounded wait
+        result.extra["survivors"] = ",".join(map(str, sup.job.survivors_left))
+        details["survivors"] = [vars(survivor) for survivor in sup.job.survivors_left]
     if sup.job is not None and sup.job.reaped:
         details["orphans_reaped"] = sup.job.reaped
     result.details.update(details)

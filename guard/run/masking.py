@@ -9,17 +9,22 @@ GitHub Actions runner does for its secrets (``actions/runner`` ``HostContext.cs`
 The job's output arrives in arbitrary chunks, so a secret may be split across two reads. ``Masker.safe_len``
 tells how much of an unfinished line can be written now: everything except a tail that could be the start of
 a secret. The output pump holds that tail until the rest of the line arrives.
+
+Cost: no table of prefixes is built (it grew with the square of a secret's length: an 8 KB PEM value took
+~30 MB). ``mask`` is one substring search per secret form (C speed), and ``safe_len`` looks only at the last
+``len(secret) - 1`` bytes, searching them for each secret's first 8 bytes; memory is the secrets themselves.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import urllib.parse
 from collections.abc import Iterable, Mapping
 
-__all__ = ["MASK", "Masker", "command_line_secrets", "secret_values"]
+__all__ = ["MASK", "Masker", "MaskingFilter", "command_line_secrets", "secret_values"]
 
 MASK = b"***"
 SECRET_NAME = re.compile(r"TOKEN|KEY|SECRET|PASSWORD", re.IGNORECASE)
@@ -93,11 +98,7 @@ class Masker:
                 forms |= _encoded_forms(value)
         # Longest first, so that a value containing another is masked whole.
         self._secrets = sorted(forms, key=len, reverse=True)
-        self._prefixes: dict[int, set[bytes]] = {}
-        for secret in self._secrets:
-            for n in range(1, len(secret)):
-                self._prefixes.setdefault(n, set()).add(secret[:n])
-        self._max_prefix = max(self._prefixes, default=0)
+        self._max_len = len(self._secrets[0]) if self._secrets else 0
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> Masker:
@@ -124,11 +125,54 @@ class Masker:
         arrived yet; the caller keeps it until more data comes.
         """
         keep = 0
-        for n in range(min(self._max_prefix, len(data)), 0, -1):
-            if data[-n:] in self._prefixes[n]:
-                keep = n
-                break
+        if self._max_len > 1 and data:
+            end = data[-(self._max_len - 1):]
+            keep = max((_prefix_tail(end, secret) for secret in self._secrets), default=0)
         tail = _HF_TAIL.search(data[-64:]) if data else None
         if tail is not None:
             keep = max(keep, len(data[-64:]) - tail.start())
         return len(data) - keep
+
+
+def _prefix_tail(tail: bytes, secret: bytes) -> int:
+    """The length of the longest end of ``tail`` that is a proper beginning of ``secret`` (0 if none).
+
+    Cost: one ``bytes.find`` of the secret's first ``MIN_SECRET_LEN`` bytes over the last ``len(secret) - 1`` bytes,
+    plus one comparison per place where those bytes occur, then at most ``MIN_SECRET_LEN - 1`` short comparisons.
+    """
+    tail = tail[-(len(secret) - 1):]
+    head = secret[:MIN_SECRET_LEN]
+    at = tail.find(head)
+    while at != -1:
+        if secret.startswith(tail[at:]):
+            return len(tail) - at
+        at = tail.find(head, at + 1)
+    for at in range(max(0, len(tail) - len(head) + 1), len(tail)):  # ends shorter than the head
+        if secret.startswith(tail[at:]):
+            return len(tail) - at
+    return 0
+
+
+class MaskingFilter(logging.Filter):
+    """A ``logging`` filter for a handler: masks each record's message (arguments merged in first), its exception
+    text and its stack text, so that every logger that reaches that handler is masked, not only ``guard``'s.
+
+    Args:
+        masker: the secret masker.
+    """
+
+    def __init__(self, masker: Masker) -> None:
+        super().__init__()
+        self.masker = masker
+        self._formatter = logging.Formatter()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.msg = self.masker.mask_text(record.getMessage())
+        record.args = None
+        if record.exc_info and not record.exc_text:
+            record.exc_text = self._formatter.formatException(record.exc_info)
+        if record.exc_text:
+            record.exc_text = self.masker.mask_text(record.exc_text)
+        if record.stack_info:
+            record.stack_info = self.masker.mask_text(record.stack_info)
+        return True

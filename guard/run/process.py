@@ -19,6 +19,7 @@ import logging
 import os
 import signal
 import subprocess
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +27,8 @@ from typing import Any
 
 import psutil
 
-__all__ = ["CgroupMemory", "JobProcess", "cgroup_memory", "set_subreaper"]
+__all__ = ["EXIT_STATUS_LOST", "KILL_WAIT_S", "CgroupMemory", "JobProcess", "Survivor", "cgroup_memory",
+           "set_subreaper"]
 
 log = logging.getLogger("guard.process")
 
@@ -34,12 +36,32 @@ PR_SET_CHILD_SUBREAPER = 36  # <linux/prctl.h>
 
 Spawner = Callable[..., Any]
 
+#: After SIGKILL, how long the guard waits for the job's processes to go before it renders the verdict anyway
+#: (seconds): a process in uninterruptible sleep (``D``, e.g. after a GPU Xid error or an NFS hang) ignores it.
+KILL_WAIT_S = 10.0
+#: ``JobProcess.returncode`` when the job's exit status was lost (``waitpid`` found no such child: something else
+#: reaped it): positive, so it never reads as a success (0) nor as a death by signal (negative).
+EXIT_STATUS_LOST = 70
+
+
+@dataclass(frozen=True)
+class Survivor:
+    """A process of the job that outlived SIGKILL: ``pid``, ``name`` and ``state`` (psutil's status, e.g.
+    ``disk-sleep`` for the kernel's ``D``, ``stopped`` for ``T``)."""
+
+    pid: int
+    name: str
+    state: str
+
+    def __str__(self) -> str:
+        return f"{self.pid}:{self.state}:{self.name}"
+
 
 def set_subreaper() -> bool:
     """Make this process the reaper of its orphaned descendants (Linux only). Returns True on success."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+        return bool(libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0)
     except (OSError, AttributeError):
         return False
 
@@ -117,9 +139,22 @@ class JobProcess:
         argv: the command.
         env: the job's environment (complete).
         spawner: ``subprocess.Popen`` or a stand-in with the same signature (tests inject faults here).
+        clock: monotonic seconds (``time.monotonic``), for the wait after SIGKILL.
+
+    Attributes:
+        returncode: the job's exit code once it exited (negative: died of that signal); ``EXIT_STATUS_LOST`` with
+            ``status_lost`` True when its exit status could not be read.
+        survivors_left: the processes still there when the guard stopped waiting after SIGKILL (``abandoned``).
     """
 
-    def __init__(self, argv: Sequence[str], env: Mapping[str, str], *, spawner: Spawner = subprocess.Popen) -> None:
+    kill_wait_s = KILL_WAIT_S
+
+    def __init__(self, argv: Sequence[str], env: Mapping[str, str], *, spawner: Spawner = subprocess.Popen,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self.killed_at: float | None = None
+        self.status_lost = False
+        self.survivors_left: list[Survivor] = []
         self.argv = list(argv)
         self.env = dict(env)
         self.spawner = spawner
@@ -162,8 +197,11 @@ class JobProcess:
         if self.returncode is None:
             try:
                 pid, status = os.waitpid(self.pid, os.WNOHANG)
-            except ChildProcessError:
-                pid, status = self.pid, 0
+            except ChildProcessError:  # reaped by someone else: the status is unknown, never "exited 0"
+                log.warning("the job's exit status is lost (pid %d was reaped elsewhere)", self.pid)
+                self.status_lost = True
+                self.returncode = self.proc.returncode = EXIT_STATUS_LOST
+                return self.returncode
             if pid == self.pid:
                 self.returncode = os.waitstatus_to_exitcode(status)
                 self.proc.returncode = self.returncode
@@ -252,6 +290,8 @@ class JobProcess:
 
     def signal_all(self, signum: int) -> None:
         """Send ``signum`` to the job's process group and to every process of its tree outside that group."""
+        if signum == signal.SIGKILL and self.killed_at is None:
+            self.killed_at = self.clock()
         tree = self.descendants()
         for proc in tree:
             self.known_pids.add(proc.pid)
@@ -278,6 +318,41 @@ class JobProcess:
             except psutil.Error:
                 pass
         return False
+
+
+    def abandon_at(self) -> float:
+        """When the guard stops waiting for the job's processes after SIGKILL (``math.inf`` before SIGKILL)."""
+        return self.killed_at + self.kill_wait_s if self.killed_at is not None else float("inf")
+
+    def abandoned(self) -> bool:
+        """True when SIGKILL was sent ``kill_wait_s`` ago and processes are still there; records them in
+        ``survivors_left`` (logged once) so that the verdict can name them. The guard then goes on without them."""
+        if self.clock() < self.abandon_at() or not self.alive():
+            return False
+        if not self.survivors_left:
+            self.survivors_left = self.survivors()
+            log.error("%d process(es) of the job outlived SIGKILL by %.0fs: %s; going on without them (a process "
+                      "in state disk-sleep (D) waits in the kernel: a GPU Xid error or a hung network filesystem)",
+                      len(self.survivors_left), self.kill_wait_s, ", ".join(map(str, self.survivors_left)))
+        return True
+
+    def survivors(self) -> list[Survivor]:
+        """The job's processes that are still running (zombies do not count), with their states."""
+        found: list[Survivor] = []
+        procs = self.descendants()
+        if self.returncode is None and all(p.pid != self.pid for p in procs):
+            try:
+                procs.insert(0, psutil.Process(self.pid))
+            except psutil.Error:
+                pass
+        for proc in procs:
+            try:
+                state, name = proc.status(), proc.name()
+            except psutil.Error:
+                continue
+            if state != psutil.STATUS_ZOMBIE:
+                found.append(Survivor(proc.pid, name, state))
+        return found
 
 
 def default_signals() -> tuple[signal.Signals, ...]:

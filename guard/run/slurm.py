@@ -109,12 +109,17 @@ class SlurmRefresher:
         call_timeout_s: timeout of one call in seconds (default 5).
         clock: monotonic clock in seconds, used when ``maybe_refresh`` gets no ``now_s``.
         environ: the environment for the call (default ``os.environ``); ``SLURM_TIME_FORMAT=%s`` is added.
+        helpers: a ``guard.run.helpers.Helpers`` to run the call on its worker thread (the supervisor's loop never
+            waits for ``scontrol``): ``maybe_refresh`` then starts a call when one is due and returns the end time
+            of a call that has finished since; None (default) calls ``scontrol`` right away.
     """
 
     def __init__(self, job_id: str, *, runner: Callable[..., Any] = subprocess.run, interval_s: float = 300.0,
                  call_timeout_s: float = 5.0, clock: Callable[[], float] | None = None,
-                 environ: Mapping[str, str] | None = None) -> None:
+                 environ: Mapping[str, str] | None = None, helpers: Any = None) -> None:
         self.job_id = str(job_id)
+        self.helpers = helpers
+        self._pending: Any = None
         self.interval_s = interval_s
         self.call_timeout_s = call_timeout_s
         self.calls = 0
@@ -146,15 +151,24 @@ class SlurmRefresher:
             The job's end time in epoch seconds after a successful call; None when not due, disabled, failed, or
             when the job has no limit.
         """
-        if self.disabled:
-            return None
+        finished = None
+        if self._pending is not None and self._pending.done():
+            finished, self._pending = self._pending.result(), None
+        if self.disabled or self._pending is not None:
+            return finished
         now = self._clock() if now_s is None else now_s
         if self._last_attempt_s is not None and now - self._last_attempt_s < self.interval_s:
-            return None
+            return finished
         self._last_attempt_s = now
+        if self.helpers is not None:
+            self._pending = self.helpers.submit(self._safe_refresh)
+            return finished
+        return self._safe_refresh()
+
+    def _safe_refresh(self) -> float | None:
         try:
             return self._refresh()
-        except Exception as exc:  # never let a refresh take the supervisor down
+        except Exception as exc:  # noqa: BLE001 - never let a refresh take the supervisor down
             return self._fail(f"unexpected {type(exc).__name__}: {exc}")
 
     def _refresh(self) -> float | None:
@@ -187,7 +201,7 @@ class SlurmRefresher:
             self._last_deadline_s = deadline_s
         return deadline_s
 
-    def _fail(self, why: str) -> None:
+    def _fail(self, why: str) -> float | None:
         self.failures += 1
         if not self._failure_logged:
             self._failure_logged = True

@@ -398,22 +398,25 @@ def _slurm_refresher(config: Config, platform: PlatformInfo) -> Any:
     """Under Slurm: the end time refreshed from ``scontrol show job`` (see ``guard.run.slurm``)."""
     if platform.name != "slurm":
         return None
+    from guard.run.helpers import HELPERS
     from guard.run.slurm import SlurmRefresher
 
-    return SlurmRefresher.from_environ(config.environ)
+    return SlurmRefresher.from_environ(config.environ, helpers=HELPERS)  # scontrol off the loop
 
 
 def _heartbeat(config: Config, masker: Masker, securing: Any) -> Any:
     """The heartbeat (``--heartbeat``), the projection against the deadline, and ``--trackio``."""
     from guard.observe.telemetry import GpuSampler, Heartbeat
     from guard.observe.tracking import TrackioSink
+    from guard.run.helpers import HELPERS
 
     tracker = None
     if config.trackio:
         tracker = TrackioSink(config.trackio, run_name=f"jobguard-{time.strftime('%Y%m%d-%H%M%S')}",
                               mask=masker.mask_text)
     return Heartbeat(config.heartbeat, deadline_s=lambda: securing.deadline.deadline_s,
-                     margin_s=securing.estimator.margin_s, gpus=GpuSampler(environ=config.environ), tracker=tracker)
+                     margin_s=securing.estimator.margin_s, gpus=GpuSampler(environ=config.environ), tracker=tracker,
+                     helpers=HELPERS)
 
 
 def preflight_only(config: Config, masker: Masker, started: float) -> RunResult:

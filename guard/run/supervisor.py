@@ -27,9 +27,12 @@ from guard import protocol
 from guard.run.channel import AgentChannel, AgentConn
 from guard.run.config import Config
 from guard.run.masking import Masker
+from guard.run.helpers import HELPERS, Wakeup
 from guard.run.output import LINES, OutputEvents, StreamFilter
 from guard.run.process import JobProcess, cgroup_memory, default_signals, set_subreaper
+from guard.run.ranks import RankWatch
 from guard.run.timers import Escalation, StallWatch
+from guard.run.writer import OutputWriter
 from guard.contract import (
     EXIT_NON_FINITE,
     EXIT_PREFLIGHT,
@@ -47,6 +50,7 @@ DRAIN_AFTER_EXIT_S = 2.0  # after the job exits, how long its leftover processes
 SAMPLE_EVERY_S = 2.0  # job tree memory sampling
 REAP_EVERY_S = 2.0  # orphans are reaped on SIGCHLD (at most twice a second) and at least this often
 READ_BYTES = 1 << 16
+WRITE_RETRY_S = 0.01  # while output waits for a paused reader: how often the loop tries again
 EXPLODE_FACTOR = 100.0  # a finite loss this many times its early level (the median of the first steps) exploded
 EARLY_STEPS = 5  # steps whose median is the loss's early level
 NAN_SETTLE_S = 2.0  # with several ranks, how long to wait for the others' reports before naming the first NaN
@@ -128,7 +132,8 @@ class Supervisor:
         self.sanity_done = False
         self.loss_source: str | None = None
         self.primary_agent: int | None = None
-        self.rank_progress: dict[int, tuple[int, float]] = {}  # rank -> (last step, when)
+        self.ranks = RankWatch(config.stall_timeout_s)  # the primary rank, and every rank's last step time
+        self.rank_progress: dict[int, tuple[int, float]] = self.ranks.last_step  # rank -> (last step, when)
         self.seen_node_rank: int | None = None
         self.agents_seen = 0  # agents that said hello (connections close when their process ends)
         self.rank_begun: dict[int, int] = {}  # rank -> steps begun, from the answers to a stack dump
@@ -158,6 +163,9 @@ class Supervisor:
         self._next_reap = self.started
         self._recheck = False  # a decision was taken outside the timers: re-run them at once
         self._closed_out = False
+        self.writers: dict[int, OutputWriter] = {}  # target fd -> non-blocking writer (guard.run.writer)
+        self._paused_pipes: list[int] = []  # a writer is full: these pipes of the job are not read (backpressure)
+        self._wakeup_notify: Wakeup | None = None
         self._wakeup_r = self._wakeup_w = -1
         self._old_handlers: dict[int, Any] = {}
         self._old_wakeup = -1
@@ -199,6 +207,8 @@ class Supervisor:
             return
         for signum in (*default_signals(), signal.SIGCHLD):
             self._old_handlers[signum] = signal.signal(signum, self._on_signal)
+        self._wakeup_notify = Wakeup(self._wakeup_w)  # a helper call finished: the loop turns at once
+        HELPERS.notify = self._wakeup_notify
 
     def _on_signal(self, signum: int, frame: Any) -> None:  # only sets a flag; the loop acts
         if signum == signal.SIGCHLD:
@@ -260,6 +270,12 @@ class Supervisor:
         if self.job is not None and self.job.proc is not None:
             self._kill_leftovers()
         self.channel.close()
+        if self._wakeup_notify is not None:
+            self._wakeup_notify.close()
+            if HELPERS.notify is self._wakeup_notify:
+                HELPERS.notify = None
+        for writer in self.writers.values():
+            writer.close(timeout_s=0)  # what is left was written by _finish_output; this puts the flags back
         if self._old_wakeup != -2:
             signal.set_wakeup_fd(self._old_wakeup)
             for signum, handler in self._old_handlers.items():
@@ -306,6 +322,8 @@ class Supervisor:
         while True:
             now = self.clock()
             timeout = max(0.0, min(due - now, 1.0))
+            if self._pump_writers():
+                timeout = min(timeout, WRITE_RETRY_S)
             busy = False  # anything but job output happened: run the timers and decisions now
             for key, _ in self._sel.select(timeout):
                 kind = key.data
@@ -339,8 +357,10 @@ class Supervisor:
                     return
 
     def _next_due(self, now: float) -> float:
-        due = [self.stall.due_at(), self.escalation.due_at(), self.next_sample, self.stop_at or math.inf,
-               self.nan_decide_at or math.inf]
+        due = [self.stall.due_at(), self.ranks.due_at(), self.escalation.due_at(), self.next_sample,
+               self.stop_at or math.inf, self.nan_decide_at or math.inf]
+        if self.job is not None:
+            due.append(self.job.abandon_at())
         due += [since + PARTIAL_FLUSH_S for since in self.partial_since.values()]
         if self.exited_at is not None:
             due.append(self.exited_at + DRAIN_AFTER_EXIT_S)
@@ -370,6 +390,18 @@ class Supervisor:
                 cgroup=cgroup_memory()))
         if self.outcome is None and self._non_finite_settled(now):
             self._decide_non_finite()
+        stalled_rank = self.ranks.stalled_rank(now) if self.outcome is None and not self.stall.paused else None
+        if stalled_rank is not None:
+            silent = self.ranks.silent_for_s(stalled_rank, now)
+            log.error("rank %d: no training step for %.0fs (--stall-timeout %.0fs) while the other ranks go on",
+                      stalled_rank, silent, self.config.stall_timeout_s)
+            self.broadcast({"t": "dump"})
+            self._dump_stacks()
+            self._decide(Outcome("FAIL", "stalled", EXIT_STALLED, extra={"rank": stalled_rank}, hint=(
+                f"rank {stalled_rank} made no training step for {silent:.0f}s while the others went on: look at "
+                "its stack above (stopped, I/O, a DataLoader worker); raise --stall-timeout if a step can take "
+                "that long")), stop=False)
+            self.stop_at = now + 1.0  # give the agents a moment to print their stacks
         if self.stall.expired(now) and self.outcome is None:
             silent = self.stall.silent_for_s(now)
             what = "no training step" if self.stall.first_step_seen else "no output and no training step"
@@ -454,9 +486,13 @@ class Supervisor:
     def _done(self, now: float) -> bool:
         job = self.job
         assert job is not None
-        if job.returncode is None or self._securing():
+        if self._securing():
             return False
-        pipes_open = any(key.data == "pipe" for key in self._sel.get_map().values())
+        if job.abandoned():  # SIGKILL plus a bounded wait: the verdict names the survivors (JobProcess)
+            return True
+        if job.returncode is None:
+            return False
+        pipes_open = bool(self._paused_pipes) or any(key.data == "pipe" for key in self._sel.get_map().values())
         if not pipes_open:
             return True
         # Leftover processes keep the pipes open: wait for the drain period, then for the escalation.
@@ -530,25 +566,38 @@ class Supervisor:
         if not data or (fd == self.out_fd and self._closed_out):
             return
         LINES.wrote(fd, data)
-        view = memoryview(data)
-        while view:
-            try:
-                n = os.write(fd, view)
-            except BlockingIOError:
-                time.sleep(0.001)
-                continue
-            except BrokenPipeError:
-                if fd == self.out_fd:
-                    self._closed_out = True
-                return
-            except OSError:
-                return
-            view = view[n:]
+        writer = self.writers.get(fd)
+        if writer is None:
+            writer = self.writers[fd] = OutputWriter(fd)
+        writer.write(data)  # never blocks: a paused reader fills the writer's buffer (guard.run.writer)
+        if writer.broken and fd == self.out_fd:
+            self._closed_out = True
+
+    def _pump_writers(self) -> bool:
+        """Write what the guard's outputs take now; stop reading the job's pipes while a buffer is full, read
+        them again once it drained. True while something is still buffered."""
+        pending = False
+        full = False
+        for writer in self.writers.values():
+            if not writer.pump():
+                pending = True
+            full |= writer.full
+        if full and not self._paused_pipes:
+            self._paused_pipes = [key.fd for key in self._sel.get_map().values() if key.data == "pipe"]
+            for fd in self._paused_pipes:
+                self._sel.unregister(fd)
+        elif not full and self._paused_pipes:
+            for fd in self._paused_pipes:
+                self._sel.register(fd, selectors.EVENT_READ, "pipe")
+            self._paused_pipes = []
+        return pending
 
     def _finish_output(self) -> None:
         for fd, flt in self.filters.items():
             self._write(self.targets[fd], flt.close())
         self._after_output(self.clock())
+        for writer in self.writers.values():
+            writer.close()  # the run is over: wait for the reader (the VERDICT comes after this output)
 
     # ------------------------------------------------------------------------------------------------------------
     # Agent channel
@@ -613,12 +662,18 @@ class Supervisor:
                              world_size=message.get("world_size"))
         elif kind == "progress":
             self._on_progress(conn, message)
+        elif kind == "replay":  # CUDA-graph replays: steps without a loss, progress all the same
+            self.stall.step(now)
+            if conn.info.get("rank") is not None:
+                self.ranks.alive(int(conn.info["rank"]), now)
         elif kind == "watching":
             self.agent_watching = True
         elif kind == "train_end":
             log.debug("training ended at step %s of %s", message.get("step"), message.get("max_steps"))
             if self.train_end is None or conn.info.get("rank") in (None, 0):
                 self.train_end = message
+            if conn.info.get("rank") is not None:
+                self.ranks.finished(int(conn.info["rank"]))
         elif kind == "train_error":
             if self.train_error is None:
                 self.train_error = message
@@ -706,12 +761,14 @@ class Supervisor:
                 value = math.nan  # never a finite loss on a non_finite_loss verdict
             self._non_finite(now, step, value, n, rank)
             return
-        if rank is not None and step is not None:
-            self.rank_progress[int(rank)] = (int(step), now)
-        if self.primary_agent is None and fd is not None:
-            self.primary_agent = fd
-        if fd is not None and fd != self.primary_agent and rank not in (None, 0):
-            return  # other ranks: checked for NaN above; step and loss come from one rank
+        if rank is not None:  # step and loss come from the lowest rank; the others were checked for NaN above
+            if not self.ranks.on_step(int(rank), int(step) if step is not None else None, now):
+                return
+        else:  # agents without a rank (several plain processes): the first one's
+            if self.primary_agent is None and fd is not None:
+                self.primary_agent = fd
+            if fd is not None and fd != self.primary_agent:
+                return
         self.step = int(step) if step is not None else (self.step or 0) + n
         self.loss = value
         self._check_explosion(value)
@@ -818,6 +875,7 @@ class Supervisor:
         self._recheck = True
         self.outcome = outcome
         self.stall.pause()
+        self.ranks.pause()
         if stop:
             self._stop_job(self.clock())
         if self.securer is not None:
@@ -868,7 +926,7 @@ class Supervisor:
             return
         from guard.observe.stacks import dump_stacks
 
-        dump_stacks(self.job, self.masker)
+        HELPERS.submit(dump_stacks, self.job, self.masker)  # py-spy (up to 8 x 5 s) on the helper thread
 
     # ------------------------------------------------------------------------------------------------------------
     # Result

@@ -1,4 +1,6 @@
-"""A 2-process DDP loop on the CPU (gloo), for torchrun: --nan-rank R --nan-at K, --block-rank R --block-at K."""
+"""A 2-process DDP loop on the CPU (gloo), for torchrun: --nan-rank R --nan-at K, --block-rank R --block-at K;
+--independent: each rank trains its own model (no collective per step), so one rank can stop while the others
+go on."""
 
 import argparse
 import os
@@ -15,6 +17,7 @@ parser.add_argument("--nan-at", type=int, default=0)
 parser.add_argument("--block-rank", type=int, default=-1)
 parser.add_argument("--block-at", type=int, default=0)
 parser.add_argument("--pid-dir")
+parser.add_argument("--independent", action="store_true")
 args = parser.parse_args()
 
 dist.init_process_group("gloo")
@@ -23,7 +26,9 @@ if args.pid_dir:
     with open(os.path.join(args.pid_dir, f"rank{rank}.pid"), "w") as handle:
         handle.write(str(os.getpid()))
 torch.manual_seed(0)
-model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 1))
+model = torch.nn.Linear(8, 1)
+if not args.independent:
+    model = torch.nn.parallel.DistributedDataParallel(model)
 opt = torch.optim.SGD(model.parameters(), lr=0.01)
 x, y = torch.randn(32, 8), torch.randn(32, 1)
 for step in range(1, args.steps + 1):

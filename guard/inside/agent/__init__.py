@@ -23,8 +23,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from guard import protocol
-from guard.run.config import AgentSettings, agent_settings
+from ... import protocol
+from ..settings import AgentSettings, agent_settings
 
 __all__ = ["Agent", "get", "install", "root_cause"]
 
@@ -149,7 +149,7 @@ class Agent:
         self._lock = threading.Lock()
         self._acked = threading.Event()
         self._closed = threading.Event()
-        from guard.inside.agent._dist import DistRelay
+        from ._dist import DistRelay
 
         self.relay = DistRelay(self)
 
@@ -496,7 +496,7 @@ def install() -> None:
     if _INSTALLED or not agent_settings().socket_path:
         return
     _INSTALLED = True
-    from guard.inside.agent import _torch, _transformers
+    from . import _torch, _transformers
 
     hooks = {"torch": _torch.patch, "transformers.trainer": _transformers.patch,
              "transformers.training_args": _transformers.patch_arguments,

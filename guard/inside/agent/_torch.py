@@ -20,6 +20,12 @@ The loss the user means, not the tensor ``.backward()`` runs on:
 ``torch.save`` is wrapped too: when it returns, a save to a named file is complete, and the agent reports the
 file with the step it has counted (``file_saved``). That is how the guard sees the checkpoints of a loop that
 never calls the guard's API (nanoGPT's ``ckpt.pt``), with their step, without reading them.
+
+CUDA graphs: while a stream is being captured (``torch.cuda.is_current_stream_capturing()``), the backward hook does
+nothing at all (a ``.item()`` there would break the capture); it asks only once CUDA is initialized, so a CPU job
+never touches CUDA. A captured step is later run by ``CUDAGraph.replay()``, which calls no ``.backward()``: the
+replay is wrapped too and, every ``check_every`` replays, tells the supervisor the job is making progress
+(``{"t": "replay", "n": N}``), so a graph-replaying loop is not taken for a stall.
 """
 
 from __future__ import annotations
@@ -27,21 +33,44 @@ from __future__ import annotations
 import functools
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 __all__ = ["patch", "patch_accelerate"]
 
 
+def _capture_probe(torch: Any) -> Callable[[], bool]:
+    """A cheap ``() -> bool``: is the current CUDA stream being captured into a graph? False without CUDA."""
+    cuda = getattr(torch, "cuda", None)
+    is_initialized = getattr(cuda, "is_initialized", None)
+    is_capturing = getattr(cuda, "is_current_stream_capturing", None)
+    if is_initialized is None or is_capturing is None:
+        return lambda: False
+
+    def capturing() -> bool:
+        if not is_initialized():  # no CUDA context yet: nothing can be capturing (and CUDA stays untouched)
+            return False
+        try:
+            return bool(is_capturing())
+        except Exception:  # noqa: BLE001 - a build without CUDA: never capturing
+            return False
+
+    return capturing
+
+
 def patch(torch: Any) -> None:
     """Wrap ``torch.Tensor.backward`` and ``torch.amp.GradScaler.scale``/``update`` (idempotent)."""
-    from guard.inside import agent as agent_module
+    from .. import agent as agent_module
     original = torch.Tensor.backward
     if getattr(original, "__guard_wrapped__", False):
         return
+    capturing = _capture_probe(torch)
 
     @functools.wraps(original)
     def backward(self: Any, *args: Any, **kwargs: Any) -> Any:
         agent = agent_module.get()
+        if agent is not None and capturing():  # recording a CUDA graph: no hook work at all
+            return original(self, *args, **kwargs)
         if agent is not None:
             agent.begun += 1
         if agent is not None and agent.backward_hook and self.numel() == 1:
@@ -53,7 +82,7 @@ def patch(torch: Any) -> None:
                     loss = agent.scaled[1]
                 agent.scaled = None
                 agent.on_loss(loss, None, "backward")
-            except Exception as exc:  # never break the job
+            except Exception as exc:  # noqa: BLE001 - never break the job
                 agent.backward_hook = False
                 agent_module._warn_once(f"loss hook disabled: {exc!r}")
         return original(self, *args, **kwargs)
@@ -68,6 +97,29 @@ def patch(torch: Any) -> None:
     except Exception as exc:  # an unknown torch version: the scaled loss is watched instead
         agent_module._warn_once(f"GradScaler hook failed: {exc!r}")
     _wrap_save(torch, agent_module)
+    _patch_replay(torch, agent_module)
+
+
+def _patch_replay(torch: Any, agent_module: Any) -> None:
+    graph_class = getattr(getattr(torch, "cuda", None), "CUDAGraph", None)
+    original = getattr(graph_class, "replay", None)
+    if graph_class is None or original is None or getattr(original, "__guard_wrapped__", False):
+        return
+    count = [0]
+
+    @functools.wraps(original)
+    def replay(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, *args, **kwargs)
+        agent = agent_module.get()
+        if agent is not None:
+            agent.begun += 1
+            count[0] += 1
+            if count[0] >= agent.settings.check_every and agent.send({"t": "replay", "n": count[0]}):
+                count[0] = 0
+        return result
+
+    replay.__guard_wrapped__ = True  # type: ignore[attr-defined]
+    graph_class.replay = replay
 
 
 def _patch_scaler(torch: Any, agent_module: Any) -> None:
@@ -104,7 +156,7 @@ def _patch_scaler(torch: Any, agent_module: Any) -> None:
 
 def patch_accelerate(module: Any) -> None:
     """Wrap ``accelerate.accelerator.Accelerator.backward`` to remember the loss it was given (idempotent)."""
-    from guard.inside import agent as agent_module
+    from .. import agent as agent_module
 
     cls = module.Accelerator
     original = cls.backward

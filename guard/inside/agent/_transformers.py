@@ -31,7 +31,7 @@ import os
 import time
 from typing import Any
 
-from guard import protocol
+from ... import protocol
 
 __all__ = ["patch", "patch_arguments"]
 
@@ -53,7 +53,7 @@ def patch_arguments(args_module: Any) -> None:
     Subclasses (TRL's ``SFTConfig`` ...) call it through ``super().__post_init__()``. Each distinct set of
     reported values is sent once per process.
     """
-    from guard.inside import agent as agent_module
+    from .. import agent as agent_module
 
     cls = args_module.TrainingArguments
     original = cls.__post_init__
@@ -84,7 +84,7 @@ def patch(trainer_module: Any) -> None:
     """Wrap ``Trainer.__init__`` of ``transformers.trainer`` (idempotent)."""
     from transformers.trainer_callback import TrainerCallback
 
-    from guard.inside import agent as agent_module
+    from .. import agent as agent_module
     Trainer = trainer_module.Trainer
     if getattr(Trainer.__init__, "__guard_wrapped__", False):
         return
@@ -174,7 +174,7 @@ def patch(trainer_module: Any) -> None:
 
 
 def _instrument(trainer: Any, agent: Any, callback: Any) -> None:
-    from guard.inside import agent as agent_module
+    from .. import agent as agent_module
 
     agent.backward_hook = False  # the Trainer's training_step gives the losses; no double counting
     agent.trainer = True  # its saves come through on_save, not torch.save

@@ -1,0 +1,89 @@
+"""The ranks of a distributed job, as the supervisor sees them: which one is primary, and which one fell silent.
+
+A plain policy object, driven by the caller's clock (no threads, no sleeping; tests use plain numbers):
+
+- The primary rank is the lowest rank seen so far (rank 0 once it has reported), not whichever rank's message
+  happened to arrive first. Only its steps feed the sanity pass, ``step`` and ``loss``; every rank is still
+  checked for non-finite losses by the caller.
+- Every rank's last step time is watched: a rank silent for ``stall_timeout_s`` while another rank stepped within
+  that time is stalled (``FAIL reason=stalled rank=R``). When all ranks are silent together (a collective that
+  waits for a dead peer, a long save), this watch says nothing: the job-wide stall watch (``timers.StallWatch``)
+  decides then.
+"""
+
+from __future__ import annotations
+
+import math
+
+__all__ = ["RankWatch"]
+
+
+class RankWatch:
+    """Per-rank progress.
+
+    Args:
+        stall_timeout_s: the ``--stall-timeout`` in seconds.
+
+    Attributes:
+        last_step: rank -> (last step, monotonic seconds when it was reported), for every rank seen.
+        done: ranks that ended their training (not watched for silence any more).
+    """
+
+    def __init__(self, stall_timeout_s: float) -> None:
+        self.stall_timeout_s = stall_timeout_s
+        self.last_step: dict[int, tuple[int, float]] = {}
+        self.paused = False
+        self.done: set[int] = set()
+
+    @property
+    def primary(self) -> int | None:
+        """The lowest rank seen (None before any rank reported a step)."""
+        return min(self.last_step) if self.last_step else None
+
+    def on_step(self, rank: int, step: int | None, now: float) -> bool:
+        """Record a training step of ``rank`` (``step`` None: one more than its last); True when ``rank`` is the
+        primary rank, whose step and loss stand for the job's."""
+        if step is None:
+            step = self.last_step.get(rank, (0, now))[0] + 1
+        self.last_step[rank] = (int(step), now)
+        self.done.discard(rank)
+        return rank == self.primary
+
+    def alive(self, rank: int, now: float) -> None:
+        """``rank`` made progress without a step number (CUDA-graph replays): its step stays, its time moves."""
+        step = self.last_step.get(rank, (0, now))[0]
+        self.last_step[rank] = (step, now)
+
+    def finished(self, rank: int) -> None:
+        """``rank`` ended its training (``train_end``): it is silent on purpose from now on."""
+        self.done.add(rank)
+
+    def pause(self) -> None:
+        """Stop watching (the guard itself is stopping the job)."""
+        self.paused = True
+
+    def silent_for_s(self, rank: int, now: float) -> float:
+        """Seconds since ``rank``'s last step (0 for a rank never seen)."""
+        return now - self.last_step[rank][1] if rank in self.last_step else 0.0
+
+    def stalled_rank(self, now: float) -> int | None:
+        """The rank silent for ``stall_timeout_s`` while another rank went on (the longest silent, then the lowest),
+        or None."""
+        watched = self._watched()
+        if len(watched) < 2:
+            return None
+        silent = [r for r, when in watched.items() if now - when >= self.stall_timeout_s]
+        going_on = [r for r, when in watched.items() if now - when < self.stall_timeout_s]
+        if not silent or not going_on:
+            return None
+        return min(silent, key=lambda r: (self.last_step[r][1], r))
+
+    def due_at(self) -> float:
+        """When ``stalled_rank`` may next say a rank (monotonic seconds; ``inf`` with fewer than two ranks)."""
+        watched = self._watched()
+        return min(watched.values()) + self.stall_timeout_s if len(watched) >= 2 else math.inf
+
+    def _watched(self) -> dict[int, float]:
+        if self.paused:
+            return {}
+        return {rank: when for rank, (_, when) in self.last_step.items() if rank not in self.done}
