@@ -32,6 +32,22 @@ def test_a_loop_that_saves_ckpt_pt_is_secured_at_the_deadline_without_waiting_fo
     assert took_s < 25 + 10
 
 
+def test_a_loop_that_cannot_be_asked_has_its_saves_after_the_deadline_warning_secured_too(tmp_path: Path) -> None:
+    # nanoGPT's shape: after "deadline in Ns" the job runs on until the guard stops it, saving ckpt.pt every
+    # eval_interval; each of those saves is secured, not only the first one (the VERDICT resumes from the last).
+    out, dest = tmp_path / "out", tmp_path / "dest"
+    run = run_guard([*FAST, "--timeout", "25s", "--margin", "12s", "--push-to", str(dest), NANO, f"--out_dir={out}",
+                     "--eval_interval=10", "--step_s=0.05"], cwd=tmp_path, timeout_s=90)
+    assert run.returncode == 75, run.stderr[-3000:]
+    after = run.stderr.split("deadline in", 1)[1]
+    assert after.count("secured and verified") >= 2, run.stderr[-3000:]
+    fields = run.fields()
+    secured_steps = [int(line.rsplit("(step ", 1)[1].split(",")[0]) for line in after.splitlines()
+                     if "secured and verified" in line]
+    assert secured_steps == sorted(secured_steps) and secured_steps[-1] > secured_steps[0]
+    assert f"resumes from step {secured_steps[-1]}" in fields["hint"]
+
+
 def test_sigterm_reaches_a_loop_without_the_api_at_once_and_its_checkpoint_is_secured(tmp_path: Path) -> None:
     ready, dest = tmp_path / "ready", tmp_path / "dest"
     proc = start_guard([*FAST, "--grace", "20s", "--push-to", str(dest), NANO, f"--ready={ready}"], cwd=tmp_path)
