@@ -93,3 +93,20 @@ def test_a_trainer_stopped_at_the_deadline_does_not_run_the_code_after_train(tmp
     assert not (out / "model.safetensors").exists()  # no "final" model from a half-trained run
     assert "still being written" not in run.stderr  # the Trainer said its checkpoints were complete
     assert (tmp_path / "dest" / "last-checkpoint" / "trainer_state.json").is_file()
+
+
+def test_a_resumed_run_stopped_before_its_first_save_names_the_resumed_checkpoint_as_secured(tmp_path: Path) -> None:
+    # the destination already holds the checkpoint the run resumed from: exit 75 pointing at it, not 124
+    dest = tmp_path / "dest"
+    first = run_guard([*FAST, "--timeout", "15s", "--margin", "8s", "--push-to", str(dest), NANO,
+                       f"--out_dir={tmp_path / 'out1'}", "--eval_interval=10", "--step_s=0.05"], cwd=tmp_path,
+                      timeout_s=90)
+    assert first.returncode == 75, first.stderr[-3000:]
+    step = first.fields()["hint"].split("resumes from step ", 1)[1].split(";")[0].split(":")[0]
+    run = run_guard([*FAST, "--resume", "on", "--timeout", "15s", "--margin", "10s", "--push-to", str(dest), NANO,
+                     f"--out_dir={tmp_path / 'out2'}", "--eval_interval=100000"], cwd=tmp_path, timeout_s=90)
+    assert run.returncode == 75, run.stderr[-3000:]
+    fields = run.fields()
+    assert (fields["status"], fields["secured"]) == ("TIMEOUT", "yes")
+    assert fields["checkpoint"] == f"out2/checkpoint-{step}" or fields["checkpoint"].endswith(f"checkpoint-{step}")
+    assert f"resumes from step {step}" in fields["hint"] and "resumed_from" in fields

@@ -276,3 +276,20 @@ def test_deadline_a_job_that_cannot_save_and_saves_nothing_more_ends_by_secure_b
     assert plan.state is State.DONE and clock.now <= 30.0 - SAFETY_S + 0.11
     assert plan.secured is not None and plan.secured.info is not None and plan.secured.info.step == 5
     assert [h.args["step"] for h in pusher.started] == [5]
+
+
+def test_a_resumed_checkpoint_fetched_from_the_destination_stands_as_secured(clock: FakeClock) -> None:
+    # resumed from the destination's step 13, the deadline comes before the job's first save: exit 75 material
+    pusher = FakePusher(clock)
+    plan = make(clock, pusher, deadline_at=30.0)
+    plan.already_secured(ckpt(13), destination="/dest", revision="/dest/last-checkpoint")
+    assert plan.secured is not None and plan.secured.result.pushed == "/dest@/dest/last-checkpoint"
+    plan.deadline_near(can_save=False)
+    run_until(plan, clock, 40.0)
+    assert pusher.started == []  # never pushed again
+    assert plan.secured.info is not None and plan.secured.info.step == 13
+    plan2 = make(clock, FakePusher(clock), deadline_at=1000.0)
+    plan2.already_secured(ckpt(13), destination="/dest", revision="/dest/last-checkpoint")
+    plan2.checkpoint(ckpt(20))  # a newer save replaces it as it is secured
+    run_until(plan2, clock, clock.now + 10.0)
+    assert plan2.secured is not None and plan2.secured.info is not None and plan2.secured.info.step == 20

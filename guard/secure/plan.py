@@ -126,6 +126,42 @@ class PushRecord:
     result: Any = None
 
 
+@dataclass(frozen=True)
+class PriorPush:
+    """A checkpoint the destination already holds, verified when it was fetched: the one a resumed run started
+    from. Shaped like a push result (``ok``, ``pushed``, ``files`` ...) so that it stands as ``Plan.secured``."""
+
+    destination: str
+    revision: str
+    files: tuple[str, ...]
+    size_bytes: int
+    step: int | None
+    ok: bool = True
+    killed: bool = False
+    elapsed_s: float = 0.0
+    attempts: int = 0
+    error: str | None = None
+    hint: str | None = None
+
+    @property
+    def pushed(self) -> str:
+        return f"{self.destination}@{self.revision}"
+
+
+class _Ended:
+    """The handle of a push that is over (``PriorPush``)."""
+
+    def __init__(self, result: PriorPush) -> None:
+        self.result = result
+        self.deadline = 0.0
+
+    def poll(self) -> PriorPush:
+        return self.result
+
+    def kill(self, why: str = "killed") -> PriorPush:
+        return self.result
+
+
 def _step(info: CheckpointInfo | None) -> int:
     return -1 if info is None or info.step is None else info.step
 
@@ -199,6 +235,16 @@ class Plan:
                 and now >= self.deadline_at - self.estimator.margin_s())
 
     # -- events -----------------------------------------------------------------------------------------------
+
+    def already_secured(self, info: CheckpointInfo, *, destination: str, revision: str) -> None:
+        """The destination already holds ``info``: the checkpoint a resumed run was fetched from (and verified).
+        It stands as the secured one until a newer one is, so a deadline or signal before the job's first save
+        still ends with exit 75 naming it, not "nothing secured"."""
+        result = PriorPush(destination, revision, tuple(info.files), info.size_bytes, info.step)
+        self.secured = PushRecord("resumed", info, _Ended(result), self.clock(), result)
+        if _step(info) >= _step(self.newest):
+            self.newest = info
+
 
     def checkpoint(self, info: CheckpointInfo) -> list[Action]:
         """A complete checkpoint appeared (the job's save event, or found complete in its output folder)."""
