@@ -293,3 +293,19 @@ def test_a_resumed_checkpoint_fetched_from_the_destination_stands_as_secured(clo
     plan2.checkpoint(ckpt(20))  # a newer save replaces it as it is secured
     run_until(plan2, clock, clock.now + 10.0)
     assert plan2.secured is not None and plan2.secured.info is not None and plan2.secured.info.step == 20
+
+
+def test_before_the_first_step_the_deadline_request_waits_until_late(clock: FakeClock) -> None:
+    """A slow start (imports, preflight) must not be stopped for a save it cannot make yet: the margin rests on a
+    guessed 1 GB checkpoint; before the first step the request waits until LATE_REQUEST_S before the deadline."""
+    from guard.secure.plan import LATE_REQUEST_S
+
+    pusher = FakePusher(clock)
+    plan = make(clock, pusher, deadline_at=1000.0)  # margin fixed at 100 s by make()
+    clock.now = 1000.0 - 100.0
+    assert not plan.deadline_due(clock.now) and plan.due_at(clock.now) == pytest.approx(1000.0 - LATE_REQUEST_S)
+    plan.training_started = True
+    assert plan.deadline_due(clock.now)
+    plan2 = make(clock, pusher, deadline_at=1000.0)
+    clock.now = 1000.0 - LATE_REQUEST_S
+    assert plan2.deadline_due(clock.now)  # never started training: still stopped in time before the deadline

@@ -43,6 +43,7 @@ log = logging.getLogger("guard.secure")
 
 SAFETY_S = 1.5  # securing is over this long before the kill (the deadline, or the end of --grace)
 STOP_BEFORE_S = 2.0  # the job is stopped (SIGTERM) this long before secure_by if it still runs
+LATE_REQUEST_S = 15.0  # before the first training step, the deadline's request waits until this long before it
 
 
 class State(enum.Enum):
@@ -206,6 +207,7 @@ class Plan:
     awaiting_after_step: int = -1  # a fresh save is newer than this
     follow_saves: bool = False  # the job cannot be asked to save: every save it makes until it ends is secured
     job_ended: bool = False
+    training_started: bool = False  # a training step was seen: before it there is nothing new to ask for
     last_start: float = -math.inf
     history: list[PushRecord] = field(default_factory=list)
 
@@ -225,14 +227,23 @@ class Plan:
             due.append(self.wait_save_until)
         if self.state is State.WATCHING:
             if self.deadline_at is not None:
-                due.append(self.deadline_at - self.estimator.margin_s())
+                due.append(self._deadline_request_at())
             if self.queued is not None and self.push is None:
                 due.append(self.last_start + self.push_interval_s)
         return min(due)
 
+    def _deadline_request_at(self) -> float:
+        """When to ask for the last checkpoint: ``margin`` before the deadline once training has started. Before the
+        first step there is nothing new to save, and the margin still rests on guessed sizes, so asking then would
+        only stop a job that is still loading (a short budget with a slow start): wait until the last moment that
+        still leaves time to stop the job and secure what is already on disk (``LATE_REQUEST_S``)."""
+        assert self.deadline_at is not None
+        margin_s = self.estimator.margin_s() if self.training_started else min(self.estimator.margin_s(),
+                                                                                LATE_REQUEST_S)
+        return self.deadline_at - margin_s
+
     def deadline_due(self, now: float) -> bool:
-        return (self.state is State.WATCHING and self.deadline_at is not None
-                and now >= self.deadline_at - self.estimator.margin_s())
+        return self.state is State.WATCHING and self.deadline_at is not None and now >= self._deadline_request_at()
 
     # -- events -----------------------------------------------------------------------------------------------
 

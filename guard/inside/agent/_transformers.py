@@ -36,6 +36,17 @@ from ... import protocol
 __all__ = ["patch", "patch_arguments"]
 
 
+
+def _checkpoint_bytes_estimate(model: Any) -> int | None:
+    """A Trainer checkpoint's size before its first save: the weights as stored plus AdamW's two fp32 moments per
+    parameter (``exp_avg``, ``exp_avg_sq``; ``torch.optim.AdamW`` state). Reads tensor metadata only (``numel``,
+    ``element_size``): no device sync. None when the model has no ``parameters()``."""
+    try:
+        params = list(model.parameters())
+    except Exception:  # noqa: BLE001  (any model object: never break the job)
+        return None
+    return sum(p.numel() * p.element_size() + (8 * p.numel() if p.requires_grad else 0) for p in params)
+
 def _arg(args: Any, name: str) -> Any:
     value = getattr(args, name, None)
     if hasattr(value, "value"):  # enums such as IntervalStrategy
@@ -119,6 +130,7 @@ def patch(trainer_module: Any) -> None:
             config["world_process_zero"] = bool(state.is_world_process_zero)
             loss_fn = getattr(self.trainer, "compute_loss_func", None)
             config["loss_class"] = type(loss_fn).__name__ if loss_fn is not None else None
+            config["checkpoint_bytes_estimate"] = _checkpoint_bytes_estimate(getattr(self.trainer, "model", None))
             self.agent.ask({"t": "trainer_config", "config": config})
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
