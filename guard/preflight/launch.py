@@ -274,9 +274,9 @@ def check_launch(
     return rows
 
 
-def _kill_group(proc: subprocess.Popen, grace_s: float = 3.0) -> None:
+def _kill_group(proc: subprocess.Popen[bytes], grace_s: float = 3.0) -> None:
     """SIGTERM the smoke's process group and every descendant (some may have left the group), SIGKILL leftovers."""
-    import psutil  # type: ignore[import-untyped]
+    import psutil
 
     try:
         procs = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]

@@ -248,6 +248,7 @@ def check_optional_imports(job: JobView, *, stdlib: frozenset[str] | None = None
         except (ImportError, ValueError):
             missing = True
         if missing:
-            rows.append(CheckResult("python", "warn", f"{mention.what} not installed: {mention.describe(job.script_name)}",
+            rows.append(CheckResult("python", "warn",
+                                    f"{mention.what} not installed: {mention.describe(job.script_name)}",
                                     f"only if you turn it on: pip install {mention.what}"))
     return rows

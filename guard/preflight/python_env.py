@@ -98,7 +98,8 @@ def check_pep723(facts: ScriptFacts | None, *, uv_environment: str | None = None
         return [CheckResult(NAME, "fail", f"{name}: {block.error}",
                             "fix the block: uv and hf jobs uv run refuse it too")]
     if uv_error is not None:
-        return [CheckResult(NAME, "fail", f"PEP 723: uv could not build {name}'s environment: {one_line(uv_error, 240)}",
+        return [CheckResult(NAME, "fail",
+                            f"PEP 723: uv could not build {name}'s environment: {one_line(uv_error, 240)}",
                             uv_error_hint(uv_error))]
     rows: list[CheckResult] = []
     problems: list[str] = []
@@ -245,7 +246,8 @@ def check_imports(
             return {"ok": False, "error": f"could not start {executable}: {exc}"}
         for line in (proc.stdout or "").splitlines():
             if line.startswith(_MARK):
-                return json.loads(line[len(_MARK):]).get(name, {"ok": False, "error": "no answer"})
+                answer: dict[str, Any] = json.loads(line[len(_MARK):]).get(name, {"ok": False, "error": "no answer"})
+                return answer
         lines = (proc.stderr or proc.stdout or "").strip().splitlines()
         return {"ok": False, "crash": proc.returncode, "error": lines[-1] if lines else "no output"}
 
