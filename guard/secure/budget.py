@@ -29,8 +29,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from guard.run.config import format_duration_s
 from guard.errors import BudgetError, UsageError
+from guard.run.config import format_duration_s
 
 __all__ = [
     "CLOCK_SKEW_S",
@@ -85,7 +85,8 @@ class Deadline:
         return None if self.deadline_s is None else self.deadline_s - now_s
 
     def refreshed(self, end_s: float | None, source: str) -> Deadline:
-        """A copy moved to a new end time reported by the scheduler (e.g. ``guard.run.slurm.SlurmRefresher.maybe_refresh``).
+        """A copy moved to a new end time reported by the scheduler (e.g.
+        ``guard.run.slurm.SlurmRefresher.maybe_refresh``).
 
         The scheduler may move the end either way (``scontrol update TimeLimit+=30`` extends it, a preemption with
         GraceTime shortens it), but never past the user's own ``--timeout``.
@@ -167,11 +168,11 @@ def _is_hf_jobs(platform: Any) -> bool:
 
 
 def _pid1_create_time_s() -> float | None:
-    try:
-        import psutil
+    import psutil
 
+    try:
         return float(psutil.Process(1).create_time())
-    except Exception as exc:  # psutil.Error (AccessDenied with hidepid, NoSuchProcess), ImportError
+    except (psutil.Error, OSError) as exc:  # AccessDenied with hidepid, NoSuchProcess
         log.info("cannot read the container start (PID 1 create time): %s", exc)
         return None
 

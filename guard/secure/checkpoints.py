@@ -79,7 +79,8 @@ _ACCELERATE_RNG_RE = re.compile(r"random_states_[0-9]+\.pkl")
 MODEL_FILE_SUFFIXES = (".pt", ".pth", ".safetensors", ".bin")
 #: Files with a model suffix that are not model state (the Trainer's pickled ``TrainingArguments``).
 _NOT_MODEL_FILES = frozenset({"training_args.bin"})
-_STEP_IN_NAME_RE = re.compile(r"(?:^|[^a-z])(?:global_step|step|iter|iteration|it)[-_]?([0-9]+)(?![0-9])", re.IGNORECASE)
+_STEP_IN_NAME_RE = re.compile(r"(?:^|[^a-z])(?:global_step|step|iter|iteration|it)[-_]?([0-9]+)(?![0-9])",
+                              re.IGNORECASE)
 StatFn = Callable[[str], os.stat_result]
 
 

@@ -294,10 +294,7 @@ class Plan:
             self.secure_by = self._final_bound(self.clock())
             return self._secure_newest()
         if self.state is State.WATCHING and ok and self.pusher is not None and self.final_output_dir:
-            if self.push is not None:
-                actions = self._kill("the final model supersedes it")
-            else:
-                actions = []
+            actions = self._kill("the final model supersedes it") if self.push is not None else []
             now = self.clock()
             self.secure_by = self._final_bound(now)
             self.state = State.FINAL_PUSH
