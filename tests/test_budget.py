@@ -10,6 +10,8 @@ from types import SimpleNamespace
 import psutil
 import pytest
 
+from guard.errors import BudgetError, UsageError
+from guard.run.slurm import SlurmRefresher, parse_scontrol_job, parse_slurm_duration_s
 from guard.secure.budget import (
     CLOCK_SKEW_S,
     Deadline,
@@ -22,8 +24,6 @@ from guard.secure.budget import (
     save_wait_limit_s,
     time_to_due_s,
 )
-from guard.errors import BudgetError, UsageError
-from guard.run.slurm import SlurmRefresher, parse_scontrol_job, parse_slurm_duration_s
 
 NOW = 1_787_236_200.0  # 2026-08-20T14:30:00Z
 HOUR = 3600.0

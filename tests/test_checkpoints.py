@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from guard.errors import SupervisorError
 from guard.secure.checkpoints import (
     GUARD_MARKER_NAME,
     INCOMPLETE_SENTINEL_NAME,
@@ -20,7 +21,6 @@ from guard.secure.checkpoints import (
     tree_size_bytes,
     why_incomplete,
 )
-from guard.errors import SupervisorError
 
 NOW = 1_787_236_200.0
 

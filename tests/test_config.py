@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from guard import protocol
+from guard.errors import PreflightError, UsageError
 from guard.run.cli import build_config
 from guard.run.config import (
     OPTIONS,
@@ -20,7 +21,6 @@ from guard.run.config import (
     resolve,
     split_repeat,
 )
-from guard.errors import PreflightError, UsageError
 
 NO_FLAGS: dict[str, object] = {}
 
