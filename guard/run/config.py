@@ -437,8 +437,3 @@ def guard_options_in(args: Sequence[str]) -> list[str]:
         if flag in flags and flag not in found:
             found.append(flag)
     return found
-
-
-def split_repeat(values: Sequence[str]) -> tuple[str, ...]:
-    """Flatten ``["A,B", "C"]`` into ``("A", "B", "C")``."""
-    return tuple(part.strip() for item in values for part in item.split(",") if part.strip())

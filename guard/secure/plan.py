@@ -29,7 +29,6 @@ import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Protocol
 
 from guard.secure.budget import MarginEstimator
@@ -458,8 +457,3 @@ class Plan:
             info, self.queued = self.queued, None
             return self._start("background", info, self._background_deadline(now))
         return []
-
-    # -- the outcome ------------------------------------------------------------------------------------------
-
-    def secured_path(self) -> Path | None:
-        return self.secured.info.path if self.secured is not None and self.secured.info is not None else None
