@@ -145,18 +145,6 @@ def fmt_bytes(size_bytes: float) -> str:
     return f"{value:.1f} PB"  # pragma: no cover - the loop always returns
 
 
-def fmt_duration(seconds: float) -> str:
-    """``3900`` -> ``"1h05m"``, ``90`` -> ``"1m30s"``, ``45`` -> ``"45s"``."""
-    total = round(seconds)
-    hours, rest = divmod(total, 3600)
-    minutes, secs = divmod(rest, 60)
-    if hours:
-        return f"{hours}h{minutes:02d}m"
-    if minutes:
-        return f"{minutes}m{secs:02d}s" if secs else f"{minutes}m"
-    return f"{secs}s"
-
-
 def one_line(text: object, limit: int = 300) -> str:
     """A message squeezed onto one line and cut to ``limit`` characters."""
     flat = " ".join(str(text).split())
