@@ -21,13 +21,13 @@ import os
 import re
 import shlex
 import signal
-import tempfile
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from enum import Enum, IntEnum
 from pathlib import Path
 from typing import Any
 
+from guard.files import write_atomic
 from guard.run.masking import Masker
 
 __all__ = [
@@ -321,13 +321,4 @@ def write_report(path: str | os.PathLike[str], result: RunResult, masker: Masker
     text = json.dumps(report_dict(result), indent=2, sort_keys=True, default=str)
     if masker is not None:
         text = masker.mask_text(text)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text + "\n")
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomic(target, (text + "\n").encode("utf-8"), mode=0o600)  # owner-only: the job's command and settings

@@ -35,7 +35,6 @@ import os
 import re
 import select
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from typing import BinaryIO, Protocol, TextIO, cast, runtime_checkable
@@ -49,6 +48,7 @@ from guard.contract import (
     render_line,
 )
 from guard.errors import UsageError
+from guard.files import write_atomic
 from guard.run.config import DURATION_FORMS, parse_duration
 
 __all__ = [
@@ -327,28 +327,16 @@ def write_summary(path: str, text: str) -> None:
         OSError: the folder or the file cannot be read or written.
     """
     target = os.path.realpath(path)
+    mode: int | None = None
     try:
         with open(target, "rb") as old:
             before = old.read()
         mode = os.stat(target).st_mode & 0o7777
     except FileNotFoundError:
         before = b""
-        umask = os.umask(0)
-        os.umask(umask)
-        mode = 0o666 & ~umask
     if before and not before.endswith(b"\n"):
         before += b"\n"
-    fd, tmp = tempfile.mkstemp(prefix=".guard-summary-", dir=os.path.dirname(target))
-    try:
-        with os.fdopen(fd, "wb") as out:
-            out.write(before + text.encode("utf-8"))
-            out.flush()
-            os.fsync(out.fileno())
-        os.chmod(tmp, mode)
-        os.replace(tmp, target)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    write_atomic(target, before + text.encode("utf-8"), mode=mode)
 
 
 # ---------------------------------------------------------------------------------------------------------------
