@@ -227,11 +227,13 @@ def check_imports(
         missing_hint: the hint for a ``ModuleNotFoundError`` (e.g. the PEP 723 dependencies are not installed
             here: run under uv); None: install or repair the module.
     """
-    if facts is None and modules is None:
+    if modules is not None:
+        names = list(modules)
+    elif facts is not None:
+        names = key_imports(facts, pep723_modules=python is None)
+    else:
         return CheckResult(NAME, "n/a", "no script given: the job's imports are unknown")
     executable = python or sys.executable
-    names = (list(modules) if modules is not None
-             else key_imports(facts, pep723_modules=python is None))  # type: ignore[arg-type]
     if not names:
         return CheckResult(NAME, "n/a", "the script imports no third-party module at top level")
     folder = str(facts.path.parent.absolute()) if facts is not None else str(Path.cwd())

@@ -451,9 +451,9 @@ class MarginEstimator:
                                   self.safety_factor, fixed=True)
         raw_s = (step_s + save_s + push_s) * self.safety_factor + self.overhead_s
         margin_s = max(raw_s, self.floor_s)
-        capped = self.max_margin_s is not None and margin_s > self.max_margin_s
-        if capped:
-            margin_s = self.max_margin_s  # type: ignore[assignment]
+        capped = False
+        if self.max_margin_s is not None and margin_s > self.max_margin_s:
+            margin_s, capped = self.max_margin_s, True
         return MarginEstimate(margin_s, step_s, save_s, push_s, size, self.push_bytes_per_s,
                               self.safety_factor, floored=raw_s < self.floor_s, overhead_s=self.overhead_s,
                               capped_s=self.max_margin_s if capped else None)
