@@ -12,6 +12,7 @@ States::
 
     WATCHING -- deadline near / signal (job can save) --> AWAITING_SAVE -- fresh save / wait over --> SECURING
     WATCHING -- signal (job cannot save) --> AWAITING_SAVE (the signal is forwarded; what the job writes is pushed)
+    SECURING -- push done, job cannot save and still runs --> AWAITING_SAVE (its next save is pushed too)
     WATCHING -- failure --> SECURING (the newest complete checkpoint saved before the failure)
     WATCHING -- job ended well --> FINAL_PUSH --> DONE
     AWAITING_SAVE / SECURING -- push done or secure_by passed --> DONE
@@ -124,6 +125,42 @@ class PushRecord:
     result: Any = None
 
 
+@dataclass(frozen=True)
+class PriorPush:
+    """A checkpoint the destination already holds, verified when it was fetched: the one a resumed run started
+    from. Shaped like a push result (``ok``, ``pushed``, ``files`` ...) so that it stands as ``Plan.secured``."""
+
+    destination: str
+    revision: str
+    files: tuple[str, ...]
+    size_bytes: int
+    step: int | None
+    ok: bool = True
+    killed: bool = False
+    elapsed_s: float = 0.0
+    attempts: int = 0
+    error: str | None = None
+    hint: str | None = None
+
+    @property
+    def pushed(self) -> str:
+        return f"{self.destination}@{self.revision}"
+
+
+class _Ended:
+    """The handle of a push that is over (``PriorPush``)."""
+
+    def __init__(self, result: PriorPush) -> None:
+        self.result = result
+        self.deadline = 0.0
+
+    def poll(self) -> PriorPush:
+        return self.result
+
+    def kill(self, why: str = "killed") -> PriorPush:
+        return self.result
+
+
 def _step(info: CheckpointInfo | None) -> int:
     return -1 if info is None or info.step is None else info.step
 
@@ -166,6 +203,8 @@ class Plan:
     bad_from_step: int | None = None
     wait_save_until: float | None = None
     awaiting_after_step: int = -1  # a fresh save is newer than this
+    follow_saves: bool = False  # the job cannot be asked to save: every save it makes until it ends is secured
+    job_ended: bool = False
     last_start: float = -math.inf
     history: list[PushRecord] = field(default_factory=list)
 
@@ -195,6 +234,16 @@ class Plan:
                 and now >= self.deadline_at - self.estimator.margin_s())
 
     # -- events -----------------------------------------------------------------------------------------------
+
+    def already_secured(self, info: CheckpointInfo, *, destination: str, revision: str) -> None:
+        """The destination already holds ``info``: the checkpoint a resumed run was fetched from (and verified).
+        It stands as the secured one until a newer one is, so a deadline or signal before the job's first save
+        still ends with exit 75 naming it, not "nothing secured"."""
+        result = PriorPush(destination, revision, tuple(info.files), info.size_bytes, info.step)
+        self.secured = PushRecord("resumed", info, _Ended(result), self.clock(), result)
+        if _step(info) >= _step(self.newest):
+            self.newest = info
+
 
     def checkpoint(self, info: CheckpointInfo) -> list[Action]:
         """A complete checkpoint appeared (the job's save event, or found complete in its output folder)."""
@@ -280,6 +329,7 @@ class Plan:
         """The job's main process ended (``ok``: exit 0 and no outcome decided by the guard; ``has_final_model``:
         its output folder holds final model files). A job that ended well without final model files has its newest
         checkpoint secured instead (if not already)."""
+        self.job_ended = True
         if self.state is State.AWAITING_SAVE:
             self.wait_save_until = None
             self.state = State.SECURING
@@ -355,9 +405,20 @@ class Plan:
         if can_save:
             log.info("waiting up to %.0fs for the job's checkpoint", self.wait_save_until - now)
             return [RequestSave()]
+        self.follow_saves = True
         log.info("the job cannot be asked for a checkpoint (no guard API, no Trainer): %s; what it writes is "
                  "secured", "the signal goes to it now" if signum is not None else "it is stopped before the deadline")
         return [ForwardSignal(signum)] if signum is not None else []
+
+    def _follow(self) -> bool:
+        """A job that cannot be asked to save runs on until it is stopped (or ends): wait for its next save
+        (pushed as it appears) instead of ending securing; ``secure_by`` still ends it."""
+        if not self.follow_saves or self.job_ended or self.pusher is None or self.clock() >= self.secure_by:
+            return False
+        self.state = State.AWAITING_SAVE
+        self.awaiting_after_step = _step(self.newest)
+        self.wait_save_until = None
+        return True
 
     def _shorten(self, by: float) -> None:
         self.secure_by = min(self.secure_by, by)
@@ -391,6 +452,8 @@ class Plan:
         if self.push is not None:
             actions += self._kill("a newer checkpoint supersedes it")
         if self.pusher is None or not self._unsecured(target):
+            if self._follow():
+                return actions
             if target is None:
                 log.error("no complete checkpoint to secure")
             self.state = State.DONE
@@ -451,7 +514,8 @@ class Plan:
         if self.state is State.SECURING:
             if result.ok and self._unsecured(self.newest):
                 return self._secure_newest()  # a newer one appeared meanwhile
-            self.state = State.DONE
+            if not (result.ok and self._follow()):
+                self.state = State.DONE
             return []
         if self.state is State.WATCHING and self.queued is not None and now >= self.last_start + self.push_interval_s:
             info, self.queued = self.queued, None
