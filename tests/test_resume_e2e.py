@@ -6,8 +6,8 @@ import re
 from pathlib import Path
 
 import pytest
-
 from conftest import JOBS, REPO, run_guard
+
 from tests.hubserver import TOKENS, HubServer
 
 pytestmark = [pytest.mark.slow]
@@ -93,9 +93,10 @@ def test_requeue_runs_scontrol_after_the_verdict_and_survives_slurms_sigterm(tmp
     import os
 
     env = {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "SLURM_JOB_ID": "4242", "SLURM_RESTART_COUNT": "0"}
-    run = run_guard([*FAST, "--requeue", "--report", str(report), "--timeout", "12s", "--margin", "5s", "--push-to", str(tmp_path / "dest"),
-                     str(REPO / "examples" / "train_loop.py"), "--steps", "100000", "--save-every", "100000",
-                     "--output-dir", str(tmp_path / "out")], env=env, timeout_s=60)
+    run = run_guard([*FAST, "--requeue", "--report", str(report), "--timeout", "12s", "--margin", "5s",
+                     "--push-to", str(tmp_path / "dest"), str(REPO / "examples" / "train_loop.py"),
+                     "--steps", "100000", "--save-every", "100000", "--output-dir", str(tmp_path / "out")],
+                    env=env, timeout_s=60)
     assert run.returncode == 75, run.stderr[-3000:]
     assert "requeue 4242" in calls.read_text()
     assert "report-written" in calls.read_text()
@@ -109,7 +110,6 @@ def test_sigterm_during_preflight_ends_the_guard_within_grace(tmp_path: Path) ->
     import time
 
     import psutil
-
     from conftest import start_guard
 
     lib = tmp_path / "lib"

@@ -30,7 +30,6 @@ import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Protocol
 
 from guard.secure.budget import MarginEstimator
@@ -355,10 +354,7 @@ class Plan:
             self.secure_by = self._final_bound(self.clock())
             return self._secure_newest()
         if self.state is State.WATCHING and ok and self.pusher is not None and self.final_output_dir:
-            if self.push is not None:
-                actions = self._kill("the final model supersedes it")
-            else:
-                actions = []
+            actions = self._kill("the final model supersedes it") if self.push is not None else []
             now = self.clock()
             self.secure_by = self._final_bound(now)
             self.state = State.FINAL_PUSH
@@ -536,8 +532,3 @@ class Plan:
             info, self.queued = self.queued, None
             return self._start("background", info, self._background_deadline(now))
         return []
-
-    # -- the outcome ------------------------------------------------------------------------------------------
-
-    def secured_path(self) -> Path | None:
-        return self.secured.info.path if self.secured is not None and self.secured.info is not None else None

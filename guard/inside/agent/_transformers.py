@@ -29,9 +29,12 @@ from __future__ import annotations
 import functools
 import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ... import protocol
+
+if TYPE_CHECKING:
+    from . import Agent
 
 __all__ = ["patch", "patch_arguments"]
 
@@ -48,7 +51,7 @@ def _checkpoint_bytes_estimate(model: Any) -> int | None:
     return sum(p.numel() * p.element_size() + (8 * p.numel() if p.requires_grad else 0) for p in params)
 
 def _arg(args: Any, name: str) -> Any:
-    value = getattr(args, name, None)
+    value: Any = getattr(args, name, None)
     if hasattr(value, "value"):  # enums such as IntervalStrategy
         value = value.value
     if isinstance(value, (list, tuple)):
@@ -84,7 +87,7 @@ def patch_arguments(args_module: Any) -> None:
                 return
             sent.append(config)
             agent.ask({"t": "training_args", "config": config})
-        except Exception as exc:  # noqa: BLE001 - never break the job
+        except Exception as exc:  # never break the job
             agent_module._warn_once(f"cannot report the TrainingArguments: {exc!r}")
 
     __post_init__.__guard_wrapped__ = True  # type: ignore[attr-defined]
@@ -100,10 +103,10 @@ def patch(trainer_module: Any) -> None:
     if getattr(Trainer.__init__, "__guard_wrapped__", False):
         return
 
-    class GuardCallback(TrainerCallback):  # type: ignore[misc]
+    class GuardCallback(TrainerCallback):
         """Reports losses, saves and arguments to the guard; obeys its checkpoint and stop requests."""
 
-        def __init__(self, agent: Any, trainer: Any) -> None:
+        def __init__(self, agent: Agent, trainer: Any) -> None:
             self.agent = agent
             self.trainer = trainer
             self.micro: list[Any] = []
@@ -185,7 +188,7 @@ def patch(trainer_module: Any) -> None:
     Trainer.__init__ = __init__
 
 
-def _instrument(trainer: Any, agent: Any, callback: Any) -> None:
+def _instrument(trainer: Any, agent: Agent, callback: Any) -> None:
     from .. import agent as agent_module
 
     agent.backward_hook = False  # the Trainer's training_step gives the losses; no double counting
