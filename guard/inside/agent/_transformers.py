@@ -46,9 +46,9 @@ def _checkpoint_bytes_estimate(model: Any) -> int | None:
     ``element_size``): no device sync. None when the model has no ``parameters()``."""
     try:
         params = list(model.parameters())
-    except Exception:  # noqa: BLE001  (any model object: never break the job)
+    except Exception:
         return None
-    return sum(p.numel() * p.element_size() + (8 * p.numel() if p.requires_grad else 0) for p in params)
+    return int(sum(p.numel() * p.element_size() + (8 * p.numel() if p.requires_grad else 0) for p in params))
 
 def _arg(args: Any, name: str) -> Any:
     value: Any = getattr(args, name, None)
