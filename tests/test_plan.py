@@ -191,9 +191,10 @@ def test_no_destination_never_pushes(clock: FakeClock) -> None:
 
 
 def test_early_signal_with_many_ranks_does_not_crash(clock: FakeClock) -> None:
+    from fakes import FakeLink
+
     from guard.secure.budget import Deadline
     from guard.secure.securing import Securing
-    from fakes import FakeLink
 
     link = FakeLink(agents=4, world_size=4)
     link.state.facts.trainer_config = {"output_dir": "/out"}

@@ -136,7 +136,7 @@ class Harness:
     def _run(self) -> None:
         try:
             self.result = self.sup.run()
-        except BaseException as exc:  # noqa: BLE001 - handed to the test
+        except BaseException as exc:
             self.error = exc
 
     def agent(self, **hello: Any) -> FakeAgent:
@@ -309,9 +309,10 @@ def test_a_signal_to_the_guard_is_forwarded_and_interrupts(harness: Callable[...
 
 def test_the_deadline_asks_for_a_checkpoint_and_pushes_it(harness: Callable[..., Harness],
                                                         tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
     from guard.secure.budget import Deadline, MarginEstimator
     from guard.secure.securing import Securing
-    from types import SimpleNamespace
 
     out = tmp_path / "out"
     (out / "checkpoint-3").mkdir(parents=True)

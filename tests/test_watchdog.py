@@ -33,7 +33,7 @@ def test_sanity_pass_after_the_first_finite_losses() -> None:
 
 
 def test_dry_run_stops_the_job_once_the_sanity_pass_is_done() -> None:
-    dog, state = make(sanity_steps=2, dry_run=True)
+    dog, _state = make(sanity_steps=2, dry_run=True)
     assert dog.on_step(1.0, 1, 1.0).decisions == []
     decisions = dog.on_step(2.0, 2, 0.9).decisions
     assert [(d.outcome.status, d.outcome.reason, d.outcome.exit_code, d.stop) for d in decisions] == \
@@ -115,7 +115,7 @@ def test_a_step_without_number_counts_on() -> None:
 
 
 def test_no_output_at_all_is_a_stall_after_the_timeout() -> None:
-    dog, state = make(stall_timeout_s=60.0)
+    dog, _state = make(stall_timeout_s=60.0)
     dog.on_output(10.0)  # output counts as progress before the first step
     assert dog.due_at() == 70.0 and dog.tick(69.9) == []
     decision = dog.tick(70.0)[0]
@@ -196,7 +196,7 @@ def test_skipped_optimizer_steps_past_the_limit_fail_without_a_loss() -> None:
 
 
 def test_skipped_steps_are_ignored_without_a_limit_or_after_a_decision() -> None:
-    dog, state = make(max_skipped_steps=0)
+    dog, _state = make(max_skipped_steps=0)
     assert dog.on_skipped(1000, 1, None) == []
     dog2, state2 = make(max_skipped_steps=2)
     state2.outcome = Outcome("TIMEOUT", "deadline")
