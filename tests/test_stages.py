@@ -10,7 +10,7 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 
@@ -28,7 +28,7 @@ from guard.run.masking import Masker
 class RecordingSupervisor:
     """Stands in for ``Supervisor``: keeps its arguments, returns a PASS."""
 
-    made: list[RecordingSupervisor] = []
+    made: ClassVar[list[RecordingSupervisor]] = []
 
     def __init__(self, config: Config, **kwargs: Any) -> None:
         self.config, self.kwargs = config, kwargs
