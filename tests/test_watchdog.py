@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from guard.run.state import Outcome, RunState
 from guard.run.watchdog import NAN_SETTLE_S, STACKS_WAIT_S, Decision, Watchdog
@@ -221,3 +222,28 @@ def test_ranks_seen_and_the_one_behind() -> None:
     dog.on_step(2.0, 6, 1.0, rank=1)
     dog.on_step(3.0, 8, 1.0, rank=2)
     assert dog.training_ranks() == {0, 1, 2} and dog.newest_rank_step() == 8 and dog.stuck_rank() == 1
+
+
+def test_the_settings_check_fails_once_and_logs_each_row_once(caplog: Any) -> None:
+    from guard.preflight._models import CheckResult
+    from guard.run.watchdog import SettingsCheck
+
+    rows = [CheckResult("env", "warn", "no WANDB_API_KEY", hint="set it"),
+            CheckResult("save", "fail", "save_strategy=no", hint="save checkpoints")]
+    check = SettingsCheck(lambda config: rows if config.get("save_strategy") == "no" else rows[:1])
+    assert check.on_arguments({"save_strategy": "steps"}) is None
+    decision = check.on_arguments({"save_strategy": "no"})
+    assert decision is not None and decision.stop
+    assert (decision.outcome.reason, decision.outcome.exit_code, decision.outcome.extra) == \
+        ("preflight", 3, {"check": "save"})
+    check.on_arguments({"save_strategy": "no"})
+    assert sum("no WANDB_API_KEY" in r.message for r in caplog.records) == 1
+    assert SettingsCheck(None).on_arguments({"save_strategy": "no"}) is None
+
+
+def test_the_node_rank_from_the_environment_or_the_launcher() -> None:
+    from guard.run.state import configured_node_rank
+
+    assert configured_node_rank({"SLURM_NODEID": "2"}, ["python", "train.py"]) == 2
+    assert configured_node_rank({}, ["torchrun", "--nnodes", "2", "--node-rank", "1", "train.py"]) == 1
+    assert configured_node_rank({}, ["python", "train.py"]) is None

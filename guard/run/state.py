@@ -8,10 +8,11 @@ the agent's messages and the job's output, securing (``guard.secure.securing``) 
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["JobFacts", "Outcome", "Progress", "RunState"]
+__all__ = ["JobFacts", "Outcome", "Progress", "RunState", "configured_node_rank"]
 
 #: An agent message as decoded from the channel (``guard.protocol``): a JSON object with a string ``t``.
 Message = dict[str, Any]
@@ -135,3 +136,21 @@ class RunState:
     progress: Progress = field(default_factory=Progress)
     facts: JobFacts = field(default_factory=JobFacts)
     outcome: Outcome | None = None
+
+
+def configured_node_rank(environ: Mapping[str, str], command: Sequence[str]) -> int | None:
+    """This machine's node rank as the guard's environment (``NODE_RANK``, torchrun's ``GROUP_RANK``, Slurm's
+    ``SLURM_NODEID``) or the launcher's command (``torchrun --node-rank N``, ``accelerate launch --machine_rank N``)
+    says; None when neither does."""
+    for name in ("NODE_RANK", "GROUP_RANK", "SLURM_NODEID"):
+        value = environ.get(name, "")
+        if value.isdigit():
+            return int(value)
+    from guard.preflight.launch import parse_launch
+
+    launch = parse_launch(command)
+    for option in ("--node-rank", "--node_rank", "--machine-rank", "--machine_rank"):
+        value = launch.values.get(option, "") if launch is not None else ""
+        if value.isdigit():
+            return int(value)
+    return None

@@ -29,16 +29,16 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from guard import protocol
-from guard.contract import EXIT_PREFLIGHT, RunResult, signal_name
+from guard.contract import RunResult, signal_name
 from guard.run.channel import AgentChannel, AgentConn
 from guard.run.config import Config
 from guard.run.helpers import HELPERS, Wakeup
 from guard.run.masking import Masker
 from guard.run.pipes import JobOutput
 from guard.run.process import JobProcess, Spawner, cgroup_memory, default_signals, set_subreaper
-from guard.run.state import Message, Outcome, RunState
+from guard.run.state import Message, Outcome, RunState, configured_node_rank
 from guard.run.timers import Escalation
-from guard.run.watchdog import Decision, Watchdog
+from guard.run.watchdog import Decision, SettingsCheck, Watchdog
 
 if TYPE_CHECKING:
     from guard.observe.telemetry import Heartbeat
@@ -100,7 +100,6 @@ class Supervisor:
         self.masker = masker
         self.clock = clock
         self.spawner = spawner
-        self.trainer_config_check = trainer_config_check
         self.securer = securer
         self.env_extra = dict(env_extra or {})
         self.heartbeat = heartbeat
@@ -110,6 +109,7 @@ class Supervisor:
         self.watchdog = Watchdog(self.state, self.started, sanity_steps=int(config.values["sanity_steps"]),
                                  stall_timeout_s=config.stall_timeout_s, dry_run=bool(config.values["dry_run"]),
                                  max_skipped_steps=int(config.values.get("max_skipped_steps") or 0))
+        self.settings_check = SettingsCheck(trainer_config_check)
         self.check_every = int(config.values["check_every"])
         self.escalation = Escalation(config.grace_s)
         self._sel = selectors.DefaultSelector()
@@ -122,7 +122,6 @@ class Supervisor:
         self.next_sample = self.started
         self.stop_at: float | None = None  # a scheduled SIGTERM (the job may end on its own before)
         self.stop_grace_s: float | None = None
-        self._settings_logged: set[tuple[str, str]] = set()  # setting-check rows already logged
         self._child_exited = False  # SIGCHLD seen: orphans may need reaping
         self._next_reap = self.started
         self._recheck = False  # a decision was taken outside the timers: re-run them at once
@@ -523,16 +522,9 @@ class Supervisor:
 
     def _check_settings(self, fd: int, config: dict[str, Any]) -> None:
         """Run the Trainer-settings checks; a ``fail`` ends the job as ``preflight``, else the agent gets ``ack``."""
-        rows = self.trainer_config_check(config) if self.trainer_config_check else []
-        failed = next((row for row in rows if row.status == "fail"), None)
-        for row in rows:
-            if row.status in ("fail", "warn") and (row.status, row.seen) not in self._settings_logged:
-                self._settings_logged.add((row.status, row.seen))
-                log.log(logging.ERROR if row.status == "fail" else logging.WARNING, "preflight %s %s: %s%s",
-                        row.name, row.status, row.seen, f" (hint: {row.hint})" if row.hint else "")
+        failed = self.settings_check.on_arguments(config)
         if failed is not None and self.state.outcome is None:
-            self._decide(Outcome("FAIL", "preflight", EXIT_PREFLIGHT, hint=failed.hint,
-                                 extra={"check": failed.name}), stop=True)
+            self._carry_out([failed], self.clock())
             return
         self.send(fd, {"t": "ack"})
 
@@ -630,23 +622,11 @@ class Supervisor:
 
     @property
     def node_rank(self) -> int | None:
-        """This machine's node rank: from the agents (torchrun's ``GROUP_RANK``), else the guard's environment
-        (``NODE_RANK``, ``GROUP_RANK``, Slurm's ``SLURM_NODEID``), else the launcher's command (``torchrun
-        --node-rank N``, ``accelerate launch --machine_rank N``); None on a single machine that does not say."""
+        """This machine's node rank: from the agents (torchrun's ``GROUP_RANK``), else from the guard's environment
+        and the launcher's command (``state.configured_node_rank``); None on a single machine that does not say."""
         if self.state.facts.node_rank is not None:
             return self.state.facts.node_rank
-        for name in ("NODE_RANK", "GROUP_RANK", "SLURM_NODEID"):
-            value = self.config.environ.get(name, "")
-            if value.isdigit():
-                return int(value)
-        from guard.preflight.launch import parse_launch
-
-        launch = parse_launch(self.config.command)
-        for option in ("--node-rank", "--node_rank", "--machine-rank", "--machine_rank"):
-            value = launch.values.get(option, "") if launch is not None else ""
-            if value.isdigit():
-                return int(value)
-        return None
+        return configured_node_rank(self.config.environ, self.config.command)
 
     @property
     def follows_node_0(self) -> bool:

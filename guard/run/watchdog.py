@@ -23,14 +23,19 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
-from guard.contract import EXIT_NON_FINITE, EXIT_STALLED
+from guard.contract import EXIT_NON_FINITE, EXIT_PREFLIGHT, EXIT_STALLED
 from guard.run.ranks import RankWatch
 from guard.run.state import Outcome, RunState
 from guard.run.timers import StallWatch
 
-__all__ = ["EARLY_STEPS", "EXPLODE_FACTOR", "NAN_SETTLE_S", "Decision", "StepResult", "Watchdog"]
+if TYPE_CHECKING:
+    from guard.preflight._models import CheckResult
+
+__all__ = ["EARLY_STEPS", "EXPLODE_FACTOR", "NAN_SETTLE_S", "Decision", "SettingsCheck", "StepResult", "Watchdog"]
 
 log = logging.getLogger("guard.supervisor")
 
@@ -356,3 +361,30 @@ class Watchdog:
         else:
             log.error("the job's main thread waits in %s", where)
             outcome.hint = f"the main thread waits in {where}; {outcome.hint}"
+
+
+class SettingsCheck:
+    """The Trainer-settings check, when the agent reports the arguments (``training_args``, ``trainer_config``).
+
+    Args:
+        check: returns preflight rows for the reported arguments (``guard.preflight.trainer.check_job_settings``),
+            or None: no check.
+    """
+
+    def __init__(self, check: Callable[[Mapping[str, Any]], list[CheckResult]] | None) -> None:
+        self.check = check
+        self._logged: set[tuple[str, str]] = set()  # rows already logged (the same arguments come twice)
+
+    def on_arguments(self, config: Mapping[str, Any]) -> Decision | None:
+        """Log each ``warn``/``fail`` row once; a ``fail`` stops the job (``FAIL preflight``), else None (the
+        agent gets its ``ack``)."""
+        rows = self.check(config) if self.check is not None else []
+        for row in rows:
+            if row.status in ("fail", "warn") and (row.status, row.seen) not in self._logged:
+                self._logged.add((row.status, row.seen))
+                log.log(logging.ERROR if row.status == "fail" else logging.WARNING, "preflight %s %s: %s%s",
+                        row.name, row.status, row.seen, f" (hint: {row.hint})" if row.hint else "")
+        failed = next((row for row in rows if row.status == "fail"), None)
+        if failed is None:
+            return None
+        return Decision(Outcome("FAIL", "preflight", EXIT_PREFLIGHT, hint=failed.hint, extra={"check": failed.name}))
