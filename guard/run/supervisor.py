@@ -127,7 +127,7 @@ class Supervisor:
         self._recheck = False  # a decision was taken outside the timers: re-run them at once
         self._wakeup_notify: Wakeup | None = None
         self._wakeup_r = self._wakeup_w = -1
-        self._old_handlers: dict[int, Any] = {}
+        self._old_handlers: dict[int, Callable[[int, FrameType | None], Any] | int | None] = {}
         self._old_wakeup = -1
         self.cgroup_start = cgroup_memory()
 

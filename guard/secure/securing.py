@@ -24,6 +24,7 @@ from guard.contract import (
     signal_name,
 )
 from guard.errors import GuardError
+from guard.run.diagnose import incomplete_reason
 from guard.run.state import Message, Outcome, RunState
 from guard.secure import budget, checkpoints, layout, worker
 from guard.secure.plan import Action, Decide, ForwardSignal, Plan, Pusher, RequestSave, State, StopJob
@@ -417,13 +418,11 @@ class Securing:
             reason = "crash" if code > 0 else "killed"
             self._carry_out(sup, self.plan.failure(reason), now)
             return
-        if self.plan.state is State.WATCHING and outcome is None and code == 0:
-            from guard.run.diagnose import incomplete_reason
-
-            # an exit 0 that is not a finished run: a failure, not a final push
-            if incomplete_reason(sup.state.facts) is not None:
-                self._carry_out(sup, self.plan.failure("incomplete"), now)
-                return
+        # an exit 0 that is not a finished run: a failure, not a final push
+        if self.plan.state is State.WATCHING and outcome is None and code == 0 \
+                and incomplete_reason(sup.state.facts) is not None:
+            self._carry_out(sup, self.plan.failure("incomplete"), now)
+            return
         ok = code == 0 and outcome is None
         self._check_node(sup)
         if ok and sup.node_rank not in (None, 0) and self.securer is not None:
