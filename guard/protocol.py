@@ -10,21 +10,22 @@ job, and a dead or silent agent never blocks the supervisor (it only reads what 
 
 Agent -> supervisor (``t``):
 
-``hello``           pid, rank, local_rank, world_size, node_rank
+``hello``           pid, argv, rank, local_rank, world_size, node_rank
+``dist``            store (bool), global_rank, world_size: ``torch.distributed`` is up (the cross-rank relay)
 ``step``            step (int), loss (float|None), finite (bool), source (``trainer``|``backward``|``report``),
-                    n (steps covered by this message, >= 1)
+                    n (steps covered by this message, >= 1), skipped (optimizer steps a GradScaler skipped in a
+                    row; only with a GradScaler)
 ``trainer_config``  the TrainingArguments that matter (see ``TRAINER_FIELDS``) + has_eval_dataset, max_steps,
                     checkpoint_bytes_estimate (weights + AdamW state, from tensor metadata);
                     the agent then waits up to ack_timeout_s for ``ack`` (go on) before the first step
 ``training_args``   the same fields as ``trainer_config`` (no max_steps, no has_eval_dataset), sent when
                     ``TrainingArguments`` is built (before the job's data work); the agent waits for ``ack``
-``train_begin``     max_steps
-``checkpoint_saved`` path, step
+``checkpoint_saved`` path, step, save_s, requested, zero (from the world's process zero)
 ``file_saved``      path (absolute), step (the agent's step count), save_s: ``torch.save`` to a named file returned
 ``api``             name: the script called ``guard.<name>()`` for the first time (``should_checkpoint``,
                     ``checkpoint_saved``, ``should_stop``)
-``exception``       exc_type, message (the job's uncaught exception, from ``sys.excepthook``)
-``push_result``     ok (bool), error (str|None): a push the Trainer did in the background
+``exception``       exc_type, message, root (the job's uncaught exception, from ``sys.excepthook``)
+``push_result``     ok (bool), error (str|None), count: pushes the Trainer did in the background
 ``train_end``       step, max_steps, stopped (a callback or the guard asked training to stop)
 ``train_error``     exc_type, message, root, step, max_steps: ``Trainer.train()`` raised (the script may catch it)
 ``watching``        what (``torch``): the agent hooked torch and sees the losses; printed losses stop deciding
@@ -35,8 +36,10 @@ Agent -> supervisor (``t``):
 Supervisor -> agent (``t``):
 
 ``ack``             go on (after ``trainer_config`` or ``training_args``)
-``checkpoint``      save a checkpoint now (at the next step end); ``stop`` (bool): then end training
+``checkpoint``      save a checkpoint now (at the next step end); ``stop`` (bool): then end training; ``at_step``
+                    (several ranks): save at that step, so that every rank saves at the same one
 ``stop``            end training cleanly at the next step end
+``dump``            print every thread's stack, answer ``progress`` (the job looks hung)
 """
 
 from __future__ import annotations

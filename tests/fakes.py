@@ -108,3 +108,73 @@ class FakePusher:
 def ckpt(step: int, size_bytes: int = 1_000_000, root: str = "/out") -> CheckpointInfo:
     return CheckpointInfo(path=Path(root) / f"checkpoint-{step}", step=step, size_bytes=size_bytes,
                           files=("model.safetensors",), newest_mtime_s=float(step))
+
+
+class FakeLink:
+    """The supervisor's loop as securing sees it (``guard.secure.securing.JobLink``), with no process behind it.
+
+    ``agents``/``world_size``: what the agents said; ``running``/``alive``/``exit_code``: the job; ``ranks``: rank
+    -> last step; what securing asks for lands in ``sent`` (broadcasts), ``signals``, ``stops`` (``(at,
+    grace_s)``), ``woken`` and ``state.outcome``.
+    """
+
+    def __init__(self, *, agents: int = 1, world_size: int = 1, **kwargs: Any) -> None:
+        from guard.run.state import RunState
+
+        self.agents, self.world_size_seen = agents, world_size
+        self.running, self.alive, self.exit_code = True, True, None
+        self.ranks, self.node, self.follows, self.check_every = {}, None, False, 10
+        self.sent, self.signals, self.stops, self.woken = [], [], [], 0
+        self.state = RunState()
+        for name, value in kwargs.items():
+            setattr(self, name, value)
+
+    @property
+    def node_rank(self) -> int | None:
+        return self.node
+
+    @property
+    def follows_node_0(self) -> bool:
+        return self.follows
+
+    def job_running(self) -> bool:
+        return self.running
+
+    def job_alive(self) -> bool:
+        return self.alive
+
+    def job_exit_code(self) -> int | None:
+        return self.exit_code
+
+    def agents_connected(self) -> int:
+        return self.agents
+
+    def world_size(self) -> int:
+        return self.world_size_seen
+
+    def training_ranks(self) -> set[int]:
+        return set(self.ranks)
+
+    def newest_rank_step(self) -> int | None:
+        return max(self.ranks.values(), default=None)
+
+    def broadcast(self, message: dict[str, Any]) -> int:
+        self.sent.append(message)
+        return self.agents
+
+    def signal_job(self, signum: int) -> None:
+        self.signals.append(signum)
+
+    def stop_job_at(self, at: float, grace_s: float | None) -> None:
+        self.stops.append((at, grace_s))
+
+    def decide(self, outcome: Any) -> None:
+        if self.state.outcome is None:
+            self.state.outcome = outcome
+
+    def wake(self) -> None:
+        self.woken += 1
+
+    def exit(self, code: int) -> None:
+        """The job exited with ``code``."""
+        self.running, self.alive, self.exit_code = False, False, code

@@ -190,33 +190,20 @@ def test_no_destination_never_pushes(clock: FakeClock) -> None:
     assert plan.newest is not None and plan.newest.step == 1
 
 
-class _Job:
-    returncode = None
-
-    def alive(self) -> bool:
-        return True
-
-    def signal_all(self, signum: int) -> None:
-        self.signalled = signum
-
-
 def test_early_signal_with_many_ranks_does_not_crash(clock: FakeClock) -> None:
+    from fakes import FakeLink
+
     from guard.secure.budget import Deadline
     from guard.secure.securing import Securing
 
-    sent: list[dict] = []
-    agents = {i: SimpleNamespace(info={"world_size": 4, "rank": i}) for i in range(4)}
-    sup = SimpleNamespace(job=_Job(), agents=agents, trainer_config={"output_dir": "/out"}, checkpoints=[],
-                          rank_progress={}, config=SimpleNamespace(check_every=10), outcome=None,
-                          stall=SimpleNamespace(pause=lambda: None), stop_at=None, stop_grace_s=None,
-                          node_rank=None, follows_node_0=False, training_ranks=lambda: set(),
-                          broadcast=lambda message: sent.append(message) or 4, _recheck=False)
+    link = FakeLink(agents=4, world_size=4)
+    link.state.facts.trainer_config = {"output_dir": "/out"}
     securing = Securing(deadline=Deadline(0.0, None, None, "none"), estimator=MarginEstimator(log_changes=False),
-                        securer=SimpleNamespace(destination="alice/run", token=None), clock=clock,
-                        pusher_factory=lambda dest, token: FakePusher(clock))
-    assert securing.on_signal(sup, signal.SIGTERM, clock.now)
-    assert sent and sent[0]["t"] == "checkpoint" and sent[0]["at_step"] == 22
-    assert sup.outcome is not None and sup.outcome.status == "INTERRUPTED"
+                        securer=SimpleNamespace(destination="alice/run", token=None),  # type: ignore[arg-type]
+                        clock=clock, pusher_factory=lambda dest, token: FakePusher(clock))
+    assert securing.on_signal(link, signal.SIGTERM, clock.now)
+    assert link.sent and link.sent[0]["t"] == "checkpoint" and link.sent[0]["at_step"] == 22
+    assert link.state.outcome is not None and link.state.outcome.status == "INTERRUPTED"
 
 
 def test_a_good_end_without_final_model_files_secures_the_newest_checkpoint(clock: FakeClock) -> None:

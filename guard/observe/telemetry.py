@@ -29,11 +29,16 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from guard.run.process import CgroupMemory
 
-__all__ = ["GpuSample", "GpuSampler", "Heartbeat", "Progress", "Snapshot", "StepRate", "fmt_duration"]
+if TYPE_CHECKING:
+    from guard.contract import RunResult
+    from guard.run.helpers import Helpers, Pending
+    from guard.run.masking import Masker
+
+__all__ = ["GpuSample", "GpuSampler", "Heartbeat", "Progress", "Snapshot", "StepRate", "Tracker", "fmt_duration"]
 
 log = logging.getLogger("guard.telemetry")
 
@@ -44,7 +49,7 @@ _LIBRARY_NOT_FOUND, _DRIVER_NOT_LOADED, _VERSION_MISMATCH, _GPU_IS_LOST = 12, 9,
 
 def fmt_duration(seconds: float) -> str:
     """``3720`` -> ``"1h02m"``, ``1147`` -> ``"19m07s"``, ``45`` -> ``"45s"`` (negative values count as 0)."""
-    total = int(round(max(0.0, seconds)))
+    total = round(max(0.0, seconds))
     hours, rest = divmod(total, 3600)
     minutes, secs = divmod(rest, 60)
     if hours:
@@ -160,7 +165,7 @@ class GpuSampler:
         self.devices = []
         if self.nvml is None:
             try:
-                import pynvml  # noqa: PLC0415 - lazy: only when a heartbeat runs
+                import pynvml
             except ImportError:
                 self.reason = "nvidia-ml-py not installed"
                 return
@@ -170,7 +175,7 @@ class GpuSampler:
         try:
             nvml.nvmlInit()
         except error as exc:
-            code = getattr(exc, "value", None)
+            code = getattr(exc, "value", -1)
             self.reason = {_LIBRARY_NOT_FOUND: "no NVIDIA driver: NVML library not found",
                            _DRIVER_NOT_LOADED: "NVIDIA driver not loaded",
                            _VERSION_MISMATCH: "NVIDIA driver/library version mismatch"}.get(code, f"NVML: {exc}")
@@ -290,6 +295,22 @@ class Snapshot:
 GPU_WAIT_S = 2.0
 
 
+class Tracker(Protocol):
+    """Where the heartbeat's figures also go (``guard.observe.tracking.TrackioSink``)."""
+
+    def log(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
+        """Record ``metrics`` at ``step``."""
+
+    def alert(self, title: str, text: str | None = None, level: str = "warn", step: int | None = None) -> None:
+        """Raise an alert."""
+
+    def finish(self, result: RunResult | None = None) -> None:
+        """Record the verdict."""
+
+    def close(self, timeout_s: float = 5.0) -> bool:
+        """Flush within ``timeout_s``; True when everything was written."""
+
+
 class Heartbeat:
     """One ``[guard] heartbeat`` line every ``interval_s``, and the projection against the deadline.
 
@@ -313,10 +334,10 @@ class Heartbeat:
     def __init__(self, interval_s: float, *, clock: Callable[[], float] = time.monotonic,
                  wall: Callable[[], float] = time.time, deadline_s: Callable[[], float | None] = lambda: None,
                  margin_s: Callable[[], float] = lambda: 0.0, gpus: GpuSampler | None = None,
-                 tracker: Any = None, window_s: float = 300.0, min_span_s: float = 60.0,
-                 helpers: Any = None) -> None:
+                 tracker: Tracker | None = None, window_s: float = 300.0, min_span_s: float = 60.0,
+                 helpers: Helpers | None = None) -> None:
         self.helpers = helpers
-        self._gpu_read: Any = None  # a helpers.Pending of gpus.sample()
+        self._gpu_read: Pending[list[GpuSample] | None] | None = None  # gpus.sample() on the helper thread
         self._gpu_read_since = 0.0
         self.interval_s = interval_s
         self.clock, self.wall = clock, wall
@@ -540,7 +561,7 @@ class Progress:
         return text
 
 
-def follow_trainer(heartbeat: Heartbeat, config: Mapping[str, Any], masker: Any) -> None:
+def follow_trainer(heartbeat: Heartbeat, config: Mapping[str, Any], masker: Masker) -> None:
     """When the Trainer's arguments arrive: its ``max_steps`` for the projection, and its own trackio project
     (``report_to`` trackio) as the tracker when ``--trackio`` gave none."""
     from guard.observe.tracking import TrackioSink, trainer_trackio_target
@@ -554,7 +575,7 @@ def follow_trainer(heartbeat: Heartbeat, config: Mapping[str, Any], masker: Any)
                                         space_id=target["space_id"], mask=masker.mask_text)
 
 
-def close_with_verdict(heartbeat: Heartbeat, result: Any, deadline_s: float | None,
+def close_with_verdict(heartbeat: Heartbeat, result: RunResult, deadline_s: float | None,
                        wall: Callable[[], float] = time.time) -> None:
     """End the heartbeat; put the verdict into the tracker, within the time left before a kill.
 

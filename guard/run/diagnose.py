@@ -15,13 +15,18 @@ import math
 import os
 import shutil
 import signal
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
-from guard.run.config import guard_options_in
-from guard.run.process import cgroup_memory
 from guard.contract import EXIT_GUARD_ERROR, EXIT_INCOMPLETE, RunResult, signal_name
+from guard.run.config import Config, guard_options_in
+from guard.run.process import CgroupMemory, Survivor, cgroup_memory
+from guard.run.state import JobFacts, RunState
 
-__all__ = ["cause_hint", "job_result"]
+if TYPE_CHECKING:
+    from guard.secure.securing import Securing
+
+__all__ = ["JobExit", "cause_hint", "incomplete_reason", "job_result"]
 
 log = logging.getLogger("guard.supervisor")
 
@@ -34,16 +39,42 @@ NO_LOSS_HINT = (
 )
 
 
-def _host_oom(sup: Any, *, near_limit: bool = True) -> tuple[bool, str]:
+@dataclass(frozen=True)
+class JobExit:
+    """How the job's processes ended, as the loop saw them (``guard.run.process.JobProcess``).
+
+    Attributes:
+        returncode: the job's exit code (negative: the signal that killed it), or None if it never ended.
+        status_lost: its exit status could not be read (another process reaped it).
+        peak_rss_bytes, last_rss_bytes: the job tree's resident memory, highest and last sampled.
+        survivors: processes still there after SIGKILL and the bounded wait.
+        orphans_reaped: orphaned processes of the job the guard reaped.
+        cgroup_start: the cgroup's memory figures at the start (its ``oom_kill`` counter), or None.
+        elapsed_s: seconds from the start to the end.
+        node_rank: this machine's node rank, or None.
+    """
+
+    returncode: int | None
+    status_lost: bool = False
+    peak_rss_bytes: int | None = None
+    last_rss_bytes: int = 0
+    survivors: list[Survivor] = field(default_factory=list)
+    orphans_reaped: int = 0
+    cgroup_start: CgroupMemory | None = None
+    elapsed_s: float = 0.0
+    node_rank: int | None = None
+
+
+def _host_oom(ended: JobExit, *, near_limit: bool = True) -> tuple[bool, str]:
     """Whether the job ran out of host memory: the cgroup's ``oom_kill`` counter rose since the start, or (with
     ``near_limit``) the job's memory was within 10% of the cgroup's limit."""
-    start, end = sup.cgroup_start, cgroup_memory()
+    start, end = ended.cgroup_start, cgroup_memory()
     if start is not None and end is not None and end.oom_kills > start.oom_kills:
         return True, f"the kernel's OOM killer ran in the job's cgroup ({end.oom_kills - start.oom_kills} kill(s))"
     if not near_limit:
         return False, ""
     limit = end.limit_bytes if end is not None else None
-    rss = sup.job.last_rss_bytes if sup.job is not None else 0
+    rss = ended.last_rss_bytes
     if limit and rss >= OOM_NEAR_LIMIT * limit:
         return True, f"the job used {rss / 1e9:.1f} GB of the container's {limit / 1e9:.1f} GB limit"
     return False, ""
@@ -69,21 +100,20 @@ def _size(size_bytes: float) -> str:
     return f"{int(size_bytes)} bytes"
 
 
-def _output_folder(sup: Any) -> str:
+def _output_folder(facts: JobFacts, config: Config, securer: Securing | None) -> str:
     """The job's output folder (the guard's ``--output-dir``, the Trainer's ``output_dir``), else its working
     directory."""
-    securer = getattr(sup, "securer", None)
-    for folder in (getattr(securer, "output_dir", None), (sup.trainer_config or {}).get("output_dir"),
-                   sup.config.values.get("output_dir")):
+    for folder in (securer.output_dir if securer is not None else None,
+                   (facts.trainer_config or {}).get("output_dir"), config.values.get("output_dir")):
         if folder:
             return str(folder)
     return os.getcwd()
 
 
-def cause_hint(sup: Any, code: int) -> str:
+def cause_hint(facts: JobFacts, code: int, *, output_folder: str | None = None) -> str:
     """The crash hint, naming the root cause: a DataLoader worker out of shared memory, a full disk (with the
-    output folder's free space), else the innermost error of the chain."""
-    last, root = sup.last_exception, getattr(sup, "root_exception", None)
+    free space of ``output_folder``, default the working directory), else the innermost error of the chain."""
+    last, root = facts.last_exception, facts.root_exception
     seen = " | ".join(text for text in (root, last) if text)
 
     def which(markers: tuple[str, ...]) -> str:
@@ -95,19 +125,20 @@ def cause_hint(sup: Any, code: int) -> str:
                 "(docker run --shm-size=8g; Kubernetes: an emptyDir with medium Memory on /dev/shm) or lower "
                 "num_workers (0 loads in the main process)")
     if any(marker in seen for marker in _DISK_FULL):
-        return (f"the disk is full ({which(_DISK_FULL)}; {_free_text(_output_folder(sup))}): free space, write the "
-                "output elsewhere, or keep fewer checkpoints (save_total_limit)")
+        free = _free_text(output_folder or os.getcwd())
+        return (f"the disk is full ({which(_DISK_FULL)}; {free}): free space, write the output elsewhere, or keep "
+                "fewer checkpoints (save_total_limit)")
     if root and last and root != last:
         return (f"the job exited with code {code} after {root} (the root cause, behind {last}): fix it and rerun")
     what = f" after {last}" if last else ""
     return f"the job exited with code {code}{what}: fix the error its traceback shows in the log and rerun"
 
 
-def incomplete_reason(sup: Any) -> str | None:
+def incomplete_reason(facts: JobFacts) -> str | None:
     """Why an exit 0 is not a finished run (the hint), or None: ``Trainer.train()`` raised and the script went on,
     or training ended before ``max_steps`` with no stop asked for (a callback's ``should_training_stop``, the
     guard's own request)."""
-    error, end = getattr(sup, "train_error", None), getattr(sup, "train_end", None)
+    error, end = facts.train_error, facts.train_end
     if error is not None:
         what = error.get("root") or f"{error.get('exc_type')}: {error.get('message')}"
         where = f" at step {error.get('step')} of {error.get('max_steps')}" if error.get("step") is not None else ""
@@ -115,59 +146,67 @@ def incomplete_reason(sup: Any) -> str | None:
                 "(or let it propagate, so that the run fails visibly)")
     if end is not None and not end.get("stopped"):
         step, max_steps = end.get("step"), end.get("max_steps")
-        if isinstance(step, int) and isinstance(max_steps, int) and 0 < max_steps and step < max_steps:
+        if isinstance(step, int) and isinstance(max_steps, int) and max_steps > 0 and step < max_steps:
             return (f"training ended at step {step} of {max_steps} with no stop asked for (no callback set "
                     "should_training_stop): check that the dataset yields enough batches for max_steps")
     return None
 
 
-def job_result(sup: Any) -> RunResult:
-    """Build the run's result from the supervisor's state (``guard.run.supervisor.Supervisor``)."""
-    elapsed_s = sup.clock() - sup.started
-    code = sup.job.returncode if sup.job is not None else None
+def job_result(state: RunState, ended: JobExit, config: Config, *, securer: Securing | None = None) -> RunResult:
+    """Build the run's result from what the loop saw.
+
+    Args:
+        state: the run's state (progress, the job's facts, the guard's outcome).
+        ended: how the job's processes ended.
+        config: the guard's options (``--sanity-steps``, the job's arguments, ``--output-dir``).
+        securer: the securing flow, which fills the checkpoint fields and the exit code of a deadline or signal.
+    """
+    progress, facts, code = state.progress, state.facts, ended.returncode
+    elapsed_s = ended.elapsed_s
     details: dict[str, Any] = {
         "job_exit_code": code,
         "job_signal": signal_name(-code) if code is not None and code < 0 else None,
-        "last_exception": sup.last_exception,
-        "root_exception": getattr(sup, "root_exception", None),
-        "loss_source": sup.loss_source,
-        "agents_seen": sup.agents_seen,
-        "peak_rss_bytes": sup.job.peak_rss_bytes if sup.job is not None else None,
-        "checkpoints_reported": [c.get("path") for c in sup.checkpoints][-5:],
+        "last_exception": facts.last_exception,
+        "root_exception": facts.root_exception,
+        "loss_source": progress.loss_source,
+        "agents_seen": facts.agents_seen,
+        "peak_rss_bytes": ended.peak_rss_bytes,
+        "checkpoints_reported": [c.get("path") for c in facts.checkpoints][-5:],
     }
-    if sup.events.job_verdicts:
-        details["job_verdict"] = sup.events.job_verdicts[-1]
-    if sup.trainer_config is not None:
-        details["trainer_config"] = sup.trainer_config
-    if sup.trainer_push is not None:
-        details["trainer_push"] = sup.trainer_push
-    if not sup.sanity:
+    if facts.job_verdict is not None:
+        details["job_verdict"] = facts.job_verdict
+    if facts.trainer_config is not None:
+        details["trainer_config"] = facts.trainer_config
+    if facts.trainer_push is not None:
+        details["trainer_push"] = facts.trainer_push
+    sanity_steps = int(config.values["sanity_steps"])
+    if not progress.sanity:
         details["sanity_status"] = "no_loss_seen"
-    elif sup.sanity_done:
+    elif progress.sanity_done:
         details["sanity_status"] = "passed"
     else:
-        details["sanity_status"] = f"incomplete ({len(sup.sanity)} of {sup.config.sanity_steps} steps)"
+        details["sanity_status"] = f"incomplete ({len(progress.sanity)} of {sanity_steps} steps)"
     # After the guard stopped the job, exceptions are its echo; on an exit 0 the job caught it itself (it is the
     # job's error only when it cut training short: ``incomplete`` says so in its hint).
-    if sup.last_exception and sup.outcome is None:
-        log.log(logging.ERROR if code != 0 else logging.DEBUG, "the job's last exception: %s", sup.last_exception)
+    if facts.last_exception and state.outcome is None:
+        log.log(logging.ERROR if code != 0 else logging.DEBUG, "the job's last exception: %s", facts.last_exception)
 
-    outcome = sup.outcome
+    outcome = state.outcome
     if outcome is not None:
         result = RunResult(outcome.status, outcome.reason, int(outcome.exit_code or 0), elapsed_s,
                            hint=outcome.hint, extra=dict(outcome.extra))
-    elif sup.job is not None and sup.job.status_lost:
+    elif ended.status_lost:
         result = RunResult("FAIL", "guard_error", EXIT_GUARD_ERROR, elapsed_s, extra={"job_exit": "unknown"}, hint=(
             "the job's exit status was lost (another process reaped it), so whether it succeeded is unknown: "
             "check its output above"))
-    elif code == 0 and (why := incomplete_reason(sup)) is not None:
+    elif code == 0 and (why := incomplete_reason(facts)) is not None:
         log.error("the job exited 0, but its run is incomplete: %s", why)
         result = RunResult("FAIL", "incomplete", EXIT_INCOMPLETE, elapsed_s, hint=why)
     elif code == 0:
         result = RunResult("PASS", "ok", 0, elapsed_s)
     elif code is not None and code > 0:
-        host_oom, why = (False, "") if sup.cuda_oom else _host_oom(sup, near_limit=False)
-        if sup.cuda_oom:
+        host_oom, why = (False, "") if facts.cuda_oom else _host_oom(ended, near_limit=False)
+        if facts.cuda_oom:
             result = RunResult("FAIL", "oom", code, elapsed_s, hint=(
                 "CUDA out of memory: lower the per-device batch size (keep the effective batch with gradient "
                 "accumulation), enable gradient checkpointing, use bf16, or pick a GPU with more memory"))
@@ -175,16 +214,17 @@ def job_result(sup: Any) -> RunResult:
             result = RunResult("FAIL", "oom", code, elapsed_s, hint=(
                 f"out of host memory ({why}): lower DataLoader num_workers or prefetch_factor, stream or shard "
                 "the dataset, or ask the platform for more memory"))
-        elif code == 2 and not sup.last_exception and (misplaced := guard_options_in(sup.config.script_args)):
+        elif code == 2 and not facts.last_exception and (misplaced := guard_options_in(config.script_args)):
             # argparse's exit status for a usage error: the job refused an option meant for the guard
             result = RunResult("FAIL", "crash", code, elapsed_s, hint=(
                 f"the job exited with code 2 (a usage error) and its arguments hold {', '.join(misplaced)}, a guard "
                 f"option: guard options go before the script (python -m guard {misplaced[0]} ... train.py ...)"))
         else:
-            result = RunResult("FAIL", "crash", code, elapsed_s, hint=cause_hint(sup, code))
+            result = RunResult("FAIL", "crash", code, elapsed_s, hint=cause_hint(
+                facts, code, output_folder=_output_folder(facts, config, securer)))
     else:
         signum = -(code if code is not None else -signal.SIGKILL)
-        oom, why = _host_oom(sup, near_limit=signum == signal.SIGKILL)
+        oom, why = _host_oom(ended, near_limit=signum == signal.SIGKILL)
         if oom:
             result = RunResult("FAIL", "oom", 128 + signum, elapsed_s, hint=(
                 f"out of host memory ({why}): lower DataLoader num_workers or prefetch_factor, stream or shard "
@@ -193,24 +233,24 @@ def job_result(sup: Any) -> RunResult:
             result = RunResult("FAIL", "killed", 128 + signum, elapsed_s, extra={"signal": signal_name(signum)},
                                hint=(f"the job died of {signal_name(signum)}, not sent by the guard: check the "
                                      "platform's events (OOM killer, eviction, a user's kill)"))
-    exploded = getattr(sup, "exploded", None)
+    exploded = progress.exploded
     if exploded is not None and result.reason not in ("usage", "preflight"):
         said = (f"the loss exploded to {exploded['loss']:.6g} at step {exploded['step']} from about "
                 f"{exploded['early']:.4g} in the first steps (lower the learning rate, add warmup or clip gradients)")
         result.hint = f"{said}; then: {result.hint}" if result.hint else said
-    result.step, result.loss, result.sanity = sup.step, sup.loss, list(sup.sanity)
+    result.step, result.loss, result.sanity = progress.step, progress.loss, list(progress.sanity)
     if result.reason == "non_finite_loss" and result.loss is not None and math.isfinite(result.loss):
         result.loss = None  # a finite loss never stands on a non_finite_loss verdict (a later step's echo)
-    if sup.node_rank is not None:
-        result.extra.setdefault("node", sup.node_rank)
-    if sup.job is not None and sup.job.survivors_left:  # outlived SIGKILL and the bounded wait
-        result.extra["survivors"] = ",".join(map(str, sup.job.survivors_left))
-        details["survivors"] = [vars(survivor) for survivor in sup.job.survivors_left]
-    if sup.job is not None and sup.job.reaped:
-        details["orphans_reaped"] = sup.job.reaped
+    if ended.node_rank is not None:
+        result.extra.setdefault("node", ended.node_rank)
+    if ended.survivors:  # outlived SIGKILL and the bounded wait
+        result.extra["survivors"] = ",".join(map(str, ended.survivors))
+        details["survivors"] = [vars(survivor) for survivor in ended.survivors]
+    if ended.orphans_reaped:
+        details["orphans_reaped"] = ended.orphans_reaped
     result.details.update(details)
-    if sup.securer is not None:
-        sup.securer.finish(sup, result)
-    if not sup.sanity and result.status == "PASS":
+    if securer is not None:
+        securer.finish(result, step=progress.step)
+    if not progress.sanity and result.status == "PASS":
         log.warning("%s", NO_LOSS_HINT)
     return result

@@ -14,7 +14,7 @@ import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from guard.contract import (
     EXIT_PUSH_FAILED,
@@ -24,10 +24,16 @@ from guard.contract import (
     signal_name,
 )
 from guard.errors import GuardError
+from guard.run.diagnose import incomplete_reason
+from guard.run.state import Message, Outcome, RunState
 from guard.secure import budget, checkpoints, layout, worker
-from guard.secure.plan import Decide, ForwardSignal, Plan, RequestSave, State, StopJob
+from guard.secure.plan import Action, Decide, ForwardSignal, Plan, Pusher, RequestSave, State, StopJob
 
-__all__ = ["FAILURE_REASONS", "Securing"]
+if TYPE_CHECKING:
+    from guard.run.slurm import SlurmRefresher
+    from guard.secure.hub import Securer
+
+__all__ = ["FAILURE_REASONS", "JobLink", "Securing"]
 
 log = logging.getLogger("guard.secure")
 
@@ -37,8 +43,66 @@ SCAN_EVERY_S = 5.0  # how often the output folder is looked at for complete chec
 FILE_SETTLE_S = 1.0  # a torch.save'd file counts as a whole checkpoint after this long without another file
 
 
+class JobLink(Protocol):
+    """What securing needs from the supervisor's loop (``guard.run.supervisor.Supervisor`` offers it; tests offer
+    a fake).
+
+    Attributes:
+        state: the run's state: ``progress.step``, ``facts`` (the Trainer, the saves), ``outcome``.
+        check_every: ``--check-every``: the agents report a step at least this often (in steps).
+        node_rank: this machine's node rank, or None when not known (yet).
+        follows_node_0: node 0's guard decides checkpoints for this machine (through the job's store).
+    """
+
+    state: RunState
+    check_every: int
+
+    @property
+    def node_rank(self) -> int | None: ...
+
+    @property
+    def follows_node_0(self) -> bool: ...
+
+    def job_running(self) -> bool:
+        """The job's main process started and has not exited."""
+
+    def job_alive(self) -> bool:
+        """A process of the job's tree still runs."""
+
+    def job_exit_code(self) -> int | None:
+        """The job's exit code once it exited (negative: the signal), else None."""
+
+    def agents_connected(self) -> int:
+        """How many agents are connected now."""
+
+    def world_size(self) -> int:
+        """The largest world size an agent reported (1 without one)."""
+
+    def training_ranks(self) -> set[int]:
+        """Ranks that reported training steps."""
+
+    def newest_rank_step(self) -> int | None:
+        """The highest step any rank reported, or None."""
+
+    def broadcast(self, message: Message) -> int:
+        """Send a command to every agent; returns how many got it."""
+
+    def signal_job(self, signum: int) -> None:
+        """Send ``signum`` to every process of the job."""
+
+    def stop_job_at(self, at: float, grace_s: float | None) -> None:
+        """Stop the job at ``at`` (monotonic seconds) with ``grace_s`` before SIGKILL, unless an earlier stop is
+        set."""
+
+    def decide(self, outcome: Outcome) -> None:
+        """Record an outcome if none stands (the first one stands)."""
+
+    def wake(self) -> None:
+        """Run the timers (``tick``) on the loop's next turn."""
+
+
 class Securing:
-    """Hooks for the supervisor's loop around one ``Plan``.
+    """Hooks for the supervisor's loop around one ``Plan``; each hook gets the loop as a :class:`JobLink`.
 
     Args:
         deadline: the job's deadline (``budget.resolve_deadline``); ``deadline_s`` None without a limit.
@@ -53,11 +117,13 @@ class Securing:
         pusher_factory: builds the plan's pusher from (destination text, token); default ``worker.Pusher``.
     """
 
-    def __init__(self, *, deadline: budget.Deadline, estimator: budget.MarginEstimator, securer: Any = None,
-                 securer_factory: Callable[[str], Any] | None = None, output_dir: str | None = None,
-                 grace_s: float = 30.0, refresher: Any = None, wall: Callable[[], float] = time.time,
+    def __init__(self, *, deadline: budget.Deadline, estimator: budget.MarginEstimator, securer: Securer | None = None,
+                 securer_factory: Callable[[str], Securer] | None = None, output_dir: str | None = None,
+                 grace_s: float = 30.0, refresher: SlurmRefresher | None = None,
+                 wall: Callable[[], float] = time.time,
                  clock: Callable[[], float] = time.monotonic, background: bool = True,
-                 push_interval_s: float = 600.0, pusher_factory: Callable[[str, str | None], Any] | None = None) -> None:
+                 push_interval_s: float = 600.0,
+                 pusher_factory: Callable[[str, str | None], Pusher] | None = None) -> None:
         self.deadline = deadline
         self.estimator = estimator
         self.securer = securer
@@ -65,13 +131,14 @@ class Securing:
         self.output_dir = output_dir
         self.refresher = refresher
         self.wall, self.clock = wall, clock
-        self._pusher_factory = pusher_factory or (lambda dest, token: worker.Pusher(dest, token, clock=clock))
+        self._pusher_factory: Callable[[str, str | None], Pusher] = pusher_factory or (
+            lambda dest, token: worker.Pusher(dest, token, clock=clock))
         self.plan = Plan(clock=clock, pusher=self._make_pusher(securer), estimator=estimator,
                          deadline_at=self._to_clock(deadline.deadline_s), grace_s=grace_s, background=background,
                          push_interval_s=push_interval_s, final_output_dir=output_dir)
         self.latest_reported: checkpoints.CheckpointInfo | None = None
         self.last_step_at: float | None = None
-        self.saved_ranks: dict[Any, set[int]] = {}
+        self.saved_ranks: dict[int | None, set[int]] = {}  # step -> ranks whose part of that save is done
         self.reported_paths: set[str] = set()  # folders the job said it finished: no mtime rule for them
         self.saved_files = checkpoints.SavedFiles()  # torch.save calls the agent saw return
         self.trainer_seen = False
@@ -87,12 +154,13 @@ class Securing:
                      budget.format_duration_s(round(deadline.deadline_s - wall())), deadline.source)
             estimator.margin_s()  # logs the starting margin
         if self.plan.pusher is not None:
-            log.info("background securing: %s", f"on, at most one push every {budget.format_duration_s(push_interval_s)}"
-                     if background else "off (--background-push off)")
+            every = budget.format_duration_s(push_interval_s)
+            log.info("background securing: %s", f"on, at most one push every {every}" if background
+                     else "off (--background-push off)")
 
     # -- helpers ----------------------------------------------------------------------------------------------
 
-    def _make_pusher(self, securer: Any) -> Any:
+    def _make_pusher(self, securer: Securer | None) -> Pusher | None:
         if securer is None:
             return None
         return self._pusher_factory(str(securer.destination), getattr(securer, "token", None))
@@ -118,19 +186,28 @@ class Securing:
     def _scanning(self) -> bool:
         return bool(self.output_dir) and self.plan.state in (State.WATCHING, State.AWAITING_SAVE, State.SECURING)
 
-    def _can_save(self, sup: Any) -> bool:
-        """The job can answer a checkpoint request: a Trainer, or a script that reported a save itself or called
-        ``guard.should_checkpoint()`` (``Supervisor.job_answers_checkpoints``)."""
-        job_alive = sup.job is not None and sup.job.returncode is None
-        step = getattr(sup, "step", None)
-        if job_alive and sup.agents and (step is None or step < 3):
-            # Too early to tell: a Trainer reports itself at on_train_begin, a loop calls should_checkpoint() after
-            # its first step's backward (which the agent reports first). Ask; the wait is bounded.
-            return True
-        return job_alive and bool(sup.agents) and (sup.trainer_config is not None or bool(sup.checkpoints)
-                                                   or bool(getattr(sup, "job_answers_checkpoints", False)))
+    def before_start(self) -> None:
+        """Before the job starts: a complete checkpoint already in the output folder gives the margin a size."""
+        if not self.output_dir or self.latest_reported is not None:
+            return
+        try:
+            found = checkpoints.newest_complete(self.output_dir, now_s=self.wall())
+        except OSError:
+            return
+        if found is not None:
+            self.estimator.observe_size(found.size_bytes)
 
-    def _check_node(self, sup: Any) -> None:
+    def _can_save(self, sup: JobLink) -> bool:
+        """The job can answer a checkpoint request: a Trainer, or a script that reported a save itself or called
+        ``guard.should_checkpoint()`` (``JobFacts.answers_checkpoints``)."""
+        if not sup.job_running() or not sup.agents_connected():
+            return False
+        step = sup.state.progress.step
+        # Too early to tell: a Trainer reports itself at on_train_begin, a loop calls should_checkpoint() after its
+        # first step's backward (which the agent reports first). Ask; the wait is bounded.
+        return step is None or step < 3 or sup.state.facts.answers_checkpoints
+
+    def _check_node(self, sup: JobLink) -> None:
         if self._node_checked or self.plan.pusher is None:
             return
         node = sup.node_rank
@@ -142,26 +219,19 @@ class Securing:
             self._node_checked = True
         # None: not known yet (the launcher's own agent says hello before the ranks do): asked again next time
 
-    def _carry_out(self, sup: Any, actions: list[Any], now: float) -> None:
-        from guard.run.supervisor import Outcome
-
+    def _carry_out(self, sup: JobLink, actions: list[Action], now: float) -> None:
         for action in actions:
             if isinstance(action, Decide):
-                if sup.outcome is None:
-                    extra = {"signal": signal_name(action.signum)} if action.signum is not None else {}
-                    sup.outcome = Outcome(action.status, action.reason, extra=extra)
-                    sup.stall.pause()
+                extra = {"signal": signal_name(action.signum)} if action.signum is not None else {}
+                sup.decide(Outcome(action.status, action.reason, extra=extra))
             elif isinstance(action, RequestSave):
                 self._request_save(sup)
             elif isinstance(action, StopJob):
-                at = max(now, action.at)
-                if sup.job is not None and sup.job.alive() and (sup.stop_at is None or at < sup.stop_at):
-                    sup.stop_at, sup.stop_grace_s = at, action.grace_s
-                    sup._recheck = True
-            elif isinstance(action, ForwardSignal) and sup.job is not None:
-                sup.job.signal_all(action.signum)
+                sup.stop_job_at(max(now, action.at), action.grace_s)
+            elif isinstance(action, ForwardSignal):
+                sup.signal_job(action.signum)
 
-    def _request_save(self, sup: Any) -> None:
+    def _request_save(self, sup: JobLink) -> None:
         if sup.follows_node_0:
             self.follower = True
             log.info("node %s: node 0's guard asks for the checkpoint (through the job's store); waiting for the "
@@ -169,20 +239,20 @@ class Securing:
             return
         request: dict[str, Any] = {"t": "checkpoint", "stop": True}
         ranks = sup.training_ranks()
-        world_size = max((c.info.get("world_size") or 1 for c in sup.agents.values()), default=1)
+        world_size = sup.world_size()
         if len(ranks) > 1 or world_size > 1:
             # Collective saves (DDP, FSDP, DeepSpeed) deadlock unless every rank saves at the same step: name a step
             # ahead of every rank (the supervisor hears of steps every --check-every steps at most). Before the first
             # step no rank has reported one: count from 0.
-            every = sup.config.check_every
-            ahead = max((step for step, _ in sup.rank_progress.values()), default=0) + 2 * every + 2
+            every = sup.check_every
+            ahead = (sup.newest_rank_step() or 0) + 2 * every + 2
             request["at_step"] = ahead
             log.info("%d ranks: each saves at step %d", max(len(ranks), world_size), ahead)
         sup.broadcast(request)
 
     # -- hooks ------------------------------------------------------------------------------------------------
 
-    def tick(self, sup: Any, now: float) -> None:
+    def tick(self, sup: JobLink, now: float) -> None:
         self._check_node(sup)
         if self.refresher is not None and self.plan.state is State.WATCHING:
             end_s = self.refresher.maybe_refresh(self.wall())
@@ -197,14 +267,13 @@ class Securing:
         if self._scanning() and now >= self.next_scan:
             self.next_scan = now + SCAN_EVERY_S
             self._scan(sup)
-        job_running = sup.job is not None and sup.job.returncode is None
-        actions: list[Any] = []
-        if job_running and sup.outcome is None and self.plan.deadline_due(now):
+        actions: list[Action] = []
+        if sup.job_running() and sup.state.outcome is None and self.plan.deadline_due(now):
             actions += self.plan.deadline_near(can_save=self._can_save(sup))
         actions += self.plan.tick()
         self._carry_out(sup, actions, now)
 
-    def _scan(self, sup: Any) -> None:
+    def _scan(self, sup: JobLink) -> None:
         """A complete checkpoint in the output folder the job did not report (``checkpoints.newest_complete``)."""
         try:
             found = checkpoints.newest_complete(self.output_dir or "", now_s=self.wall(), seen=self._seen,
@@ -216,18 +285,20 @@ class Securing:
             self.estimator.observe_size(found.size_bytes)
             self._carry_out(sup, self.plan.checkpoint(found), self.clock())
 
-    def on_signal(self, sup: Any, signum: int, now: float) -> bool:
+    def on_signal(self, sup: JobLink, signum: int, now: float) -> bool:
         """Feed a termination signal to the plan; False lets the supervisor handle it (no destination, or done)."""
         if signum == signal.SIGHUP or self.plan.state is State.DONE:
             return False
         if self.plan.pusher is None and self.plan.state is State.WATCHING:
             return False
-        if self.plan.state is State.WATCHING and sup.outcome is not None:
+        if self.plan.state is State.WATCHING and sup.state.outcome is not None:
             return False
         self._carry_out(sup, self.plan.signal(signum, can_save=self._can_save(sup)), now)
         return True
 
-    def on_trainer_config(self, sup: Any, config: dict[str, Any]) -> None:
+    def on_trainer_config(self, config: dict[str, Any]) -> None:
+        """The Trainer's arguments: its ``output_dir``, and its ``hub_model_id`` as the destination when
+        ``push_to_hub`` is on and ``--push-to`` gave none."""
         self.trainer_seen = True
         estimate = config.get("checkpoint_bytes_estimate")
         if isinstance(estimate, int) and estimate > 0 and not self.estimator.size_hint_bytes:
@@ -244,13 +315,14 @@ class Securing:
             except GuardError as exc:
                 log.warning("cannot use the Trainer's hub_model_id as a destination: %s", exc.message)
 
-    def on_step(self, sup: Any, now: float) -> None:
+    def on_step(self, sup: JobLink, now: float) -> None:
+        """A training step of the primary rank (step times for the margin)."""
         self.plan.training_started = True
         if self.last_step_at is not None:
             self.estimator.observe_step(now - self.last_step_at)
         self.last_step_at = now
 
-    def on_file_saved(self, sup: Any, message: dict[str, Any]) -> None:
+    def on_file_saved(self, sup: JobLink, message: Message) -> None:
         """The agent saw ``torch.save`` write a file (a loop that may never use the guard's API): complete (the call
         returned), with the agent's step at the save; the files of one save form one checkpoint."""
         path = message.get("path")
@@ -275,14 +347,15 @@ class Securing:
         # A loop may save model.pt, then optim.pt: the set is taken once the job trains on (a later step) or a
         # moment passes without another file (see _settle).
         self.pending_file = (info, self.clock())
-        sup._recheck = True
+        sup.wake()
 
-    def _settle(self, sup: Any, now: float, *, force: bool = False) -> None:
+    def _settle(self, sup: JobLink, now: float, *, force: bool = False) -> None:
         if self.pending_file is None:
             return
         info, at = self.pending_file
-        step = getattr(sup, "step", None)
-        if not (force or now - at >= FILE_SETTLE_S or (step is not None and info.step is not None and step > info.step)):
+        step = sup.state.progress.step
+        stepped_on = step is not None and info.step is not None and step > info.step
+        if not (force or now - at >= FILE_SETTLE_S or stepped_on):
             return
         self.pending_file = None
         self.latest_reported = info
@@ -290,7 +363,8 @@ class Securing:
         self._check_node(sup)
         self._carry_out(sup, self.plan.checkpoint(info), now)
 
-    def on_checkpoint_saved(self, sup: Any, message: dict[str, Any]) -> None:
+    def on_checkpoint_saved(self, sup: JobLink, message: Message) -> None:
+        """The job reported a finished save (``checkpoint_saved``, with the sender's ``rank``)."""
         try:
             path = str(layout.check_reported_path(message.get("path"), output_dir=self.output_dir))
         except GuardError as exc:
@@ -328,32 +402,33 @@ class Securing:
         self._check_node(sup)
         self._carry_out(sup, self.plan.checkpoint(info), self.clock())
 
-    def on_decided(self, sup: Any, outcome: Any) -> None:
+    def on_decided(self, sup: JobLink, outcome: Outcome) -> None:
         """The supervisor decided a failure (non-finite loss, stall): secure what was saved before it."""
         if outcome.reason not in FAILURE_REASONS:
             return
         self._settle(sup, self.clock(), force=True)
-        bad = sup.step if outcome.reason == "non_finite_loss" else None
+        bad = sup.state.progress.step if outcome.reason == "non_finite_loss" else None
         if self.output_dir:
             self._scan(sup)
         self._carry_out(sup, self.plan.failure(outcome.reason, bad_from_step=bad), self.clock())
 
-    def on_job_exit(self, sup: Any, now: float) -> None:
+    def on_job_exit(self, sup: JobLink, now: float) -> None:
+        """The job's main process exited: a failure secures what it saved, a good end pushes the final model."""
         self._settle(sup, now, force=True)
-        code = sup.job.returncode if sup.job is not None else None
+        code = sup.job_exit_code()
+        outcome = sup.state.outcome
         if self.output_dir and self.plan.state is not State.DONE:
             self._scan(sup)
-        if self.plan.state is State.WATCHING and sup.outcome is None and code not in (0, None):
+        if self.plan.state is State.WATCHING and outcome is None and code is not None and code != 0:
             reason = "crash" if code > 0 else "killed"
             self._carry_out(sup, self.plan.failure(reason), now)
             return
-        if self.plan.state is State.WATCHING and sup.outcome is None and code == 0:
-            from guard.run.diagnose import incomplete_reason
-
-            if incomplete_reason(sup) is not None:  # an exit 0 that is not a finished run: a failure, not a final push
-                self._carry_out(sup, self.plan.failure("incomplete"), now)
-                return
-        ok = code == 0 and sup.outcome is None
+        # an exit 0 that is not a finished run: a failure, not a final push
+        if self.plan.state is State.WATCHING and outcome is None and code == 0 \
+                and incomplete_reason(sup.state.facts) is not None:
+            self._carry_out(sup, self.plan.failure("incomplete"), now)
+            return
+        ok = code == 0 and outcome is None
         self._check_node(sup)
         if ok and sup.node_rank not in (None, 0) and self.securer is not None:
             log.info("node %d: the guard of node 0 pushes the final model", sup.node_rank)
@@ -367,8 +442,13 @@ class Securing:
 
     # -- the verdict ------------------------------------------------------------------------------------------
 
-    def finish(self, sup: Any, result: RunResult) -> None:
-        """Fill the result's checkpoint fields, and its exit code for TIMEOUT/INTERRUPTED (75 when secured)."""
+    def finish(self, result: RunResult, *, step: int | None) -> None:
+        """Fill the result's checkpoint fields, and its exit code for TIMEOUT/INTERRUPTED (75 when secured).
+
+        Args:
+            result: the run's result, changed in place.
+            step: the job's last training step (the steps lost after the secured checkpoint), or None.
+        """
         plan = self.plan
         plan.stop()
         secured = plan.secured
@@ -398,19 +478,21 @@ class Securing:
                 result.hint = (failed.hint if failed is not None and failed.hint else
                                "the job's newest checkpoint could not be secured; it is still in the output folder")
             return
-        if plan.trigger is None or plan.pusher is None and plan.trigger == "failure":
+        if plan.trigger is None or (plan.pusher is None and plan.trigger == "failure"):
             if plan.trigger == "failure" and result.extra.get("checkpoint"):
                 result.extra["secured"] = "no"
             return
         is_secured = secured is not None
         result.extra["secured"] = "yes" if is_secured else "no"
         lost = ""
-        if secured is not None and secured.info is not None and secured.info.step is not None and sup.step is not None \
-                and sup.step > secured.info.step:
-            lost = f"; the {sup.step - secured.info.step} steps after step {secured.info.step} are lost"
+        steps_lost = 0
+        if secured is not None and secured.info is not None and secured.info.step is not None and step is not None \
+                and step > secured.info.step:
+            steps_lost = step - secured.info.step
+            lost = f"; the {steps_lost} steps after step {secured.info.step} are lost"
         if plan.trigger == "failure":
-            if lost:
-                result.details["steps_lost"] = sup.step - secured.info.step  # type: ignore[union-attr]
+            if steps_lost:
+                result.details["steps_lost"] = steps_lost
             if plan.suspect is not None:
                 result.hint = (result.hint or "") + (f" (checkpoint {plan.suspect.path} was saved after the first "
                                                      "non-finite loss and was not pushed)")

@@ -1,0 +1,151 @@
+"""The job's stdout and stderr on their way to the guard's: read, filtered (masked, losses parsed), written.
+
+Part of the supervisor's loop, and like it never blocking: pipes are read when the selector says so, a line without
+its newline is written after ``PARTIAL_FLUSH_S``, and writes go through non-blocking writers
+(``guard.run.writer``). While a writer's buffer is full (a paused reader: ``python -m guard train.py | less``) the
+job's pipes are not read, so the job's own writes block instead of the guard's memory growing (backpressure).
+"""
+
+from __future__ import annotations
+
+import os
+import selectors
+from typing import Literal
+
+from guard.run.masking import Masker
+from guard.run.output import LINES, OutputEvents, StreamFilter
+from guard.run.writer import OutputWriter
+
+__all__ = ["PARTIAL_FLUSH_S", "JobOutput"]
+
+PARTIAL_FLUSH_S = 0.1  # an unfinished line is written after this long without a newline
+READ_BYTES = 1 << 16
+PIPE = "pipe"  # the selector data of the job's pipes
+
+
+def _grow_pipe(fd: int, size_bytes: int = 1 << 20) -> None:
+    """Ask Linux for a 1 MiB pipe buffer (``F_SETPIPE_SZ``, ``fcntl(2)``): fewer wake-ups for chatty jobs."""
+    try:
+        import fcntl
+
+        fcntl.fcntl(fd, getattr(fcntl, "F_SETPIPE_SZ", 1031), size_bytes)
+    except (OSError, ImportError):
+        pass  # above /proc/sys/fs/pipe-max-size, or not Linux: the default 64 KiB works too
+
+
+class JobOutput:
+    """The job's output pipes and the guard's outputs.
+
+    Args:
+        selector: the loop's selector; pipes are registered with data ``"pipe"``.
+        masker: the secret masker applied to everything written.
+        out_fd: where the guard's stdout goes (its closing, e.g. a reader that quit, stops writes there).
+
+    Attributes:
+        events: what the output said (losses to drain, exceptions, CUDA OOM, the job's own VERDICT lines).
+    """
+
+    def __init__(self, selector: selectors.BaseSelector, masker: Masker, out_fd: int = 1) -> None:
+        self._sel = selector
+        self.masker = masker
+        self.out_fd = out_fd
+        self.events = OutputEvents()
+        self.filters: dict[int, StreamFilter] = {}
+        self.targets: dict[int, int] = {}
+        self.partial_since: dict[int, float] = {}  # pipe -> when its unfinished line began waiting
+        self.writers: dict[int, OutputWriter] = {}  # target fd -> non-blocking writer
+        self._paused: list[int] = []  # a writer is full: these pipes are not read (backpressure)
+        self._closed_out = False
+
+    def add(self, fd: int, target: int, *, parse_losses: bool = True) -> None:
+        """Read the pipe ``fd`` and write what it carries, filtered, to ``target``."""
+        _grow_pipe(fd)
+        self.filters[fd] = StreamFilter(self.masker, parse_losses=parse_losses, events=self.events)
+        self.targets[fd] = target
+        self._sel.register(fd, selectors.EVENT_READ, PIPE)
+
+    def read(self, fd: int, now: float) -> Literal["none", "data", "eof"]:
+        """Pass one read of the pipe through: ``data`` was read, the pipe reached its ``eof``, or ``none``."""
+        try:
+            data = os.read(fd, READ_BYTES)
+        except BlockingIOError:
+            return "none"
+        except OSError:
+            data = b""
+        flt = self.filters[fd]
+        if not data:
+            self.write(self.targets[fd], flt.close())
+            self._sel.unregister(fd)
+            self.partial_since.pop(fd, None)
+            return "eof"
+        self.write(self.targets[fd], flt.feed(data))
+        if flt.pending:
+            self.partial_since.setdefault(fd, now)
+        else:
+            self.partial_since.pop(fd, None)
+        return "data"
+
+    @property
+    def open(self) -> bool:
+        """Some pipe of the job is still open (read, or paused for backpressure)."""
+        return bool(self._paused) or any(key.data == PIPE for key in self._sel.get_map().values())
+
+    def due_at(self) -> float:
+        """When an unfinished line is next written (monotonic seconds; ``inf`` without one)."""
+        return min((since + PARTIAL_FLUSH_S for since in self.partial_since.values()), default=float("inf"))
+
+    def flush_partials(self, now: float) -> None:
+        """Write the unfinished lines that waited ``PARTIAL_FLUSH_S``."""
+        for fd, since in list(self.partial_since.items()):
+            if now - since >= PARTIAL_FLUSH_S:
+                self.write(self.targets[fd], self.filters[fd].flush_partial())
+                if self.filters[fd].pending:
+                    self.partial_since[fd] = now
+                else:
+                    del self.partial_since[fd]
+
+    def write(self, fd: int, data: bytes) -> None:
+        """Queue ``data`` for ``fd``; never blocks (a paused reader fills the writer's buffer)."""
+        if not data or (fd == self.out_fd and self._closed_out):
+            return
+        LINES.wrote(fd, data)
+        writer = self.writers.get(fd)
+        if writer is None:
+            writer = self.writers[fd] = OutputWriter(fd)
+        writer.write(data)
+        if writer.broken and fd == self.out_fd:
+            self._closed_out = True
+
+    def pump(self) -> bool:
+        """Write what the guard's outputs take now; stop reading the job's pipes while a buffer is full, read
+        them again once it drained. True while something is still buffered."""
+        pending = False
+        full = False
+        for writer in self.writers.values():
+            if not writer.pump():
+                pending = True
+            full |= writer.full
+        if full and not self._paused:
+            self._paused = [key.fd for key in self._sel.get_map().values() if key.data == PIPE]
+            for fd in self._paused:
+                self._sel.unregister(fd)
+        elif not full and self._paused:
+            for fd in self._paused:
+                self._sel.register(fd, selectors.EVENT_READ, PIPE)
+            self._paused = []
+        return pending
+
+    def finish(self) -> None:
+        """The run is over: write what the filters still hold (its events follow in ``events``)."""
+        for fd, flt in self.filters.items():
+            self.write(self.targets[fd], flt.close())
+
+    def drain(self) -> None:
+        """Wait for the readers to take what is buffered (the VERDICT comes after this output)."""
+        for writer in self.writers.values():
+            writer.close()
+
+    def close(self) -> None:
+        """Put the outputs' flags back (what is left was written by ``finish``)."""
+        for writer in self.writers.values():
+            writer.close(timeout_s=0)

@@ -1,0 +1,156 @@
+"""What the supervisor knows about the run, as plain typed data that the policies read.
+
+The event loop (``guard.run.supervisor``) owns one :class:`RunState` and hands it to the policies: the watchdog
+(``guard.run.watchdog``) writes ``progress`` and ``outcome``, the loop records the job's own facts (``facts``) from
+the agent's messages and the job's output, securing (``guard.secure.securing``) and the verdict
+(``guard.run.diagnose``) read it. No process, socket or clock lives here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["JobFacts", "Outcome", "Progress", "RunState", "configured_node_rank"]
+
+#: An agent message as decoded from the channel (``guard.protocol``): a JSON object with a string ``t``.
+Message = dict[str, Any]
+
+
+@dataclass
+class Outcome:
+    """What the guard decided (before the job's exit is known).
+
+    Attributes:
+        status: ``PASS``, ``FAIL``, ``TIMEOUT`` or ``INTERRUPTED`` (``guard.contract``).
+        reason: the verdict's reason (``non_finite_loss``, ``stalled``, ``dry_run``, ``preflight``, ``signal`` ...).
+        exit_code: the guard's exit code, or None when it comes later (securing fills it in).
+        hint: one line saying what to do, or None.
+        extra: ``key=value`` fields of the VERDICT line (``rank``, ``signal``, ``check`` ...).
+    """
+
+    status: str
+    reason: str
+    exit_code: int | None = None
+    hint: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Progress:
+    """The job's training progress, as the primary rank (or the job's output) reports it.
+
+    Attributes:
+        step: the newest training step, or None before the first.
+        loss: the newest loss, or None (never a finite loss on a ``non_finite_loss`` verdict).
+        sanity: the first ``--sanity-steps`` losses.
+        sanity_done: the sanity pass is complete.
+        loss_source: where losses come from: ``agent`` (inside the job) or ``output`` (parsed lines), or None.
+        exploded: ``{"step", "loss", "early"}`` when a finite loss exploded against its early level, else None.
+    """
+
+    step: int | None = None
+    loss: float | None = None
+    sanity: list[float] = field(default_factory=list)
+    sanity_done: bool = False
+    loss_source: str | None = None
+    exploded: dict[str, Any] | None = None
+
+
+@dataclass
+class JobFacts:
+    """What the job said about itself (agent messages, its output).
+
+    Attributes:
+        trainer_config: the Trainer's arguments (``trainer_config`` message), or None without a Trainer.
+        trainer_push: the Trainer's own background push result (``push_result``), or None.
+        train_end: ``Trainer.train()`` returned: step, max_steps, stopped (rank 0's, else the first one's).
+        train_error: ``Trainer.train()`` raised: exc_type, message, root, step, max_steps (the first one).
+        last_exception: ``"Type: message"`` of the job's last uncaught exception, or None.
+        root_exception: the innermost error behind it (chain, DataLoader worker), or None.
+        cuda_oom: the job ran out of CUDA memory.
+        api_used: the ``guard.<name>()`` calls the job made (``api`` messages).
+        checkpoints: the ``checkpoint_saved`` messages, each with the sender's ``rank``.
+        agents_seen: agents that said ``hello``.
+        agent_watching: an agent hooked torch (or a Trainer): printed losses stop deciding.
+        hang_where: where the main thread waits, once the job looked hung.
+        node_rank: the node rank an agent reported (torchrun's ``GROUP_RANK``), or None.
+        job_verdict: the job's own last ``VERDICT:`` line (escaped in the output), or None.
+    """
+
+    trainer_config: dict[str, Any] | None = None
+    trainer_push: Message | None = None
+    train_end: Message | None = None
+    train_error: Message | None = None
+    last_exception: str | None = None
+    root_exception: str | None = None
+    cuda_oom: bool = False
+    api_used: set[str] = field(default_factory=set)
+    checkpoints: list[Message] = field(default_factory=list)
+    agents_seen: int = 0
+    agent_watching: bool = False
+    hang_where: str | None = None
+    node_rank: int | None = None
+    job_verdict: str | None = None
+
+    @property
+    def answers_checkpoints(self) -> bool:
+        """The job can answer a checkpoint request: it runs a Trainer (the agent's callback saves on request), it
+        reported a save, or its script called ``guard.should_checkpoint()``/``checkpoint_saved()``. False means
+        asking only wastes time: forward signals at once and secure what it saved itself."""
+        return (self.trainer_config is not None or bool(self.checkpoints)
+                or bool(self.api_used & {"should_checkpoint", "checkpoint_saved"}))
+
+    def on_exception(self, message: Message) -> None:
+        """An ``exception`` message: the job's uncaught exception (``sys.excepthook``)."""
+        self.last_exception = f"{message.get('exc_type')}: {message.get('message')}"
+        if message.get("root"):
+            self.root_exception = str(message["root"])
+        if "OutOfMemoryError" in str(message.get("exc_type")):
+            self.cuda_oom = True
+
+    def on_train_end(self, message: Message, rank: int | None) -> None:
+        """A ``train_end`` message: rank 0's (or a rankless agent's) stands; another rank's only until then."""
+        if self.train_end is None or rank in (None, 0):
+            self.train_end = message
+
+    def on_train_error(self, message: Message) -> bool:
+        """A ``train_error`` message; True the first time (the one that stands)."""
+        if self.train_error is not None:
+            return False
+        self.train_error = message
+        return True
+
+
+@dataclass
+class RunState:
+    """Everything the policies read: progress, the job's facts, the guard's decision.
+
+    Attributes:
+        progress: see :class:`Progress`.
+        facts: see :class:`JobFacts`.
+        outcome: the guard's first decision, or None (the job's exit decides); the first one stands.
+    """
+
+    progress: Progress = field(default_factory=Progress)
+    facts: JobFacts = field(default_factory=JobFacts)
+    outcome: Outcome | None = None
+
+
+def configured_node_rank(environ: Mapping[str, str], command: Sequence[str]) -> int | None:
+    """This machine's node rank as the guard's environment (``NODE_RANK``, torchrun's ``GROUP_RANK``, Slurm's
+    ``SLURM_NODEID``) or the launcher's command (``torchrun --node-rank N``, ``accelerate launch --machine_rank N``)
+    says; None when neither does."""
+    for name in ("NODE_RANK", "GROUP_RANK", "SLURM_NODEID"):
+        value = environ.get(name, "")
+        if value.isdigit():
+            return int(value)
+    from guard.preflight.launch import parse_launch
+
+    launch = parse_launch(command)
+    for option in ("--node-rank", "--node_rank", "--machine-rank", "--machine_rank"):
+        value = launch.values.get(option, "") if launch is not None else ""
+        if value.isdigit():
+            return int(value)
+    return None

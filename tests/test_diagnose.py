@@ -1,0 +1,136 @@
+"""From what the loop saw (``RunState`` + ``JobExit``) to the verdict: pure data in, a ``RunResult`` out."""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from guard.run import diagnose
+from guard.run.cli import build_config
+from guard.run.config import Config
+from guard.run.diagnose import JobExit, cause_hint, incomplete_reason, job_result
+from guard.run.process import CgroupMemory, Survivor
+from guard.run.state import JobFacts, Outcome, RunState
+
+
+def config(*args: str) -> Config:
+    return build_config(["--no-preflight", "--sanity-steps", "3", "--", "true", *args], dict(os.environ))
+
+
+def trained(steps: int = 5, loss: float = 1.5) -> RunState:
+    state = RunState()
+    state.progress.step, state.progress.loss = steps, loss
+    state.progress.sanity, state.progress.sanity_done = [2.0, 1.9, 1.8], True
+    state.progress.loss_source = "agent"
+    return state
+
+
+@pytest.fixture(autouse=True)
+def no_cgroup(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(diagnose, "cgroup_memory", lambda: None)  # the test machine's cgroup does not count
+
+
+def test_a_clean_exit_passes_with_its_progress() -> None:
+    result = job_result(trained(), JobExit(0, elapsed_s=12.5, peak_rss_bytes=10), config())
+    assert (result.status, result.reason, result.exit_code) == ("PASS", "ok", 0)
+    assert (result.step, result.loss, result.sanity, result.elapsed_s) == (5, 1.5, [2.0, 1.9, 1.8], 12.5)
+    assert result.details["sanity_status"] == "passed" and result.details["peak_rss_bytes"] == 10
+
+
+def test_the_guards_outcome_wins_over_the_jobs_exit() -> None:
+    state = trained()
+    state.outcome = Outcome("FAIL", "stalled", 5, hint="look at the stacks", extra={"rank": 1})
+    result = job_result(state, JobExit(-signal.SIGTERM), config())
+    assert (result.status, result.reason, result.exit_code, result.extra["rank"]) == ("FAIL", "stalled", 5, 1)
+    assert result.details["job_signal"] == "SIGTERM"
+
+
+def test_a_finite_loss_never_stands_on_a_non_finite_verdict() -> None:
+    state = trained(loss=0.7)
+    state.outcome = Outcome("FAIL", "non_finite_loss", 4)
+    assert job_result(state, JobExit(-signal.SIGTERM), config()).loss is None
+    state.progress.loss = math.nan
+    loss = job_result(state, JobExit(-signal.SIGTERM), config()).loss
+    assert loss is not None and math.isnan(loss)
+
+
+def test_a_lost_exit_status_is_unknown_not_a_pass() -> None:
+    result = job_result(trained(), JobExit(70, status_lost=True), config())
+    assert (result.status, result.reason, result.extra["job_exit"]) == ("FAIL", "guard_error", "unknown")
+
+
+def test_cuda_oom_and_host_oom() -> None:
+    state = trained()
+    state.facts.cuda_oom = True
+    assert job_result(state, JobExit(1), config()).reason == "oom"
+    start = CgroupMemory(current_bytes=1, limit_bytes=None, oom_kills=0)
+    end = CgroupMemory(current_bytes=1, limit_bytes=None, oom_kills=1)
+    diagnose.cgroup_memory = lambda: end  # type: ignore[assignment]  # the fixture puts it back
+    result = job_result(trained(), JobExit(1, cgroup_start=start), config())
+    assert result.reason == "oom" and "OOM killer ran in the job's cgroup (1 kill(s))" in (result.hint or "")
+
+
+def test_a_sigkill_near_the_memory_limit_is_oom() -> None:
+    limit = CgroupMemory(current_bytes=95, limit_bytes=100, oom_kills=0)
+    diagnose.cgroup_memory = lambda: limit  # type: ignore[assignment]
+    result = job_result(trained(), JobExit(-signal.SIGKILL, last_rss_bytes=95, cgroup_start=limit), config())
+    assert (result.reason, result.exit_code) == ("oom", 137)
+    other = job_result(trained(), JobExit(-signal.SIGTERM), config())
+    assert (other.reason, other.exit_code, other.extra["signal"]) == ("killed", 143, "SIGTERM")
+
+
+def test_a_usage_error_on_a_guard_option_after_the_script(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text("pass\n")
+    in_script_form = build_config(["--no-preflight", str(script), "--grace", "5s"], dict(os.environ))
+    result = job_result(RunState(), JobExit(2), in_script_form)
+    assert result.reason == "crash" and "guard options go before the script" in (result.hint or "")
+
+
+def test_crash_hints_name_the_root_cause() -> None:
+    facts = JobFacts(last_exception="RuntimeError: DataLoader worker (pid 7) is killed by signal: Bus error.",
+                     root_exception="RuntimeError: unable to write to file </torch_1>: No space left on device (28)")
+    hint = cause_hint(facts, 1, output_folder="/")
+    assert hint.startswith("the disk is full (RuntimeError: unable to write") and "free of" in hint
+    shm = cause_hint(JobFacts(last_exception="ERROR: Unexpected bus error (shm)"), 1)
+    assert shm.startswith("the DataLoader workers ran out of shared memory")
+    chained = cause_hint(JobFacts(last_exception="RuntimeError: outer", root_exception="KeyError: 'x'"), 3)
+    assert chained.startswith("the job exited with code 3 after KeyError: 'x' (the root cause")
+
+
+def test_an_exit_0_that_did_not_finish_training_is_incomplete() -> None:
+    state = trained()
+    state.facts.train_end = {"step": 40, "max_steps": 100, "stopped": False}
+    result = job_result(state, JobExit(0), config())
+    assert (result.status, result.reason, result.exit_code) == ("FAIL", "incomplete", 7)
+    state.facts.train_end["stopped"] = True  # a callback asked for it
+    assert incomplete_reason(state.facts) is None
+
+
+def test_no_loss_seen_and_an_incomplete_sanity_pass() -> None:
+    assert job_result(RunState(), JobExit(0), config()).details["sanity_status"] == "no_loss_seen"
+    state = RunState()
+    state.progress.sanity = [1.0]
+    assert job_result(state, JobExit(0), config()).details["sanity_status"] == "incomplete (1 of 3 steps)"
+
+
+def test_an_exploded_loss_leads_the_hint() -> None:
+    state = trained()
+    state.progress.exploded = {"step": 9, "loss": 512.0, "early": 2.0}
+    state.outcome = Outcome("FAIL", "non_finite_loss", 4, hint="lower the learning rate")
+    hint = job_result(state, JobExit(-signal.SIGTERM), config()).hint or ""
+    assert hint.startswith("the loss exploded to 512 at step 9 from about 2") and hint.endswith(
+        "then: lower the learning rate")
+
+
+def test_survivors_node_and_the_jobs_own_verdict() -> None:
+    state = trained()
+    state.facts.job_verdict = "PASS ok"
+    ended = JobExit(-signal.SIGKILL, survivors=[Survivor(41, "python", "disk-sleep")], node_rank=1, orphans_reaped=2)
+    result = job_result(state, ended, config())
+    assert result.extra["survivors"] == "41:disk-sleep:python" and result.extra["node"] == 1
+    assert result.details["job_verdict"] == "PASS ok" and result.details["orphans_reaped"] == 2

@@ -1,0 +1,196 @@
+"""Securing's hooks, driven with a fake clock, the fake pusher and a fake loop (``fakes.FakeLink``): no process,
+no Hub. Checkpoints are real folders under ``tmp_path`` (their size and completeness are read from disk)."""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from fakes import FakeClock, FakeLink, FakePusher
+
+from guard.contract import RunResult
+from guard.run.state import Outcome
+from guard.secure.budget import Deadline, MarginEstimator
+from guard.secure.securing import Securing
+
+
+def save(out: Path, step: int, size_bytes: int = 1000) -> Path:
+    folder = out / f"checkpoint-{step}"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "model.safetensors").write_bytes(b"0" * size_bytes)
+    return folder
+
+
+class Rig:
+    def __init__(self, tmp_path: Path, *, timeout_s: float | None = None, destination: str | None = "alice/run",
+                 background: bool = True, margin_s: float = 30.0, **link: Any) -> None:
+        self.clock = FakeClock(1000.0)
+        self.wall_start = time.time()
+        self.out = tmp_path / "out"
+        self.out.mkdir()
+        self.pusher = FakePusher(self.clock)
+        deadline = (Deadline(self.wall_start, timeout_s, self.wall_start + timeout_s, "--timeout") if timeout_s
+                    else Deadline(self.wall_start, None, None, "none"))
+        securer = SimpleNamespace(destination=destination, token=None) if destination else None
+        self.securing = Securing(deadline=deadline, estimator=MarginEstimator(fixed_margin_s=margin_s,
+                                                                              log_changes=False),
+                                 securer=securer, output_dir=str(self.out), clock=self.clock,  # type: ignore[arg-type]
+                                 wall=lambda: self.wall_start + (self.clock.now - 1000.0), grace_s=30.0,
+                                 background=background, pusher_factory=lambda dest, token: self.pusher)
+        self.link = FakeLink(**link)
+
+    def saved(self, step: int, *, rank: int | None = 0, zero: bool = True) -> None:
+        path = self.out / f"checkpoint-{step}"
+        if zero:
+            save(self.out, step)
+        self.securing.on_checkpoint_saved(self.link, {"t": "checkpoint_saved", "path": str(path), "step": step,
+                                                      "rank": rank, "zero": zero, "save_s": 0.2})
+
+    def run_for(self, seconds: float, every_s: float = 0.5) -> None:
+        end = self.clock.now + seconds
+        while self.clock.now < end:
+            self.clock.advance(every_s)
+            self.securing.tick(self.link, self.clock.now)
+
+
+def test_a_reported_save_is_pushed_in_the_background(tmp_path: Path) -> None:
+    rig = Rig(tmp_path)
+    rig.saved(5)
+    assert [h.op for h in rig.pusher.started] == ["push_checkpoint"]
+    assert rig.pusher.started[0].args["step"] == 5
+    assert rig.securing.latest_reported is not None and rig.securing.latest_reported.step == 5
+
+
+def test_without_background_pushes_a_save_is_only_remembered(tmp_path: Path) -> None:
+    rig = Rig(tmp_path, background=False)
+    rig.saved(5)
+    assert rig.pusher.started == [] and rig.securing.plan.newest is not None
+
+
+def test_a_collective_save_waits_for_every_ranks_part(tmp_path: Path) -> None:
+    rig = Rig(tmp_path, ranks={0: 10, 1: 10})
+    rig.saved(10, rank=0)
+    assert rig.pusher.started == []  # rank 1's shard is not written yet
+    rig.saved(10, rank=1, zero=False)
+    assert len(rig.pusher.started) == 1
+
+
+@pytest.mark.parametrize("path", ["/", "."])
+def test_a_reported_path_that_is_no_checkpoint_is_refused(tmp_path: Path, path: str,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    rig = Rig(tmp_path)
+    rig.securing.on_checkpoint_saved(rig.link, {"t": "checkpoint_saved", "path": path, "step": 1, "rank": 0})
+    assert rig.pusher.started == [] and rig.securing.latest_reported is None
+
+
+def test_the_deadline_asks_a_trainer_for_a_checkpoint_then_secures_it(tmp_path: Path) -> None:
+    rig = Rig(tmp_path, timeout_s=100.0)
+    rig.link.state.facts.trainer_config = {"output_dir": str(rig.out)}
+    rig.link.state.progress.step = 40
+    rig.run_for(69.0)
+    assert rig.link.sent == [] and rig.link.state.outcome is None
+    rig.run_for(2.0)  # past deadline - margin
+    assert rig.link.sent == [{"t": "checkpoint", "stop": True}]
+    assert rig.link.state.outcome is not None and rig.link.state.outcome.status == "TIMEOUT"
+    assert rig.link.stops, "the job is stopped before the deadline"
+    rig.saved(41)
+    rig.run_for(5.0)
+    rig.link.exit(0)
+    rig.securing.on_job_exit(rig.link, rig.clock.now)
+    rig.run_for(2.0)
+    result = RunResult("TIMEOUT", "deadline", 0, 75.0)
+    rig.securing.finish(result, step=41)
+    assert result.exit_code == 75 and result.extra["secured"] == "yes"
+    assert result.extra["checkpoint"] == str(rig.out / "checkpoint-41")
+    assert "resumes from step 41" in (result.hint or "")
+
+
+def test_with_several_ranks_the_request_names_a_step_ahead_of_all(tmp_path: Path) -> None:
+    rig = Rig(tmp_path, timeout_s=100.0, agents=2, world_size=2, ranks={0: 50, 1: 48}, check_every=10)
+    rig.link.state.facts.trainer_config = {"output_dir": str(rig.out)}
+    rig.link.state.progress.step = 50
+    rig.run_for(71.0)
+    assert rig.link.sent == [{"t": "checkpoint", "stop": True, "at_step": 50 + 2 * 10 + 2}]
+
+
+def test_a_job_that_cannot_save_is_not_asked(tmp_path: Path) -> None:
+    rig = Rig(tmp_path, timeout_s=100.0)
+    rig.link.state.progress.step = 40  # a plain loop past its first steps, no guard API used, no Trainer
+    rig.run_for(71.0)
+    assert not any(m["t"] == "checkpoint" for m in rig.link.sent)
+    assert rig.link.state.outcome is not None and rig.link.state.outcome.reason == "deadline"
+
+
+def test_a_signal_is_left_to_the_loop_without_a_destination(tmp_path: Path) -> None:
+    rig = Rig(tmp_path, destination=None)
+    assert not rig.securing.on_signal(rig.link, signal.SIGTERM, rig.clock.now)
+    assert not rig.securing.on_signal(rig.link, signal.SIGHUP, rig.clock.now)
+
+
+def test_a_crash_secures_the_newest_checkpoint_saved_before_it(tmp_path: Path) -> None:
+    rig = Rig(tmp_path, background=False)
+    rig.saved(20)
+    rig.link.state.progress.step = 27
+    rig.link.exit(1)
+    rig.securing.on_job_exit(rig.link, rig.clock.now)
+    assert len(rig.pusher.started) == 1 and rig.pusher.started[0].args["step"] == 20
+    rig.run_for(5.0)
+    result = RunResult("FAIL", "crash", 1, 5.0)
+    rig.securing.finish(result, step=27)
+    assert result.extra["secured"] == "yes" and result.details["steps_lost"] == 7
+    assert result.exit_code == 1  # a failure keeps its own exit code
+
+
+def test_a_non_finite_loss_never_pushes_a_checkpoint_saved_after_it(tmp_path: Path) -> None:
+    rig = Rig(tmp_path)
+    rig.saved(10)  # pushed in the background
+    rig.saved(30)  # queued behind it (--push-interval)
+    rig.link.state.progress.step = 25  # the first non-finite step
+    rig.securing.on_decided(rig.link, Outcome("FAIL", "non_finite_loss", 4))
+    rig.run_for(5.0)
+    assert [h.args["step"] for h in rig.pusher.started] == [10]
+    assert rig.securing.plan.suspect is not None and rig.securing.plan.suspect.step == 30
+    result = RunResult("FAIL", "non_finite_loss", 4, 5.0)
+    rig.securing.finish(result, step=25)
+    assert result.extra["secured"] == "yes" and result.details["suspect_checkpoint"] == str(rig.out / "checkpoint-30")
+
+
+def test_a_guard_on_another_node_never_pushes(tmp_path: Path) -> None:
+    rig = Rig(tmp_path, node=1)
+    rig.saved(5)
+    assert rig.pusher.started == [] and rig.securing.plan.pusher is None
+
+
+def test_a_trainer_names_the_output_folder_and_the_destination(tmp_path: Path) -> None:
+    clock = FakeClock()
+    made: list[str] = []
+
+    def factory(text: str) -> Any:
+        made.append(text)
+        return SimpleNamespace(destination=text, token=None)
+
+    securing = Securing(deadline=Deadline(0.0, None, None, "none"), estimator=MarginEstimator(log_changes=False),
+                        securer_factory=factory, clock=clock, pusher_factory=lambda dest, token: FakePusher(clock))
+    assert securing.plan.pusher is None
+    securing.on_trainer_config({"output_dir": str(tmp_path / "run"), "push_to_hub": True, "hub_model_id": "bob/m"})
+    assert securing.output_dir == str(tmp_path / "run") and made == ["bob/m"]
+    assert securing.plan.pusher is not None
+
+
+def test_files_saved_with_torch_save_form_one_checkpoint_once_settled(tmp_path: Path) -> None:
+    rig = Rig(tmp_path)
+    folder = rig.out / "step-8"
+    folder.mkdir()
+    for name in ("model.pt", "optim.pt"):
+        (folder / name).write_bytes(b"1" * 500)
+        rig.securing.on_file_saved(rig.link, {"t": "file_saved", "path": str(folder / name), "step": 8, "rank": 0,
+                                              "save_s": 0.1})
+    assert rig.link.woken == 2 and rig.pusher.started == []  # the set may still grow
+    rig.run_for(1.5)
+    assert len(rig.pusher.started) == 1
+    assert rig.securing.latest_reported is not None and rig.securing.latest_reported.step == 8

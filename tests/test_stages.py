@@ -1,0 +1,149 @@
+"""The stages of a run (``guard.run.stages``) with fake collaborators: a supervisor that records what it was given
+instead of starting a job, preflight reports made by hand, and a runner instead of ``scontrol``."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, ClassVar
+
+import pytest
+
+from guard import protocol
+from guard.contract import RunResult
+from guard.errors import PreflightError
+from guard.preflight import CheckResult
+from guard.run import stages
+from guard.run import supervisor as supervisor_module
+from guard.run.cli import build_config
+from guard.run.config import Config
+from guard.run.masking import Masker
+
+
+class RecordingSupervisor:
+    """Stands in for ``Supervisor``: keeps its arguments, returns a PASS."""
+
+    made: ClassVar[list[RecordingSupervisor]] = []
+
+    def __init__(self, config: Config, **kwargs: Any) -> None:
+        self.config, self.kwargs = config, kwargs
+        RecordingSupervisor.made.append(self)
+
+    def run(self) -> RunResult:
+        return RunResult("PASS", "ok", 0, 1.0)
+
+
+@pytest.fixture
+def supervisor(monkeypatch: pytest.MonkeyPatch) -> type[RecordingSupervisor]:
+    RecordingSupervisor.made = []
+    monkeypatch.setattr(supervisor_module, "Supervisor", RecordingSupervisor)
+    return RecordingSupervisor
+
+
+def config(tmp_path: Path, *options: str, env: Mapping[str, str] | None = None) -> Config:
+    script = tmp_path / "train.py"
+    script.write_text("print('loss=1.0')\n")
+    return build_config([*options, str(script), "--epochs", "1"], dict(env if env is not None else os.environ))
+
+
+def test_the_supervisor_gets_securing_the_heartbeat_and_the_settings_check(
+        tmp_path: Path, supervisor: type[RecordingSupervisor]) -> None:
+    out = tmp_path / "out"
+    result = stages.run_job(config(tmp_path, "--no-preflight", "--timeout", "2h", "--output-dir", str(out)),
+                            Masker(), time.monotonic())
+    assert (result.status, result.reason) == ("PASS", "ok")
+    assert result.details["platform"]["name"]
+    (made,) = supervisor.made
+    securing = made.kwargs["securer"]
+    assert securing.output_dir == str(out) and securing.deadline.timeout_s == 7200.0
+    assert made.kwargs["heartbeat"] is not None
+    rows = made.kwargs["trainer_config_check"]({"output_dir": str(out), "save_strategy": "no", "max_steps": 10})
+    assert rows and all(isinstance(row, CheckResult) for row in rows)
+    assert made.config.command[-2:] == ("--epochs", "1")
+
+
+def test_a_failed_preflight_never_starts_the_job(tmp_path: Path, supervisor: type[RecordingSupervisor],
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    failed = CheckResult("disk", "fail", "1.0 GB free", hint="free some space")
+    report = SimpleNamespace(failed=failed, results=(failed,), gpus=None, to_json=lambda: {"rows": 1})
+    monkeypatch.setattr(stages, "_run_preflight", lambda *args, **kwargs: report)
+    result = stages.run_job(config(tmp_path), Masker(), time.monotonic())
+    assert (result.status, result.reason, result.exit_code) == ("FAIL", "preflight", 3)
+    assert result.extra["check"] == "disk" and result.hint == "free some space"
+    assert supervisor.made == []
+
+
+def test_a_signal_during_preflight_interrupts_before_the_job(tmp_path: Path, supervisor: type[RecordingSupervisor],
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    def slow_preflight(*args: Any, **kwargs: Any) -> None:
+        os.kill(os.getpid(), signal.SIGTERM)  # the handler only records it
+        time.sleep(5)
+
+    monkeypatch.setattr(stages, "_run_preflight", slow_preflight)
+    result = stages.run_job(config(tmp_path), Masker(), time.monotonic())
+    assert (result.status, result.reason, result.exit_code) == ("INTERRUPTED", "signal", 143)
+    assert supervisor.made == [] and stages.abandoned_work
+    stages.abandoned_work = False
+
+
+def test_resume_needs_a_destination(tmp_path: Path, supervisor: type[RecordingSupervisor]) -> None:
+    with pytest.raises(PreflightError) as info:
+        stages.run_job(config(tmp_path, "--no-preflight", "--resume", "on"), Masker(), time.monotonic())
+    assert info.value.check == "resume" and "--push-to" in (info.value.hint or "")
+
+
+def test_a_resumed_checkpoint_reaches_the_job(tmp_path: Path, supervisor: type[RecordingSupervisor],
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    from guard.secure import resume
+
+    folder = tmp_path / "out" / "checkpoint-30"
+    folder.mkdir(parents=True)
+    (folder / "model.safetensors").write_bytes(b"1" * 100)
+    fetched = SimpleNamespace(path=folder, step=30, revision="abc123", size_bytes=100)
+    monkeypatch.setattr(resume, "choose", lambda *args, **kwargs: fetched)
+    monkeypatch.setattr(stages, "_securer_factory", lambda environ: lambda text: SimpleNamespace(
+        destination=text, token=None))
+    result = stages.run_job(config(tmp_path, "--no-preflight", "--resume", "on", "--push-to", "alice/run",
+                                   "--output-dir", str(tmp_path / "out")), Masker(), time.monotonic())
+    (made,) = supervisor.made
+    assert made.kwargs["env_extra"][protocol.ENV_RESUME_PATH] == str(folder)
+    assert made.kwargs["env_extra"][protocol.ENV_RESUME_STEP] == "30"
+    assert made.kwargs["securer"].latest_reported.step == 30
+    assert result.extra["resumed_from"] == f"{folder}@abc123"
+
+
+def test_the_output_folder_and_where_it_came_from(tmp_path: Path) -> None:
+    assert stages.output_folder(config(tmp_path, "--output-dir", "/data/out")) == ("/data/out", "--output-dir")
+    script = tmp_path / "train.py"
+    from_args = build_config([str(script), "--output_dir", "runs/a"], dict(os.environ))
+    assert stages.output_folder(from_args) == ("runs/a", "the job's --output_dir argument")
+    assert stages.output_folder(config(tmp_path))[0] is None
+
+
+def test_preflight_only_without_checks_passes(tmp_path: Path) -> None:
+    result = stages.preflight_only(config(tmp_path, "--no-preflight"), Masker(), time.monotonic())
+    assert (result.status, result.reason, result.exit_code) == ("PASS", "ok", 0)
+
+
+def test_requeue_runs_scontrol_only_after_a_secured_stop_under_slurm(tmp_path: Path) -> None:
+    calls: list[list[str]] = []
+
+    def runner(argv: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
+        calls.append(argv)
+        return subprocess.CompletedProcess(argv, 0, "", "")
+
+    slurm = config(tmp_path, "--requeue", env={**os.environ, "SLURM_JOB_ID": "77"})
+    old = signal.getsignal(signal.SIGTERM)
+    try:
+        stages.requeue(slurm, RunResult("FAIL", "crash", 1, 1.0), runner=runner)
+        assert calls == []
+        secured = RunResult("TIMEOUT", "deadline", 75, 1.0)
+        stages.requeue(slurm, secured, runner=runner)
+        assert calls == [["scontrol", "requeue", "77"]] and secured.details["requeue"] == "requeued"
+    finally:
+        signal.signal(signal.SIGTERM, old)
