@@ -49,7 +49,6 @@ from typing import Any
 
 __all__ = [
     "ENV_CHECK_EVERY",
-    "ENV_PKG_ROOT",
     "ENV_RESUME_PATH",
     "ENV_RESUME_STEP",
     "ENV_SANITY_STEPS",
@@ -72,7 +71,6 @@ ENV_RESUME_PATH = "GUARD_AGENT_RESUME_PATH"
 ENV_RESUME_STEP = "GUARD_AGENT_RESUME_STEP"
 #: The folder holding the ``guard`` package (informational: the agent's ``sitecustomize`` finds the package from its
 #: own location and loads it under a private name, see ``guard.PRIVATE_NAME``).
-ENV_PKG_ROOT = "GUARD_AGENT_PKG_ROOT"
 
 MAX_MESSAGE_BYTES = 64 * 1024
 

@@ -134,8 +134,8 @@ def run_steps(hb: Heartbeat, clock: FakeClock, first: int, last: int, step_s: fl
 # ---------------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("seconds", "text"), [(0, "0s"), (45, "45s"), (90, "1m30s"), (1147, "19m07s"),
-                                               (3720, "1h02m"), (90000, "25h00m"), (-5, "0s")])
+@pytest.mark.parametrize(("seconds", "text"), [(0, "0s"), (45, "45s"), (90, "1m30s"), (1147, "19m7s"),
+                                               (3720, "1h2m"), (90000, "1d1h"), (-5, "0s")])
 def test_fmt_duration(seconds: float, text: str) -> None:
     assert fmt_duration(seconds) == text
 
@@ -189,7 +189,7 @@ def test_heartbeat_line_content(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.INFO, logger="guard.telemetry"):
         line = hb.tick(clock.now, snap)
     # 4940 steps left at 2 steps/s; CUDA_VISIBLE_DEVICES selects the second GPU, which the job sees as gpu0
-    assert line == ("heartbeat step=60/5000 loss=1.9 steps/s=2 left=1h00m eta=41m10s gpu0=97%,61.2/79.6GiB,71C "
+    assert line == ("heartbeat step=60/5000 loss=1.9 steps/s=2 left=1h eta=41m10s gpu0=97%,61.2/79.6GiB,71C "
                     "tree_rss=12.3GiB cgroup=14.0/64.0GiB")
     assert [r.getMessage() for r in caplog.records if r.name == "guard.telemetry"] == [line]
     assert hb.due_at() == 60.0
@@ -291,7 +291,7 @@ def test_projection_warns_once_that_the_run_will_not_finish(caplog: pytest.LogCa
     # the warning fires on the first step once the window spans 60 s: step 121 at t=60.5, so 3239.5 s remain
     # before the guard secures (deadline 3600 - margin 300 - 60.5) and the run reaches step 121 + 2 * 3239.5
     assert text.startswith("at 2 steps/s the run reaches step 6600 of 20000 by the deadline: it will not finish")
-    assert "margin 5m00s" in text
+    assert "margin 5m" in text
     assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING] == [text]
     assert len(tracker.alerts) == 1 and tracker.alerts[0][2] == "warn" and tracker.alerts[0][3] == 121
     clock.now += 30.0

@@ -31,6 +31,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+from guard.run.config import format_duration_s
 from guard.run.process import CgroupMemory
 
 if TYPE_CHECKING:
@@ -48,13 +49,10 @@ _LIBRARY_NOT_FOUND, _DRIVER_NOT_LOADED, _VERSION_MISMATCH, _GPU_IS_LOST = 12, 9,
 
 
 def fmt_duration(seconds: float) -> str:
-    """``3720`` -> ``"1h02m"``, ``1147`` -> ``"19m07s"``, ``45`` -> ``"45s"`` (negative values count as 0)."""
+    """A duration for telemetry lines, in ``run.config.format_duration_s``'s form at a coarser grain: whole
+    minutes from an hour up (``3720`` -> ``"1h2m"``), whole seconds below (``1147`` -> ``"19m7s"``)."""
     total = round(max(0.0, seconds))
-    hours, rest = divmod(total, 3600)
-    minutes, secs = divmod(rest, 60)
-    if hours:
-        return f"{hours}h{minutes:02d}m"
-    return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
+    return format_duration_s(total - total % 60 if total >= 3600 else total)
 
 
 def _gib(size_bytes: float) -> str:

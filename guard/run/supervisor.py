@@ -208,12 +208,10 @@ class Supervisor:
         env = dict(self.config.environ)
         env.update(self.env_extra)
         site_dir = str(Path(__file__).resolve().parent.parent / "inside" / "_site")
-        pkg_root = str(Path(__file__).resolve().parent.parent.parent)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (site_dir, env.get("PYTHONPATH", "")) if p)
         env[protocol.ENV_SOCKET] = sock_path
         env[protocol.ENV_SANITY_STEPS] = str(self.config.values["sanity_steps"])
         env[protocol.ENV_CHECK_EVERY] = str(self.check_every)
-        env[protocol.ENV_PKG_ROOT] = pkg_root
         # Not PYTHONUNBUFFERED: the agent flushes a Python job's stdout every 0.1 s instead (see guard.inside.agent).
         # torchrun waits TORCH_ELASTIC_SHUTDOWN_TIMEOUT (default 30 s) between its SIGTERM and SIGKILL to the
         # workers (torch/distributed/run.py, --shutdown-timeout): fit it to --grace.
