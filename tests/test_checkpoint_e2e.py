@@ -110,3 +110,20 @@ def test_a_resumed_run_stopped_before_its_first_save_names_the_resumed_checkpoin
     assert (fields["status"], fields["secured"]) == ("TIMEOUT", "yes")
     assert fields["checkpoint"] == f"out2/checkpoint-{step}" or fields["checkpoint"].endswith(f"checkpoint-{step}")
     assert f"resumes from step {step}" in fields["hint"] and "resumed_from" in fields
+
+
+def test_after_a_nan_the_loop_s_own_term_save_cannot_overwrite_what_is_secured(tmp_path: Path) -> None:
+    # The job's SIGTERM handler rewrites ckpt.pt with the NaN weights: the guard secures the step-40 save first
+    # (the job is paused meanwhile), and never publishes a rewritten file under the old step.
+    import torch
+
+    out, dest = tmp_path / "out", tmp_path / "dest"
+    run = run_guard([*FAST, "--background-push", "off", "--check-every", "1", "--push-to", str(dest), NANO,
+                     f"--out_dir={out}", "--nan_at=50", "--save_on_term=True", "--step_s=0.02"], cwd=tmp_path,
+                    timeout_s=90)
+    assert run.returncode == 4, run.stderr[-3000:]
+    fields = run.fields()
+    assert (fields["reason"], fields["secured"]) == ("non_finite_loss", "yes"), run.verdict
+    secured = torch.load(dest / "last-checkpoint" / "ckpt.pt")
+    assert secured["iter_num"] == 40
+    assert not any(torch.isnan(v).any() for v in secured["model"].values())

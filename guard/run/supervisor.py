@@ -121,6 +121,7 @@ class Supervisor:
         self.exited_at: float | None = None
         self.next_sample = self.started
         self.stop_at: float | None = None  # a scheduled SIGTERM (the job may end on its own before)
+        self.frozen = False  # SIGSTOPped while a failure's checkpoint is secured; SIGCONT + stop when that is over
         self.stop_grace_s: float | None = None
         self._child_exited = False  # SIGCHLD seen: orphans may need reaping
         self._next_reap = self.started
@@ -219,6 +220,8 @@ class Supervisor:
         return env
 
     def _teardown(self) -> None:
+        if self.frozen and self.job is not None:
+            self.job.signal_all(signal.SIGCONT)
         if self.job is not None and self.job.proc is not None:
             self._kill_leftovers(self.job)
         self.channel.close()
@@ -341,6 +344,12 @@ class Supervisor:
                 self._stop_job(now, self.stop_grace_s)
         if self.securer is not None:
             self.securer.tick(self, now)
+        if self.frozen and not self._securing():
+            self.frozen = False
+            if self.job is not None:
+                self.job.signal_all(signal.SIGCONT)
+            if job.alive():
+                self._stop_job(now)
         if self.escalation.kill_due(now):
             log.warning("the job ignored SIGTERM for %.0fs (--grace): SIGKILL", self.escalation.grace_s)
             job.signal_all(signal.SIGKILL)
@@ -550,6 +559,19 @@ class Supervisor:
         self._recheck = True
         self.state.outcome = outcome
         self.watchdog.pause()
+        if stop and secure and self.securer is not None and outcome.reason == "non_finite_loss" and self.job_alive():
+            # Secure first, then stop: a job told to stop (or training on) may save again over the good checkpoint
+            # (a loop's SIGTERM handler rewriting ckpt.pt with the NaN weights). Frozen with SIGSTOP meanwhile,
+            # thawed and stopped once securing is over (bounded by its secure_by: --grace).
+            self.securer.on_decided(self, outcome)
+            if self.securer.push_running():
+                log.info("pausing the job (SIGSTOP) while the checkpoint saved before the non-finite loss is secured")
+                self.frozen = True
+                if self.job is not None:
+                    self.job.signal_all(signal.SIGSTOP)
+            else:
+                self._stop_job(self.clock())
+            return
         if stop:
             self._stop_job(self.clock())
         if secure and self.securer is not None:

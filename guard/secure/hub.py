@@ -357,7 +357,7 @@ class Securer:
     # -- public API -------------------------------------------------------------------------------------------
 
     def push_checkpoint(self, local_dir: str | os.PathLike[str], *, step: int, deadline: float,
-                        files: list[str] | None = None) -> PushResult:
+                        files: list[str] | None = None, saved_by_s: float | None = None) -> PushResult:
         """Secure a complete checkpoint folder as ``DEST/last-checkpoint/`` (replacing the previous one), verified.
 
         The Hub commit is titled ``guard: checkpoint step N`` (``CHECKPOINT_COMMIT_TITLE``): that title is the
@@ -370,6 +370,10 @@ class Securer:
             deadline: clock value by which the push, retries included, must be over.
             files: the files to secure, relative to ``local_dir`` (``CheckpointInfo.files``: a set of loose model
                 files in an output folder); default: every file of the folder.
+            saved_by_s: the newest file mtime (epoch seconds) when the checkpoint was seen complete
+                (``CheckpointInfo.newest_mtime_s``); a file modified after it was rewritten in place (a loop that
+                saves ``ckpt.pt`` again) and is no longer that checkpoint: the push fails rather than secure it
+                under the old step. None: not checked.
 
         Returns:
             The verified ``PushResult`` (``revision``: Hub commit id, or the ``last-checkpoint`` folder).
@@ -387,6 +391,16 @@ class Securer:
         if not files:
             raise PushFailedError(f"cannot secure {what}: {folder} has no files", destination=str(self.destination),
                                   hint="the guard only pushes complete checkpoint folders; check --output-dir")
+        if saved_by_s is not None:
+            for rel in files:
+                mtime_s = (folder / rel).stat().st_mtime
+                if mtime_s > saved_by_s + 1e-3:
+                    raise PushFailedError(
+                        f"cannot secure {what}: {folder / rel} was rewritten after that save (modified "
+                        f"{mtime_s - saved_by_s:.1f}s later), so it no longer holds step {step}",
+                        destination=str(self.destination),
+                        hint="the job overwrites its checkpoint in place; save each checkpoint under a new name "
+                             "(e.g. ckpt-STEP.pt) so an older good one survives a later bad save")
         if self.destination.kind == "folder":
             attempt = lambda: self._folder_push_checkpoint(folder, files, step)  # noqa: E731
         else:

@@ -162,6 +162,15 @@ class _Ended:
         return self.result
 
 
+
+def _unchanged(info: CheckpointInfo) -> bool:
+    """Every file of ``info`` is still there, none modified after the checkpoint was seen complete."""
+    folder = info.folder
+    try:
+        return all((folder / rel).stat().st_mtime <= info.newest_mtime_s + 1e-3 for rel in info.files)
+    except OSError:
+        return False
+
 def _step(info: CheckpointInfo | None) -> int:
     return -1 if info is None or info.step is None else info.step
 
@@ -209,6 +218,7 @@ class Plan:
     training_started: bool = False  # a training step was seen: before it there is nothing new to ask for
     last_start: float = -math.inf
     history: list[PushRecord] = field(default_factory=list)
+    seen: list[CheckpointInfo] = field(default_factory=list)  # every complete checkpoint seen, oldest first
 
     # -- queries ----------------------------------------------------------------------------------------------
 
@@ -268,6 +278,7 @@ class Plan:
                                                    and info.newest_mtime_s <= self.newest.newest_mtime_s):
             return []
         self.newest = info
+        self.seen.append(info)
         if self.pusher is None or self.state in (State.DONE, State.FINAL_PUSH):
             return []
         if self.state is State.WATCHING:
@@ -446,6 +457,11 @@ class Plan:
             _step(info) == _step(done) and info.path != done.path)
 
     def _older_than(self, step: int) -> CheckpointInfo | None:
+        """The newest checkpoint saved before ``step`` that is still on disk as it was saved (a loop that saves
+        ``ckpt.pt`` again in place leaves no older one), else the newest one pushed before it."""
+        for info in reversed(self.seen):
+            if _step(info) < step and _unchanged(info):
+                return info
         done = self.secured.info if self.secured is not None else None
         for record in reversed(self.history):
             if record.info is not None and _step(record.info) < step and (record.result is None or record.result.ok):
@@ -486,7 +502,8 @@ class Plan:
         log.info("securing %s (step %s, %.1f MB)%s, %.0fs allowed", info.path, info.step, info.size_bytes / 1e6,
                  " in the background" if kind == "background" else "", deadline - now)
         handle = self.pusher.start("push_checkpoint", {"local_dir": str(info.folder), "step": info.step or 0,
-                                                       "files": list(info.files)}, deadline)
+                                                       "files": list(info.files),
+                                                       "saved_by_s": info.newest_mtime_s}, deadline)
         self.push = PushRecord(kind, info, handle, now)
         self.history.append(self.push)
         return [StartPush(kind, str(info.path), info.step, deadline)]

@@ -267,6 +267,8 @@ class Securing:
         if self._scanning() and now >= self.next_scan:
             self.next_scan = now + SCAN_EVERY_S
             self._scan(sup)
+        if sup.state.progress.step is not None:
+            self.plan.training_started = True  # a step was seen: the deadline's request follows the margin
         actions: list[Action] = []
         if sup.job_running() and sup.state.outcome is None and self.plan.deadline_due(now):
             actions += self.plan.deadline_near(can_save=self._can_save(sup))
@@ -401,6 +403,10 @@ class Securing:
             return
         self._check_node(sup)
         self._carry_out(sup, self.plan.checkpoint(info), self.clock())
+
+    def push_running(self) -> bool:
+        """A push that ends the run (securing a failure, a deadline, a signal) is under way."""
+        return self.plan.state is State.SECURING and self.plan.push is not None
 
     def on_decided(self, sup: JobLink, outcome: Outcome) -> None:
         """The supervisor decided a failure (non-finite loss, stall): secure what was saved before it."""

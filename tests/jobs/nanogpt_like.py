@@ -1,6 +1,8 @@
 """A plain loop shaped like nanoGPT's train.py: ``--key=value`` arguments, ``torch.save`` of a dict with
 ``iter_num`` into ``OUT_DIR/ckpt.pt`` every ``--eval_interval`` iterations; it never talks to the guard unless
 ``--api=True`` (then it answers checkpoint requests, but never reads ``guard.should_stop()``).
+``--nan_at=N`` poisons the weights at iteration N (the loss is NaN from then on); ``--save_on_term=True`` saves
+``ckpt.pt`` once more when SIGTERM arrives, as many loops do, whatever the weights hold by then.
 
 After the loop it prints ``training finished`` and writes ``OUT_DIR/final.pt``: the code after training that must
 not run when the guard stopped the job.
@@ -13,7 +15,7 @@ import time
 import torch
 
 config = {"out_dir": "out", "max_iters": 100000, "eval_interval": 20, "step_s": 0.01, "api": "False",
-          "ckpt_name": "ckpt.pt", "ready": ""}
+          "ckpt_name": "ckpt.pt", "ready": "", "nan_at": 0, "save_on_term": "False"}
 for arg in sys.argv[1:]:
     key, _, value = arg[2:].partition("=")
     if key not in config:
@@ -37,7 +39,20 @@ def save(iter_num):
     return path
 
 
+iter_num = 0
+if config["save_on_term"] == "True":
+    import signal
+
+    def on_term(signum, frame):
+        save(iter_num)
+        raise SystemExit(143)
+
+    signal.signal(signal.SIGTERM, on_term)
+
 for iter_num in range(1, config["max_iters"] + 1):
+    if iter_num == config["nan_at"]:
+        with torch.no_grad():
+            model.weight.fill_(float("nan"))
     x = torch.randn(8, 16)
     loss = torch.nn.functional.mse_loss(model(x).squeeze(-1), x.sum(-1))
     optimizer.zero_grad()
