@@ -302,3 +302,20 @@ def test_a_save_in_place_with_no_step_is_pushed_again_when_newer(clock: FakeCloc
     plan.checkpoint(again)  # torch.save over ckpt.pt during the final stretch
     run_until(plan, clock, 300.0)
     assert plan.secured is not None and plan.secured.info == again and len(pusher.started) == 2
+
+
+def test_a_push_that_slows_down_raises_the_margin_before_it_ends(clock: FakeClock) -> None:
+    pusher = FakePusher(clock, rate=lambda now: 10e6, overhead_s=0.0)
+    estimator = MarginEstimator(log_changes=False, floor_s=0.0)
+    plan = Plan(clock=clock, pusher=pusher, estimator=estimator, deadline_at=10_000.0, push_interval_s=0.0)
+    pusher.sizes["/out/checkpoint-1"] = pusher.sizes["/out/checkpoint-2"] = 100_000_000
+    plan.checkpoint(ckpt(1, size_bytes=100_000_000))
+    run_until(plan, clock, 11.0)  # 10 s at 10 MB/s: measured
+    assert estimator.push_bytes_per_s == pytest.approx(10e6, rel=0.02)
+    margin_before = estimator.margin_s()
+    pusher.rate = lambda now: 10e6 / 3  # the uplink slows down 3x: the next push takes 30 s
+    plan.checkpoint(ckpt(2, size_bytes=100_000_000))
+    run_until(plan, clock, 11.0 + 20.0)
+    assert plan.push is not None and plan.push.result is None  # still running ...
+    assert estimator.push_bytes_per_s < 10e6 / 1.8  # ... and already counted as slow
+    assert estimator.margin_s() > margin_before

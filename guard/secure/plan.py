@@ -325,6 +325,8 @@ class Plan:
             result = self.push.handle.poll()
             if result is not None:
                 actions += self._push_ended(result, now)
+            elif self.push.info is not None:  # a push running longer than the rate allows lowers it now
+                self.estimator.observe_push_progress(self.push.info.size_bytes, now - self.push.started)
         if self.wait_save_until is not None and now >= self.wait_save_until and self.state is State.AWAITING_SAVE:
             log.warning("the job did not save a checkpoint in time: securing the newest complete one")
             self.wait_save_until = None
