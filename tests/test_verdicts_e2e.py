@@ -262,7 +262,7 @@ def test_torch_save_into_a_full_disk_says_disk_full_with_the_free_space(tmp_path
 
 
 def test_a_hang_after_training_ended_names_where_it_hangs(tmp_path: Path) -> None:
-    run = run_guard(["--stall-timeout", "15s", "--grace", "5s", str(JOBS / "hang_after_training.py"),
+    run = run_guard(["--stall-timeout", "30s", "--grace", "5s", str(JOBS / "hang_after_training.py"),
                      "--output-dir", str(tmp_path / "out")], timeout_s=120)
     assert run.returncode == 5, run.stderr[-3000:]
     hint = run.fields()["hint"]
