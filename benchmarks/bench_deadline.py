@@ -153,6 +153,7 @@ def one_run(rng: random.Random, drop: bool, answers: bool = True) -> dict[str, A
             while saving_until is None and not stopped and clock.now >= next_step_at:
                 step += 1
                 estimator.observe_step(step_s)
+                plan.training_started = True  # what the supervisor's securing glue sets at the first step
                 next_step_at += step_s
                 if step % save_every == 0 or requested:
                     saving_until, save_step = clock.now + save_s, step

@@ -329,7 +329,7 @@ def rss_row(res: Results) -> None:
 
 def machine() -> dict[str, Any]:
     try:
-        import torch  # noqa: PLC0415 (only for its version)
+        import torch  # only for its version
 
         torch_version = torch.__version__
     except ImportError:

@@ -20,7 +20,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
-from guard.preflight.data import ShardSet, check_data
+from guard.preflight.data import ShardSet, check_data  # noqa: E402 - after the repo root is on sys.path
 
 
 def main() -> int:

@@ -111,14 +111,13 @@ def checkpoint_saved(path: str | os.PathLike[str], step: int | None = None) -> N
 def _mark_complete(path: str, step: int | None) -> None:
     import json
 
+    from .files import write_atomic  # relative: this package may be loaded under a private name
+
     marker = os.path.join(path, "guard_checkpoint.json")
     if not os.path.isdir(path) or os.path.exists(marker) or os.path.exists(os.path.join(path, "trainer_state.json")):
         return
     try:
-        tmp = marker + ".tmp"
-        with open(tmp, "w") as handle:
-            json.dump({"step": step}, handle)
-        os.replace(tmp, marker)
+        write_atomic(marker, json.dumps({"step": step}).encode("utf-8"))
     except OSError:
         pass  # a read-only folder: the report alone still counts
 

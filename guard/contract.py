@@ -21,14 +21,13 @@ import os
 import re
 import shlex
 import signal
-import tempfile
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from enum import Enum, IntEnum
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-from guard.run.masking import Masker
+from guard.files import write_atomic
 
 __all__ = [
     "EXIT_GUARD_ERROR",
@@ -44,6 +43,7 @@ __all__ = [
     "Reason",
     "RunResult",
     "Status",
+    "TextMasker",
     "Verdict",
     "parse_verdict",
     "render_line",
@@ -52,6 +52,14 @@ __all__ = [
 ]
 
 log = logging.getLogger("guard.contract")
+
+
+class TextMasker(Protocol):
+    """What masks the VERDICT line and the report: ``guard.run.masking.Masker``, or an adapter of a function."""
+
+    def mask_text(self, text: str) -> str:
+        """``text`` with every secret value replaced."""
+        ...
 
 
 class Status(str, Enum):
@@ -198,7 +206,7 @@ def _format_value(value: Any) -> str:
     return str(value)
 
 
-def render_line(result: RunResult, masker: Masker | None = None) -> str:
+def render_line(result: RunResult, masker: TextMasker | None = None) -> str:
     """The one VERDICT line for ``result`` (no trailing newline), secrets masked.
 
     Example:
@@ -310,7 +318,7 @@ def report_dict(result: RunResult) -> dict[str, Any]:
     return cleaned
 
 
-def write_report(path: str | os.PathLike[str], result: RunResult, masker: Masker | None = None) -> None:
+def write_report(path: str | os.PathLike[str], result: RunResult, masker: TextMasker | None = None) -> None:
     """Write the JSON report atomically (temporary file in the same folder, fsync, rename).
 
     Raises:
@@ -321,13 +329,4 @@ def write_report(path: str | os.PathLike[str], result: RunResult, masker: Masker
     text = json.dumps(report_dict(result), indent=2, sort_keys=True, default=str)
     if masker is not None:
         text = masker.mask_text(text)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text + "\n")
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomic(target, (text + "\n").encode("utf-8"), mode=0o600)  # owner-only: the job's command and settings

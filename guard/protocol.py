@@ -13,7 +13,8 @@ Agent -> supervisor (``t``):
 ``hello``           pid, rank, local_rank, world_size, node_rank
 ``step``            step (int), loss (float|None), finite (bool), source (``trainer``|``backward``|``report``),
                     n (steps covered by this message, >= 1)
-``trainer_config``  the TrainingArguments that matter (see ``TRAINER_FIELDS``) + has_eval_dataset, max_steps;
+``trainer_config``  the TrainingArguments that matter (see ``TRAINER_FIELDS``) + has_eval_dataset, max_steps,
+                    checkpoint_bytes_estimate (weights + AdamW state, from tensor metadata);
                     the agent then waits up to ack_timeout_s for ``ack`` (go on) before the first step
 ``training_args``   the same fields as ``trainer_config`` (no max_steps, no has_eval_dataset), sent when
                     ``TrainingArguments`` is built (before the job's data work); the agent waits for ``ack``

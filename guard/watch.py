@@ -35,10 +35,9 @@ import os
 import re
 import select
 import sys
-import tempfile
 import time
 from collections.abc import Callable
-from typing import BinaryIO, Protocol, TextIO
+from typing import BinaryIO, Protocol, TextIO, cast, runtime_checkable
 
 from guard.contract import (
     EXIT_USAGE,
@@ -49,6 +48,7 @@ from guard.contract import (
     render_line,
 )
 from guard.errors import UsageError
+from guard.files import write_atomic
 from guard.run.config import DURATION_FORMS, parse_duration
 
 __all__ = [
@@ -82,6 +82,7 @@ _READ_SIZE = 64 * 1024
 # ---------------------------------------------------------------------------------------------------------------
 
 
+@runtime_checkable
 class ChunkSource(Protocol):
     """Where the log comes from; tests pass a scripted one."""
 
@@ -130,13 +131,13 @@ class StreamSource:
 
 
 def _source_for(stdin: object) -> ChunkSource:
-    if hasattr(stdin, "read_chunk"):
-        return stdin  # type: ignore[return-value]
-    stream = getattr(stdin, "buffer", stdin)
+    if isinstance(stdin, ChunkSource):
+        return stdin
+    stream = cast(BinaryIO, getattr(stdin, "buffer", stdin))  # a text stream's buffer, else the stream itself
     try:
-        return FdSource(stream.fileno())  # type: ignore[attr-defined]
+        return FdSource(stream.fileno())
     except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
-        return StreamSource(stream)  # type: ignore[arg-type]
+        return StreamSource(stream)
 
 
 class _Passthrough:
@@ -148,8 +149,12 @@ class _Passthrough:
     def __init__(self, stdout: TextIO | BinaryIO) -> None:
         self.stream = stdout
         self.binary: BinaryIO | None = getattr(stdout, "buffer", None)
-        if self.binary is None and not isinstance(stdout, io.TextIOBase):
-            self.binary = stdout  # type: ignore[assignment]
+        self.text: TextIO | None = None
+        if self.binary is None:
+            if isinstance(stdout, io.TextIOBase):
+                self.text = stdout
+            else:  # no text layer: a binary stream
+                self.binary = cast(BinaryIO, stdout)
         self.broken = False
 
     def write(self, data: bytes) -> None:
@@ -159,9 +164,9 @@ class _Passthrough:
             if self.binary is not None:
                 self.binary.write(data)
                 self.binary.flush()
-            else:
-                self.stream.write(data.decode("utf-8", errors="replace"))  # type: ignore[arg-type]
-                self.stream.flush()
+            elif self.text is not None:
+                self.text.write(data.decode("utf-8", errors="replace"))
+                self.text.flush()
         except BrokenPipeError:
             self.broken = True
             logger.debug("stdout closed by its reader; still reading the log for its VERDICT")
@@ -322,28 +327,16 @@ def write_summary(path: str, text: str) -> None:
         OSError: the folder or the file cannot be read or written.
     """
     target = os.path.realpath(path)
+    mode: int | None = None
     try:
         with open(target, "rb") as old:
             before = old.read()
         mode = os.stat(target).st_mode & 0o7777
     except FileNotFoundError:
         before = b""
-        umask = os.umask(0)
-        os.umask(umask)
-        mode = 0o666 & ~umask
     if before and not before.endswith(b"\n"):
         before += b"\n"
-    fd, tmp = tempfile.mkstemp(prefix=".guard-summary-", dir=os.path.dirname(target))
-    try:
-        with os.fdopen(fd, "wb") as out:
-            out.write(before + text.encode("utf-8"))
-            out.flush()
-            os.fsync(out.fileno())
-        os.chmod(tmp, mode)
-        os.replace(tmp, target)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    write_atomic(target, before + text.encode("utf-8"), mode=mode)
 
 
 # ---------------------------------------------------------------------------------------------------------------

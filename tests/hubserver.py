@@ -42,8 +42,8 @@ import json
 import os
 import socket
 import threading
-from dataclasses import dataclass
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 from urllib.parse import urlsplit
 
@@ -115,7 +115,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     timeout = 120  # an idle keep-alive connection is dropped after this
     server: _Server
 
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
+    def log_message(self, format: str, *args: Any) -> None:  # the stdlib signature
         pass
 
     def do_GET(self) -> None:

@@ -10,20 +10,17 @@ from types import SimpleNamespace
 import psutil
 import pytest
 
+from guard.errors import BudgetError, UsageError
+from guard.run.slurm import SlurmRefresher, parse_scontrol_job, parse_slurm_duration_s
 from guard.secure.budget import (
     CLOCK_SKEW_S,
     Deadline,
     MarginEstimator,
     checkpoint_due,
     format_duration_s,
-    grace_deadline,
     parse_started_at,
     resolve_deadline,
-    save_wait_limit_s,
-    time_to_due_s,
 )
-from guard.errors import BudgetError, UsageError
-from guard.run.slurm import SlurmRefresher, parse_scontrol_job, parse_slurm_duration_s
 
 NOW = 1_787_236_200.0  # 2026-08-20T14:30:00Z
 HOUR = 3600.0
@@ -243,12 +240,6 @@ def test_refreshed_never_passes_the_explicit_timeout():
     back = shorter.refreshed(NOW + 5 * HOUR, "scontrol EndTime")
     assert back.deadline_s == NOW + HOUR
     assert "is later" in back.source
-
-
-def test_grace_deadline():
-    deadline = grace_deadline(NOW, 30, reason="SIGTERM")
-    assert deadline.deadline_s == NOW + 30
-    assert deadline.source == "SIGTERM + --grace 30s"
 
 
 @pytest.mark.parametrize(("seconds", "text"), [(7200, "2h"), (5400, "1h30m"), (45, "45s"), (0, "0s"),
@@ -548,30 +539,3 @@ def test_checkpoint_due_edges():
     assert not checkpoint_due(NOW + 10 * HOUR, Deadline(NOW, None, None, "none"), 100)
 
 
-def test_time_to_due():
-    deadline = Deadline(NOW, HOUR, NOW + HOUR, "test")
-    assert time_to_due_s(NOW, deadline, 600) == HOUR - 600
-    assert time_to_due_s(NOW + HOUR, deadline, 600) == 0.0
-    assert time_to_due_s(NOW, Deadline(NOW, None, None, "none"), 600) is None
-
-
-def test_save_wait_limit_leaves_time_to_push_the_fallback():
-    estimator = MarginEstimator(overhead_s=10)
-    estimator.observe_push(100e6, 2.0)  # 50 MB/s
-    deadline = Deadline(NOW, HOUR, NOW + 300, "test")
-    # fallback 500 MB: 10 s push x 1.5 + 10 s overhead = 25 s reserved
-    assert save_wait_limit_s(NOW, deadline, estimator, 500e6) == pytest.approx(275)
-    assert save_wait_limit_s(NOW, deadline, estimator, None) == pytest.approx(290)
-    assert save_wait_limit_s(NOW + 290, deadline, estimator, 500e6) == 0.0
-    assert save_wait_limit_s(NOW, Deadline(NOW, None, None, "none"), estimator, 500e6) is None
-
-
-def test_a_slow_push_in_flight_lowers_the_throughput_before_it_ends():
-    estimator = MarginEstimator()
-    estimator.observe_push(1e9, 10.0)  # 100 MB/s
-    estimator.observe_push_progress(1e9, 5.0)  # could still be 100+ MB/s: no news
-    assert estimator.push_bytes_per_s == pytest.approx(100e6)
-    estimator.observe_push_progress(1e9, 40.0)  # still running after 40 s: at most 25 MB/s
-    assert estimator.push_bytes_per_s == pytest.approx(25e6)
-    estimator.observe_push_progress(1e9, 0.0)  # ignored, no division by zero
-    assert estimator.push_bytes_per_s == pytest.approx(25e6)

@@ -32,6 +32,22 @@ def test_a_loop_that_saves_ckpt_pt_is_secured_at_the_deadline_without_waiting_fo
     assert took_s < 25 + 10
 
 
+def test_a_loop_that_cannot_be_asked_has_its_saves_after_the_deadline_warning_secured_too(tmp_path: Path) -> None:
+    # nanoGPT's shape: after "deadline in Ns" the job runs on until the guard stops it, saving ckpt.pt every
+    # eval_interval; each of those saves is secured, not only the first one (the VERDICT resumes from the last).
+    out, dest = tmp_path / "out", tmp_path / "dest"
+    run = run_guard([*FAST, "--timeout", "25s", "--margin", "12s", "--push-to", str(dest), NANO, f"--out_dir={out}",
+                     "--eval_interval=10", "--step_s=0.05"], cwd=tmp_path, timeout_s=90)
+    assert run.returncode == 75, run.stderr[-3000:]
+    after = run.stderr.split("deadline in", 1)[1]
+    assert after.count("secured and verified") >= 2, run.stderr[-3000:]
+    fields = run.fields()
+    secured_steps = [int(line.rsplit("(step ", 1)[1].split(",")[0]) for line in after.splitlines()
+                     if "secured and verified" in line]
+    assert secured_steps == sorted(secured_steps) and secured_steps[-1] > secured_steps[0]
+    assert f"resumes from step {secured_steps[-1]}" in fields["hint"]
+
+
 def test_sigterm_reaches_a_loop_without_the_api_at_once_and_its_checkpoint_is_secured(tmp_path: Path) -> None:
     ready, dest = tmp_path / "ready", tmp_path / "dest"
     proc = start_guard([*FAST, "--grace", "20s", "--push-to", str(dest), NANO, f"--ready={ready}"], cwd=tmp_path)
@@ -77,3 +93,20 @@ def test_a_trainer_stopped_at_the_deadline_does_not_run_the_code_after_train(tmp
     assert not (out / "model.safetensors").exists()  # no "final" model from a half-trained run
     assert "still being written" not in run.stderr  # the Trainer said its checkpoints were complete
     assert (tmp_path / "dest" / "last-checkpoint" / "trainer_state.json").is_file()
+
+
+def test_a_resumed_run_stopped_before_its_first_save_names_the_resumed_checkpoint_as_secured(tmp_path: Path) -> None:
+    # the destination already holds the checkpoint the run resumed from: exit 75 pointing at it, not 124
+    dest = tmp_path / "dest"
+    first = run_guard([*FAST, "--timeout", "15s", "--margin", "8s", "--push-to", str(dest), NANO,
+                       f"--out_dir={tmp_path / 'out1'}", "--eval_interval=10", "--step_s=0.05"], cwd=tmp_path,
+                      timeout_s=90)
+    assert first.returncode == 75, first.stderr[-3000:]
+    step = first.fields()["hint"].split("resumes from step ", 1)[1].split(";")[0].split(":")[0]
+    run = run_guard([*FAST, "--resume", "on", "--timeout", "15s", "--margin", "10s", "--push-to", str(dest), NANO,
+                     f"--out_dir={tmp_path / 'out2'}", "--eval_interval=100000"], cwd=tmp_path, timeout_s=90)
+    assert run.returncode == 75, run.stderr[-3000:]
+    fields = run.fields()
+    assert (fields["status"], fields["secured"]) == ("TIMEOUT", "yes")
+    assert fields["checkpoint"] == f"out2/checkpoint-{step}" or fields["checkpoint"].endswith(f"checkpoint-{step}")
+    assert f"resumes from step {step}" in fields["hint"] and "resumed_from" in fields

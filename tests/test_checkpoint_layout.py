@@ -16,7 +16,6 @@ from guard.secure.checkpoints import (
     TRAINER_STATE_NAME,
     SavedFiles,
     describe,
-    is_suspect,
     list_files,
     loose_files,
     newest_complete,
@@ -224,18 +223,6 @@ def test_saved_files_group_one_save_and_carry_the_agents_step(tmp_path):
     assert info.files == ("model.pt",) and info.step == 80
     write(tmp_path / "ckpt" / "data.json", 5)
     assert saved.add(tmp_path / "ckpt" / "data.json", 80) is None  # not a model file
-
-
-def test_a_checkpoint_saved_after_the_first_non_finite_step_is_suspect(tmp_path):
-    saved = SavedFiles()
-    write(tmp_path / "ckpt.pt", 10, mtime_s=NOW - 5)
-    before = saved.add(tmp_path / "ckpt.pt", 99)
-    after = saved.add(tmp_path / "ckpt.pt", 100)
-    assert not is_suspect(before, bad_step=100, bad_at_s=None)
-    assert is_suspect(after, bad_step=100, bad_at_s=None)
-    named = loose_files(tmp_path, now_s=NOW)  # the job's own unit: judged by when it was written
-    assert is_suspect(named, bad_step=1, bad_at_s=NOW - 10)
-    assert not is_suspect(named, bad_step=1, bad_at_s=NOW - 1)
 
 
 # -- the folder destination --------------------------------------------------------------------------------------

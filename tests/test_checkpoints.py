@@ -9,18 +9,16 @@ from pathlib import Path
 
 import pytest
 
+from guard.errors import SupervisorError
 from guard.secure.checkpoints import (
     GUARD_MARKER_NAME,
     INCOMPLETE_SENTINEL_NAME,
     TRAINER_STATE_NAME,
     CheckpointInfo,
     describe,
-    is_complete,
     newest_complete,
-    tree_size_bytes,
     why_incomplete,
 )
-from guard.errors import SupervisorError
 
 NOW = 1_787_236_200.0
 
@@ -116,9 +114,9 @@ def test_skips_a_folder_whose_sizes_change_between_passes(tmp_path):
 def test_accepts_the_guard_marker_instead_of_the_state_file(tmp_path):
     folder = tmp_path / "checkpoint-3"
     write(folder / "weights.pt", 100)
-    assert not is_complete(folder, now_s=NOW)
+    assert why_incomplete(folder, now_s=NOW) is not None
     write(folder / GUARD_MARKER_NAME, 10)
-    assert is_complete(folder, now_s=NOW)
+    assert why_incomplete(folder, now_s=NOW) is None
     assert newest_complete(tmp_path, now_s=NOW).step == 3
 
 
@@ -148,15 +146,6 @@ def test_seen_set_logs_each_skip_once(tmp_path, caplog):
         for _ in range(3):
             newest_complete(tmp_path, now_s=NOW, seen=seen)
     assert len([r for r in caplog.records if "checkpoint-2" in r.getMessage()]) == 1
-
-
-def test_tree_size_bytes(tmp_path):
-    write(tmp_path / "a.bin", 100)
-    write(tmp_path / "nested" / "deeper" / "b.bin", 23)
-    assert tree_size_bytes(tmp_path) == 123
-    assert tree_size_bytes(tmp_path / "a.bin") == 100
-    with pytest.raises(FileNotFoundError):
-        tree_size_bytes(tmp_path / "missing")
 
 
 def test_describe_a_trainer_folder_takes_global_step(tmp_path):

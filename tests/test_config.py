@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from guard import protocol
+from guard.errors import PreflightError, UsageError
 from guard.run.cli import build_config
 from guard.run.config import (
     OPTIONS,
@@ -18,9 +19,7 @@ from guard.run.config import (
     parse_duration,
     parse_size,
     resolve,
-    split_repeat,
 )
-from guard.errors import PreflightError, UsageError
 
 NO_FLAGS: dict[str, object] = {}
 
@@ -197,10 +196,6 @@ def test_resume_modes() -> None:
     assert resolve({"resume": "1"}, {})[0]["resume"] == "on"
     assert resolve({"resume": "no"}, {})[0]["resume"] == "off"
     assert resolve({"resume": "if-valid"}, {})[0]["resume"] == "if-valid"
-
-
-def test_split_repeat() -> None:
-    assert split_repeat(["A,B", " C ", ","]) == ("A", "B", "C")
 
 
 def test_other_guard_variables() -> None:

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import psutil
 import pytest
-
 from conftest import JOBS, guard_env, kill_quietly, pid_alive, run_guard, start_guard
 
 pytestmark = [pytest.mark.slow]
@@ -169,7 +168,7 @@ def test_two_nodes_at_the_deadline_save_at_one_step_and_node_0_secures(tmp_path:
     finally:
         for proc in runs:
             kill_quietly(proc)
-    (rc0, out0, err0), (rc1, out1, err1) = results
+    (rc0, out0, err0), (_rc1, out1, err1) = results
     verdict0, verdict1 = out0.strip().splitlines()[-1], out1.strip().splitlines()[-1]
     assert rc0 == 75, (err0 + err1)[-4000:]
     assert "TIMEOUT reason=deadline" in verdict0 and "node=0" in verdict0 and "secured=yes" in verdict0

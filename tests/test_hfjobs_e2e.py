@@ -35,8 +35,10 @@ needs_uv = pytest.mark.skipif(not os.access(UV, os.X_OK), reason="uv is not inst
 def make_wheel(dest: Path, name: str, version: str, files: dict[str, str]) -> Path:
     """A minimal pure-Python wheel (PEP 427): the files, METADATA, WHEEL and RECORD with sha256s."""
     info = f"{name}-{version}.dist-info"
-    files = {**files, f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name.replace('_', '-')}\nVersion: {version}\n",
-             f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: jobguard-tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    files = {**files,
+             f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name.replace('_', '-')}\nVersion: {version}\n",
+             f"{info}/WHEEL": ("Wheel-Version: 1.0\nGenerator: jobguard-tests\nRoot-Is-Purelib: true\n"
+                               "Tag: py3-none-any\n")}
     record = []
     for path, text in files.items():
         digest = base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b"=").decode()

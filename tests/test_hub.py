@@ -1,4 +1,7 @@
-"""guard.secure.hub: destinations, verified pushes, bounded retries, fetching back. Against the local Hub and tmp folders."""
+"""guard.secure.hub: destinations, verified pushes, bounded retries, fetching back.
+
+Against the local Hub and tmp folders.
+"""
 
 from __future__ import annotations
 
@@ -11,13 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from guard.secure import hub as guard_hub
 from guard.errors import HubError, PushFailedError, UsageError
+from guard.secure import hub as guard_hub
 from guard.secure.hub import MANIFEST_NAME, Destination, Securer, final_model_files, parse_destination
 from tests.hubserver import TOKENS, HubServer, client_constants
 
 pytest.importorskip("huggingface_hub")
-from huggingface_hub import CommitOperationAdd, HfApi  # noqa: E402
+from huggingface_hub import CommitOperationAdd, HfApi
 
 
 class FakeClock:
@@ -203,7 +206,7 @@ def test_latency_beyond_the_deadline_fails_instead_of_hanging(hub, api, repo_id,
     def push() -> None:
         try:
             Securer(repo_id, api=api).push_checkpoint(ckpt, step=3, deadline=time.monotonic() + 1.0)
-        except BaseException as err:  # noqa: BLE001 - handed to the test thread
+        except BaseException as err:  # handed to the test thread
             outcome.append(err)
 
     worker = threading.Thread(target=push, daemon=True)

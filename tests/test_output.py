@@ -1,4 +1,7 @@
-"""Tests for ``guard.run.output``: the job's output on its way through the guard (``StreamFilter``, ``parse_losses``)."""
+"""Tests for ``guard.run.output``: the job's output on its way through the guard.
+
+``StreamFilter``, ``parse_losses``.
+"""
 
 from __future__ import annotations
 

@@ -319,3 +319,75 @@ def test_a_push_that_slows_down_raises_the_margin_before_it_ends(clock: FakeCloc
     assert plan.push is not None and plan.push.result is None  # still running ...
     assert estimator.push_bytes_per_s < 10e6 / 1.8  # ... and already counted as slow
     assert estimator.margin_s() > margin_before
+
+
+def test_deadline_a_job_that_cannot_save_has_every_later_save_secured_until_it_is_stopped(clock: FakeClock) -> None:
+    # nanoGPT's shape: no guard API, it saves ckpt.pt on its own every few seconds and runs until the guard stops it
+    # at secure_by - STOP_BEFORE_S; a save made after the first secured one must not be lost.
+    pusher = FakePusher(clock, rate=lambda now: 2e6)  # 0.5 s per push
+    plan = make(clock, pusher, deadline_at=60.0, interval_s=600.0)
+    plan.checkpoint(ckpt(20))  # secured in the background
+    run_until(plan, clock, 5.0)
+    clock.now = 35.0
+    actions = plan.deadline_near(can_save=False)
+    assert RequestSave() not in actions and any(isinstance(a, StopJob) for a in actions)
+    clock.advance(2.0)
+    plan.checkpoint(ckpt(80))
+    run_until(plan, clock, 40.0)
+    assert plan.secured is not None and plan.secured.info is not None and plan.secured.info.step == 80
+    assert plan.state is State.AWAITING_SAVE  # the job still runs: its next save is awaited, not dropped
+    clock.now = 45.0
+    plan.checkpoint(ckpt(100))
+    clock.now = 50.0
+    plan.checkpoint(ckpt(120))  # saved while the push of 100 runs: pushed after it
+    run_until(plan, clock, 55.0)
+    assert [h.args["step"] for h in pusher.started] == [20, 80, 100, 120]
+    assert plan.secured.info.step == 120
+    clock.now = 56.5
+    plan.job_exit(ok=False)  # stopped by the guard
+    assert plan.state is State.DONE
+
+
+def test_deadline_a_job_that_cannot_save_and_saves_nothing_more_ends_by_secure_by(clock: FakeClock) -> None:
+    pusher = FakePusher(clock)
+    plan = make(clock, pusher, deadline_at=30.0)
+    plan.checkpoint(ckpt(5))
+    run_until(plan, clock, 5.0)
+    plan.deadline_near(can_save=False)
+    run_until(plan, clock, 40.0)
+    assert plan.state is State.DONE and clock.now <= 30.0 - SAFETY_S + 0.11
+    assert plan.secured is not None and plan.secured.info is not None and plan.secured.info.step == 5
+    assert [h.args["step"] for h in pusher.started] == [5]
+
+
+def test_a_resumed_checkpoint_fetched_from_the_destination_stands_as_secured(clock: FakeClock) -> None:
+    # resumed from the destination's step 13, the deadline comes before the job's first save: exit 75 material
+    pusher = FakePusher(clock)
+    plan = make(clock, pusher, deadline_at=30.0)
+    plan.already_secured(ckpt(13), destination="/dest", revision="/dest/last-checkpoint")
+    assert plan.secured is not None and plan.secured.result.pushed == "/dest@/dest/last-checkpoint"
+    plan.deadline_near(can_save=False)
+    run_until(plan, clock, 40.0)
+    assert pusher.started == []  # never pushed again
+    assert plan.secured.info is not None and plan.secured.info.step == 13
+    plan2 = make(clock, FakePusher(clock), deadline_at=1000.0)
+    plan2.already_secured(ckpt(13), destination="/dest", revision="/dest/last-checkpoint")
+    plan2.checkpoint(ckpt(20))  # a newer save replaces it as it is secured
+    run_until(plan2, clock, clock.now + 10.0)
+    assert plan2.secured is not None and plan2.secured.info is not None and plan2.secured.info.step == 20
+
+
+def test_before_the_first_step_the_deadline_request_waits_until_late(clock: FakeClock) -> None:
+    """A slow start (imports, preflight) must not be stopped for a save it cannot make yet: the margin rests on a
+    guessed 1 GB checkpoint; before the first step the request waits until LATE_REQUEST_S before the deadline."""
+    from guard.secure.plan import LATE_REQUEST_S
+
+    pusher = FakePusher(clock)
+    plan = make(clock, pusher, deadline_at=1000.0)  # margin fixed at 100 s by make()
+    clock.now = 1000.0 - 100.0
+    assert not plan.deadline_due(clock.now) and plan.due_at(clock.now) == pytest.approx(1000.0 - LATE_REQUEST_S)
+    plan.training_started = True
+    assert plan.deadline_due(clock.now)
+    plan2 = make(clock, pusher, deadline_at=1000.0)
+    clock.now = 1000.0 - LATE_REQUEST_S
+    assert plan2.deadline_due(clock.now)  # never started training: still stopped in time before the deadline

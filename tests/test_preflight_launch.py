@@ -211,6 +211,6 @@ def test_launch_smoke_off_by_flag_and_the_python_row_reads_the_launchers_script(
     rows = json.loads(report.read_text())["details"]["preflight"]
     assert {"name": "distributed", "status": "n/a", "seen": "launch smoke: off by --launch-smoke off",
             "hint": None} in rows
-    assert any(r["name"] == "python" and r["status"] == "fail" and "train.py: the `# /// script` block is not valid TOML"
-               in r["seen"] for r in rows)
+    assert any(r["name"] == "python" and r["status"] == "fail"
+               and "train.py: the `# /// script` block is not valid TOML" in r["seen"] for r in rows)
     assert "launch smoke: world" not in run.stderr

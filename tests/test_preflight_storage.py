@@ -20,7 +20,7 @@ from guard.preflight.storage import (
 Usage = namedtuple("Usage", "total used free")
 
 
-def usage(total: int = 10**12, free: int = 10**12):  # noqa: ANN201
+def usage(total: int = 10**12, free: int = 10**12):
     return lambda path: Usage(total, total - free, free)
 
 

@@ -1,4 +1,7 @@
-"""Tests for ``guard.protocol`` and the in-job agent (``guard.inside.agent``): ``LossWatch``, the socket client, the API."""
+"""Tests for ``guard.protocol`` and the in-job agent (``guard.inside.agent``).
+
+``LossWatch``, the socket client, the API.
+"""
 
 from __future__ import annotations
 
@@ -16,8 +19,8 @@ from typing import Any
 import pytest
 
 import guard
-from guard.inside import agent as agent_module
 from guard import protocol
+from guard.inside import agent as agent_module
 from guard.inside.agent import Agent, LossWatch
 from guard.inside.settings import AgentSettings
 

@@ -8,7 +8,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import JOBS, pid_alive, run_guard, signal_when, start_guard
 
 pytestmark = pytest.mark.slow
@@ -37,7 +36,8 @@ def test_nan_at_step_3_of_a_long_plain_loop_stops_in_seconds() -> None:
     took_s = time.monotonic() - started
     assert_one_verdict(run)
     fields = run.fields()
-    assert (fields["status"], fields["reason"], fields["step"], fields["loss"]) == ("FAIL", "non_finite_loss", "3", "nan")
+    assert (fields["status"], fields["reason"], fields["step"], fields["loss"]) == (
+        "FAIL", "non_finite_loss", "3", "nan")
     assert run.returncode == 4
     assert "step 10 done" not in run.stdout
     assert took_s < 100  # the 1,000 steps would take 200 s
@@ -115,7 +115,8 @@ def test_stall_after_steps_names_the_step(tmp_path: Path) -> None:
 
 
 def test_command_printing_a_nan_loss() -> None:
-    run = run_guard(["--", sys.executable, "-c", "print({'loss': '2.5'}); print({'loss': 'nan'}); import time; time.sleep(30)"])
+    run = run_guard(["--", sys.executable, "-c",
+                     "print({'loss': '2.5'}); print({'loss': 'nan'}); import time; time.sleep(30)"])
     assert_one_verdict(run)
     assert run.returncode == 4
     assert run.fields()["reason"] == "non_finite_loss"

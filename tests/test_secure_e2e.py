@@ -9,8 +9,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import JOBS, REPO, kill_quietly, run_guard, signal_when, start_guard
+
 from tests.hubserver import TOKENS, HubServer
 
 pytestmark = [pytest.mark.slow]
@@ -173,7 +173,8 @@ def test_success_pushes_the_final_model(hub: HubServer, tmp_path: Path) -> None:
 
 @pytest.mark.hub
 def test_read_only_token_fails_preflight_before_the_job_starts(hub: HubServer, tmp_path: Path) -> None:
-    run = run_guard([*FAST, "--push-to", "alice/nope", str(JOBS / "exits.py")], env=hub_env(hub, tmp_path, TOKENS["read"]))
+    run = run_guard([*FAST, "--push-to", "alice/nope", str(JOBS / "exits.py")],
+                    env=hub_env(hub, tmp_path, TOKENS["read"]))
     assert run.returncode == 3, run.stderr[-3000:]
     assert run.fields()["check"] == "hub-auth"
     assert "step 1 loss" not in run.stdout

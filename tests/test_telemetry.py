@@ -16,8 +16,8 @@ from typing import Any
 import pynvml
 import pytest
 
-from guard.run.process import CgroupMemory, JobProcess, cgroup_memory
 from guard.observe.telemetry import GpuSample, GpuSampler, Heartbeat, Progress, Snapshot, StepRate, fmt_duration
+from guard.run.process import CgroupMemory, JobProcess, cgroup_memory
 
 GIB = 1024**3
 WALL0 = 1_800_000_000.0  # epoch seconds at clock 0

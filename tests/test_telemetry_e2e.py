@@ -6,7 +6,6 @@ import sqlite3
 from pathlib import Path
 
 import pytest
-
 from conftest import JOBS, run_guard
 
 pytestmark = [pytest.mark.slow]

@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from guard.observe.tracking import TrackioSink, _RoutedStream, trainer_trackio_target, verdict_alert, verdict_metrics
 from guard.contract import RunResult
+from guard.observe.tracking import TrackioSink, _RoutedStream, trainer_trackio_target, verdict_alert, verdict_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from guard.run.masking import Masker
 from guard.contract import RunResult, render_line, report_dict, signal_name, write_report
+from guard.run.masking import Masker
 
 
 def fields(line: str) -> tuple[str, dict[str, str], list[str]]:
@@ -62,7 +62,7 @@ def test_keys_come_in_the_fixed_order() -> None:
                "checkpoint": "out/checkpoint-120", "rank": 0},
         hint="resume from the checkpoint",
     )
-    status, parsed, order = fields(render_line(result))
+    _status, parsed, order = fields(render_line(result))
     assert order == ["reason", "exit", "elapsed", "step", "loss", "rank", "checkpoint", "pushed", "secured",
                      "signal", "hint", "zzz_custom"]
     assert parsed["elapsed"] == "3600.0"

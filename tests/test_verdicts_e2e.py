@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import JOBS, guard_env, run_guard
 
 pytestmark = pytest.mark.slow

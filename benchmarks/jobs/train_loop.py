@@ -2,8 +2,8 @@
 
 It times only its own loop (``time.perf_counter`` around the steps, after the model is built and one warm-up
 step is done) and prints it as the last line: ``bench: steps=N loop_s=SECONDS cpu_s=SECONDS step_ms=MS ...``,
-so that start-up (interpreter, torch import, the guard) does not count. Nothing is printed inside the loop: output costs are
-measured by ``print_lines.py``. ``cpu_s`` is the process's CPU time over the loop (``time.process_time``): it
+so that start-up (interpreter, torch import, the guard) does not count. Nothing is printed inside the loop: output
+costs are measured by ``print_lines.py``. ``cpu_s`` is the process's CPU time over the loop (``time.process_time``): it
 shows the agent's own work per step even when other processes share the cores.
 
 Run: ``python benchmarks/jobs/train_loop.py [--steps 300] [--hidden 512] [--batch 256] [--threads 1]``

@@ -96,7 +96,7 @@ def verdict_alert(result: RunResult, mask: Callable[[str], str] | None = None) -
     if result.status == "PASS":
         return None
     level = "warn" if result.status != "FAIL" and result.exit_code == EXIT_SECURED else "error"
-    text = render_line(result, _MaskText(mask) if mask else None)  # type: ignore[arg-type]
+    text = render_line(result, _MaskText(mask) if mask else None)
     return f"jobguard {result.status} reason={result.reason}", text, level
 
 

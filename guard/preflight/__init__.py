@@ -8,8 +8,9 @@ turns a whole group into one ``n/a`` row carrying the reason. Any ``fail`` row m
 
 Modules: ``script`` (static analysis, PEP 723), ``env``, ``hub``, ``gpu``, ``storage``, ``data`` (shards, the
 datasets cache), ``python_env``, ``trainer``, ``misc`` (budget, distributed, tracking), ``launch`` (the launcher's
-command, the launch smoke). A launcher command (``-- torchrun ... train.py``) is read for the script it runs. Nothing here imports ``huggingface_hub`` unless a Hub
-check runs, nor ``pynvml`` unless the GPU check runs, nor ever ``torch``.
+command, the launch smoke). A launcher command (``-- torchrun ... train.py``) is read for the script it runs.
+Nothing here imports ``huggingface_hub`` unless a Hub check runs, nor ``pynvml`` unless the GPU check runs, nor
+ever ``torch``.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from guard.preflight._models import (
     PreflightReport,
     Status,
 )
+from guard.preflight.cmdline import JobArgs, read_job_args
 from guard.preflight.data import (
     ShardSet,
     check_data,
@@ -44,7 +46,6 @@ from guard.preflight.data import (
     find_local_data,
     shard_bytes,
 )
-from guard.preflight.cmdline import JobArgs, read_job_args
 from guard.preflight.env import check_env
 from guard.preflight.gpu import GpuInfo, check_gpus
 from guard.preflight.hfjobs import (
@@ -187,8 +188,8 @@ def run_preflight(
             return _crashed("hub-repos", exc), None
 
     with ThreadPoolExecutor(max_workers=8, thread_name_prefix="guard-preflight") as pool:
-        f_gpu: Future = pool.submit(gpu_task)
-        f_repos: Future = pool.submit(repos_task)
+        f_gpu: Future[tuple[list[CheckResult], list[GpuInfo] | None]] = pool.submit(gpu_task)
+        f_repos: Future[tuple[list[CheckResult], int | None]] = pool.submit(repos_task)
         f_auth = pool.submit(guarded, "hub-auth", lambda: check_hub_auth(job.hub_target, environ=environ, probe=probe))
         f_python = pool.submit(guarded, "python", lambda: _python_rows(facts, script_error, environ, runner, opts,
                                                                            hf_jobs)
@@ -263,10 +264,11 @@ def _python_rows(facts: ScriptFacts | None, script_error: CheckResult | None, en
                                   "fix the table: hf jobs uv run refuses it too (keys and types: huggingface_hub's "
                                   "cli/_uv_script_header.py)"))
     if facts is not None and facts.syntax_error:
-        return header + [CheckResult("python", "fail", f"{facts.path.name} does not parse: {facts.syntax_error}",
-                                     f"fix the syntax error (python -m py_compile {facts.path.name})")] + check_pep723(facts)
+        return [*header, CheckResult("python", "fail", f"{facts.path.name} does not parse: {facts.syntax_error}",
+                                     f"fix the syntax error (python -m py_compile {facts.path.name})"),
+                *check_pep723(facts)]
     if facts is None:
-        return header + [CheckResult("python", "n/a", "no script given: no PEP 723 block or imports to check")]
+        return [*header, CheckResult("python", "n/a", "no script given: no PEP 723 block or imports to check")]
     uv_environment = opts.uv_environment if opts is not None else None
     uv_error = opts.uv_error if opts is not None else None
     pep723 = check_pep723(facts, uv_environment=uv_environment, uv_error=uv_error)
@@ -317,7 +319,7 @@ def _distributed_rows(opts: PreflightOptions, launch: LaunchCommand | None, *, e
 
 
 def _storage_rows(opts: PreflightOptions, job: JobView, environ: Mapping[str, str],
-                  f_repos: Future) -> list[CheckResult]:
+                  f_repos: Future[tuple[list[CheckResult], int | None]]) -> list[CheckResult]:
     rows: list[CheckResult] = []
     if job.output_dir is not None:
         rows.append(check_writable("output folder", job.output_dir,

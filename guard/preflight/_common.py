@@ -54,14 +54,15 @@ def call_bounded(fn: Callable[..., T], timeout_s: float, *args: Any, **kwargs: A
         NoAnswer: ``fn`` did not return within ``timeout_s``.
         BaseException: whatever ``fn`` raised, re-raised in the caller's thread.
     """
-    box: dict[str, Any] = {}
+    value: list[T] = []
+    error: list[BaseException] = []
     done = threading.Event()
 
     def target() -> None:
         try:
-            box["value"] = fn(*args, **kwargs)
-        except BaseException as exc:  # re-raised in the caller's thread below
-            box["error"] = exc
+            value.append(fn(*args, **kwargs))
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread below
+            error.append(exc)
         finally:
             done.set()
 
@@ -70,9 +71,9 @@ def call_bounded(fn: Callable[..., T], timeout_s: float, *args: Any, **kwargs: A
     if not done.wait(max(timeout_s, 0.001)):
         log.debug("call %s gave no answer in %.1f s", getattr(fn, "__name__", fn), timeout_s)
         raise NoAnswer(timeout_s)
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
+    if error:
+        raise error[0]
+    return value[0]
 
 
 def is_true(value: str | None) -> bool:
@@ -142,18 +143,6 @@ def fmt_bytes(size_bytes: float) -> str:
             return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
         value /= 1000
     return f"{value:.1f} PB"  # pragma: no cover - the loop always returns
-
-
-def fmt_duration(seconds: float) -> str:
-    """``3900`` -> ``"1h05m"``, ``90`` -> ``"1m30s"``, ``45`` -> ``"45s"``."""
-    total = int(round(seconds))
-    hours, rest = divmod(total, 3600)
-    minutes, secs = divmod(rest, 60)
-    if hours:
-        return f"{hours}h{minutes:02d}m"
-    if minutes:
-        return f"{minutes}m{secs:02d}s" if secs else f"{minutes}m"
-    return f"{secs}s"
 
 
 def one_line(text: object, limit: int = 300) -> str:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.util
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,8 +13,6 @@ from guard.preflight.cmdline import JobArgs, to_bool
 from guard.preflight.script import Mention, ScriptFacts
 
 __all__ = ["HubTarget", "JobView", "args_config", "job_from_config", "parse_push_to"]
-
-_REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
 @dataclass(frozen=True)
@@ -50,35 +47,12 @@ def parse_push_to(text: str | None) -> HubTarget | Path | None:
     """
     if not text or not text.strip():
         return None
-    try:
-        from guard.secure.hub import parse_destination  # noqa: PLC0415 - guard.secure.hub imports huggingface_hub lazily
-    except ImportError:  # pragma: no cover - guard.secure.hub is part of the package
-        return _parse_push_to_fallback(text)
+    from guard.secure.hub import parse_destination  # guard.secure.hub imports huggingface_hub lazily
+
     dest = parse_destination(text)
     if dest.kind == "folder" and dest.path is not None:
         return dest.path
     return HubTarget(dest.repo_type or "model", dest.repo_id, f"--push-to {text.strip()}")
-
-
-def _parse_push_to_fallback(text: str) -> HubTarget | Path | None:
-    raw = text.strip()
-    if raw.startswith("file://"):
-        return Path(raw[len("file://"):])
-    if raw.startswith(("/", "./", "../", "~/")):
-        return Path(raw).expanduser()
-    origin = f"--push-to {raw}"
-    if raw.startswith("hf://"):
-        parts = raw[len("hf://"):].strip("/").split("/")
-        if len(parts) == 3 and parts[0] in ("models", "datasets", "spaces"):
-            repo_type, repo_id = parts[0][:-1], "/".join(parts[1:])
-        elif len(parts) == 2:
-            repo_type, repo_id = "model", "/".join(parts)
-        else:
-            return None
-        return HubTarget(repo_type, repo_id, origin) if _REPO_ID.match(repo_id) else None
-    if _REPO_ID.match(raw):
-        return HubTarget("model", raw, origin)
-    return None
 
 
 @dataclass(frozen=True)

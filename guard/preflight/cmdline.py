@@ -191,7 +191,7 @@ def _read_config(path: Path) -> tuple[dict[str, Any], str | None]:
             data = json.loads(text)
         elif suffix in (".yaml", ".yml"):
             try:
-                import yaml  # type: ignore[import-untyped]  # only for a YAML config file
+                import yaml  # only for a YAML config file
             except ImportError:
                 return {}, f"cannot read {path.name}: PyYAML is not installed (pip install pyyaml)"
             data = yaml.safe_load(text)

@@ -12,9 +12,9 @@ only a ``warn``. Formats, by file suffix:
 - WebDataset (``.tar``): a valid first tar header (``tarfile``, checksum included).
 
 An HTML page saved under a shard's name (a failed download) is named as such. A Hub dataset the script loads with
-a config or split literal is checked against the repo's file listing (``check_hub_splits``; nothing downloaded). Only footers and first records
-are read, side by side, and within ``TIME_LIMIT_S``: past it the remaining files are checked by size only and the
-row says how many were opened.
+a config or split literal is checked against the repo's file listing (``check_hub_splits``; nothing downloaded).
+Only footers and first records are read, side by side, and within ``TIME_LIMIT_S``: past it the remaining files
+are checked by size only and the row says how many were opened.
 
 Source: parquet files begin and end with ``PAR1`` (Apache Parquet format spec); Arrow IPC files begin with
 ``ARROW1`` and streams with the ``0xFFFFFFFF`` continuation marker (Arrow columnar format spec); the datasets
@@ -97,9 +97,9 @@ def _looks_html(head: bytes) -> bool:
 
 def _pyarrow() -> Any:
     try:
-        import pyarrow  # type: ignore[import-untyped]
-        import pyarrow.ipc  # type: ignore[import-untyped]
-        import pyarrow.parquet  # type: ignore[import-untyped]
+        import pyarrow
+        import pyarrow.ipc
+        import pyarrow.parquet
     except ImportError:
         return None
     return pyarrow
@@ -420,7 +420,7 @@ def check_datasets_cache(environ: Mapping[str, str], *, data_bytes: int | None, 
     cache_text = environ.get("HF_DATASETS_CACHE")
     cache = Path(os.path.expandvars(cache_text)).expanduser() if cache_text else hf_home(environ) / "datasets"
     if partitions is None:
-        import psutil  # type: ignore[import-untyped]
+        import psutil
 
         def partitions() -> Sequence[Any]:
             return psutil.disk_partitions(all=True)

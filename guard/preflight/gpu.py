@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from guard.preflight._common import fmt_bytes, one_line
-from guard.preflight._models import GpuInfo, CheckResult, PreflightOptions
+from guard.preflight._models import CheckResult, GpuInfo, PreflightOptions, Status
 
 __all__ = ["GpuInfo", "check_gpus", "parse_visible_devices"]
 
@@ -90,10 +90,11 @@ def check_gpus(
         need = opts.gpu_source
     if nvml is None:
         try:
-            import pynvml as nvml  # noqa: PLC0415 - lazy on purpose
+            import pynvml  # lazy on purpose
         except ImportError:
             row = _no_nvml("nvidia-ml-py is not installed (module pynvml)", need, "pip install nvidia-ml-py")
             return [row], None
+        nvml = pynvml
     nvml_error = getattr(nvml, "NVMLError", Exception)
     try:
         nvml.nvmlInit()
@@ -215,7 +216,7 @@ def _inspect(
                                 "the first CUDA call may take seconds; an admin can run nvidia-smi -pm 1"))
 
     summary = _summary(driver, nvml, visible, count, notes, query)
-    status = "pass" if visible or not required else "fail"
+    status: Status = "pass" if visible or not required else "fail"
     rows.insert(0, CheckResult(NAME, status, summary, None if status == "pass" else "no usable GPU"))
     return rows, [info for _, _, info in visible]
 

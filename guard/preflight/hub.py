@@ -67,7 +67,7 @@ class HubProbe:
         """The ``HfApi`` (imports ``huggingface_hub`` the first time)."""
         with self._lock:
             if self._api is None:
-                from huggingface_hub import HfApi  # noqa: PLC0415 - slow import, only when a Hub check runs
+                from huggingface_hub import HfApi  # slow import, only when a Hub check runs
 
                 self._api = HfApi(endpoint=self.environ.get("HF_ENDPOINT") or None)
             return self._api
@@ -260,7 +260,7 @@ def _did_you_mean(ref: RepoRef, probe: HubProbe, limit: int = 3) -> list[str]:
 
     try:
         same_author = fetch(author=author)
-    except Exception:  # noqa: BLE001 - suggestions are best effort
+    except Exception:  # suggestions are best effort (logged)
         log.debug("no suggestions for %s", ref.repo_id, exc_info=True)
         return []
     names = {rid.partition("/")[2]: rid for rid in same_author if "/" in rid}

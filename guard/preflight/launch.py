@@ -30,8 +30,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from guard.preflight._common import NoAnswer, call_bounded, fmt_duration, one_line
+from guard.preflight._common import NoAnswer, call_bounded, one_line
 from guard.preflight._models import CheckResult, GpuInfo
+from guard.run.config import format_duration_s
 
 __all__ = ["SMOKE_SCRIPT", "LaunchCommand", "check_launch", "parse_launch", "run_launch_smoke", "smoke_wanted"]
 
@@ -274,9 +275,9 @@ def check_launch(
     return rows
 
 
-def _kill_group(proc: subprocess.Popen, grace_s: float = 3.0) -> None:
+def _kill_group(proc: subprocess.Popen[bytes], grace_s: float = 3.0) -> None:
     """SIGTERM the smoke's process group and every descendant (some may have left the group), SIGKILL leftovers."""
-    import psutil  # type: ignore[import-untyped]
+    import psutil
 
     try:
         procs = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
@@ -421,7 +422,7 @@ def _smoke_row(launch: LaunchCommand, notes: list[dict[str, object]], *, timed_o
         else:
             what = (f"ranks {_ranks_text([int(str(n['rank'])) for n in waiting])} waiting in init_process_group"
                     f"{where}: the other ranks did not join")
-        return CheckResult(NAME, "fail", f"launch smoke: no world in {fmt_duration(timeout_s)}: {what}", _HINT)
+        return CheckResult(NAME, "fail", f"launch smoke: no world in {format_duration_s(timeout_s)}: {what}", _HINT)
     if done:
         return CheckResult(NAME, "fail", f"launch smoke: the launcher exited {code} after the ranks finished: "
                            f"{tail or 'no output'}", _HINT)

@@ -19,13 +19,13 @@ from importlib import metadata
 from guard.preflight._common import (
     NoAnswer,
     call_bounded,
-    fmt_duration,
     hf_offline,
     hf_token,
 )
 from guard.preflight._job import JobView
 from guard.preflight._models import CheckResult, PreflightOptions
 from guard.preflight.gpu import GpuInfo
+from guard.run.config import format_duration_s
 
 __all__ = ["EXPECTED_FACTOR", "check_budget", "check_distributed", "check_optional_imports", "check_tracking"]
 
@@ -53,19 +53,20 @@ def check_budget(opts: PreflightOptions) -> CheckResult:
         default = _PLATFORM_DEFAULT.get(opts.platform, _PLATFORM_DEFAULT["local"])
         extra = ""
         if expected is not None and opts.platform == "hf_jobs" and expected * EXPECTED_FACTOR > 1800:
-            extra = f"; expected {fmt_duration(expected)} would not fit in 30 minutes"
+            extra = f"; expected {format_duration_s(expected)} would not fit in 30 minutes"
         return CheckResult(name, "warn", f"no timeout known: {default}{extra}",
                            _PLATFORM_HINT.get(opts.platform, "pass --timeout so the guard can secure a checkpoint "
                                               "before the deadline"))
     source = f" (from {opts.timeout_source})" if opts.timeout_source else ""
-    seen = f"timeout {fmt_duration(opts.timeout_s)}{source}"
+    seen = f"timeout {format_duration_s(opts.timeout_s)}{source}"
     if expected is not None:
         need = expected * EXPECTED_FACTOR
         if opts.timeout_s < need:
             return CheckResult(name, "fail", f"{seen} is under {EXPECTED_FACTOR} x the expected "
-                               f"{fmt_duration(expected)} ({fmt_duration(need)})",
-                               f"raise the timeout to at least {fmt_duration(need)}, or shorten the run (max_steps)")
-        seen += f", expected {fmt_duration(expected)} (x{opts.timeout_s / expected:.1f})"
+                               f"{format_duration_s(expected)} ({format_duration_s(need)})",
+                               f"raise the timeout to at least {format_duration_s(need)}, or shorten the run "
+                               "(max_steps)")
+        seen += f", expected {format_duration_s(expected)} (x{opts.timeout_s / expected:.1f})"
     return CheckResult(name, "pass", seen)
 
 
@@ -248,6 +249,7 @@ def check_optional_imports(job: JobView, *, stdlib: frozenset[str] | None = None
         except (ImportError, ValueError):
             missing = True
         if missing:
-            rows.append(CheckResult("python", "warn", f"{mention.what} not installed: {mention.describe(job.script_name)}",
+            rows.append(CheckResult("python", "warn",
+                                    f"{mention.what} not installed: {mention.describe(job.script_name)}",
                                     f"only if you turn it on: pip install {mention.what}"))
     return rows

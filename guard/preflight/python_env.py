@@ -98,7 +98,8 @@ def check_pep723(facts: ScriptFacts | None, *, uv_environment: str | None = None
         return [CheckResult(NAME, "fail", f"{name}: {block.error}",
                             "fix the block: uv and hf jobs uv run refuse it too")]
     if uv_error is not None:
-        return [CheckResult(NAME, "fail", f"PEP 723: uv could not build {name}'s environment: {one_line(uv_error, 240)}",
+        return [CheckResult(NAME, "fail",
+                            f"PEP 723: uv could not build {name}'s environment: {one_line(uv_error, 240)}",
                             uv_error_hint(uv_error))]
     rows: list[CheckResult] = []
     problems: list[str] = []
@@ -226,11 +227,13 @@ def check_imports(
         missing_hint: the hint for a ``ModuleNotFoundError`` (e.g. the PEP 723 dependencies are not installed
             here: run under uv); None: install or repair the module.
     """
-    if facts is None and modules is None:
+    if modules is not None:
+        names = list(modules)
+    elif facts is not None:
+        names = key_imports(facts, pep723_modules=python is None)
+    else:
         return CheckResult(NAME, "n/a", "no script given: the job's imports are unknown")
     executable = python or sys.executable
-    names = (list(modules) if modules is not None
-             else key_imports(facts, pep723_modules=python is None))  # type: ignore[arg-type]
     if not names:
         return CheckResult(NAME, "n/a", "the script imports no third-party module at top level")
     folder = str(facts.path.parent.absolute()) if facts is not None else str(Path.cwd())
@@ -245,7 +248,8 @@ def check_imports(
             return {"ok": False, "error": f"could not start {executable}: {exc}"}
         for line in (proc.stdout or "").splitlines():
             if line.startswith(_MARK):
-                return json.loads(line[len(_MARK):]).get(name, {"ok": False, "error": "no answer"})
+                answer: dict[str, Any] = json.loads(line[len(_MARK):]).get(name, {"ok": False, "error": "no answer"})
+                return answer
         lines = (proc.stderr or proc.stdout or "").strip().splitlines()
         return {"ok": False, "crash": proc.returncode, "error": lines[-1] if lines else "no output"}
 

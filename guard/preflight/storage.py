@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from guard.preflight._common import fmt_bytes, hf_hub_cache, hf_offline
-from guard.preflight._models import CheckResult
+from guard.preflight._models import CheckResult, Status
 
 __all__ = [
     "DEFAULT_MIN_FREE_BYTES",
@@ -129,6 +129,7 @@ def check_free_space(
     except OSError as exc:
         return CheckResult(NAME, "warn", f"free space of {target} unknown: {exc.strerror or exc}",
                            "check the folder exists and is mounted")
+    bad: Status
     if min_free_bytes is not None:
         need, source, bad = min_free_bytes, "--min-free-disk", "fail"
     elif model_size_bytes:

@@ -23,12 +23,12 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from guard import __version__
-from guard.run.config import OPTIONS, Config, debug_enabled, env_name, log_level, resolve
+from guard.contract import EXIT_GUARD_ERROR, RunResult, render_line, signal_name, write_report
 from guard.errors import GuardError, PreflightError, UsageError
+from guard.run.config import OPTIONS, Config, debug_enabled, env_name, log_level, resolve
 from guard.run.masking import Masker, MaskingFilter, command_line_secrets, secret_values
 from guard.run.output import LINES
 from guard.run.platform import detect
-from guard.contract import EXIT_GUARD_ERROR, RunResult, render_line, signal_name, write_report
 
 __all__ = ["build_config", "main"]
 
@@ -290,13 +290,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         if debug_enabled(environ) and exc.exit_code == EXIT_GUARD_ERROR:
             log.error("%s", traceback.format_exc())
         extra: dict[str, Any] = {}
-        if getattr(exc, "check", None):
+        if isinstance(exc, PreflightError):
             extra["check"] = exc.check
         result = RunResult("FAIL", exc.reason, exc.exit_code, time.monotonic() - started, hint=exc.hint, extra=extra)
     except KeyboardInterrupt:
         result = RunResult("INTERRUPTED", "signal", 128 + signal.SIGINT, time.monotonic() - started,
                            extra={"signal": signal_name(signal.SIGINT)})
-    except Exception as exc:  # the guard's own fault: still one VERDICT
+    except Exception as exc:  # noqa: BLE001 - the guard's own fault: still one VERDICT
         log.error("internal error: %r", exc)
         if debug_enabled(environ):
             log.error("%s", traceback.format_exc())

@@ -223,7 +223,7 @@ def format_duration_s(seconds: float) -> str:
     seconds = max(0.0, float(seconds))
     if seconds < 60 and seconds != int(seconds):
         return f"{seconds:g}s"
-    total = int(round(seconds))
+    total = round(seconds)
     parts = []
     for unit, size in (("d", 86400), ("h", 3600), ("m", 60), ("s", 1)):
         if total >= size:
@@ -335,11 +335,13 @@ class Config:
 
     @property
     def timeout_s(self) -> float | None:
-        return self.values["timeout"]
+        value = self.values["timeout"]
+        return None if value is None else float(value)
 
     @property
     def margin_s(self) -> float | None:
-        return self.values["margin"]
+        value = self.values["margin"]
+        return None if value is None else float(value)
 
     def describe(self) -> list[tuple[str, str, str]]:
         """Rows ``(option, value, source)`` for the config log; secrets are masked by the caller's masker."""
@@ -377,7 +379,7 @@ def resolve(flags: Mapping[str, Any], environ: Mapping[str, str]) -> tuple[dict[
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
     for opt in OPTIONS:
-        raw = flags.get(opt.name)
+        raw: Any = flags.get(opt.name)
         given = raw not in (None, [], ())
         if given:
             source, label = "flag", opt.flag
@@ -395,7 +397,7 @@ def resolve(flags: Mapping[str, Any], environ: Mapping[str, str]) -> tuple[dict[
         if opt.flag_only_bool and raw is True:
             value: Any = True
         elif opt.repeat:
-            value = tuple(opt.parse(item, option=label) for item in raw)  # type: ignore[misc]
+            value = tuple(opt.parse(item, option=label) if opt.parse else item for item in raw)
         else:
             value = opt.parse(raw, option=label) if opt.parse else raw
         values[opt.name], sources[opt.name] = value, source
@@ -435,8 +437,3 @@ def guard_options_in(args: Sequence[str]) -> list[str]:
         if flag in flags and flag not in found:
             found.append(flag)
     return found
-
-
-def split_repeat(values: Sequence[str]) -> tuple[str, ...]:
-    """Flatten ``["A,B", "C"]`` into ``("A", "B", "C")``."""
-    return tuple(part.strip() for item in values for part in item.split(",") if part.strip())

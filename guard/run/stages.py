@@ -10,15 +10,28 @@ from __future__ import annotations
 import logging
 import signal
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from types import FrameType
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from guard.secure import budget
+from guard.contract import EXIT_PREFLIGHT, RunResult, signal_name
 from guard.run.config import Config, env_name, guard_options_in
 from guard.run.masking import Masker
 from guard.run.platform import PlatformInfo, detect
-from guard.contract import EXIT_PREFLIGHT, RunResult, signal_name
+from guard.run.process import default_signals
+from guard.secure import budget
+
+if TYPE_CHECKING:
+    from guard.observe.telemetry import Heartbeat
+    from guard.preflight import CheckResult, PreflightOptions, PreflightReport
+    from guard.run.slurm import SlurmRefresher
+    from guard.run.uvenv import UvEnvironment, UvPlan
+    from guard.secure.hub import Securer
+    from guard.secure.resume import ResumeFrom
+    from guard.secure.securing import Securing
+
+T = TypeVar("T")
 
 __all__ = ["preflight_only", "resolve_budget", "run_job"]
 
@@ -35,10 +48,10 @@ class EarlySignals:
 
     def __init__(self) -> None:
         self.received: list[int] = []
-        self._old: dict[int, Any] = {}
+        self._old: dict[int, Callable[[int, FrameType | None], Any] | int | None] = {}
 
     def __enter__(self) -> EarlySignals:
-        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP):
+        for signum in default_signals():
             try:
                 self._old[signum] = signal.signal(signum, lambda s, f: self.received.append(s))
             except ValueError:
@@ -50,20 +63,21 @@ class EarlySignals:
             signal.signal(signum, handler)
 
 
-def _unless_signalled(work: Any, early: EarlySignals) -> tuple[bool, Any]:
+def _unless_signalled(work: Callable[[], T], early: EarlySignals) -> tuple[bool, T | None]:
     """Run ``work()`` in a daemon thread while the main thread waits for it or for a signal; returns
     ``(True, value)``, or ``(False, None)`` once a signal arrived (the work is left behind: nothing it finds matters
     any more, and the VERDICT must come within --grace). Re-raises what ``work`` raised."""
     import threading
 
     global abandoned_work
-    box: dict[str, Any] = {}
+    value: list[T] = []
+    error: list[BaseException] = []
 
     def target() -> None:
         try:
-            box["value"] = work()
-        except BaseException as exc:  # handed to the main thread
-            box["error"] = exc
+            value.append(work())
+        except BaseException as exc:  # noqa: BLE001 - handed to the main thread
+            error.append(exc)
 
     thread = threading.Thread(target=target, name="guard-preflight-stage", daemon=True)
     thread.start()
@@ -73,9 +87,9 @@ def _unless_signalled(work: Any, early: EarlySignals) -> tuple[bool, Any]:
             log.warning("%s received during preflight: stopping here", signal_name(early.received[0]))
             return False, None
         thread.join(0.1)
-    if "error" in box:
-        raise box["error"]
-    return True, box.get("value")
+    if error:
+        raise error[0]
+    return True, value[0] if value else None
 
 
 def resolve_budget(config: Config, platform: PlatformInfo) -> budget.Deadline:
@@ -108,7 +122,7 @@ def resolve_budget(config: Config, platform: PlatformInfo) -> budget.Deadline:
                                    environ=config.environ, platform=platform, now_s=time.time())
 
 
-def _uv_environment(config: Config) -> tuple[Any, Any]:
+def _uv_environment(config: Config) -> tuple[UvPlan, UvEnvironment | None]:
     """``--uv``: decide whether the job runs in the script's uv environment, and build it then (``guard.run.uvenv``).
 
     Returns:
@@ -130,7 +144,7 @@ def _uv_environment(config: Config) -> tuple[Any, Any]:
 
 
 def _preflight_options(config: Config, deadline: budget.Deadline, platform: PlatformInfo,
-                       uv_env: Any = None) -> Any:
+                       uv_env: UvEnvironment | None = None) -> PreflightOptions:
     from guard.preflight import PreflightOptions
 
     return PreflightOptions(
@@ -149,7 +163,8 @@ def _preflight_options(config: Config, deadline: budget.Deadline, platform: Plat
     )
 
 
-def _run_preflight(config: Config, deadline: budget.Deadline, platform: PlatformInfo, uv_env: Any = None) -> Any:
+def _run_preflight(config: Config, deadline: budget.Deadline, platform: PlatformInfo,
+                   uv_env: UvEnvironment | None = None) -> PreflightReport | None:
     """Run the checks, log the table; returns the report (None with ``--no-preflight``)."""
     if config.no_preflight:
         log.warning("preflight skipped (--no-preflight): no check ran")
@@ -167,7 +182,7 @@ def _run_preflight(config: Config, deadline: budget.Deadline, platform: Platform
     return report
 
 
-def _with_requeue_row(report: Any, platform: PlatformInfo) -> Any:
+def _with_requeue_row(report: PreflightReport, platform: PlatformInfo) -> PreflightReport:
     """Add the ``--requeue`` row: ``scontrol`` must exist in the container, and the job must run under Slurm."""
     import dataclasses
     import shutil
@@ -216,15 +231,16 @@ def requeue(config: Config, result: RunResult, *, runner: Any = None) -> None:
         result.details["requeue"] = f"failed: exit {done.returncode}"
 
 
-def _preflight_failed(report: Any, started: float) -> RunResult:
+def _preflight_failed(report: PreflightReport, started: float) -> RunResult:
     row = report.failed
+    assert row is not None
     log.error("preflight failed: %s: %s", row.name, row.seen)
     return RunResult("FAIL", "preflight", EXIT_PREFLIGHT, time.monotonic() - started, hint=row.hint,
                      extra={"check": row.name}, details={"preflight": report.to_json()})
 
 
-def _securer_factory(environ: Mapping[str, str]) -> Any:
-    def make(text: str) -> Any:
+def _securer_factory(environ: Mapping[str, str]) -> Callable[[str], Securer]:
+    def make(text: str) -> Securer:
         from guard.secure import hub
         hub.install_request_bounds()
         return hub.Securer(text, token=environ.get("HF_TOKEN") or None)
@@ -232,7 +248,7 @@ def _securer_factory(environ: Mapping[str, str]) -> Any:
     return make
 
 
-def _resume_folder(output_dir: str | None, report: Any) -> str:
+def _resume_folder(output_dir: str | None, report: PreflightReport | None) -> str:
     """Where a fetched checkpoint goes: the output folder (``--output-dir``, else the job's own argument), else the
     script's literal ``output_dir=`` (read by preflight, never by running the script), else ``./guard-resume``.
     A Trainer resumes from any folder."""
@@ -257,8 +273,8 @@ def _fetch_deadline(deadline: budget.Deadline) -> float:
     return time.monotonic() + max(1.0, 0.5 * (deadline.deadline_s - time.time()))
 
 
-def _resume(config: Config, securer: Any, report: Any, platform: PlatformInfo, *, output_dir: str | None,
-            deadline: budget.Deadline, early: EarlySignals) -> Any:
+def _resume(config: Config, securer: Securer | None, report: PreflightReport | None, platform: PlatformInfo, *,
+            output_dir: str | None, deadline: budget.Deadline, early: EarlySignals) -> ResumeFrom | None:
     """The checkpoint to resume from when resuming (``guard.secure.resume.choose``), or None.
 
     Raises:
@@ -310,8 +326,8 @@ def output_folder(config: Config) -> tuple[str | None, str]:
 
 def run_job(config: Config, masker: Masker, started: float) -> RunResult:
     """Budget, preflight, resume, the supervised job. Raises ``GuardError`` subclasses for the CLI's boundary."""
-    from guard.secure.securing import Securing
     from guard.run.supervisor import Supervisor
+    from guard.secure.securing import Securing
 
     platform = detect(config.environ)
     if misplaced := guard_options_in(config.script_args):
@@ -335,18 +351,17 @@ def run_job(config: Config, masker: Masker, started: float) -> RunResult:
             return _with_platform(_preflight_failed(report, started), platform)
         fetched = None if not finished else _resume(config, securer, report, platform, output_dir=output_dir,
                                                     deadline=deadline, early=early)
-        resume_path = str(fetched.path) if fetched is not None else None
     if early.received:
         signum = early.received[0]
         log.warning("%s received before the job started: not starting it", signal_name(signum))
         return RunResult("INTERRUPTED", "signal", 128 + signum, time.monotonic() - started,
                          extra={"signal": signal_name(signum)})
 
-    limits: dict[str, float] = {}
+    floor_s, max_margin_s = 60.0, None
     if deadline.timeout_s is not None:  # a short budget: scale the floor and cap the automatic margin
-        limits = {"floor_s": min(60.0, 0.25 * deadline.timeout_s), "max_margin_s": 0.5 * deadline.timeout_s}
+        floor_s, max_margin_s = min(60.0, 0.25 * deadline.timeout_s), 0.5 * deadline.timeout_s
     estimator = budget.MarginEstimator(fixed_margin_s=config.margin_s, log_changes=deadline.deadline_s is not None,
-                                       **limits)
+                                       floor_s=floor_s, max_margin_s=max_margin_s)
     if fetched is not None:  # a verified checkpoint: the size for the margin, and a fallback to secure
         from guard.secure.checkpoints import describe
 
@@ -357,9 +372,12 @@ def run_job(config: Config, masker: Masker, started: float) -> RunResult:
                         push_interval_s=config.push_interval)
     if fetched is not None:
         securing.latest_reported = describe(fetched.path, step=fetched.step)
+        if fetched.source == "destination" and securer is not None:  # the destination holds it, verified
+            securing.plan.already_secured(securing.latest_reported, destination=str(securer.destination),
+                                          revision=fetched.revision)
     gpus = report.gpus if report is not None else None
 
-    def trainer_check(trainer_config: Mapping[str, Any]) -> list[Any]:
+    def trainer_check(trainer_config: Mapping[str, Any]) -> list[CheckResult]:
         from guard.preflight.trainer import check_job_settings
 
         return check_job_settings(trainer_config, gpus=gpus, timeout_known=deadline.deadline_s is not None,
@@ -371,10 +389,10 @@ def run_job(config: Config, masker: Masker, started: float) -> RunResult:
 
         config = dataclasses.replace(config, command=(uv_env.python, str(config.script), *config.script_args))
         env_extra.update(uv_env.env_extra)
-    if resume_path:
+    if fetched is not None:
         from guard import protocol
 
-        env_extra[protocol.ENV_RESUME_PATH] = resume_path
+        env_extra[protocol.ENV_RESUME_PATH] = str(fetched.path)
         env_extra[protocol.ENV_RESUME_STEP] = str(fetched.step or 0)
     supervisor = Supervisor(config, masker=masker, securer=securing, trainer_config_check=trainer_check,
                             env_extra=env_extra, heartbeat=_heartbeat(config, masker, securing))
@@ -395,7 +413,7 @@ def _with_platform(result: RunResult, platform: PlatformInfo) -> RunResult:
     return result
 
 
-def _slurm_refresher(config: Config, platform: PlatformInfo) -> Any:
+def _slurm_refresher(config: Config, platform: PlatformInfo) -> SlurmRefresher | None:
     """Under Slurm: the end time refreshed from ``scontrol show job`` (see ``guard.run.slurm``)."""
     if platform.name != "slurm":
         return None
@@ -405,7 +423,7 @@ def _slurm_refresher(config: Config, platform: PlatformInfo) -> Any:
     return SlurmRefresher.from_environ(config.environ, helpers=HELPERS)  # scontrol off the loop
 
 
-def _heartbeat(config: Config, masker: Masker, securing: Any) -> Any:
+def _heartbeat(config: Config, masker: Masker, securing: Securing) -> Heartbeat:
     """The heartbeat (``--heartbeat``), the projection against the deadline, and ``--trackio``."""
     from guard.observe.telemetry import GpuSampler, Heartbeat
     from guard.observe.tracking import TrackioSink

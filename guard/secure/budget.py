@@ -29,8 +29,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from guard.run.config import format_duration_s
 from guard.errors import BudgetError, UsageError
+from guard.run.config import format_duration_s
 
 __all__ = [
     "CLOCK_SKEW_S",
@@ -39,11 +39,8 @@ __all__ = [
     "MarginEstimator",
     "checkpoint_due",
     "format_duration_s",
-    "grace_deadline",
     "parse_started_at",
     "resolve_deadline",
-    "save_wait_limit_s",
-    "time_to_due_s",
 ]
 
 log = logging.getLogger("guard.budget")
@@ -85,7 +82,8 @@ class Deadline:
         return None if self.deadline_s is None else self.deadline_s - now_s
 
     def refreshed(self, end_s: float | None, source: str) -> Deadline:
-        """A copy moved to a new end time reported by the scheduler (e.g. ``guard.run.slurm.SlurmRefresher.maybe_refresh``).
+        """A copy moved to a new end time reported by the scheduler (e.g.
+        ``guard.run.slurm.SlurmRefresher.maybe_refresh``).
 
         The scheduler may move the end either way (``scontrol update TimeLimit+=30`` extends it, a preemption with
         GraceTime shortens it), but never past the user's own ``--timeout``.
@@ -103,15 +101,6 @@ class Deadline:
         if new_s == self.deadline_s:
             return self
         return replace(self, deadline_s=new_s, timeout_s=new_s - self.started_at_s, source=new_source)
-
-
-def grace_deadline(now_s: float, grace_s: float, *, reason: str = "signal") -> Deadline:
-    """The deadline after a termination signal: ``now_s + grace_s`` (``--grace``, default 30 s).
-
-    Slurm's KillWait defaults to 30 s (``slurm.conf.5``), Kubernetes' ``terminationGracePeriodSeconds`` to 30 s,
-    ``docker stop`` to 10 s (platform.md 1.3, 2.6).
-    """
-    return Deadline(now_s, grace_s, now_s + grace_s, f"{reason} + --grace {format_duration_s(grace_s)}")
 
 
 def parse_started_at(text: str, *, option: str = "--started-at") -> float:
@@ -167,11 +156,11 @@ def _is_hf_jobs(platform: Any) -> bool:
 
 
 def _pid1_create_time_s() -> float | None:
-    try:
-        import psutil
+    import psutil
 
+    try:
         return float(psutil.Process(1).create_time())
-    except Exception as exc:  # psutil.Error (AccessDenied with hidepid, NoSuchProcess), ImportError
+    except (psutil.Error, OSError) as exc:  # AccessDenied with hidepid, NoSuchProcess
         log.info("cannot read the container start (PID 1 create time): %s", exc)
         return None
 
@@ -473,9 +462,9 @@ class MarginEstimator:
                                   self.safety_factor, fixed=True)
         raw_s = (step_s + save_s + push_s) * self.safety_factor + self.overhead_s
         margin_s = max(raw_s, self.floor_s)
-        capped = self.max_margin_s is not None and margin_s > self.max_margin_s
-        if capped:
-            margin_s = self.max_margin_s  # type: ignore[assignment]
+        capped = False
+        if self.max_margin_s is not None and margin_s > self.max_margin_s:
+            margin_s, capped = self.max_margin_s, True
         return MarginEstimate(margin_s, step_s, save_s, push_s, size, self.push_bytes_per_s,
                               self.safety_factor, floored=raw_s < self.floor_s, overhead_s=self.overhead_s,
                               capped_s=self.max_margin_s if capped else None)
@@ -512,36 +501,3 @@ def _ok(value: float) -> bool:
 def checkpoint_due(now_s: float, deadline: Deadline, margin_s: float) -> bool:
     """True once ``now_s`` (epoch seconds) is within ``margin_s`` of the deadline; never without a deadline."""
     return deadline.deadline_s is not None and now_s >= deadline.deadline_s - margin_s
-
-
-def time_to_due_s(now_s: float, deadline: Deadline, margin_s: float) -> float | None:
-    """Seconds until :func:`checkpoint_due` turns true (0 when it already is), for the event loop's timer; None
-    without a deadline."""
-    if deadline.deadline_s is None:
-        return None
-    return max(0.0, deadline.deadline_s - margin_s - now_s)
-
-
-def save_wait_limit_s(now_s: float, deadline: Deadline, estimator: MarginEstimator,
-                      fallback_size_bytes: float | None) -> float | None:
-    """How long to wait for the job's own save before securing the newest complete checkpoint on disk instead.
-
-    The wait ends when just enough time is left to push the fallback (``estimator.secure_estimate_s``). A fresh
-    save that arrives within the wait has about the same size, so the same reserve covers its push.
-
-    Args:
-        now_s: now, epoch seconds (the moment the checkpoint was requested).
-        deadline: the job's deadline.
-        estimator: the margin estimator (push throughput, safety, overhead).
-        fallback_size_bytes: size of the newest complete checkpoint on disk; None when there is none (then only
-            ``overhead_s`` is kept: there is nothing else to secure).
-
-    Returns:
-        Seconds to wait (0 when already too late), or None without a deadline (wait for the job as long as it runs).
-    """
-    remaining_s = deadline.remaining_s(now_s)
-    if remaining_s is None:
-        return None
-    reserve_s = (estimator.overhead_s if fallback_size_bytes is None
-                 else estimator.secure_estimate_s(fallback_size_bytes))
-    return max(0.0, remaining_s - reserve_s)

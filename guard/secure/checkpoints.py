@@ -54,12 +54,9 @@ __all__ = [
     "CheckpointInfo",
     "SavedFiles",
     "describe",
-    "is_complete",
-    "is_suspect",
     "list_files",
     "loose_files",
     "newest_complete",
-    "tree_size_bytes",
     "why_incomplete",
 ]
 
@@ -180,15 +177,6 @@ def list_files(folder: str | os.PathLike[str]) -> list[str]:
         return []
 
 
-def tree_size_bytes(path: str | os.PathLike[str], *, stat: StatFn = os.stat) -> int:
-    """Total size in bytes of the regular files under ``path`` (or of ``path`` itself if it is a file).
-
-    Raises:
-        FileNotFoundError: ``path`` does not exist.
-    """
-    return sum(size for size, _ in _walk(Path(path), stat).values())
-
-
 def why_incomplete(path: str | os.PathLike[str], *, now_s: float, stable_for_s: float = 2.0,
                    stat: StatFn = os.stat) -> str | None:
     """Why the checkpoint folder ``path`` is not (yet) complete, or None when it is.
@@ -200,12 +188,6 @@ def why_incomplete(path: str | os.PathLike[str], *, now_s: float, stable_for_s: 
         stat: ``os.stat``-like callable (tests inject one).
     """
     return _check(Path(path), now_s, stable_for_s, stat)[1]
-
-
-def is_complete(path: str | os.PathLike[str], *, now_s: float, stable_for_s: float = 2.0,
-                stat: StatFn = os.stat) -> bool:
-    """True when the checkpoint folder ``path`` is complete (see :func:`why_incomplete`)."""
-    return why_incomplete(path, now_s=now_s, stable_for_s=stable_for_s, stat=stat) is None
 
 
 def _check(path: Path, now_s: float, stable_for_s: float, stat: StatFn,
@@ -411,17 +393,6 @@ class SavedFiles:
             return None
         target = folder / next(iter(files)) if len(files) == 1 else folder
         return _info(target, files, step, root=folder, step_source="reported")
-
-
-def is_suspect(info: CheckpointInfo, *, bad_step: int | None, bad_at_s: float | None) -> bool:
-    """True when ``info`` may hold weights trained on a non-finite loss: saved at or after the first non-finite
-    step ``bad_step`` (when its step is in the guard's unit: ``trainer_state``, ``reported``, ``marker``), else
-    written at or after ``bad_at_s`` (epoch seconds, when the guard saw that step)."""
-    if info.step is not None and bad_step is not None and info.step_source in ("trainer_state", "reported", "marker"):
-        return info.step >= bad_step
-    if bad_at_s is not None:
-        return info.newest_mtime_s >= bad_at_s
-    return False
 
 
 def describe(path: str | os.PathLike[str], *, step: int | None = None, stat: StatFn = os.stat) -> CheckpointInfo:

@@ -16,9 +16,9 @@ A push is secured only once verified: every file's size and sha256 at the destin
   ``trainer_state.json`` (``global_step``), else from the newest commit titled ``... checkpoint step N`` (every
   push writes one), else from the manifest (folders).
 
-Bounded waiting (``guard.secure.hubhttp``): every Hub request has a timeout, and during a push or fetch none outlives its
-deadline; network errors and 408/429/5xx answers are retried here, with backoff, while time remains. Limits: the
-bound is process-wide (with two pushes at once the earlier deadline applies to both), and transfers made by
+Bounded waiting (``guard.secure.hubhttp``): every Hub request has a timeout, and during a push or fetch none
+outlives its deadline; network errors and 408/429/5xx answers are retried here, with backoff, while time remains.
+Limits: the bound is process-wide (with two pushes at once the earlier deadline applies to both), and transfers made by
 ``hf_xet`` (when installed and not disabled) bypass the HTTP client, so only their HTTP calls are bounded.
 """
 
@@ -36,9 +36,9 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from guard.errors import HubError, PushFailedError, UsageError
@@ -614,7 +614,7 @@ class Securer:
             self._repo_ready = True
         before = _signatures(folder, files)
         adds = [CommitOperationAdd(path_in_repo=prefix + rel, path_or_fileobj=str(folder / rel)) for rel in files]
-        deletes = []
+        deletes: list[CommitOperationDelete] = []
         if replace:
             try:
                 remote = [e.path for e in api.list_repo_tree(repo_id, path_in_repo=prefix.rstrip("/"),
@@ -624,7 +624,7 @@ class Securer:
                 remote = []
             keep = {op.path_in_repo for op in adds}
             deletes = [CommitOperationDelete(path_in_repo=p) for p in remote if p not in keep]
-        info = api.create_commit(repo_id, deletes + adds, commit_message=message, repo_type=repo_type,
+        info = api.create_commit(repo_id, [*deletes, *adds], commit_message=message, repo_type=repo_type,
                                  commit_description=f"Secured by jobguard: {len(files)} files from {folder.name}.")
         self._verify_hub(api, info.oid, adds)
         changed = [rel for rel, sig in _signatures(folder, files).items() if before.get(rel) != sig]
@@ -633,19 +633,23 @@ class Securer:
         return info.oid
 
     def _verify_hub(self, api: HfApi, revision: str, adds: list[CommitOperationAdd]) -> None:
+        from huggingface_hub import RepoFile
         from huggingface_hub.utils.sha import git_hash
 
-        remote: dict[str, Any] = {}
+        repo_id = self.destination.repo_id
+        assert repo_id is not None
+        remote: dict[str, RepoFile] = {}
         paths = [op.path_in_repo for op in adds]
         for i in range(0, len(paths), 100):
             # lfs (sha256, size) comes without expand=True, which would only add last-commit data
-            for entry in api.get_paths_info(self.destination.repo_id, paths[i:i + 100], revision=revision,
+            for found in api.get_paths_info(repo_id, paths[i:i + 100], revision=revision,
                                             repo_type=self.destination.repo_type):
-                remote[entry.path] = entry
+                if isinstance(found, RepoFile):  # a folder at a file's path counts as missing
+                    remote[found.path] = found
         problems = []
         for op in adds:
             entry, size = remote.get(op.path_in_repo), op.upload_info.size
-            if entry is None or not hasattr(entry, "blob_id"):
+            if entry is None:
                 problems.append(f"{op.path_in_repo} missing")
             elif entry.size != size:
                 problems.append(f"{op.path_in_repo} has {entry.size} bytes, local {size}")

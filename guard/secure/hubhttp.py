@@ -5,8 +5,8 @@ first use installs, with ``huggingface_hub.set_client_factory``, a client whose 
 default timeouts (``REQUEST_TIMEOUTS_S``) and, while a push or fetch runs (``bounded``), caps each socket operation
 and each body chunk at the time left before its deadline; network errors and 408/429/5xx answers then raise at
 once (``TransientHubError``) instead of entering the client's own backoff (which sleeps up to 8 s), so that
-``guard.secure.hub`` retries them with its own backoff while time remains. The transport also counts the bytes an upload
-sends into the push in progress (``PROGRESS``), for the progress lines.
+``guard.secure.hub`` retries them with its own backoff while time remains. The transport also counts the bytes an
+upload sends into the push in progress (``PROGRESS``), for the progress lines.
 """
 
 from __future__ import annotations
@@ -84,10 +84,10 @@ def install_request_bounds() -> None:
     try:
         try:
             import httpx2 as httpx  # huggingface_hub 2.x
-        except ImportError:  # pragma: no cover - huggingface_hub 1.x uses httpx
-            import httpx
+        except ImportError:  # pragma: no cover - huggingface_hub 1.x uses httpx, the same API
+            import httpx  # type: ignore[no-redef]
         from huggingface_hub import set_client_factory
-        from huggingface_hub.utils import disable_progress_bars
+        from huggingface_hub.utils.tqdm import disable_progress_bars
     except ImportError:  # pragma: no cover - depends on the installed client
         logger.warning("huggingface_hub has no set_client_factory: Hub requests are not bounded by the deadline")
         _INSTALLED = True
@@ -158,7 +158,7 @@ def install_request_bounds() -> None:
 def classify(err: BaseException) -> tuple[str, str]:
     """-> (``"deadline"|"transient"|"mismatch"|"fatal"``, one-line description), looking through wrapped causes."""
     seen: BaseException | None = err
-    chain = []
+    chain: list[BaseException] = []
     while seen is not None and len(chain) < 10:
         chain.append(seen)
         seen = seen.__cause__ or seen.__context__

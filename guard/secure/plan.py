@@ -12,6 +12,7 @@ States::
 
     WATCHING -- deadline near / signal (job can save) --> AWAITING_SAVE -- fresh save / wait over --> SECURING
     WATCHING -- signal (job cannot save) --> AWAITING_SAVE (the signal is forwarded; what the job writes is pushed)
+    SECURING -- push done, job cannot save and still runs --> AWAITING_SAVE (its next save is pushed too)
     WATCHING -- failure --> SECURING (the newest complete checkpoint saved before the failure)
     WATCHING -- job ended well --> FINAL_PUSH --> DONE
     AWAITING_SAVE / SECURING -- push done or secure_by passed --> DONE
@@ -29,7 +30,6 @@ import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Protocol
 
 from guard.secure.budget import MarginEstimator
@@ -42,6 +42,7 @@ log = logging.getLogger("guard.secure")
 
 SAFETY_S = 1.5  # securing is over this long before the kill (the deadline, or the end of --grace)
 STOP_BEFORE_S = 2.0  # the job is stopped (SIGTERM) this long before secure_by if it still runs
+LATE_REQUEST_S = 15.0  # before the first training step, the deadline's request waits until this long before it
 
 
 class State(enum.Enum):
@@ -125,6 +126,42 @@ class PushRecord:
     result: Any = None
 
 
+@dataclass(frozen=True)
+class PriorPush:
+    """A checkpoint the destination already holds, verified when it was fetched: the one a resumed run started
+    from. Shaped like a push result (``ok``, ``pushed``, ``files`` ...) so that it stands as ``Plan.secured``."""
+
+    destination: str
+    revision: str
+    files: tuple[str, ...]
+    size_bytes: int
+    step: int | None
+    ok: bool = True
+    killed: bool = False
+    elapsed_s: float = 0.0
+    attempts: int = 0
+    error: str | None = None
+    hint: str | None = None
+
+    @property
+    def pushed(self) -> str:
+        return f"{self.destination}@{self.revision}"
+
+
+class _Ended:
+    """The handle of a push that is over (``PriorPush``)."""
+
+    def __init__(self, result: PriorPush) -> None:
+        self.result = result
+        self.deadline = 0.0
+
+    def poll(self) -> PriorPush:
+        return self.result
+
+    def kill(self, why: str = "killed") -> PriorPush:
+        return self.result
+
+
 def _step(info: CheckpointInfo | None) -> int:
     return -1 if info is None or info.step is None else info.step
 
@@ -167,6 +204,9 @@ class Plan:
     bad_from_step: int | None = None
     wait_save_until: float | None = None
     awaiting_after_step: int = -1  # a fresh save is newer than this
+    follow_saves: bool = False  # the job cannot be asked to save: every save it makes until it ends is secured
+    job_ended: bool = False
+    training_started: bool = False  # a training step was seen: before it there is nothing new to ask for
     last_start: float = -math.inf
     history: list[PushRecord] = field(default_factory=list)
 
@@ -186,16 +226,35 @@ class Plan:
             due.append(self.wait_save_until)
         if self.state is State.WATCHING:
             if self.deadline_at is not None:
-                due.append(self.deadline_at - self.estimator.margin_s())
+                due.append(self._deadline_request_at())
             if self.queued is not None and self.push is None:
                 due.append(self.last_start + self.push_interval_s)
         return min(due)
 
+    def _deadline_request_at(self) -> float:
+        """When to ask for the last checkpoint: ``margin`` before the deadline once training has started. Before the
+        first step there is nothing new to save, and the margin still rests on guessed sizes, so asking then would
+        only stop a job that is still loading (a short budget with a slow start): wait until the last moment that
+        still leaves time to stop the job and secure what is already on disk (``LATE_REQUEST_S``)."""
+        assert self.deadline_at is not None
+        margin_s = self.estimator.margin_s() if self.training_started else min(self.estimator.margin_s(),
+                                                                                LATE_REQUEST_S)
+        return self.deadline_at - margin_s
+
     def deadline_due(self, now: float) -> bool:
-        return (self.state is State.WATCHING and self.deadline_at is not None
-                and now >= self.deadline_at - self.estimator.margin_s())
+        return self.state is State.WATCHING and self.deadline_at is not None and now >= self._deadline_request_at()
 
     # -- events -----------------------------------------------------------------------------------------------
+
+    def already_secured(self, info: CheckpointInfo, *, destination: str, revision: str) -> None:
+        """The destination already holds ``info``: the checkpoint a resumed run was fetched from (and verified).
+        It stands as the secured one until a newer one is, so a deadline or signal before the job's first save
+        still ends with exit 75 naming it, not "nothing secured"."""
+        result = PriorPush(destination, revision, tuple(info.files), info.size_bytes, info.step)
+        self.secured = PushRecord("resumed", info, _Ended(result), self.clock(), result)
+        if _step(info) >= _step(self.newest):
+            self.newest = info
+
 
     def checkpoint(self, info: CheckpointInfo) -> list[Action]:
         """A complete checkpoint appeared (the job's save event, or found complete in its output folder)."""
@@ -285,6 +344,7 @@ class Plan:
         """The job's main process ended (``ok``: exit 0 and no outcome decided by the guard; ``has_final_model``:
         its output folder holds final model files). A job that ended well without final model files has its newest
         checkpoint secured instead (if not already)."""
+        self.job_ended = True
         if self.state is State.AWAITING_SAVE:
             self.wait_save_until = None
             self.state = State.SECURING
@@ -362,9 +422,20 @@ class Plan:
         if can_save:
             log.info("waiting up to %.0fs for the job's checkpoint", self.wait_save_until - now)
             return [RequestSave()]
+        self.follow_saves = True
         log.info("the job cannot be asked for a checkpoint (no guard API, no Trainer): %s; what it writes is "
                  "secured", "the signal goes to it now" if signum is not None else "it is stopped before the deadline")
         return [ForwardSignal(signum)] if signum is not None else []
+
+    def _follow(self) -> bool:
+        """A job that cannot be asked to save runs on until it is stopped (or ends): wait for its next save
+        (pushed as it appears) instead of ending securing; ``secure_by`` still ends it."""
+        if not self.follow_saves or self.job_ended or self.pusher is None or self.clock() >= self.secure_by:
+            return False
+        self.state = State.AWAITING_SAVE
+        self.awaiting_after_step = _step(self.newest)
+        self.wait_save_until = None
+        return True
 
     def _shorten(self, by: float) -> None:
         self.secure_by = min(self.secure_by, by)
@@ -399,6 +470,8 @@ class Plan:
         if self.push is not None:
             actions += self._kill("a newer checkpoint supersedes it")
         if self.pusher is None or not self._unsecured(target):
+            if self._follow():
+                return actions
             if target is None:
                 log.error("no complete checkpoint to secure")
             self.state = State.DONE
@@ -486,14 +559,10 @@ class Plan:
         if self.state is State.SECURING:
             if now < self.secure_by and self._unsecured(self.newest) and (result.ok or self.newest is not record.info):
                 return self._secure_newest()  # a newer one appeared meanwhile (also after a failed push)
-            self.state = State.DONE
+            if not (result.ok and self._follow()):
+                self.state = State.DONE
             return []
         if self.state is State.WATCHING and self.queued is not None and now >= self.last_start + self.push_interval_s:
             info, self.queued = self.queued, None
             return self._start("background", info, self._background_deadline(now))
         return []
-
-    # -- the outcome ------------------------------------------------------------------------------------------
-
-    def secured_path(self) -> Path | None:
-        return self.secured.info.path if self.secured is not None and self.secured.info is not None else None

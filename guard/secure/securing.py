@@ -229,6 +229,10 @@ class Securing:
 
     def on_trainer_config(self, sup: Any, config: dict[str, Any]) -> None:
         self.trainer_seen = True
+        estimate = config.get("checkpoint_bytes_estimate")
+        if isinstance(estimate, int) and estimate > 0 and not self.estimator.size_hint_bytes:
+            self.estimator.size_hint_bytes = float(estimate)  # until the first save measures the real size
+            log.debug("checkpoint size before the first save: about %.1f MB (weights + AdamW state)", estimate / 1e6)
         if self.output_dir is None and config.get("output_dir"):
             self.output_dir = str(config["output_dir"])
             self.plan.final_output_dir = self.plan.final_output_dir or self.output_dir
@@ -241,6 +245,7 @@ class Securing:
                 log.warning("cannot use the Trainer's hub_model_id as a destination: %s", exc.message)
 
     def on_step(self, sup: Any, now: float) -> None:
+        self.plan.training_started = True
         if self.last_step_at is not None:
             self.estimator.observe_step(now - self.last_step_at)
         self.last_step_at = now

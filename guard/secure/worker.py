@@ -81,6 +81,14 @@ class WorkResult:
     def _get(self, key: str, default: Any = None) -> Any:
         return (self.data or {}).get(key, default)
 
+    def _text(self, key: str) -> str | None:
+        value = self._get(key)
+        return value if isinstance(value, str) else None
+
+    def _int(self, key: str) -> int | None:
+        value = self._get(key)
+        return value if isinstance(value, int) and not isinstance(value, bool) else None
+
     @property
     def pushed(self) -> str | None:
         """``DEST@REVISION`` of a push, else None."""
@@ -90,7 +98,7 @@ class WorkResult:
 
     @property
     def revision(self) -> str | None:
-        return self._get("revision")
+        return self._text("revision")
 
     @property
     def files(self) -> tuple[str, ...]:
@@ -102,11 +110,11 @@ class WorkResult:
 
     @property
     def step(self) -> int | None:
-        return self._get("step")
+        return self._int("step")
 
     @property
     def destination(self) -> str | None:
-        return self._get("destination")
+        return self._text("destination")
 
     @property
     def attempts(self) -> int:

@@ -1,4 +1,6 @@
-"""A mixed-precision plain loop on the CPU: autocast + ``torch.amp.GradScaler("cpu")``, ``scaler.scale(loss).backward()``.
+"""A mixed-precision plain loop on the CPU.
+
+Autocast + ``torch.amp.GradScaler("cpu")``, ``scaler.scale(loss).backward()``.
 
 Prints each step's real (unscaled) loss as ``step N loss=X``. ``--collapse``: the gradients overflow at every step
 (inf), so the scaler skips every optimizer step while the loss stays finite. ``--accelerate``: the same loop through

@@ -3,7 +3,8 @@
 import traceback
 
 try:
-    open("/nonexistent/optional-config.json").read()
+    with open("/nonexistent/optional-config.json") as handle:
+        handle.read()
 except OSError:
     traceback.print_exc()
     print("no optional config, using defaults", flush=True)

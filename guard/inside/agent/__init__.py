@@ -21,7 +21,7 @@ import socket
 import sys
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ... import protocol
 from ..settings import AgentSettings, agent_settings
@@ -444,7 +444,13 @@ def get() -> Agent | None:
 # -- post-import hooks ----------------------------------------------------------------------------------------
 
 
-class _HookedLoader:
+if TYPE_CHECKING:
+    from importlib.abc import Loader as _LoaderBase
+else:
+    _LoaderBase = object  # duck-typed at run time: importlib.abc stays out of every job's start-up
+
+
+class _HookedLoader(_LoaderBase):
     """Wraps a module's loader: runs ``hook(module)`` right after the module executed."""
 
     def __init__(self, loader: Any, hook: Callable[[Any], None]) -> None:

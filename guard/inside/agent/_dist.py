@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from . import Agent
 
 __all__ = ["KEY", "DistRelay"]
 
@@ -22,7 +25,7 @@ KEY = "jobguard/checkpoint"
 class DistRelay:
     """Relays checkpoint requests between ranks through the job's store (see the module docstring)."""
 
-    def __init__(self, agent: Any) -> None:
+    def __init__(self, agent: Agent) -> None:
         self.agent = agent
         self.store: Any = None
         self.rank: int | None = None

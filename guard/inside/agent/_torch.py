@@ -52,7 +52,7 @@ def _capture_probe(torch: Any) -> Callable[[], bool]:
             return False
         try:
             return bool(is_capturing())
-        except Exception:  # noqa: BLE001 - a build without CUDA: never capturing
+        except Exception:  # a build without CUDA: never capturing
             return False
 
     return capturing
@@ -82,7 +82,7 @@ def patch(torch: Any) -> None:
                     loss = agent.scaled[1]
                 agent.scaled = None
                 agent.on_loss(loss, None, "backward")
-            except Exception as exc:  # noqa: BLE001 - never break the job
+            except Exception as exc:  # never break the job
                 agent.backward_hook = False
                 agent_module._warn_once(f"loss hook disabled: {exc!r}")
         return original(self, *args, **kwargs)

@@ -29,15 +29,29 @@ from __future__ import annotations
 import functools
 import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ... import protocol
+
+if TYPE_CHECKING:
+    from . import Agent
 
 __all__ = ["patch", "patch_arguments"]
 
 
+
+def _checkpoint_bytes_estimate(model: Any) -> int | None:
+    """A Trainer checkpoint's size before its first save: the weights as stored plus AdamW's two fp32 moments per
+    parameter (``exp_avg``, ``exp_avg_sq``; ``torch.optim.AdamW`` state). Reads tensor metadata only (``numel``,
+    ``element_size``): no device sync. None when the model has no ``parameters()``."""
+    try:
+        params = list(model.parameters())
+    except Exception:
+        return None
+    return int(sum(p.numel() * p.element_size() + (8 * p.numel() if p.requires_grad else 0) for p in params))
+
 def _arg(args: Any, name: str) -> Any:
-    value = getattr(args, name, None)
+    value: Any = getattr(args, name, None)
     if hasattr(value, "value"):  # enums such as IntervalStrategy
         value = value.value
     if isinstance(value, (list, tuple)):
@@ -73,7 +87,7 @@ def patch_arguments(args_module: Any) -> None:
                 return
             sent.append(config)
             agent.ask({"t": "training_args", "config": config})
-        except Exception as exc:  # noqa: BLE001 - never break the job
+        except Exception as exc:  # never break the job
             agent_module._warn_once(f"cannot report the TrainingArguments: {exc!r}")
 
     __post_init__.__guard_wrapped__ = True  # type: ignore[attr-defined]
@@ -89,10 +103,10 @@ def patch(trainer_module: Any) -> None:
     if getattr(Trainer.__init__, "__guard_wrapped__", False):
         return
 
-    class GuardCallback(TrainerCallback):  # type: ignore[misc]
+    class GuardCallback(TrainerCallback):
         """Reports losses, saves and arguments to the guard; obeys its checkpoint and stop requests."""
 
-        def __init__(self, agent: Any, trainer: Any) -> None:
+        def __init__(self, agent: Agent, trainer: Any) -> None:
             self.agent = agent
             self.trainer = trainer
             self.micro: list[Any] = []
@@ -119,6 +133,7 @@ def patch(trainer_module: Any) -> None:
             config["world_process_zero"] = bool(state.is_world_process_zero)
             loss_fn = getattr(self.trainer, "compute_loss_func", None)
             config["loss_class"] = type(loss_fn).__name__ if loss_fn is not None else None
+            config["checkpoint_bytes_estimate"] = _checkpoint_bytes_estimate(getattr(self.trainer, "model", None))
             self.agent.ask({"t": "trainer_config", "config": config})
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -173,7 +188,7 @@ def patch(trainer_module: Any) -> None:
     Trainer.__init__ = __init__
 
 
-def _instrument(trainer: Any, agent: Any, callback: Any) -> None:
+def _instrument(trainer: Any, agent: Agent, callback: Any) -> None:
     from .. import agent as agent_module
 
     agent.backward_hook = False  # the Trainer's training_step gives the losses; no double counting
