@@ -14,7 +14,11 @@ Reported: deadlines missed (a push still running, or securing not over, at the k
 drop), how often the fresh save was secured vs an older one vs none, and the median steps lost at the kill
 (the job's last step minus the secured checkpoint's step).
 
-Run: ``python benchmarks/bench_deadline.py [--runs 1000] [--seed 0] [--per-run]``.
+``--job own-saves``: a nanoGPT-like job that cannot answer the request (``deadline_near(can_save=False)``) and saves
+every budget/60 to budget/10 on its own schedule until it is stopped; "newest own save secured" counts runs whose
+secured checkpoint is the last save the job completed.
+
+Run: ``python benchmarks/bench_deadline.py [--runs 1000] [--seed 0] [--per-run] [--job answers|own-saves]``.
 """
 
 from __future__ import annotations
@@ -110,7 +114,7 @@ class Pusher:
         return handle
 
 
-def one_run(rng: random.Random, drop: bool) -> dict[str, Any]:
+def one_run(rng: random.Random, drop: bool, answers: bool = True) -> dict[str, Any]:
     budget_s = rng.uniform(20 * 60, 4 * 3600)
     step_s = rng.uniform(0.2, 5.0)
     size = int(rng.uniform(50 * MB, 5000 * MB))
@@ -120,6 +124,8 @@ def one_run(rng: random.Random, drop: bool) -> dict[str, Any]:
     save_s = size / rng.uniform(100 * MB, 1000 * MB)
     save_every = max(1, int(rng.uniform(budget_s / 12, budget_s / 3) / step_s))
     drop_at = rng.uniform(0.7, 0.9) * budget_s
+    if not answers:  # a nanoGPT-like loop saves more often (every eval interval), on its own schedule only
+        save_every = max(1, int(rng.uniform(budget_s / 60, budget_s / 10) / step_s))
 
     def rate(now: float) -> float:
         return base_rate / 3 if drop and now >= drop_at else base_rate
@@ -130,7 +136,7 @@ def one_run(rng: random.Random, drop: bool) -> dict[str, Any]:
     estimator = MarginEstimator(log_changes=False, floor_s=min(60.0, 0.25 * budget_s), max_margin_s=0.5 * budget_s)
     plan = Plan(clock=clock, pusher=pusher, estimator=estimator, deadline_at=budget_s, grace_s=30.0,
                 background=True, push_interval_s=600.0)
-    step, next_step_at, saving_until, save_step = 0, step_s, None, 0
+    step, next_step_at, saving_until, save_step, last_saved = 0, step_s, None, 0, None
     requested = stopped = False
     stop_at = None
     while clock.now < budget_s:
@@ -141,7 +147,7 @@ def one_run(rng: random.Random, drop: bool) -> dict[str, Any]:
                 sizes[path] = size
                 estimator.observe_save(save_s, size)
                 plan.checkpoint(CheckpointInfo(Path(path), save_step, size, ("model.safetensors",), clock.now))
-                saving_until = None
+                saving_until, last_saved = None, save_step
                 if requested:
                     stopped = True  # the agent ends the job once the requested save is done
             while saving_until is None and not stopped and clock.now >= next_step_at:
@@ -155,7 +161,7 @@ def one_run(rng: random.Random, drop: bool) -> dict[str, Any]:
                 stopped = True
         actions: list[Any] = []
         if plan.deadline_due(clock.now):
-            actions += plan.deadline_near(can_save=True)
+            actions += plan.deadline_near(can_save=answers)
         actions += plan.tick()
         for action in actions:
             if isinstance(action, RequestSave):
@@ -166,7 +172,8 @@ def one_run(rng: random.Random, drop: bool) -> dict[str, Any]:
             break
     missed = plan.state is not State.DONE or any(h.result is None for h in pusher.handles)
     secured = plan.secured.info.step if plan.secured is not None and plan.secured.info is not None else None
-    return {"missed": missed, "secured_step": secured, "last_step": step, "fresh": secured == step and requested,
+    fresh = secured == step and requested if answers else secured is not None and secured == last_saved
+    return {"missed": missed, "secured_step": secured, "last_step": step, "fresh": fresh,
             "lost": step - secured if secured is not None else step, "drop": drop, "budget_s": budget_s,
             "left_s": budget_s - clock.now, "pushes": len(pusher.handles)}
 
@@ -176,12 +183,15 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=1000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--per-run", action="store_true")
+    parser.add_argument("--job", choices=("answers", "own-saves"), default="answers",
+                        help="answers: the job answers the checkpoint request (a Trainer, the guard's API); own-saves: "
+                             "it cannot (nanoGPT-like) and saves every budget/60 to budget/10 on its own schedule")
     args = parser.parse_args()
     logging.getLogger("guard").addHandler(logging.NullHandler())
     logging.getLogger("guard").propagate = False  # the plan's log lines are not the benchmark's output
     rng = random.Random(args.seed)
     started = time.perf_counter()
-    runs = [one_run(rng, drop=i % 2 == 1) for i in range(args.runs)]
+    runs = [one_run(rng, drop=i % 2 == 1, answers=args.job == "answers") for i in range(args.runs)]
     took_s = time.perf_counter() - started
     if args.per_run:
         for i, r in enumerate(runs):
@@ -196,9 +206,10 @@ def main() -> int:
         lost_older = [r["lost"] for r in subset if r["secured_step"] is not None and not r["fresh"]]
         older_text = f" ({statistics.median(lost_older):g} when an older one)" if lost_older else ""
         pushes = statistics.median(r["pushes"] for r in subset)
-        print(f"{label}: {len(subset)} runs, deadlines missed {missed}, fresh save secured {fresh}, an older one "
+        fresh_text = "fresh save secured" if args.job == "answers" else "newest own save secured"
+        print(f"{label}: {len(subset)} runs, deadlines missed {missed}, {fresh_text} {fresh}, an older one "
               f"{older}, none {none}; median steps lost at the kill {lost:g}{older_text}; median pushes {pushes:g}")
-    print(f"({args.runs} runs in {took_s:.1f}s, seed {args.seed})")
+    print(f"({args.runs} runs in {took_s:.1f}s, seed {args.seed}, job: {args.job})")
     return 0
 
 

@@ -269,6 +269,11 @@ class Routes:
         headers = {"X-Repo-Commit": record.oid, "ETag": f'"{etag}"', "Accept-Ranges": "bytes"}
         if stored.lfs:
             headers.update({"X-Linked-Etag": f'"{etag}"', "X-Linked-Size": str(stored.size)})
+            if self.hub.xet_storage_url is not None:
+                # Xet-backed, as on the real Hub: the client downloads through hf_xet from the storage the read
+                # token route names (``huggingface_hub.utils._xet.parse_xet_file_data_from_response``).
+                headers.update({"X-Xet-Hash": stored.sha256, "X-Xet-Refresh-Route":
+                                f"{self.hub.url}/api/{repo_type}s/{repo_id}/xet-read-token/{record.oid}"})
         data = memoryview(stored.data)
         match = re.fullmatch(r"bytes=(\d*)-(\d*)", self.headers.get("Range", ""))
         if match and self.method == "GET":

@@ -275,7 +275,8 @@ class HubServer:
 
     def silent_xet_storage(self) -> str:
         """Point the xet token routes at a local address that accepts connections and never answers (a hung
-        storage backend); returns its URL. Closed by ``stop``."""
+        storage backend); returns its URL. Closed by ``stop``. From then on LFS files are served as Xet-backed
+        (``X-Xet-Hash`` and ``X-Xet-Refresh-Route`` on resolve), so that downloads go through hf_xet too."""
         listener = socket.socket()
         listener.bind(("127.0.0.1", 0))
         listener.listen(64)

@@ -449,13 +449,29 @@ def test_fixed_margin_ignores_measurements():
     assert estimator.estimate().describe() == "margin now 300s (fixed by --margin)"
 
 
-def test_push_throughput_is_biased_low():
-    estimator = MarginEstimator()
+def test_push_throughput_is_the_slowest_recent_push():
+    estimator = MarginEstimator(history=3)
     estimator.observe_push(100e6, 1.0)  # 100 MB/s replaces the default
     estimator.observe_push(100e6, 4.0)  # 25 MB/s: adopted at once
     assert estimator.push_bytes_per_s == pytest.approx(25e6)
-    estimator.observe_push(100e6, 1.0)  # 100 MB/s: moves up a quarter of the gap only
-    assert estimator.push_bytes_per_s == pytest.approx(25e6 + 0.25 * 75e6)
+    estimator.observe_push(100e6, 1.0)
+    estimator.observe_push(100e6, 1.0)  # still among the last 3: the slow push counts
+    assert estimator.push_bytes_per_s == pytest.approx(25e6)
+    estimator.observe_push(100e6, 1.0)  # the slow one left the history
+    assert estimator.push_bytes_per_s == pytest.approx(100e6)
+
+
+def test_a_running_push_slower_than_the_estimate_lowers_it_before_it_ends():
+    estimator = MarginEstimator(floor_s=0)
+    estimator.observe_push(100e6, 1.0)  # 100 MB/s
+    estimator.observe_push_progress(100e6, 0.5)  # as fast as expected: no change
+    assert estimator.push_bytes_per_s == pytest.approx(100e6)
+    before = estimator.margin_s()
+    estimator.observe_push_progress(100e6, 3.0)  # 3 s for 100 MB and not done: at most 33 MB/s
+    assert estimator.push_bytes_per_s == pytest.approx(100e6 / 3)
+    assert estimator.margin_s() > before
+    estimator.observe_push(100e6, 3.5)  # it ended: its measured rate replaces the bound
+    assert estimator.push_bytes_per_s == pytest.approx(100e6 / 3.5)
 
 
 def test_save_time_is_the_max_of_recent_saves_scaled_to_size():

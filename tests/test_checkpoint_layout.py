@@ -148,6 +148,51 @@ def test_a_folder_the_job_said_it_finished_needs_no_mtime_rule(tmp_path, caplog)
     assert newest_complete(tmp_path, now_s=NOW, loose=False) is None  # unreported: the mtime rule applies
 
 
+def test_a_reported_folder_reached_through_a_symlink_is_never_still_being_written(tmp_path, caplog):
+    # The job reports /link/out/checkpoint-20 (its abspath), the supervisor resolves it; the guard scans the output
+    # folder by the name it was given (through the link): the scan must still honour the report.
+    real = tmp_path / "real"
+    folder = real / "out" / "checkpoint-20"
+    write(folder / "model.safetensors", 10, mtime_s=NOW - 0.3)
+    write(folder / TRAINER_STATE_NAME, 2, mtime_s=NOW - 0.2)
+    os.symlink(real, tmp_path / "link")
+    through_link = tmp_path / "link" / "out"
+    with caplog.at_level(logging.INFO, logger="guard.checkpoints"):
+        found = newest_complete(through_link, now_s=NOW, reported=[str(folder.resolve())])
+        assert found is not None and found.step == 20
+        found = newest_complete(real / "out", now_s=NOW, reported=[str(through_link / "checkpoint-20")])
+        assert found is not None and found.step == 20
+    assert "still being written" not in caplog.text
+
+
+def test_the_supervisor_scan_honours_what_the_job_said(tmp_path, caplog):
+    """The Trainer's save event, then a scan 0.8 s later (a signal's tick): no "still being written" line."""
+    import time
+    from types import SimpleNamespace
+
+    from guard.secure.budget import Deadline, MarginEstimator
+    from guard.secure.securing import Securing
+
+    real = tmp_path / "real"
+    folder = real / "out" / "checkpoint-20"
+    now = time.time()
+    write(folder / "model.safetensors", 10, mtime_s=now - 0.3)
+    write(folder / TRAINER_STATE_NAME, 2, mtime_s=now - 0.2)
+    os.symlink(real, tmp_path / "link")
+    output_dir = str(tmp_path / "link" / "out")
+    sup = SimpleNamespace(node_rank=None, training_ranks=lambda: {0}, outcome=None, job=None)
+    securing = Securing(deadline=Deadline(now, None, None, "none"), estimator=MarginEstimator(log_changes=False),
+                        output_dir=output_dir)
+    securing.trainer_seen = True
+    with caplog.at_level(logging.INFO):
+        securing.on_checkpoint_saved(sup, {"t": "checkpoint_saved", "path": f"{output_dir}/checkpoint-20",
+                                           "step": 20, "zero": True, "rank": 0})
+        securing._scan(sup)
+    assert "checkpoint saved by the job" in caplog.text
+    assert "still being written" not in caplog.text and "skipped" not in caplog.text
+    assert securing.plan.newest is not None and securing.plan.newest.step == 20
+
+
 def test_symlinks_are_never_followed_out_of_a_checkpoint(tmp_path, caplog):
     secret = write(tmp_path / "outside" / "id_rsa", 7)
     folder = tmp_path / "out" / "checkpoint-3"

@@ -418,6 +418,43 @@ def test_folder_push_failure_keeps_the_previous_checkpoint(tmp_path, monkeypatch
     assert sorted(os.listdir(dest)) == ["last-checkpoint"]
 
 
+def test_folder_push_links_unchanged_files_from_the_previous_copy(tmp_path, monkeypatch):
+    dest, src = tmp_path / "dest", tmp_path / "src"
+    securer = Securer(str(dest))
+    ckpt = make_checkpoint(src, 1)
+    securer.push_checkpoint(ckpt, step=1, deadline=time.monotonic() + 60)
+    target = dest / "last-checkpoint"
+    inodes = {rel: (target / rel).stat().st_ino for rel in local_files(ckpt)}
+    # The next save: the optimizer state changed, every other file is byte for byte the same (same size too).
+    (ckpt / "optimizer.pt").write_bytes(os.urandom(48 * 1024))
+    (ckpt / "trainer_state.json").write_text(json.dumps({"global_step": 1, "epoch": 0.6}))
+    result = securer.push_checkpoint(ckpt, step=2, deadline=time.monotonic() + 60)
+    copied = local_files(target)
+    manifest = json.loads(copied.pop(MANIFEST_NAME))
+    assert copied == local_files(ckpt) and manifest["step"] == 2 and result.size_bytes == sum(map(len, copied.values()))
+    relinked = {rel for rel in copied if (target / rel).stat().st_ino == inodes[rel]}
+    assert relinked == {"config.json", "model.safetensors", "sub/rng_state.txt"}
+    assert securer.last_copy is not None and securer.last_copy.reused_files == 3
+    assert securer.last_copy.copied_bytes == len(copied["optimizer.pt"]) + len(copied["trainer_state.json"])
+    assert sorted(os.listdir(dest)) == ["last-checkpoint"]
+
+    # A previous copy damaged on the destination's disk (same size, other bytes) is never linked into the new one.
+    model = target / "model.safetensors"
+    model.write_bytes(os.urandom(model.stat().st_size))
+    securer.push_checkpoint(ckpt, step=3, deadline=time.monotonic() + 60)
+    assert (target / "model.safetensors").read_bytes() == (ckpt / "model.safetensors").read_bytes()
+
+    # Where hard links are refused, files are copied as before.
+    def no_links(*args, **kwargs):
+        raise OSError(1, "Operation not permitted")
+
+    monkeypatch.setattr(guard_hub.os, "link", no_links)
+    securer.push_checkpoint(ckpt, step=4, deadline=time.monotonic() + 60)
+    copied = local_files(target)
+    assert json.loads(copied.pop(MANIFEST_NAME))["step"] == 4 and copied == local_files(ckpt)
+    assert securer.last_copy.reused_files == 0
+
+
 def test_folder_push_final_rewrites_only_changed_files(tmp_path):
     out, dest = tmp_path / "out", tmp_path / "dest"
     out.mkdir()

@@ -226,6 +226,88 @@ def test_a_good_end_with_final_model_files_pushes_them(clock: FakeClock) -> None
     assert plan.state is State.FINAL_PUSH and pusher.started[-1].op == "push_final"
 
 
+# -- saves during the final stretch (a job that cannot answer a checkpoint request saves on its own) -------------
+
+
+def _deadline_securing(clock: FakeClock, deadline_at: float) -> tuple[Plan, FakePusher]:
+    pusher = FakePusher(clock, rate=lambda now: 0.05e6)  # 1 MB: 21 s; the estimator says 15 s (20 MB/s + 15 s)
+    plan = make(clock, pusher, deadline_at=deadline_at)
+    clock.advance(1.0)
+    actions = plan.deadline_near(can_save=False)
+    assert RequestSave() not in actions and plan.state is State.AWAITING_SAVE
+    clock.advance(9.0)
+    plan.checkpoint(ckpt(10))  # the job's own save: securing starts
+    assert plan.state is State.SECURING and [h.args["step"] for h in pusher.started] == [10]
+    clock.advance(2.0)
+    return plan, pusher
+
+
+def test_a_newer_save_while_securing_follows_the_running_push_when_both_fit(clock: FakeClock) -> None:
+    plan, pusher = _deadline_securing(clock, deadline_at=200.0)
+    plan.checkpoint(ckpt(20))
+    assert not pusher.killed and len(pusher.started) == 1  # both fit: the running push goes on
+    run_until(plan, clock, 200.0)
+    assert [h.args["step"] for h in pusher.ended] == [10, 20]
+    assert plan.secured is not None and plan.secured.info is not None and plan.secured.info.step == 20
+
+
+def test_a_newer_save_while_securing_supersedes_the_running_push_when_only_it_fits(clock: FakeClock) -> None:
+    plan, pusher = _deadline_securing(clock, deadline_at=40.0)  # secure_by 38.5: 13 s + 15 s > 26.5 s left
+    plan.checkpoint(ckpt(20))
+    assert [h.args["step"] for h in pusher.killed] == [10] and pusher.started[-1].args["step"] == 20
+    assert pusher.started[-1].deadline == plan.secure_by
+    run_until(plan, clock, 40.0)
+    assert plan.state is State.DONE and clock.now <= plan.secure_by + 0.11
+    assert plan.secured is not None and plan.secured.info is not None and plan.secured.info.step == 20
+
+
+def test_a_newer_save_too_late_to_push_keeps_the_running_push(clock: FakeClock) -> None:
+    plan, pusher = _deadline_securing(clock, deadline_at=40.0)
+    big = ckpt(20, size_bytes=500_000_000)  # 25 s at 20 MB/s, x1.5 + 15 s: more than the 26.5 s left
+    pusher.sizes[str(big.path)] = big.size_bytes
+    plan.checkpoint(big)
+    assert not pusher.killed and len(pusher.started) == 1
+    run_until(plan, clock, 40.0)
+    assert plan.state is State.DONE
+    assert plan.secured is not None and plan.secured.info is not None and plan.secured.info.step == 10
+
+
+def test_a_save_in_place_with_no_step_is_pushed_again_when_newer(clock: FakeClock) -> None:
+    from pathlib import Path
+
+    from guard.secure.checkpoints import CheckpointInfo
+
+    pusher = FakePusher(clock)
+    plan = make(clock, pusher, deadline_at=300.0)
+    first = CheckpointInfo(Path("/out/ckpt.pt"), None, 1_000_000, ("ckpt.pt",), 5.0, root=Path("/out"))
+    plan.checkpoint(first)
+    run_until(plan, clock, 5.0)
+    assert plan.secured is not None and plan.secured.info == first
+    plan.deadline_near(can_save=False)
+    clock.advance(1.0)
+    again = CheckpointInfo(Path("/out/ckpt.pt"), None, 1_000_000, ("ckpt.pt",), 20.0, root=Path("/out"))
+    plan.checkpoint(again)  # torch.save over ckpt.pt during the final stretch
+    run_until(plan, clock, 300.0)
+    assert plan.secured is not None and plan.secured.info == again and len(pusher.started) == 2
+
+
+def test_a_push_that_slows_down_raises_the_margin_before_it_ends(clock: FakeClock) -> None:
+    pusher = FakePusher(clock, rate=lambda now: 10e6, overhead_s=0.0)
+    estimator = MarginEstimator(log_changes=False, floor_s=0.0)
+    plan = Plan(clock=clock, pusher=pusher, estimator=estimator, deadline_at=10_000.0, push_interval_s=0.0)
+    pusher.sizes["/out/checkpoint-1"] = pusher.sizes["/out/checkpoint-2"] = 100_000_000
+    plan.checkpoint(ckpt(1, size_bytes=100_000_000))
+    run_until(plan, clock, 11.0)  # 10 s at 10 MB/s: measured
+    assert estimator.push_bytes_per_s == pytest.approx(10e6, rel=0.02)
+    margin_before = estimator.margin_s()
+    pusher.rate = lambda now: 10e6 / 3  # the uplink slows down 3x: the next push takes 30 s
+    plan.checkpoint(ckpt(2, size_bytes=100_000_000))
+    run_until(plan, clock, 11.0 + 20.0)
+    assert plan.push is not None and plan.push.result is None  # still running ...
+    assert estimator.push_bytes_per_s < 10e6 / 1.8  # ... and already counted as slow
+    assert estimator.margin_s() > margin_before
+
+
 def test_deadline_a_job_that_cannot_save_has_every_later_save_secured_until_it_is_stopped(clock: FakeClock) -> None:
     # nanoGPT's shape: no guard API, it saves ckpt.pt on its own every few seconds and runs until the guard stops it
     # at secure_by - STOP_BEFORE_S; a save made after the first secured one must not be lost.

@@ -303,9 +303,9 @@ def _resume(config: Config, securer: Securer | None, report: PreflightReport | N
         if mode == "if-valid":
             log.warning("the secured checkpoint is not usable (%s): starting fresh (--resume if-valid)", exc.message)
             return None
-        raise PreflightError(
-            f"cannot resume: {exc.message}", check="resume",
-            hint="the checkpoint at the destination is damaged; --resume if-valid starts fresh") from exc
+        hint = (exc.hint if isinstance(exc, resume.FetchTimedOut) else
+                "the checkpoint at the destination is damaged; --resume if-valid starts fresh")
+        raise PreflightError(f"cannot resume: {exc.message}", check="resume", hint=hint) from exc
 
 
 def output_folder(config: Config) -> tuple[str | None, str]:

@@ -319,8 +319,9 @@ class MarginEstimator:
       ``sbatch.1 --time``; clocks of different hosts differ).
 
     Measurements are kept robustly: the save time is the *largest* of the last ``history`` saves (scaled up to the
-    expected size); the push throughput adopts any *lower* measurement at once and moves up towards higher ones by
-    only a quarter of the gap (an EWMA biased low).
+    expected size); the push throughput is the *slowest* of the last ``history`` pushes, lowered further while a
+    push runs longer than that rate allows (``observe_push_progress``: a push that slows down mid-way counts before
+    it ends).
 
     Args:
         fixed_margin_s: ``--margin`` in seconds; None (``auto``) to estimate.
@@ -369,7 +370,8 @@ class MarginEstimator:
         self.default_size_bytes = default_size_bytes
         self._saves: deque[tuple[float, float]] = deque(maxlen=history)
         self._steps: deque[float] = deque(maxlen=max(history, 1))
-        self._push_bytes_per_s: float | None = None
+        self._push_rates: deque[float] = deque(maxlen=max(history, 1))  # bytes/s of recent finished pushes
+        self._running_bound: float | None = None  # bytes/s at most, from a push still running (or killed)
         self._seen_size_bytes: float | None = None
         self._logged_margin_s: float | None = None
         self.log_changes = log_changes
@@ -385,16 +387,23 @@ class MarginEstimator:
             self._maybe_log()
 
     def observe_push(self, size_bytes: float, duration_s: float) -> None:
-        """Record a finished push (upload and verification) of ``size_bytes`` that took ``duration_s``."""
+        """Record a finished push (upload and verification) of ``size_bytes`` that took ``duration_s``; it replaces
+        the bound of a running push (``observe_push_progress``)."""
         if not (_ok(size_bytes) and _ok(duration_s) and size_bytes > 0):
             return
-        measured = size_bytes / max(duration_s, 1e-3)
-        current = self._push_bytes_per_s
-        if current is None or measured < current:
-            self._push_bytes_per_s = measured
-        else:
-            self._push_bytes_per_s = current + 0.25 * (measured - current)
+        self._push_rates.append(size_bytes / max(duration_s, 1e-3))
+        self._running_bound = None
         self._maybe_log()
+
+    def observe_push_progress(self, size_bytes: float, elapsed_s: float) -> None:
+        """Record a push of ``size_bytes`` still running after ``elapsed_s`` (or killed then): the throughput is at
+        most ``size_bytes / elapsed_s``, so a slowdown counts before the push ends (only ever lowers the estimate,
+        until the next finished push). Call it now and then (e.g. every loop tick) while a push runs."""
+        if _ok(size_bytes) and _ok(elapsed_s) and size_bytes > 0 and elapsed_s > 0:
+            bound = size_bytes / elapsed_s
+            if bound < self.push_bytes_per_s:
+                self._running_bound = bound
+                self._maybe_log()
 
     def observe_step(self, duration_s: float) -> None:
         """Record a training step's duration in seconds (the job answers a checkpoint request at a step end)."""
@@ -420,8 +429,10 @@ class MarginEstimator:
 
     @property
     def push_bytes_per_s(self) -> float:
-        """The push throughput in bytes per second (measured, else the default)."""
-        return self._push_bytes_per_s or self.default_push_bytes_per_s
+        """The push throughput in bytes per second: the slowest recent push (else the default), lowered by a push
+        that runs longer than that rate allows."""
+        rate = min(self._push_rates) if self._push_rates else self.default_push_bytes_per_s
+        return min(rate, self._running_bound) if self._running_bound is not None else rate
 
     def save_estimate_s(self, size_bytes: float | None = None) -> float:
         """Seconds a save of ``size_bytes`` (default: expected size) should take, without the safety factor."""

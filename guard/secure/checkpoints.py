@@ -262,8 +262,9 @@ def newest_complete(output_dir: str | os.PathLike[str], *, now_s: float, stable_
             no job is writing.
         stat: ``os.stat``-like callable (tests inject one).
         seen: pass the same set on every call to log each (folder, reason) only once; None logs every time.
-        reported: absolute paths of folders the job said it finished saving (the Trainer's save event,
-            ``checkpoint_saved``): complete without the mtime rule.
+        reported: paths of folders the job said it finished saving (the Trainer's save event,
+            ``checkpoint_saved``): complete without the mtime rule. Compared with the folders found after resolving
+            symbolic links on both sides.
         loose: also consider loose model files at the top of ``output_dir`` when no folder is complete (pass
             False for a Trainer, whose root files are its final model).
 
@@ -276,14 +277,17 @@ def newest_complete(output_dir: str | os.PathLike[str], *, now_s: float, stable_
     except (FileNotFoundError, NotADirectoryError):
         log.debug("no checkpoints: %s does not exist", base)
         return None
-    said = {os.path.abspath(p) for p in reported}
+    # The job's report names the folder its own way (``os.path.abspath`` in the job, resolved by the supervisor) and
+    # the output folder may be reached through a symbolic link (``/scratch`` on a cluster, ``/var`` on macOS): the
+    # two are compared resolved, so that a folder the job said it finished is never "still being written".
+    said = {os.path.realpath(p) for p in reported}
     candidates = sorted(((int(m.group(1)), name) for name in names if (m := _FOLDER_RE.fullmatch(name))),
                         reverse=True)
     for step, name in candidates:
         path = base / name
         if not path.is_dir() or path.is_symlink():
             continue
-        files, reason = _check(path, now_s, stable_for_s, stat, reported=os.path.abspath(path) in said)
+        files, reason = _check(path, now_s, stable_for_s, stat, reported=os.path.realpath(path) in said)
         if reason is None:
             found, source = _folder_step(path, step)
             return _info(path, files, found, step_source=source)

@@ -56,7 +56,8 @@ if TYPE_CHECKING:
     from huggingface_hub import CommitOperationAdd, HfApi
 
 __all__ = ["CHECKPOINT_FOLDER", "MANIFEST_NAME", "REQUEST_TIMEOUTS_S", "Destination", "FetchedCheckpoint",
-           "PushResult", "SecuredRecord", "Securer", "final_model_files", "install_request_bounds", "parse_destination"]
+           "FolderCopy", "PushResult", "SecuredRecord", "Securer", "final_model_files", "install_request_bounds",
+           "parse_destination"]
 
 logger = logging.getLogger("guard.hub")
 T = TypeVar("T")
@@ -267,6 +268,50 @@ def _copy_and_hash(src: Path, dst: Path) -> tuple[int, str]:
     return size, digest.hexdigest()
 
 
+@dataclass(frozen=True)
+class FolderCopy:
+    """What the last push to a folder destination wrote: bytes copied, and unchanged files (and their bytes) taken
+    from the previous secured copy by a hard link instead."""
+
+    copied_bytes: int
+    reused_bytes: int
+    reused_files: int
+
+
+def _manifest_files(secured: Path) -> dict[str, tuple[int, str]]:
+    """``{rel: (size, sha256)}`` from the manifest of a secured ``last-checkpoint`` folder; empty when it has none
+    (or it cannot be read)."""
+    try:
+        manifest = json.loads((secured / MANIFEST_NAME).read_text())
+        recorded = manifest["files"]
+        return {str(rel): (int(entry["size"]), str(entry["sha256"])) for rel, entry in recorded.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return {}
+
+
+def _reuse_unchanged(src: Path, previous: Path, dst: Path, recorded: tuple[int, str] | None) -> tuple[int, str] | None:
+    """Hard-link ``previous`` (the same file in the previous secured copy) to ``dst`` when ``src`` has the size and
+    sha256 its manifest ``recorded``; returns ``(size, sha256)`` then, else None (the caller copies). Reading
+    ``src`` once to hash it replaces writing it again; the link is verified with every other file afterwards.
+    None too where the file system refuses hard links."""
+    if recorded is None:
+        return None
+    try:
+        if src.stat().st_size != recorded[0] or previous.stat().st_size != recorded[0]:
+            return None
+    except OSError:
+        return None
+    found = _hash_file(src)
+    if found != recorded:
+        return None
+    try:
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        os.link(previous, dst, follow_symlinks=False)
+    except OSError:  # EPERM, EXDEV, EMLINK, ENOTSUP: no hard links here
+        return None
+    return found
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -353,6 +398,7 @@ class Securer:
         self._clock, self._sleep, self._log = clock, sleep, log
         self._backoff_s, self._max_backoff_s = backoff_s, max_backoff_s
         self._repo_ready = False
+        self.last_copy: FolderCopy | None = None  # what the last folder-destination push wrote
 
     # -- public API -------------------------------------------------------------------------------------------
 
@@ -703,7 +749,23 @@ class Securer:
         staging = _staging_dir(f".{CHECKPOINT_FOLDER}.tmp-{os.getpid()}-", root)
         try:
             before = _signatures(folder, files)
-            sums = {rel: _copy_and_hash(folder / rel, staging / rel) for rel in files}
+            previous = _manifest_files(target)
+            sums: dict[str, tuple[int, str]] = {}
+            linked: list[str] = []
+            for rel in files:
+                reused = _reuse_unchanged(folder / rel, target / rel, staging / rel, previous.get(rel))
+                if reused is not None:
+                    sums[rel] = reused
+                    linked.append(rel)
+                else:
+                    sums[rel] = _copy_and_hash(folder / rel, staging / rel)
+            reused_bytes = sum(sums[rel][0] for rel in linked)
+            self.last_copy = FolderCopy(copied_bytes=sum(size for size, _ in sums.values()) - reused_bytes,
+                                        reused_bytes=reused_bytes, reused_files=len(linked))
+            if linked:
+                self._log.info("%d unchanged files (%.1f MB) linked from the previous %s, %d copied (%.1f MB)",
+                               len(linked), reused_bytes / 1e6, CHECKPOINT_FOLDER, len(files) - len(linked),
+                               self.last_copy.copied_bytes / 1e6)
             changed = [rel for rel, sig in _signatures(folder, files).items() if before.get(rel) != sig]
             if changed:  # a job that saves in place (torch.save over ckpt.pt) wrote it again meanwhile: torn copy
                 raise Mismatch([f"{rel} changed while it was copied" for rel in changed])
@@ -716,7 +778,22 @@ class Securer:
             for dirpath, _, _ in sorted(os.walk(staging), key=lambda w: -len(w[0])):
                 _fsync_dir(Path(dirpath))
             # Verified before the swap: a push killed at any point leaves the previous last-checkpoint in place.
-            self._verify_folder(staging, {rel: sums[rel] for rel in files}, exclude={MANIFEST_NAME})
+            try:
+                self._verify_folder(staging, {rel: sums[rel] for rel in files}, exclude={MANIFEST_NAME})
+            except Mismatch:
+                if not linked:
+                    raise
+                # The previous secured copy no longer matched its manifest (changed on the destination's disk):
+                # the files taken from it are copied from the checkpoint instead, then everything is verified again.
+                self._log.warning("the previous %s does not match its manifest: copying its %d files again",
+                                  CHECKPOINT_FOLDER, len(linked))
+                for rel in linked:
+                    (staging / rel).unlink()
+                    if _copy_and_hash(folder / rel, staging / rel) != sums[rel]:
+                        raise Mismatch([f"{rel} changed while it was copied"]) from None
+                self.last_copy = FolderCopy(copied_bytes=sum(size for size, _ in sums.values()), reused_bytes=0,
+                                            reused_files=0)
+                self._verify_folder(staging, {rel: sums[rel] for rel in files}, exclude={MANIFEST_NAME})
             old = _swap_in(staging, target)
             _fsync_dir(root)
             if old is not None:

@@ -277,7 +277,7 @@ class Plan:
         if _step(info) < _step(self.newest) or (self.newest is not None and info.path == self.newest.path
                                                    and info.newest_mtime_s <= self.newest.newest_mtime_s):
             return []
-        self.newest = info
+        previous, self.newest = self.newest, info
         self.seen.append(info)
         if self.pusher is None or self.state in (State.DONE, State.FINAL_PUSH):
             return []
@@ -288,10 +288,14 @@ class Plan:
                 self.queued = info  # a newer one replaces a queued one
                 return []
             return self._start("background", info, self._background_deadline(now))
-        if self.state is State.AWAITING_SAVE and _step(info) > self.awaiting_after_step:
+        rewritten = previous is not None and info.path == previous.path and _step(info) == _step(previous)
+        if self.state is State.AWAITING_SAVE and (_step(info) > self.awaiting_after_step or rewritten):
+            # a fresh save: a later step, or the same file saved over in place (nanoGPT's ckpt.pt, step unknown)
             self.wait_save_until = None
             self.state = State.SECURING
             return self._secure_newest()
+        if self.state is State.SECURING:
+            return self._newer_while_securing(info, now)
         return []
 
     def deadline_near(self, *, can_save: bool) -> list[Action]:
@@ -392,6 +396,8 @@ class Plan:
             result = self.push.handle.poll()
             if result is not None:
                 actions += self._push_ended(result, now)
+            elif self.push.info is not None:  # a push running longer than the rate allows lowers it now
+                self.estimator.observe_push_progress(self.push.info.size_bytes, now - self.push.started)
         if self.wait_save_until is not None and now >= self.wait_save_until and self.state is State.AWAITING_SAVE:
             log.warning("the job did not save a checkpoint in time: securing the newest complete one")
             self.wait_save_until = None
@@ -454,7 +460,7 @@ class Plan:
             return False
         done = self.secured.info if self.secured is not None else None
         return done is None or _step(info) > _step(done) or (
-            _step(info) == _step(done) and info.path != done.path)
+            _step(info) == _step(done) and (info.path != done.path or info.newest_mtime_s > done.newest_mtime_s))
 
     def _older_than(self, step: int) -> CheckpointInfo | None:
         """The newest checkpoint saved before ``step`` that is still on disk as it was saved (a loop that saves
@@ -472,7 +478,8 @@ class Plan:
         """In SECURING: push the newest unsecured checkpoint (keep a push of it already running); else done."""
         target = self.newest
         if self.push is not None and self.push.info is not None and target is not None \
-                and self.push.info.path == target.path and _step(self.push.info) == _step(target):
+                and self.push.info.path == target.path and _step(self.push.info) == _step(target) \
+                and target.newest_mtime_s <= self.push.info.newest_mtime_s:
             self.push.kind = "securing"
             return []
         actions: list[Action] = []
@@ -487,6 +494,33 @@ class Plan:
             return actions
         assert target is not None
         return actions + self._start("securing", target, self.secure_by)
+
+    def _newer_while_securing(self, info: CheckpointInfo, now: float) -> list[Action]:
+        """A newer complete checkpoint appeared while SECURING (a job that saves on its own schedule, e.g. one that
+        cannot answer a checkpoint request). By the estimates: when the running push can end and the newer one
+        still be pushed after it before ``secure_by``, both happen in turn (``_push_ended``); else, when the newer
+        one alone can be pushed in time, it supersedes the running push; else the running push is kept."""
+        running = self.push
+        if running is None:
+            return self._secure_newest()
+        if running.info is None or not self._unsecured(info) or _step(info) < _step(running.info) or (
+                info.path == running.info.path and _step(info) == _step(running.info)
+                and info.newest_mtime_s <= running.info.newest_mtime_s):
+            return []
+        left_s = self.secure_by - now
+        need_s = self.estimator.secure_estimate_s(info.size_bytes)
+        running_left_s = max(0.0, self.estimator.secure_estimate_s(running.info.size_bytes) - (now - running.started))
+        if running_left_s + need_s <= left_s:
+            log.info("checkpoint %s (step %s) saved while %s is pushed: it follows (about %.0fs + %.0fs of %.0fs "
+                     "left)", info.path, info.step, running.info.path, running_left_s, need_s, left_s)
+            return []
+        if need_s <= left_s:
+            log.warning("checkpoint %s (step %s) saved while %s is pushed: pushing it instead (about %.0fs needed, "
+                        "%.0fs left; not enough for both)", info.path, info.step, running.info.path, need_s, left_s)
+            return self._secure_newest()
+        log.info("checkpoint %s (step %s) saved while %s is pushed: too late to push it (about %.0fs needed, %.0fs "
+                 "left): the running push goes on", info.path, info.step, running.info.path, need_s, left_s)
+        return []
 
     def _background_deadline(self, now: float) -> float:
         """A background push may take 3x its estimate plus a minute, and never past securing's end."""
@@ -540,8 +574,8 @@ class Plan:
             self.state = State.DONE
             return []
         if self.state is State.SECURING:
-            if result.ok and self._unsecured(self.newest):
-                return self._secure_newest()  # a newer one appeared meanwhile
+            if now < self.secure_by and self._unsecured(self.newest) and (result.ok or self.newest is not record.info):
+                return self._secure_newest()  # a newer one appeared meanwhile (also after a failed push)
             if not (result.ok and self._follow()):
                 self.state = State.DONE
             return []

@@ -25,7 +25,7 @@ from typing import Any
 from guard.errors import HubError
 from guard.secure import checkpoints
 
-__all__ = ["PARTIAL_SUFFIX", "Interrupted", "ResumeFrom", "choose", "move_aside_partials"]
+__all__ = ["PARTIAL_SUFFIX", "FetchTimedOut", "Interrupted", "ResumeFrom", "choose", "move_aside_partials"]
 
 log = logging.getLogger("guard.resume")
 
@@ -95,12 +95,23 @@ def move_aside_partials(folder: str | os.PathLike[str], *, newer_than: int | Non
     return moved
 
 
+class FetchTimedOut(HubError):
+    """The peek or the fetch did not finish by its deadline (the worker was killed): nothing was damaged."""
+
+
 def _bounded(run: Callable[..., Any], op: str, args: dict[str, Any], deadline: float, abort: Callable[[], bool],
              securer: Any) -> dict[str, Any] | None:
+    started = time.monotonic()
     result = run(op, args, deadline, abort, destination=str(securer.destination),
                  token=getattr(securer, "token", None))
     if result.error_type == "killed":
         raise Interrupted(op)
+    if result.error_type == "deadline":
+        what = "reading what is secured at" if op == "peek_last_checkpoint" else "downloading the checkpoint from"
+        raise FetchTimedOut(f"{what} {securer.destination} did not finish within {deadline - started:.0f}s "
+                            "(its bound: half of the time left): stopped", destination=str(securer.destination),
+                            hint="check the destination's download speed (a hung transfer, Xet included, is "
+                                 "stopped at this bound); --resume if-valid starts fresh when it cannot be fetched")
     if not result.ok:
         raise HubError(result.error or f"{op} failed", destination=str(securer.destination),
                        hint=result.hint or "check the destination; --resume if-valid starts fresh instead")
@@ -122,6 +133,7 @@ def choose(folder: str | os.PathLike[str], securer: Any, *, deadline: float, abo
 
     Raises:
         Interrupted: ``abort`` became true.
+        FetchTimedOut: the peek or the fetch was still running at ``deadline`` (killed then).
         HubError: the destination could not be read, or the download is corrupt or partial.
     """
     if run is None:
