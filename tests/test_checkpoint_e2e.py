@@ -127,3 +127,18 @@ def test_after_a_nan_the_loop_s_own_term_save_cannot_overwrite_what_is_secured(t
     secured = torch.load(dest / "last-checkpoint" / "ckpt.pt")
     assert secured["iter_num"] == 40
     assert not any(torch.isnan(v).any() for v in secured["model"].values())
+
+
+def test_at_the_deadline_a_loop_that_saves_on_sigterm_gets_the_margin_for_its_save(tmp_path: Path) -> None:
+    # No periodic saves: the only checkpoint is the one its SIGTERM handler writes, and that save takes 3 s. The
+    # guard sends SIGTERM at deadline - margin (not in the last seconds with a 1 s grace), then secures it.
+    import torch
+
+    out, dest = tmp_path / "out", tmp_path / "dest"
+    run = run_guard([*FAST, "--timeout", "30s", "--margin", "12s", "--push-to", str(dest), NANO, f"--out_dir={out}",
+                     "--eval_interval=100000", "--save_on_term=True", "--term_save_s=3", "--step_s=0.02"],
+                    cwd=tmp_path, timeout_s=90)
+    assert run.returncode == 75, run.stderr[-3000:]
+    assert (run.fields()["status"], run.fields()["secured"]) == ("TIMEOUT", "yes")
+    assert "saves on SIGTERM itself: SIGTERM now" in run.stderr
+    assert torch.load(dest / "last-checkpoint" / "ckpt.pt")["iter_num"] > 0

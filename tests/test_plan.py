@@ -378,3 +378,12 @@ def test_before_the_first_step_the_deadline_request_waits_until_late(clock: Fake
     plan2 = make(clock, pusher, deadline_at=1000.0)
     clock.now = 1000.0 - LATE_REQUEST_S
     assert plan2.deadline_due(clock.now)  # never started training: still stopped in time before the deadline
+
+
+def test_a_job_that_saves_on_sigterm_gets_it_at_deadline_minus_margin(clock: FakeClock) -> None:
+    plan = make(clock, FakePusher(clock))
+    clock.now = 900.0
+    actions = plan.deadline_near(can_save=False, handles_term=True)
+    assert ForwardSignal(signal.SIGTERM) in actions
+    plan2 = make(clock, FakePusher(clock))
+    assert not any(isinstance(a, ForwardSignal) for a in plan2.deadline_near(can_save=False))

@@ -102,6 +102,11 @@ class JobFacts:
         return (self.trainer_config is not None or bool(self.checkpoints)
                 or bool(self.api_used & {"should_checkpoint", "checkpoint_saved"}))
 
+    @property
+    def handles_sigterm(self) -> bool:
+        """The job installed its own SIGTERM handler (seen by the agent at a ``torch.save``): it saves when told."""
+        return "sigterm_handler" in self.api_used
+
     def on_exception(self, message: Message) -> None:
         """An ``exception`` message: the job's uncaught exception (``sys.excepthook``)."""
         self.last_exception = f"{message.get('exc_type')}: {message.get('message')}"

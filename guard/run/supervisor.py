@@ -351,7 +351,8 @@ class Supervisor:
             if job.alive():
                 self._stop_job(now)
         if self.escalation.kill_due(now):
-            log.warning("the job ignored SIGTERM for %.0fs (--grace): SIGKILL", self.escalation.grace_s)
+            log.warning("the job did not end within %.0fs of SIGTERM (%s): SIGKILL", self.escalation.grace_s,
+                        "--grace" if self.escalation.grace_s == self.config.grace_s else "the time left")
             job.signal_all(signal.SIGKILL)
         drained = self.exited_at is not None and now >= self.exited_at + DRAIN_AFTER_EXIT_S
         if drained and job.alive() and not self.escalation.started and not self._securing():

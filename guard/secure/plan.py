@@ -28,6 +28,7 @@ from __future__ import annotations
 import enum
 import logging
 import math
+import signal
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -298,8 +299,10 @@ class Plan:
             return self._newer_while_securing(info, now)
         return []
 
-    def deadline_near(self, *, can_save: bool) -> list[Action]:
-        """The deadline is within the margin: ask for a fresh checkpoint (or secure the newest) before it."""
+    def deadline_near(self, *, can_save: bool, handles_term: bool = False) -> list[Action]:
+        """The deadline is within the margin: ask for a fresh checkpoint (or secure the newest) before it. A job
+        that cannot be asked but saves on SIGTERM itself (``handles_term``) gets SIGTERM now, so that its own save
+        has the margin, not the last seconds."""
         if self.state is not State.WATCHING or self.deadline_at is None:
             return []
         now = self.clock()
@@ -308,7 +311,7 @@ class Plan:
         log.warning("deadline in %.0fs: securing a checkpoint (margin %.0fs)", self.deadline_at - now,
                     self.estimator.margin_s())
         actions: list[Action] = [Decide("TIMEOUT", "deadline"), StopJob(self.secure_by - STOP_BEFORE_S)]
-        return actions + self._await_save(now, can_save, signum=None)
+        return actions + self._await_save(now, can_save, signum=None, term_now=handles_term)
 
     def signal(self, signum: int, *, can_save: bool) -> list[Action]:
         """A termination signal: securing ends within ``--grace`` from now, whatever runs."""
@@ -421,7 +424,7 @@ class Plan:
 
     # -- internals --------------------------------------------------------------------------------------------
 
-    def _await_save(self, now: float, can_save: bool, signum: int | None) -> list[Action]:
+    def _await_save(self, now: float, can_save: bool, signum: int | None, term_now: bool = False) -> list[Action]:
         self.state = State.AWAITING_SAVE
         self.awaiting_after_step = _step(self.newest)
         if self.push is not None:
@@ -434,6 +437,10 @@ class Plan:
             log.info("waiting up to %.0fs for the job's checkpoint", self.wait_save_until - now)
             return [RequestSave()]
         self.follow_saves = True
+        if signum is None and term_now:
+            log.info("the job cannot be asked for a checkpoint but saves on SIGTERM itself: SIGTERM now, %.0fs "
+                     "before the deadline; what it writes is secured", self.secure_by + SAFETY_S - now)
+            return [ForwardSignal(signal.SIGTERM)]
         log.info("the job cannot be asked for a checkpoint (no guard API, no Trainer): %s; what it writes is "
                  "secured", "the signal goes to it now" if signum is not None else "it is stopped before the deadline")
         return [ForwardSignal(signum)] if signum is not None else []

@@ -271,7 +271,8 @@ class Securing:
             self.plan.training_started = True  # a step was seen: the deadline's request follows the margin
         actions: list[Action] = []
         if sup.job_running() and sup.state.outcome is None and self.plan.deadline_due(now):
-            actions += self.plan.deadline_near(can_save=self._can_save(sup))
+            actions += self.plan.deadline_near(can_save=self._can_save(sup),
+                                               handles_term=sup.state.facts.handles_sigterm)
         actions += self.plan.tick()
         self._carry_out(sup, actions, now)
 
@@ -500,8 +501,13 @@ class Securing:
             if steps_lost:
                 result.details["steps_lost"] = steps_lost
             if plan.suspect is not None:
-                result.hint = (result.hint or "") + (f" (checkpoint {plan.suspect.path} was saved after the first "
-                                                     "non-finite loss and was not pushed)")
+                later = f" (step {plan.suspect.step})" if plan.suspect.step is not None else ""
+                result.hint = (result.hint or "") + (f" (the save of {plan.suspect.path}{later} after the first "
+                                                     "non-finite loss was not pushed)")
+            if secured is not None:
+                step_text = f"step {secured.info.step}" if secured.info and secured.info.step is not None else "it"
+                result.hint = (result.hint or "") + (f"; secured before the failure: {step_text}, resume with "
+                                                     f"--resume on --push-to {secured.result.destination}")
             return
         if plan.trigger == "deadline":
             result.exit_code = EXIT_SECURED if is_secured else EXIT_TIMEOUT_UNSECURED

@@ -2,7 +2,8 @@
 ``iter_num`` into ``OUT_DIR/ckpt.pt`` every ``--eval_interval`` iterations; it never talks to the guard unless
 ``--api=True`` (then it answers checkpoint requests, but never reads ``guard.should_stop()``).
 ``--nan_at=N`` poisons the weights at iteration N (the loss is NaN from then on); ``--save_on_term=True`` saves
-``ckpt.pt`` once more when SIGTERM arrives, as many loops do, whatever the weights hold by then.
+``ckpt.pt`` once more when SIGTERM arrives, as many loops do, whatever the weights hold by then (taking
+``--term_save_s`` seconds first).
 
 After the loop it prints ``training finished`` and writes ``OUT_DIR/final.pt``: the code after training that must
 not run when the guard stopped the job.
@@ -15,7 +16,8 @@ import time
 import torch
 
 config = {"out_dir": "out", "max_iters": 100000, "eval_interval": 20, "step_s": 0.01, "api": "False",
-          "ckpt_name": "ckpt.pt", "ready": "", "nan_at": 0, "save_on_term": "False"}
+          "ckpt_name": "ckpt.pt", "ready": "", "nan_at": 0, "save_on_term": "False",
+          "term_save_s": 0.0}
 for arg in sys.argv[1:]:
     key, _, value = arg[2:].partition("=")
     if key not in config:
@@ -44,6 +46,7 @@ if config["save_on_term"] == "True":
     import signal
 
     def on_term(signum, frame):
+        time.sleep(config["term_save_s"])  # a real model takes a while to save
         save(iter_num)
         raise SystemExit(143)
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 import socket
 import sys
 import threading
@@ -251,6 +252,14 @@ class Agent:
 
     def on_loss(self, loss: Any, step: int | None, source: str) -> None:
         self.watch.observe(loss, step, source)
+        if self.watch.count % 16 == 1:
+            self._probe_sigterm_handler()
+
+    def _probe_sigterm_handler(self) -> None:
+        """Tell the supervisor (once) that the script installed its own SIGTERM handler: a loop that saves when
+        told, so at a deadline the guard sends it SIGTERM early enough for that save. Probed every 16 steps."""
+        if "sigterm_handler" not in self.api_used and callable(signal.getsignal(signal.SIGTERM)):
+            self.note_api("sigterm_handler")
 
     def checkpoint_due(self) -> bool:
         if self.served_stop and not self.trainer:
@@ -282,6 +291,7 @@ class Agent:
             return  # the script reports its own checkpoints: a file of one is not a checkpoint yet
         self.send({"t": "file_saved", "path": os.path.abspath(path), "step": self.watch.step,
                    "save_s": round(save_s, 3)})
+        self._probe_sigterm_handler()
 
     def end_process(self) -> None:
         """After a stop the guard asked for (deadline, signal) and the checkpoint saved: end the process, so that
