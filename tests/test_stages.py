@@ -104,7 +104,7 @@ def test_a_resumed_checkpoint_reaches_the_job(tmp_path: Path, supervisor: type[R
     folder = tmp_path / "out" / "checkpoint-30"
     folder.mkdir(parents=True)
     (folder / "model.safetensors").write_bytes(b"1" * 100)
-    fetched = SimpleNamespace(path=folder, step=30, revision="abc123", size_bytes=100)
+    fetched = resume.ResumeFrom(path=folder, step=30, revision="abc123", size_bytes=100, source="destination")
     monkeypatch.setattr(resume, "choose", lambda *args, **kwargs: fetched)
     monkeypatch.setattr(stages, "_securer_factory", lambda environ: lambda text: SimpleNamespace(
         destination=text, token=None))
