@@ -134,3 +134,8 @@ def test_survivors_node_and_the_jobs_own_verdict() -> None:
     result = job_result(state, ended, config())
     assert result.extra["survivors"] == "41:disk-sleep:python" and result.extra["node"] == 1
     assert result.details["job_verdict"] == "PASS ok" and result.details["orphans_reaped"] == 2
+
+
+def test_a_crash_without_a_traceback_does_not_point_at_one() -> None:
+    hint = cause_hint(JobFacts(), 3)
+    assert "without a Python traceback" in hint and "traceback shows" not in hint

@@ -130,8 +130,10 @@ def cause_hint(facts: JobFacts, code: int, *, output_folder: str | None = None) 
                 "fewer checkpoints (save_total_limit)")
     if root and last and root != last:
         return (f"the job exited with code {code} after {root} (the root cause, behind {last}): fix it and rerun")
-    what = f" after {last}" if last else ""
-    return f"the job exited with code {code}{what}: fix the error its traceback shows in the log and rerun"
+    if last:
+        return f"the job exited with code {code} after {last}: fix the error its traceback shows in the log and rerun"
+    return (f"the job exited with code {code} without a Python traceback (sys.exit, or a program that is not "
+            "Python): its last output lines say why")
 
 
 def incomplete_reason(facts: JobFacts) -> str | None:
