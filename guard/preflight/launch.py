@@ -30,8 +30,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from guard.preflight._common import NoAnswer, call_bounded, one_line
+from guard.preflight._common import one_line
 from guard.preflight._models import CheckResult, GpuInfo
+from guard.preflight.misc import gpu_fit_rows, master_rows
 from guard.run.config import format_duration_s
 
 __all__ = ["SMOKE_SCRIPT", "LaunchCommand", "check_launch", "parse_launch", "run_launch_smoke", "smoke_wanted"]
@@ -249,27 +250,12 @@ def check_launch(
     if launch.nodes is None:
         rows.append(CheckResult(NAME, "fail", f"--nnodes {launch.values.get('--nnodes')!r} is not N or MIN:MAX",
                                 "write --nnodes 2 or --nnodes 1:4"))
-    if procs is not None and gpus:
-        if procs > len(gpus):
-            rows.append(CheckResult(NAME, "fail", f"{procs} processes per node, {len(gpus)} GPU"
-                                    f"{'s' if len(gpus) != 1 else ''} visible: ranks would share or miss a GPU",
-                                    "set --nproc-per-node to the GPU count, or request more GPUs"))
-        elif len(gpus) > procs:
-            rows.append(CheckResult(NAME, "warn", f"{len(gpus)} GPUs visible, {procs} processes per node: "
-                                    f"{len(gpus) - procs} idle", "set --nproc-per-node to the GPU count"))
+    if procs is not None:
+        rows += gpu_fit_rows(NAME, procs, f"{procs} processes per node", gpus)
     addr, port = launch.master
-    if port and not (port.isdigit() and 0 < int(port) < 65536):
-        rows.append(CheckResult(NAME, "fail", f"master port {port!r} is not a port", "use a port 1-65535"))
-    if addr:
-        try:
-            call_bounded(resolve, timeout_s, addr, None)
-            facts.append(f"master {addr} resolves")
-        except NoAnswer:
-            rows.append(CheckResult(NAME, "warn", f"master address {addr}: no DNS answer in {timeout_s:g} s",
-                                    "check the cluster's name service"))
-        except OSError as exc:
-            rows.append(CheckResult(NAME, "fail", f"master address {addr} does not resolve ({exc})",
-                                    "set --master-addr to the first node's host name or IP"))
+    master_rows(rows, facts, NAME, addr or "", port, timeout_s=timeout_s, resolve=resolve,
+                addr_label="master address", resolved_label="master", port_label="master port ",
+                addr_hint="set --master-addr to the first node's host name or IP")
     if not any(row.status == "fail" for row in rows):
         rows.insert(0, CheckResult(NAME, "pass", "; ".join(facts)))
     return rows

@@ -117,30 +117,14 @@ def check_distributed(
         if world is not None and local > world:
             rows.append(CheckResult(name, "fail", f"{local_source}={local} > world size {world}",
                                     "fix --nproc-per-node / --nnodes"))
-        if gpus is not None and gpus and local > len(gpus):
-            rows.append(CheckResult(
-                name, "fail", f"{local_source}={local} processes on this node, {len(gpus)} GPU"
-                f"{'s' if len(gpus) != 1 else ''} visible: ranks would share or miss a GPU",
-                "set --nproc-per-node to the GPU count, or request more GPUs"))
-        elif gpus is not None and len(gpus) > local:
-            rows.append(CheckResult(name, "warn", f"{len(gpus)} GPUs visible, {local} processes on this node: "
-                                    f"{len(gpus) - local} GPU{'s' if len(gpus) - local != 1 else ''} idle",
-                                    "set --nproc-per-node to the GPU count"))
+        rows += gpu_fit_rows(name, local, f"{local_source}={local} processes on this node", gpus)
     addr = (environ.get("MASTER_ADDR") or "").strip()
     if addr:
         port = (environ.get("MASTER_PORT") or "").strip()
-        if port and not (port.isdigit() and 0 < int(port) < 65536):
-            rows.append(CheckResult(name, "fail", f"MASTER_PORT={port!r} is not a port", "use a port 1-65535"))
-        try:
-            call_bounded(resolve, opts.network_timeout_s, addr, None)
-            facts.append(f"MASTER_ADDR {addr} resolves")
-        except NoAnswer:
-            rows.append(CheckResult(name, "warn", f"MASTER_ADDR {addr}: no DNS answer in {opts.network_timeout_s:g} s",
-                                    "check the cluster's name service"))
-        except OSError as exc:
-            rows.append(CheckResult(name, "fail", f"MASTER_ADDR {addr} does not resolve ({exc})",
-                                    "set MASTER_ADDR to the first node's host name or IP "
-                                    "(Slurm: scontrol show hostnames $SLURM_JOB_NODELIST | head -n1)"))
+        master_rows(rows, facts, name, addr, port, timeout_s=opts.network_timeout_s, resolve=resolve,
+                    addr_label="MASTER_ADDR", port_label="MASTER_PORT=",
+                    addr_hint="set MASTER_ADDR to the first node's host name or IP "
+                              "(Slurm: scontrol show hostnames $SLURM_JOB_NODELIST | head -n1)")
     elif world is not None and world > 1 and torchrun:
         rows.append(CheckResult(name, "fail", f"WORLD_SIZE={world} but MASTER_ADDR is not set",
                                 "launch with torchrun, or export MASTER_ADDR and MASTER_PORT"))
@@ -253,3 +237,50 @@ def check_optional_imports(job: JobView, *, stdlib: frozenset[str] | None = None
                                     f"{mention.what} not installed: {mention.describe(job.script_name)}",
                                     f"only if you turn it on: pip install {mention.what}"))
     return rows
+
+
+def gpu_fit_rows(name: str, procs: int, what: str, gpus: Sequence[GpuInfo] | None) -> list[CheckResult]:
+    """Processes per node against the GPUs this node sees: more processes fail, fewer warn (idle GPUs).
+
+    Args:
+        name: the row's check name.
+        procs: processes started on this node.
+        what: how the row names them (``"4 processes per node"``).
+        gpus: the visible GPUs; None or empty: nothing to compare.
+    """
+    if not gpus:
+        return []
+    if procs > len(gpus):
+        return [CheckResult(name, "fail", f"{what}, {len(gpus)} GPU{'s' if len(gpus) != 1 else ''} visible: ranks "
+                            "would share or miss a GPU", "set --nproc-per-node to the GPU count, or request more GPUs")]
+    if len(gpus) > procs:
+        idle = len(gpus) - procs
+        return [CheckResult(name, "warn", f"{len(gpus)} GPUs visible, {what}: {idle} GPU{'s' if idle != 1 else ''} "
+                            "idle", "set --nproc-per-node to the GPU count")]
+    return []
+
+
+def master_rows(rows: list[CheckResult], facts: list[str], name: str, addr: str, port: str | None, *,
+                timeout_s: float, resolve: Callable[..., object], addr_label: str, port_label: str,
+                addr_hint: str, resolved_label: str | None = None) -> None:
+    """The rendezvous master: its port is a port, its address resolves within ``timeout_s`` (a missing answer is a
+    warning, a failed lookup a failure). Appends to ``rows`` and ``facts``.
+
+    Args:
+        addr_label: how the address is named (``"MASTER_ADDR"``, ``"master"``).
+        port_label: how the port is named, with its separator (``"MASTER_PORT="``, ``"master port "``).
+        addr_hint: the hint when the address does not resolve.
+        resolved_label: how the fact names a resolved address (default ``addr_label``).
+    """
+    if port and not (port.isdigit() and 0 < int(port) < 65536):
+        rows.append(CheckResult(name, "fail", f"{port_label}{port!r} is not a port", "use a port 1-65535"))
+    if not addr:
+        return
+    try:
+        call_bounded(resolve, timeout_s, addr, None)
+        facts.append(f"{resolved_label or addr_label} {addr} resolves")
+    except NoAnswer:
+        rows.append(CheckResult(name, "warn", f"{addr_label} {addr}: no DNS answer in {timeout_s:g} s",
+                                "check the cluster's name service"))
+    except OSError as exc:
+        rows.append(CheckResult(name, "fail", f"{addr_label} {addr} does not resolve ({exc})", addr_hint))

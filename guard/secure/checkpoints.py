@@ -37,10 +37,11 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import re
 import stat as _stat
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -425,3 +426,17 @@ def describe(path: str | os.PathLike[str], *, step: int | None = None, stat: Sta
     if found is None and (m := _FOLDER_RE.fullmatch(where.name)):
         found, source = int(m.group(1)), "name"
     return _info(where, files, found, step_source=source)
+
+
+def rewritten_after(folder: Path, files: Iterable[str], saved_s: float) -> tuple[str, float] | None:
+    """The first of ``files`` (relative to ``folder``) modified after ``saved_s`` (epoch seconds, the newest mtime
+    when the checkpoint was seen complete), with how many seconds later; None when none was. A missing file counts
+    as rewritten (``inf`` seconds): a checkpoint saved in place (``ckpt.pt``) no longer holds the older step."""
+    for rel in files:
+        try:
+            mtime_s = (folder / rel).stat().st_mtime
+        except OSError:
+            return rel, math.inf
+        if mtime_s > saved_s + 1e-3:  # mtime resolution and float rounding
+            return rel, mtime_s - saved_s
+    return None

@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from guard.errors import HubError, PushFailedError, UsageError
+from guard.secure.checkpoints import rewritten_after
 from guard.secure.hubhttp import (
     PROGRESS,
     REQUEST_TIMEOUTS_S,
@@ -278,12 +279,20 @@ class FolderCopy:
     reused_files: int
 
 
+def _read_manifest(secured: Path) -> dict[str, Any]:
+    """The manifest (``guard_manifest.json``) of a secured folder; empty when it has none or it cannot be read."""
+    try:
+        manifest = json.loads((secured / MANIFEST_NAME).read_text())
+    except (OSError, ValueError):
+        return {}
+    return manifest if isinstance(manifest, dict) else {}
+
+
 def _manifest_files(secured: Path) -> dict[str, tuple[int, str]]:
     """``{rel: (size, sha256)}`` from the manifest of a secured ``last-checkpoint`` folder; empty when it has none
     (or it cannot be read)."""
     try:
-        manifest = json.loads((secured / MANIFEST_NAME).read_text())
-        recorded = manifest["files"]
+        recorded = _read_manifest(secured)["files"]
         return {str(rel): (int(entry["size"]), str(entry["sha256"])) for rel, entry in recorded.items()}
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return {}
@@ -437,16 +446,14 @@ class Securer:
         if not files:
             raise PushFailedError(f"cannot secure {what}: {folder} has no files", destination=str(self.destination),
                                   hint="the guard only pushes complete checkpoint folders; check --output-dir")
-        if saved_by_s is not None:
-            for rel in files:
-                mtime_s = (folder / rel).stat().st_mtime
-                if mtime_s > saved_by_s + 1e-3:
-                    raise PushFailedError(
-                        f"cannot secure {what}: {folder / rel} was rewritten after that save (modified "
-                        f"{mtime_s - saved_by_s:.1f}s later), so it no longer holds step {step}",
-                        destination=str(self.destination),
-                        hint="the job overwrites its checkpoint in place; save each checkpoint under a new name "
-                             "(e.g. ckpt-STEP.pt) so an older good one survives a later bad save")
+        rewritten = rewritten_after(folder, files, saved_by_s) if saved_by_s is not None else None
+        if rewritten is not None:
+            rel, later_s = rewritten
+            raise PushFailedError(f"cannot secure {what}: {folder / rel} was rewritten after that save (modified "
+                                  f"{later_s:.1f}s later), so it no longer holds step {step}",
+                                  destination=str(self.destination),
+                                  hint="the job overwrites its checkpoint in place; save each checkpoint under a new "
+                                       "name (e.g. ckpt-STEP.pt) so an older good one survives a later bad save")
         if self.destination.kind == "folder":
             attempt = lambda: self._folder_push_checkpoint(folder, files, step)  # noqa: E731
         else:
@@ -494,9 +501,7 @@ class Securer:
             source = self.destination.path / CHECKPOINT_FOLDER
             if not source.is_dir():
                 return None
-            manifest: dict[str, Any] = {}
-            with contextlib.suppress(OSError, ValueError):
-                manifest = json.loads((source / MANIFEST_NAME).read_text())
+            manifest = _read_manifest(source)
             step = manifest.get("step")
             return SecuredRecord(str(source), step if isinstance(step, int) else _step_from_trainer_state(source))
         from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundError
@@ -835,9 +840,7 @@ class Securer:
         source = self.destination.path / CHECKPOINT_FOLDER
         if not source.is_dir():
             return None
-        manifest: dict[str, Any] = {}
-        with contextlib.suppress(OSError, ValueError):
-            manifest = json.loads((source / MANIFEST_NAME).read_text())
+        manifest = _read_manifest(source)
         recorded = manifest.get("files") or {}
         files = sorted(set(recorded) | {rel for rel in _list_files(source) if rel != MANIFEST_NAME})
         staging = Path(tempfile.mkdtemp(prefix=".guard-fetch-", dir=into))

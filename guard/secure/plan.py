@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from guard.secure.budget import MarginEstimator
-from guard.secure.checkpoints import CheckpointInfo
+from guard.secure.checkpoints import CheckpointInfo, rewritten_after
 
 __all__ = ["SAFETY_S", "STOP_BEFORE_S", "Decide", "ForwardSignal", "KillPush", "Plan", "PushRecord", "RequestSave",
            "StartPush", "State", "StopJob"]
@@ -166,11 +166,8 @@ class _Ended:
 
 def _unchanged(info: CheckpointInfo) -> bool:
     """Every file of ``info`` is still there, none modified after the checkpoint was seen complete."""
-    folder = info.folder
-    try:
-        return all((folder / rel).stat().st_mtime <= info.newest_mtime_s + 1e-3 for rel in info.files)
-    except OSError:
-        return False
+    return rewritten_after(info.folder, info.files, info.newest_mtime_s) is None
+
 
 def _step(info: CheckpointInfo | None) -> int:
     return -1 if info is None or info.step is None else info.step
