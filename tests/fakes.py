@@ -146,6 +146,9 @@ class FakeLink:
     def job_exit_code(self) -> int | None:
         return self.exit_code
 
+    def job_stopped(self) -> bool:
+        return bool(getattr(self, "stopped", False))
+
     def agents_connected(self) -> int:
         return self.agents
 

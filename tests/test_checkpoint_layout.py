@@ -190,7 +190,7 @@ def test_the_supervisor_scan_honours_what_the_job_said(tmp_path, caplog):
         securing._scan(sup)
     assert "checkpoint saved by the job" in caplog.text
     assert "still being written" not in caplog.text and "skipped" not in caplog.text
-    assert securing.plan.newest is not None and securing.plan.newest.step == 20
+    assert securing.plan.report().newest is not None and securing.plan.report().newest.step == 20
 
 
 def test_symlinks_are_never_followed_out_of_a_checkpoint(tmp_path, caplog):

@@ -10,29 +10,48 @@ import pytest
 from fakes import FakeClock, FakePusher, ckpt
 
 from guard.secure.budget import MarginEstimator
-from guard.secure.plan import (
-    SAFETY_S,
+from guard.secure.checkpoints import CheckpointInfo
+from guard.secure.events import (
+    Action,
+    AlreadySecured,
+    CheckpointSeen,
+    DeadlineNear,
     Decide,
+    Failure,
     ForwardSignal,
-    Plan,
+    JobExited,
     RequestSave,
-    State,
+    SignalReceived,
     StopJob,
+    Tainted,
+    Tick,
+    TrainingStarted,
 )
+from guard.secure.plan import SAFETY_S, Plan, State
 
 
 def make(clock: FakeClock, pusher: FakePusher | None, *, deadline_at: float | None = 1000.0, grace_s: float = 30.0,
          interval_s: float = 0.0, background: bool = True, final: str | None = "/out") -> Plan:
     estimator = MarginEstimator(fixed_margin_s=100.0, log_changes=False)
     return Plan(clock=clock, pusher=pusher, estimator=estimator, deadline_at=deadline_at, grace_s=grace_s,
-                background=background, push_interval_s=interval_s, final_output_dir=final)
+                background=background, push_interval_s=interval_s, final_output_dir=final,
+                unchanged=lambda info: True)
+
+
+def seen(plan: Plan, info: CheckpointInfo) -> list[Action]:
+    return plan.on(CheckpointSeen(info))
+
+
+def secured_step(plan: Plan) -> int | None:
+    secured = plan.report().secured
+    return secured.step if secured is not None else None
 
 
 def run_until(plan: Plan, clock: FakeClock, end: float, step_s: float = 0.1) -> list[Any]:
     actions: list[Any] = []
     while clock.now < end and plan.state is not State.DONE:
         clock.advance(step_s)
-        actions += plan.tick()
+        actions += plan.on(Tick())
     return actions
 
 
@@ -44,22 +63,22 @@ def clock() -> FakeClock:
 def test_background_pushes_one_at_a_time_newer_replaces_queued(clock: FakeClock) -> None:
     pusher = FakePusher(clock, rate=lambda now: 1e6)  # 1 MB checkpoint: 2 s per push
     plan = make(clock, pusher)
-    plan.checkpoint(ckpt(10))
-    plan.checkpoint(ckpt(20))
-    plan.checkpoint(ckpt(30))
+    seen(plan, ckpt(10))
+    seen(plan, ckpt(20))
+    seen(plan, ckpt(30))
     assert [h.args["step"] for h in pusher.started] == [10]
-    assert plan.queued is not None and plan.queued.step == 30
+    assert [h.args["step"] for h in pusher.started] == [10]  # 20 was replaced in the queue by 30
     run_until(plan, clock, 10.0)
     assert [h.args["step"] for h in pusher.started] == [10, 30]
-    assert plan.secured is not None and plan.secured.info is not None and plan.secured.info.step == 30
+    assert secured_step(plan) == 30
 
 
 def test_push_interval_limits_background_pushes(clock: FakeClock) -> None:
     pusher = FakePusher(clock)
     plan = make(clock, pusher, interval_s=60.0)
-    plan.checkpoint(ckpt(10))
+    seen(plan, ckpt(10))
     run_until(plan, clock, 5.0)
-    plan.checkpoint(ckpt(20))
+    seen(plan, ckpt(20))
     run_until(plan, clock, 30.0)
     assert len(pusher.started) == 1
     run_until(plan, clock, 61.0)
@@ -69,125 +88,125 @@ def test_push_interval_limits_background_pushes(clock: FakeClock) -> None:
 def test_signal_during_a_background_push_asks_for_a_save_and_ends_within_grace(clock: FakeClock) -> None:
     pusher = FakePusher(clock, rate=lambda now: 0.01e6)  # very slow: 100 s for 1 MB
     plan = make(clock, pusher, grace_s=10.0)
-    plan.checkpoint(ckpt(10))
+    seen(plan, ckpt(10))
     clock.advance(1.0)
-    actions = plan.signal(signal.SIGTERM, can_save=True)
+    actions = plan.on(SignalReceived(signal.SIGTERM, can_save=True))
     assert Decide("INTERRUPTED", "signal", signal.SIGTERM) in actions and RequestSave() in actions
     assert plan.secure_by == pytest.approx(1.0 + 10.0 - SAFETY_S)
     assert pusher.started[0].deadline <= plan.secure_by
     clock.advance(1.0)
-    plan.checkpoint(ckpt(11))  # the fresh save supersedes the running background push
-    assert pusher.killed and pusher.started[-1].args["step"] == 11
+    seen(plan, ckpt(11))  # the fresh save: estimated 15 s, 7.5 s left: it cannot supersede the running push
+    assert not pusher.killed and [h.args["step"] for h in pusher.started] == [10]
     run_until(plan, clock, 30.0)
     assert plan.state is State.DONE and clock.now <= plan.secure_by + 0.11
-    assert plan.secured is None  # too slow for the grace: honestly not secured
+    assert plan.report().secured is None  # too slow for the grace: honestly not secured
 
 
 def test_signal_to_a_job_that_cannot_save_is_forwarded_at_once_and_its_save_is_pushed(clock: FakeClock) -> None:
     pusher = FakePusher(clock)
     plan = make(clock, pusher, grace_s=20.0)
-    actions = plan.signal(signal.SIGTERM, can_save=False)
+    actions = plan.on(SignalReceived(signal.SIGTERM, can_save=False))
     assert ForwardSignal(signal.SIGTERM) in actions and RequestSave() not in actions
     clock.advance(2.0)
-    plan.checkpoint(ckpt(7))  # written by the job's own SIGTERM handler
+    seen(plan, ckpt(7))  # written by the job's own SIGTERM handler
     run_until(plan, clock, 15.0)
-    assert plan.secured is not None and plan.secured.info is not None and plan.secured.info.step == 7
+    assert secured_step(plan) == 7
 
 
 def test_signal_during_the_final_push_shortens_it_to_the_grace(clock: FakeClock) -> None:
     pusher = FakePusher(clock, rate=lambda now: 0.001e6)  # a hung transfer
     plan = make(clock, pusher, deadline_at=None, grace_s=3.0)
-    plan.job_exit(ok=True)
+    plan.on(JobExited(ok=True))
     assert plan.state is State.FINAL_PUSH
     clock.advance(5.0)
-    assert plan.signal(signal.SIGTERM, can_save=True) == []
+    assert plan.on(SignalReceived(signal.SIGTERM, can_save=True)) == []
     assert plan.secure_by == pytest.approx(5.0 + 3.0 - SAFETY_S)
     run_until(plan, clock, 60.0)
     assert plan.state is State.DONE and clock.now <= 5.0 + 3.0
-    assert plan.final is not None and plan.final.result.killed
+    assert plan.report().final is not None and plan.report().final.killed
 
 
 def test_two_signals_the_second_never_extends(clock: FakeClock) -> None:
     pusher = FakePusher(clock)
     plan = make(clock, pusher, grace_s=30.0)
-    plan.signal(signal.SIGTERM, can_save=True)
+    plan.on(SignalReceived(signal.SIGTERM, can_save=True))
     first = plan.secure_by
     clock.advance(10.0)
-    assert plan.signal(signal.SIGINT, can_save=True) == []
+    assert plan.on(SignalReceived(signal.SIGINT, can_save=True)) == []
     assert plan.secure_by == first  # 10 + 28.5 > 28.5: unchanged
-    assert plan.signum == signal.SIGTERM
+    assert plan.report().signum == signal.SIGTERM
     plan2 = make(clock, FakePusher(clock), grace_s=30.0)
-    plan2.deadline_near(can_save=True)  # deadline far away: secure_by = 998.5
-    plan2.signal(signal.SIGTERM, can_save=True)
+    plan2.on(DeadlineNear(can_save=True))  # deadline far away: secure_by = 998.5
+    plan2.on(SignalReceived(signal.SIGTERM, can_save=True))
     assert plan2.secure_by == pytest.approx(clock.now + 30.0 - SAFETY_S)
 
 
 def test_deadline_mid_push_keeps_the_push_of_the_newest_and_bounds_it(clock: FakeClock) -> None:
     pusher = FakePusher(clock, rate=lambda now: 0.1e6)  # 11 s per push
     plan = make(clock, pusher, deadline_at=50.0)
-    plan.checkpoint(ckpt(40))
+    seen(plan, ckpt(40))
     clock.advance(3.0)
-    actions = plan.deadline_near(can_save=True)
+    actions = plan.on(DeadlineNear(can_save=True))
     assert Decide("TIMEOUT", "deadline") in actions
     assert any(isinstance(a, StopJob) and a.at == pytest.approx(50.0 - SAFETY_S - 2.0) for a in actions)
     assert pusher.started[0].deadline <= 50.0 - SAFETY_S
     run_until(plan, clock, 60.0)
-    assert plan.state is State.DONE and plan.secured is not None
-    assert plan.secured.info is not None and plan.secured.info.step == 40  # the job never saved again
+    assert plan.state is State.DONE and plan.report().secured is not None
+    assert secured_step(plan) == 40  # the job never saved again
 
 
 def test_deadline_push_cut_off_is_not_secured(clock: FakeClock) -> None:
     pusher = FakePusher(clock, rate=lambda now: 0.01e6)
     plan = make(clock, pusher, deadline_at=20.0)
-    plan.deadline_near(can_save=True)
-    plan.checkpoint(ckpt(5))
+    plan.on(DeadlineNear(can_save=True))
+    seen(plan, ckpt(5))
     run_until(plan, clock, 30.0)
-    assert plan.state is State.DONE and plan.secured is None and clock.now <= 20.0 - SAFETY_S + 0.11
+    assert plan.state is State.DONE and plan.report().secured is None and clock.now <= 20.0 - SAFETY_S + 0.11
     assert pusher.killed and pusher.killed[0].result is not None and pusher.killed[0].result.error_type == "deadline"
 
 
 def test_failure_while_a_push_runs_keeps_it_when_it_is_the_newest(clock: FakeClock) -> None:
     pusher = FakePusher(clock, rate=lambda now: 0.5e6)
     plan = make(clock, pusher, grace_s=10.0)
-    plan.checkpoint(ckpt(30))
+    seen(plan, ckpt(30))
     clock.advance(0.5)
-    plan.failure("crash")
-    assert plan.state is State.SECURING and len(pusher.started) == 1 and plan.push is not None
-    assert plan.push.kind == "securing"
+    plan.on(Failure("crash"))
+    assert plan.state is State.SECURING and len(pusher.started) == 1 and plan.push_running()
+    assert plan.report().history[-1].kind == "securing" and plan.report().history[-1].running
     run_until(plan, clock, 20.0)
-    assert plan.secured is not None and plan.secured.info is not None and plan.secured.info.step == 30
+    assert secured_step(plan) == 30
 
 
 def test_non_finite_loss_secures_the_checkpoint_before_it_and_names_the_later_one_suspect(clock: FakeClock) -> None:
     pusher = FakePusher(clock, rate=lambda now: 0.2e6)
     plan = make(clock, pusher, grace_s=30.0, interval_s=1000.0)
-    plan.checkpoint(ckpt(10))
+    seen(plan, ckpt(10))
     run_until(plan, clock, 10.0)  # step 10 secured in the background
-    plan.checkpoint(ckpt(20))  # queued (interval)
-    plan.checkpoint(ckpt(30))  # saved after the NaN at step 25
-    plan.failure("non_finite_loss", bad_from_step=25)
-    assert plan.suspect is not None and plan.suspect.step == 30
+    seen(plan, ckpt(20))  # queued (interval)
+    seen(plan, ckpt(30))  # saved after the NaN at step 25
+    (plan.on(Tainted(25)) + plan.on(Failure("non_finite_loss")))
+    assert plan.report().suspect is not None and plan.report().suspect.step == 30
     run_until(plan, clock, 40.0)
     pushed = [h.args["step"] for h in pusher.started]
     assert 30 not in pushed
-    assert plan.secured is not None and plan.secured.info is not None and plan.secured.info.step in (10, 20)
+    assert secured_step(plan) in (10, 20)
 
 
 def test_failed_push_at_the_deadline_is_reported(clock: FakeClock) -> None:
     pusher = FakePusher(clock)
     pusher.fail_next = True
     plan = make(clock, pusher, deadline_at=100.0)
-    plan.deadline_near(can_save=True)
-    plan.checkpoint(ckpt(3))
+    plan.on(DeadlineNear(can_save=True))
+    seen(plan, ckpt(3))
     run_until(plan, clock, 99.0)
-    assert plan.state is State.DONE and plan.secured is None and plan.error is not None
+    assert plan.state is State.DONE and plan.report().secured is None and plan.report().error is not None
 
 
 def test_no_destination_never_pushes(clock: FakeClock) -> None:
     plan = make(clock, None)
-    plan.checkpoint(ckpt(1))
-    assert plan.failure("stalled") == [] and plan.state is State.DONE
-    assert plan.newest is not None and plan.newest.step == 1
+    seen(plan, ckpt(1))
+    assert plan.on(Failure("stalled")) == [] and plan.state is State.DONE
+    assert plan.report().newest is not None and plan.report().newest.step == 1
 
 
 def test_early_signal_with_many_ranks_does_not_crash(clock: FakeClock) -> None:
@@ -209,20 +228,20 @@ def test_early_signal_with_many_ranks_does_not_crash(clock: FakeClock) -> None:
 def test_a_good_end_without_final_model_files_secures_the_newest_checkpoint(clock: FakeClock) -> None:
     pusher = FakePusher(clock, rate=lambda now: 0.2e6)  # 5 s for 1 MB: the background push still runs at the end
     plan = make(clock, pusher)
-    plan.checkpoint(ckpt(6))
+    seen(plan, ckpt(6))
     clock.advance(1.0)
-    plan.job_exit(ok=True, has_final_model=False)
+    plan.on(JobExited(ok=True, has_final_model=False))
     assert not pusher.killed  # the running push of the newest checkpoint is kept, not superseded by a final push
-    assert plan.final is None and plan.trigger == "ended"
+    assert plan.report().final is None and plan.report().trigger == "ended"
     run_until(plan, clock, 60.0)
     assert plan.state is State.DONE
-    assert plan.secured is not None and plan.secured.info is not None and plan.secured.info.step == 6
+    assert secured_step(plan) == 6
 
 
 def test_a_good_end_with_final_model_files_pushes_them(clock: FakeClock) -> None:
     pusher = FakePusher(clock)
     plan = make(clock, pusher)
-    plan.job_exit(ok=True, has_final_model=True)
+    plan.on(JobExited(ok=True, has_final_model=True))
     assert plan.state is State.FINAL_PUSH and pusher.started[-1].op == "push_final"
 
 
@@ -233,10 +252,10 @@ def _deadline_securing(clock: FakeClock, deadline_at: float) -> tuple[Plan, Fake
     pusher = FakePusher(clock, rate=lambda now: 0.05e6)  # 1 MB: 21 s; the estimator says 15 s (20 MB/s + 15 s)
     plan = make(clock, pusher, deadline_at=deadline_at)
     clock.advance(1.0)
-    actions = plan.deadline_near(can_save=False)
+    actions = plan.on(DeadlineNear(can_save=False))
     assert RequestSave() not in actions and plan.state is State.AWAITING_SAVE
     clock.advance(9.0)
-    plan.checkpoint(ckpt(10))  # the job's own save: securing starts
+    seen(plan, ckpt(10))  # the job's own save: securing starts
     assert plan.state is State.SECURING and [h.args["step"] for h in pusher.started] == [10]
     clock.advance(2.0)
     return plan, pusher
@@ -244,32 +263,32 @@ def _deadline_securing(clock: FakeClock, deadline_at: float) -> tuple[Plan, Fake
 
 def test_a_newer_save_while_securing_follows_the_running_push_when_both_fit(clock: FakeClock) -> None:
     plan, pusher = _deadline_securing(clock, deadline_at=200.0)
-    plan.checkpoint(ckpt(20))
+    seen(plan, ckpt(20))
     assert not pusher.killed and len(pusher.started) == 1  # both fit: the running push goes on
     run_until(plan, clock, 200.0)
     assert [h.args["step"] for h in pusher.ended] == [10, 20]
-    assert plan.secured is not None and plan.secured.info is not None and plan.secured.info.step == 20
+    assert secured_step(plan) == 20
 
 
 def test_a_newer_save_while_securing_supersedes_the_running_push_when_only_it_fits(clock: FakeClock) -> None:
     plan, pusher = _deadline_securing(clock, deadline_at=40.0)  # secure_by 38.5: 13 s + 15 s > 26.5 s left
-    plan.checkpoint(ckpt(20))
+    seen(plan, ckpt(20))
     assert [h.args["step"] for h in pusher.killed] == [10] and pusher.started[-1].args["step"] == 20
     assert pusher.started[-1].deadline == plan.secure_by
     run_until(plan, clock, 40.0)
     assert plan.state is State.DONE and clock.now <= plan.secure_by + 0.11
-    assert plan.secured is not None and plan.secured.info is not None and plan.secured.info.step == 20
+    assert secured_step(plan) == 20
 
 
 def test_a_newer_save_too_late_to_push_keeps_the_running_push(clock: FakeClock) -> None:
     plan, pusher = _deadline_securing(clock, deadline_at=40.0)
     big = ckpt(20, size_bytes=500_000_000)  # 25 s at 20 MB/s, x1.5 + 15 s: more than the 26.5 s left
     pusher.sizes[str(big.path)] = big.size_bytes
-    plan.checkpoint(big)
+    seen(plan, big)
     assert not pusher.killed and len(pusher.started) == 1
     run_until(plan, clock, 40.0)
     assert plan.state is State.DONE
-    assert plan.secured is not None and plan.secured.info is not None and plan.secured.info.step == 10
+    assert secured_step(plan) == 10
 
 
 def test_a_save_in_place_with_no_step_is_pushed_again_when_newer(clock: FakeClock) -> None:
@@ -280,15 +299,15 @@ def test_a_save_in_place_with_no_step_is_pushed_again_when_newer(clock: FakeCloc
     pusher = FakePusher(clock)
     plan = make(clock, pusher, deadline_at=300.0)
     first = CheckpointInfo(Path("/out/ckpt.pt"), None, 1_000_000, ("ckpt.pt",), 5.0, root=Path("/out"))
-    plan.checkpoint(first)
+    seen(plan, first)
     run_until(plan, clock, 5.0)
-    assert plan.secured is not None and plan.secured.info == first
-    plan.deadline_near(can_save=False)
+    assert plan.report().secured is not None and plan.report().secured.info == first
+    plan.on(DeadlineNear(can_save=False))
     clock.advance(1.0)
     again = CheckpointInfo(Path("/out/ckpt.pt"), None, 1_000_000, ("ckpt.pt",), 20.0, root=Path("/out"))
-    plan.checkpoint(again)  # torch.save over ckpt.pt during the final stretch
+    seen(plan, again)  # torch.save over ckpt.pt during the final stretch
     run_until(plan, clock, 300.0)
-    assert plan.secured is not None and plan.secured.info == again and len(pusher.started) == 2
+    assert plan.report().secured is not None and plan.report().secured.info == again and len(pusher.started) == 2
 
 
 def test_a_push_that_slows_down_raises_the_margin_before_it_ends(clock: FakeClock) -> None:
@@ -296,14 +315,14 @@ def test_a_push_that_slows_down_raises_the_margin_before_it_ends(clock: FakeCloc
     estimator = MarginEstimator(log_changes=False, floor_s=0.0)
     plan = Plan(clock=clock, pusher=pusher, estimator=estimator, deadline_at=10_000.0, push_interval_s=0.0)
     pusher.sizes["/out/checkpoint-1"] = pusher.sizes["/out/checkpoint-2"] = 100_000_000
-    plan.checkpoint(ckpt(1, size_bytes=100_000_000))
+    seen(plan, ckpt(1, size_bytes=100_000_000))
     run_until(plan, clock, 11.0)  # 10 s at 10 MB/s: measured
     assert estimator.push_bytes_per_s == pytest.approx(10e6, rel=0.02)
     margin_before = estimator.margin_s()
     pusher.rate = lambda now: 10e6 / 3  # the uplink slows down 3x: the next push takes 30 s
-    plan.checkpoint(ckpt(2, size_bytes=100_000_000))
+    seen(plan, ckpt(2, size_bytes=100_000_000))
     run_until(plan, clock, 11.0 + 20.0)
-    assert plan.push is not None and plan.push.result is None  # still running ...
+    assert plan.report().history[-1].running  # still running ...
     assert estimator.push_bytes_per_s < 10e6 / 1.8  # ... and already counted as slow
     assert estimator.margin_s() > margin_before
 
@@ -313,37 +332,37 @@ def test_deadline_a_job_that_cannot_save_has_every_later_save_secured_until_it_i
     # at secure_by - STOP_BEFORE_S; a save made after the first secured one must not be lost.
     pusher = FakePusher(clock, rate=lambda now: 2e6)  # 0.5 s per push
     plan = make(clock, pusher, deadline_at=60.0, interval_s=600.0)
-    plan.checkpoint(ckpt(20))  # secured in the background
+    seen(plan, ckpt(20))  # secured in the background
     run_until(plan, clock, 5.0)
     clock.now = 35.0
-    actions = plan.deadline_near(can_save=False)
+    actions = plan.on(DeadlineNear(can_save=False))
     assert RequestSave() not in actions and any(isinstance(a, StopJob) for a in actions)
     clock.advance(2.0)
-    plan.checkpoint(ckpt(80))
+    seen(plan, ckpt(80))
     run_until(plan, clock, 40.0)
-    assert plan.secured is not None and plan.secured.info is not None and plan.secured.info.step == 80
+    assert secured_step(plan) == 80
     assert plan.state is State.AWAITING_SAVE  # the job still runs: its next save is awaited, not dropped
     clock.now = 45.0
-    plan.checkpoint(ckpt(100))
+    seen(plan, ckpt(100))
     clock.now = 50.0
-    plan.checkpoint(ckpt(120))  # saved while the push of 100 runs: pushed after it
+    seen(plan, ckpt(120))  # saved while the push of 100 runs: pushed after it
     run_until(plan, clock, 55.0)
     assert [h.args["step"] for h in pusher.started] == [20, 80, 100, 120]
-    assert plan.secured.info.step == 120
+    assert secured_step(plan) == 120
     clock.now = 56.5
-    plan.job_exit(ok=False)  # stopped by the guard
+    plan.on(JobExited(ok=False))  # stopped by the guard
     assert plan.state is State.DONE
 
 
 def test_deadline_a_job_that_cannot_save_and_saves_nothing_more_ends_by_secure_by(clock: FakeClock) -> None:
     pusher = FakePusher(clock)
     plan = make(clock, pusher, deadline_at=30.0)
-    plan.checkpoint(ckpt(5))
+    seen(plan, ckpt(5))
     run_until(plan, clock, 5.0)
-    plan.deadline_near(can_save=False)
+    plan.on(DeadlineNear(can_save=False))
     run_until(plan, clock, 40.0)
     assert plan.state is State.DONE and clock.now <= 30.0 - SAFETY_S + 0.11
-    assert plan.secured is not None and plan.secured.info is not None and plan.secured.info.step == 5
+    assert secured_step(plan) == 5
     assert [h.args["step"] for h in pusher.started] == [5]
 
 
@@ -351,17 +370,17 @@ def test_a_resumed_checkpoint_fetched_from_the_destination_stands_as_secured(clo
     # resumed from the destination's step 13, the deadline comes before the job's first save: exit 75 material
     pusher = FakePusher(clock)
     plan = make(clock, pusher, deadline_at=30.0)
-    plan.already_secured(ckpt(13), destination="/dest", revision="/dest/last-checkpoint")
-    assert plan.secured is not None and plan.secured.result.pushed == "/dest@/dest/last-checkpoint"
-    plan.deadline_near(can_save=False)
+    plan.on(AlreadySecured(ckpt(13), "/dest", "/dest/last-checkpoint"))
+    assert plan.report().secured is not None and plan.report().secured.pushed == "/dest@/dest/last-checkpoint"
+    plan.on(DeadlineNear(can_save=False))
     run_until(plan, clock, 40.0)
     assert pusher.started == []  # never pushed again
-    assert plan.secured.info is not None and plan.secured.info.step == 13
+    assert secured_step(plan) == 13
     plan2 = make(clock, FakePusher(clock), deadline_at=1000.0)
-    plan2.already_secured(ckpt(13), destination="/dest", revision="/dest/last-checkpoint")
-    plan2.checkpoint(ckpt(20))  # a newer save replaces it as it is secured
+    plan2.on(AlreadySecured(ckpt(13), "/dest", "/dest/last-checkpoint"))
+    seen(plan2, ckpt(20))  # a newer save replaces it as it is secured
     run_until(plan2, clock, clock.now + 10.0)
-    assert plan2.secured is not None and plan2.secured.info is not None and plan2.secured.info.step == 20
+    assert secured_step(plan2) == 20
 
 
 def test_before_the_first_step_the_deadline_request_waits_until_late(clock: FakeClock) -> None:
@@ -373,7 +392,7 @@ def test_before_the_first_step_the_deadline_request_waits_until_late(clock: Fake
     plan = make(clock, pusher, deadline_at=1000.0)  # margin fixed at 100 s by make()
     clock.now = 1000.0 - 100.0
     assert not plan.deadline_due(clock.now) and plan.due_at(clock.now) == pytest.approx(1000.0 - LATE_REQUEST_S)
-    plan.training_started = True
+    plan.on(TrainingStarted())
     assert plan.deadline_due(clock.now)
     plan2 = make(clock, pusher, deadline_at=1000.0)
     clock.now = 1000.0 - LATE_REQUEST_S
@@ -383,7 +402,7 @@ def test_before_the_first_step_the_deadline_request_waits_until_late(clock: Fake
 def test_a_job_that_saves_on_sigterm_gets_it_at_deadline_minus_margin(clock: FakeClock) -> None:
     plan = make(clock, FakePusher(clock))
     clock.now = 900.0
-    actions = plan.deadline_near(can_save=False, handles_term=True)
+    actions = plan.on(DeadlineNear(can_save=False, handles_term=True))
     assert ForwardSignal(signal.SIGTERM) in actions
     plan2 = make(clock, FakePusher(clock))
-    assert not any(isinstance(a, ForwardSignal) for a in plan2.deadline_near(can_save=False))
+    assert not any(isinstance(a, ForwardSignal) for a in plan2.on(DeadlineNear(can_save=False)))

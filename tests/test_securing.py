@@ -68,7 +68,7 @@ def test_a_reported_save_is_pushed_in_the_background(tmp_path: Path) -> None:
 def test_without_background_pushes_a_save_is_only_remembered(tmp_path: Path) -> None:
     rig = Rig(tmp_path, background=False)
     rig.saved(5)
-    assert rig.pusher.started == [] and rig.securing.plan.newest is not None
+    assert rig.pusher.started == [] and rig.securing.plan.report().newest is not None
 
 
 def test_a_collective_save_waits_for_every_ranks_part(tmp_path: Path) -> None:
@@ -154,7 +154,7 @@ def test_a_non_finite_loss_never_pushes_a_checkpoint_saved_after_it(tmp_path: Pa
     rig.securing.on_decided(rig.link, Outcome("FAIL", "non_finite_loss", 4))
     rig.run_for(5.0)
     assert [h.args["step"] for h in rig.pusher.started] == [10]
-    assert rig.securing.plan.suspect is not None and rig.securing.plan.suspect.step == 30
+    assert rig.securing.plan.report().suspect is not None and rig.securing.plan.report().suspect.step == 30
     result = RunResult("FAIL", "non_finite_loss", 4, 5.0)
     rig.securing.finish(result, step=25)
     assert result.extra["secured"] == "yes" and result.details["suspect_checkpoint"] == str(rig.out / "checkpoint-30")
@@ -163,7 +163,7 @@ def test_a_non_finite_loss_never_pushes_a_checkpoint_saved_after_it(tmp_path: Pa
 def test_a_guard_on_another_node_never_pushes(tmp_path: Path) -> None:
     rig = Rig(tmp_path, node=1)
     rig.saved(5)
-    assert rig.pusher.started == [] and rig.securing.plan.pusher is None
+    assert rig.pusher.started == [] and not rig.securing.plan.has_pusher
 
 
 def test_a_trainer_names_the_output_folder_and_the_destination(tmp_path: Path) -> None:
@@ -176,10 +176,10 @@ def test_a_trainer_names_the_output_folder_and_the_destination(tmp_path: Path) -
 
     securing = Securing(deadline=Deadline(0.0, None, None, "none"), estimator=MarginEstimator(log_changes=False),
                         securer_factory=factory, clock=clock, pusher_factory=lambda dest, token: FakePusher(clock))
-    assert securing.plan.pusher is None
+    assert not securing.plan.has_pusher
     securing.on_trainer_config({"output_dir": str(tmp_path / "run"), "push_to_hub": True, "hub_model_id": "bob/m"})
     assert securing.output_dir == str(tmp_path / "run") and made == ["bob/m"]
-    assert securing.plan.pusher is not None
+    assert securing.plan.has_pusher
 
 
 def test_files_saved_with_torch_save_form_one_checkpoint_once_settled(tmp_path: Path) -> None:

@@ -373,8 +373,8 @@ def run_job(config: Config, masker: Masker, started: float) -> RunResult:
     if fetched is not None:
         securing.latest_reported = describe(fetched.path, step=fetched.step)
         if fetched.source == "destination" and securer is not None:  # the destination holds it, verified
-            securing.plan.already_secured(securing.latest_reported, destination=str(securer.destination),
-                                          revision=fetched.revision)
+            securing.already_secured(securing.latest_reported, destination=str(securer.destination),
+                                     revision=fetched.revision)
     gpus = report.gpus if report is not None else None
 
     def trainer_check(trainer_config: Mapping[str, Any]) -> list[CheckResult]:

@@ -508,6 +508,9 @@ class Supervisor:
                 self.heartbeat.on_step(now, self.state.progress.step, self.state.progress.loss)
         if self.watchdog.nan_decide_at is not None:
             self._recheck = True
+        if self.securer is not None and self.state.outcome is not None and not (finite and math.isfinite(value)):
+            # decided before the loss was read (a deadline, a signal): the saves from this step on are suspect
+            self.securer.on_taint(self, step if step is not None else (self.state.progress.step or 0) + n)
         self._carry_out(seen.decisions, now)
 
     def _live_ranks(self) -> frozenset[int]:
@@ -624,6 +627,10 @@ class Supervisor:
     def job_exit_code(self) -> int | None:
         """The job's exit code once it exited (negative: the signal), else None."""
         return self.job.returncode if self.job is not None else None
+
+    def job_stopped(self) -> bool:
+        """The guard stopped the job (``stop`` to the agents, SIGTERM)."""
+        return self.escalation.started
 
     def agents_connected(self) -> int:
         """How many agents are connected now."""

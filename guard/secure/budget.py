@@ -405,6 +405,14 @@ class MarginEstimator:
                 self._running_bound = bound
                 self._maybe_log()
 
+    def discard_push_progress(self) -> None:
+        """A push ended with an error (not killed for time): its running time was no transfer rate (retries
+        against an unreachable Hub, a refused token), so the bound ``observe_push_progress`` took from it is
+        dropped. Only finished pushes and slow transfers still running set the rate."""
+        if self._running_bound is not None:
+            self._running_bound = None
+            self._maybe_log()
+
     def observe_step(self, duration_s: float) -> None:
         """Record a training step's duration in seconds (the job answers a checkpoint request at a step end)."""
         if _ok(duration_s):

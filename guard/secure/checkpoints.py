@@ -51,12 +51,15 @@ __all__ = [
     "GUARD_MARKER_NAME",
     "INCOMPLETE_SENTINEL_NAME",
     "MODEL_FILE_SUFFIXES",
+    "SUSPECT_MARKER_NAME",
     "TRAINER_STATE_NAME",
     "CheckpointInfo",
     "SavedFiles",
     "describe",
+    "is_marked_suspect",
     "list_files",
     "loose_files",
+    "mark_suspect",
     "newest_complete",
     "why_incomplete",
 ]
@@ -67,6 +70,9 @@ log = logging.getLogger("guard.checkpoints")
 TRAINER_STATE_NAME = "trainer_state.json"
 #: Written by ``guard.checkpoint_saved(path)`` into a custom loop's checkpoint folder.
 GUARD_MARKER_NAME = "guard_checkpoint.json"
+#: Written into a checkpoint folder saved at or after the first non-finite loss (``mark_suspect``).
+SUSPECT_MARKER_NAME = "guard_suspect.json"
+SUSPECT_SUFFIX = ".guard-suspect.json"  # beside a loose checkpoint file: ``FILE.guard-suspect.json``
 #: Present while transformers' JIT checkpointing is saving (``trainer_jit_checkpoint.py``).
 INCOMPLETE_SENTINEL_NAME = "checkpoint-is-incomplete.txt"
 
@@ -440,3 +446,32 @@ def rewritten_after(folder: Path, files: Iterable[str], saved_s: float) -> tuple
         if mtime_s > saved_s + 1e-3:  # mtime resolution and float rounding
             return rel, mtime_s - saved_s
     return None
+
+
+def _suspect_marker(path: Path) -> Path:
+    return path / SUSPECT_MARKER_NAME if path.is_dir() else path.with_name(path.name + SUSPECT_SUFFIX)
+
+
+def mark_suspect(path: str | os.PathLike[str], *, step: int | None, first_non_finite_step: int) -> Path | None:
+    """Mark the checkpoint at ``path`` as saved at or after the first non-finite loss: ``PATH/guard_suspect.json``
+    for a folder, ``PATH.guard-suspect.json`` beside a single file, holding ``{"step": S,
+    "first_non_finite_step": N}``. Resume and pushes skip marked checkpoints (``is_marked_suspect``).
+
+    Returns:
+        The marker's path, or None when it could not be written (the checkpoint is gone, a read-only folder:
+        logged, never raised).
+    """
+    where = Path(path)
+    marker = _suspect_marker(where)
+    try:
+        marker.write_text(json.dumps({"step": step, "first_non_finite_step": first_non_finite_step}) + "\n",
+                          encoding="utf-8")
+    except OSError as exc:
+        log.warning("cannot mark %s as suspect: %s", where, exc)
+        return None
+    return marker
+
+
+def is_marked_suspect(path: str | os.PathLike[str]) -> bool:
+    """Whether ``mark_suspect`` marked the checkpoint at ``path`` (a folder or a single file)."""
+    return _suspect_marker(Path(path)).is_file()

@@ -1,12 +1,13 @@
-"""The securing plan: one state machine, one deadline (``secure_by``), pushes in a killable worker.
+"""The securing plan: a closed state machine with one entry (``Plan.on``), one bound (``secure_by``), pushes in a
+killable worker.
 
 The plan decides *what* to secure and *when*; it knows nothing about processes, sockets or the VERDICT's text.
-Events come in as method calls (``checkpoint``, ``deadline_near``, ``signal``, ``job_exit``, ``failure``, ``tick``
-for push results and timers); each returns the actions the supervisor's loop carries out, as plain data
-(``RequestSave``, ``StopJob``, ``ForwardSignal``, ``Decide``; ``StartPush``/``KillPush`` are carried out by the
-plan itself through its ``pusher`` and returned for the record). Its collaborators are typed and injectable: a
-monotonic ``clock``, a ``pusher`` (``guard.secure.worker.Pusher``: ``start(op, args, deadline) -> handle`` with
-``poll()`` and ``kill()``) and the margin ``estimator`` (``budget.MarginEstimator``).
+Every event (``guard.secure.events``: frozen data) enters through ``Plan.on(event) -> list[Action]``; the table
+``TRANSITIONS`` maps ``(state, event type)`` to its handler, and an event a state does not accept is logged and
+counted in the report, never silently dropped. Its state is private: nothing outside this module assigns it;
+``Plan.report()`` returns a frozen snapshot (``PlanReport``) from which the VERDICT's checkpoint fields are filled
+(``guard.secure.outcome``). Collaborators are typed and injectable: a monotonic ``clock``, a ``pusher``
+(``events.Pusher``) and the margin ``estimator`` (``budget.MarginEstimator``).
 
 States::
 
@@ -14,13 +15,21 @@ States::
     WATCHING -- signal (job cannot save) --> AWAITING_SAVE (the signal is forwarded; what the job writes is pushed)
     SECURING -- push done, job cannot save and still runs --> AWAITING_SAVE (its next save is pushed too)
     WATCHING -- failure --> SECURING (the newest complete checkpoint saved before the failure)
-    WATCHING -- job ended well --> FINAL_PUSH --> DONE
+    any but DONE -- job ended with training complete --> FINAL_PUSH --> DONE (PASS, even after the deadline's
+        request: the job finished first)
     AWAITING_SAVE / SECURING -- push done or secure_by passed --> DONE
 
-``secure_by`` is the one time by which securing is over: the deadline less ``SAFETY_S``, or ``--grace`` after a
-signal (every signal, in every state, shortens it to at most that), or ``--grace`` after a failure. The running
-push's deadline follows it. In ``WATCHING``, complete checkpoints are pushed as they appear (background securing):
-one at a time, a newer one replacing a queued one, at most one push start per ``push_interval_s``.
+**One bound.** ``secure_by = min(deadline - SAFETY_S, window_end - SAFETY_S)`` (:func:`bound_s`), where
+``window_end`` is the earliest end a cause set: ``now + grace`` for a signal (every signal, in every state) and a
+failure, ``now + allowance`` for a final push, none for the deadline itself. The job's stop (``StopJob``), the
+wait for its save and every push's deadline derive from it.
+
+**A taint in every state.** ``Tainted(N)``: every save at or after step N is suspect (``MarkSuspect``), never pushed,
+never secured; a running push of one is killed, a secured one is replaced by the newest good one secured before.
+
+**One supersede rule** (:meth:`Plan._supersede`): a running push is killed for a newer checkpoint only when the
+newer one is estimated to finish before ``secure_by``; when both fit one after the other, the running one finishes
+first.
 """
 
 from __future__ import annotations
@@ -30,14 +39,40 @@ import logging
 import math
 import signal
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Any
 
 from guard.secure.budget import MarginEstimator
 from guard.secure.checkpoints import CheckpointInfo, rewritten_after
+from guard.secure.events import (
+    Action,
+    AlreadySecured,
+    CheckpointSeen,
+    DeadlineMoved,
+    DeadlineNear,
+    Decide,
+    DestinationKnown,
+    Event,
+    Failure,
+    ForwardSignal,
+    JobExited,
+    KillPush,
+    MarkSuspect,
+    OutputDirKnown,
+    Pusher,
+    PushHandle,
+    RequestSave,
+    RunOver,
+    SignalReceived,
+    StartPush,
+    StopJob,
+    Tainted,
+    Tick,
+    TrainingStarted,
+)
 
-__all__ = ["SAFETY_S", "STOP_BEFORE_S", "Decide", "ForwardSignal", "KillPush", "Plan", "PushRecord", "RequestSave",
-           "StartPush", "State", "StopJob"]
+__all__ = ["LATE_REQUEST_S", "SAFETY_S", "STOP_BEFORE_S", "TRANSITIONS", "Action", "Plan", "PlanReport",
+           "PriorPush", "PushView", "State", "bound_s"]
 
 log = logging.getLogger("guard.secure")
 
@@ -54,83 +89,17 @@ class State(enum.Enum):
     DONE = "done"
 
 
-# -- actions (plain data) ---------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class RequestSave:
-    """Ask every agent for a checkpoint and then a stop; ``at_step`` for collective saves (several ranks)."""
-
-    stop: bool = True
-
-
-@dataclass(frozen=True)
-class StopJob:
-    """SIGTERM the job at ``at`` (clock seconds) if it still runs, SIGKILL ``grace_s`` later."""
-
-    at: float
-    grace_s: float = 1.0
-
-
-@dataclass(frozen=True)
-class ForwardSignal:
-    """Send ``signum`` to the job now (it cannot answer a checkpoint request: its own handler saves)."""
-
-    signum: int
-
-
-@dataclass(frozen=True)
-class Decide:
-    """The run's outcome: ``status``/``reason`` (``TIMEOUT``/``deadline``, ``INTERRUPTED``/``signal``)."""
-
-    status: str
-    reason: str
-    signum: int | None = None
-
-
-@dataclass(frozen=True)
-class StartPush:
-    kind: str  # "background", "securing", "final"
-    path: str
-    step: int | None
-    deadline: float
-
-
-@dataclass(frozen=True)
-class KillPush:
-    why: str
-
-
-Action = RequestSave | StopJob | ForwardSignal | Decide | StartPush | KillPush
-
-
-class PushHandle(Protocol):
-    deadline: float
-
-    def poll(self) -> Any: ...
-
-    def kill(self, why: str = ...) -> Any: ...
-
-
-class Pusher(Protocol):
-    def start(self, op: str, args: dict[str, Any], deadline: float) -> PushHandle: ...
-
-
-@dataclass
-class PushRecord:
-    """A push: what, when, and how it ended (``result``: ``worker.WorkResult``-like, None while it runs)."""
-
-    kind: str
-    info: CheckpointInfo | None
-    handle: PushHandle
-    started: float
-    result: Any = None
+def bound_s(deadline_at: float | None, window_end: float) -> float:
+    """``secure_by``: ``min(deadline - SAFETY_S, window_end - SAFETY_S)`` in clock seconds (``inf`` without
+    either). ``window_end`` is ``now + --grace`` after a signal or a failure, ``now + allowance`` for a final push,
+    ``inf`` otherwise."""
+    return min(math.inf if deadline_at is None else deadline_at - SAFETY_S, window_end - SAFETY_S)
 
 
 @dataclass(frozen=True)
 class PriorPush:
     """A checkpoint the destination already holds, verified when it was fetched: the one a resumed run started
-    from. Shaped like a push result (``ok``, ``pushed``, ``files`` ...) so that it stands as ``Plan.secured``."""
+    from. Shaped like a push result (``ok``, ``pushed``, ``files`` ...) so that it stands as the secured one."""
 
     destination: str
     revision: str
@@ -163,8 +132,93 @@ class _Ended:
         return self.result
 
 
+class _Push:
+    """A push while the plan holds it (private: the report shows a ``PushView``)."""
 
-def _unchanged(info: CheckpointInfo) -> bool:
+    def __init__(self, kind: str, info: CheckpointInfo | None, handle: PushHandle, started: float,
+                 result: Any = None) -> None:
+        self.kind, self.info, self.handle, self.started, self.result = kind, info, handle, started, result
+
+    def view(self) -> PushView:
+        result = self.result
+        return PushView(
+            kind=self.kind, path=str(self.info.path) if self.info is not None else None,
+            step=self.info.step if self.info is not None else None, info=self.info,
+            running=result is None, ok=bool(result is not None and result.ok),
+            killed=bool(result is not None and getattr(result, "killed", False)),
+            pushed=getattr(result, "pushed", None) if result is not None and result.ok else None,
+            destination=getattr(result, "destination", None) if result is not None else None,
+            files=len(getattr(result, "files", ()) or ()) if result is not None else 0,
+            size_bytes=int(getattr(result, "size_bytes", 0) or 0) if result is not None else 0,
+            elapsed_s=float(getattr(result, "elapsed_s", 0.0) or 0.0) if result is not None else 0.0,
+            attempts=int(getattr(result, "attempts", 0) or 0) if result is not None else 0,
+            error=getattr(result, "error", None) if result is not None else None,
+            hint=getattr(result, "hint", None) if result is not None else None)
+
+
+@dataclass(frozen=True)
+class PushView:
+    """One push as the report shows it: what (``kind``, ``path``, ``step``) and how it ended (``running`` while it
+    runs; ``ok``, ``killed``, ``pushed`` = ``DEST@REVISION``, ``destination``, ``files`` count, ``size_bytes``,
+    ``elapsed_s``, ``attempts``, ``error``, ``hint``)."""
+
+    kind: str
+    path: str | None
+    step: int | None
+    info: CheckpointInfo | None
+    running: bool
+    ok: bool
+    killed: bool
+    pushed: str | None
+    destination: str | None
+    files: int
+    size_bytes: int
+    elapsed_s: float
+    attempts: int
+    error: str | None
+    hint: str | None
+
+
+@dataclass(frozen=True)
+class PlanReport:
+    """A frozen snapshot of the plan (``Plan.report``): all the VERDICT needs.
+
+    Attributes:
+        state: the plan's state. trigger: ``deadline``, ``signal``, ``failure``, ``ended`` (ended well, no final
+            model files: the newest checkpoint secured), or None. failure_reason: the failure's reason, or None.
+        signum: the first signal received, or None. secure_by / deadline_at: clock seconds (``inf``/None).
+        secured: the newest verified checkpoint push (never a suspect, incomplete or killed one), or None.
+        newest: the newest complete checkpoint that may be secured (never a suspect), or None.
+        suspect: the newest checkpoint saved at or after the first non-finite step, or None; suspects: all of them.
+        non_finite_from_step: the first non-finite step heard of, or None.
+        final: the final model's push, or None. error: the last failed securing/final push, or None.
+        history: every push, oldest first. has_pusher: a destination is known and this guard pushes.
+        training_complete: the job ended having trained to its end (PASS, even after the deadline's request).
+        superseded_trigger: the trigger a complete training replaced (``deadline``), or None.
+        ignored: ``"State/Event"`` for every event a state did not accept, in order.
+    """
+
+    state: State
+    trigger: str | None
+    failure_reason: str | None
+    signum: int | None
+    secure_by: float
+    deadline_at: float | None
+    secured: PushView | None
+    newest: CheckpointInfo | None
+    suspect: CheckpointInfo | None
+    suspects: tuple[CheckpointInfo, ...]
+    non_finite_from_step: int | None
+    final: PushView | None
+    error: PushView | None
+    history: tuple[PushView, ...]
+    has_pusher: bool
+    training_complete: bool
+    superseded_trigger: str | None
+    ignored: tuple[str, ...]
+
+
+def _unchanged_on_disk(info: CheckpointInfo) -> bool:
     """Every file of ``info`` is still there, none modified after the checkpoint was seen complete."""
     return rewritten_after(info.folder, info.files, info.newest_mtime_s) is None
 
@@ -173,7 +227,14 @@ def _step(info: CheckpointInfo | None) -> int:
     return -1 if info is None or info.step is None else info.step
 
 
-@dataclass
+def _same(a: CheckpointInfo, b: CheckpointInfo) -> bool:
+    """``a`` is ``b`` or an older look at it (same path and step, not rewritten since)."""
+    return a.path == b.path and _step(a) == _step(b) and a.newest_mtime_s <= b.newest_mtime_s
+
+
+Handler = Callable[["Plan", Any, float], list[Action]]
+
+
 class Plan:
     """The securing policy (see the module docstring). All times are ``clock`` seconds.
 
@@ -186,254 +247,378 @@ class Plan:
         background: push complete checkpoints as they appear (``--background-push``).
         push_interval_s: the least time between two background push starts (``--push-interval``).
         final_output_dir: the job's output folder for the final model push, or None.
+        unchanged: whether a checkpoint's files are still on disk as they were saved (default: their mtimes);
+            injected by tests whose checkpoints are not on disk.
     """
 
-    clock: Callable[[], float]
-    pusher: Pusher | None
-    estimator: MarginEstimator
-    deadline_at: float | None = None
-    grace_s: float = 30.0
-    background: bool = True
-    push_interval_s: float = 600.0
-    final_output_dir: str | None = None
-    state: State = State.WATCHING
-    secure_by: float = math.inf
-    trigger: str | None = None  # "deadline", "signal", "failure", "ended" (ended well, no final model files)
-    failure_reason: str | None = None
-    signum: int | None = None
-    push: PushRecord | None = None
-    queued: CheckpointInfo | None = None
-    secured: PushRecord | None = None  # the newest verified checkpoint push
-    final: PushRecord | None = None
-    error: Any = None  # the last failed securing/final push result
-    newest: CheckpointInfo | None = None  # the newest complete checkpoint that may be secured
-    suspect: CheckpointInfo | None = None  # saved at or after the first non-finite step: never pushed
-    bad_from_step: int | None = None
-    wait_save_until: float | None = None
-    awaiting_after_step: int = -1  # a fresh save is newer than this
-    follow_saves: bool = False  # the job cannot be asked to save: every save it makes until it ends is secured
-    job_ended: bool = False
-    training_started: bool = False  # a training step was seen: before it there is nothing new to ask for
-    last_start: float = -math.inf
-    history: list[PushRecord] = field(default_factory=list)
-    seen: list[CheckpointInfo] = field(default_factory=list)  # every complete checkpoint seen, oldest first
+    def __init__(self, *, clock: Callable[[], float], pusher: Pusher | None, estimator: MarginEstimator,
+                 deadline_at: float | None = None, grace_s: float = 30.0, background: bool = True,
+                 push_interval_s: float = 600.0, final_output_dir: str | None = None,
+                 unchanged: Callable[[CheckpointInfo], bool] = _unchanged_on_disk) -> None:
+        self._clock = clock
+        self._pusher = pusher
+        self._estimator = estimator
+        self._deadline_at = deadline_at
+        self._grace_s = grace_s
+        self._background = background
+        self._push_interval_s = push_interval_s
+        self._final_output_dir = final_output_dir
+        self._unchanged = unchanged
+        self._state = State.WATCHING
+        self._window_end = math.inf
+        self._trigger: str | None = None
+        self._superseded_trigger: str | None = None
+        self._failure_reason: str | None = None
+        self._signum: int | None = None
+        self._push: _Push | None = None
+        self._queued: CheckpointInfo | None = None
+        self._secured: _Push | None = None
+        self._final: _Push | None = None
+        self._final_pending = False  # the final push waits for the running push (the supersede rule)
+        self._error: _Push | None = None
+        self._newest: CheckpointInfo | None = None
+        self._suspects: list[CheckpointInfo] = []
+        self._bad_from_step: int | None = None
+        self._wait_save_until: float | None = None
+        self._awaiting_after_step = -1
+        self._follow_saves = False
+        self._job_ended = False
+        self._complete = False
+        self._training_started = False
+        self._last_start = -math.inf
+        self._history: list[_Push] = []
+        self._seen: list[CheckpointInfo] = []
+        self._ignored: list[str] = []
+
+    # -- the one entry ----------------------------------------------------------------------------------------
+
+    def on(self, event: Event) -> list[Action]:
+        """Feed one event; returns the actions to carry out (``StartPush``/``KillPush`` are done already)."""
+        handler = TRANSITIONS.get((self._state, type(event)))
+        if handler is None:
+            name = f"{self._state.value}/{type(event).__name__}"
+            self._ignored.append(name)
+            log.debug("securing plan: %s not accepted while %s: ignored", type(event).__name__, self._state.value)
+            return []
+        return handler(self, event, self._clock())
 
     # -- queries ----------------------------------------------------------------------------------------------
 
     @property
+    def state(self) -> State:
+        return self._state
+
+    @property
+    def secure_by(self) -> float:
+        """When securing is over (:func:`bound_s`), clock seconds."""
+        return bound_s(self._deadline_at, self._window_end)
+
+    @property
     def busy(self) -> bool:
         """Securing has started and is not over (the supervisor keeps its loop running)."""
-        return self.state in (State.AWAITING_SAVE, State.SECURING, State.FINAL_PUSH)
+        return self._state in (State.AWAITING_SAVE, State.SECURING, State.FINAL_PUSH)
+
+    @property
+    def has_pusher(self) -> bool:
+        return self._pusher is not None
+
+    def push_running(self) -> bool:
+        """A push that ends the run (securing a failure, a deadline, a signal) is under way."""
+        return self._state is State.SECURING and self._push is not None
 
     def due_at(self, now: float) -> float:
-        """The next time ``tick`` has work."""
+        """The next time a ``Tick`` has work."""
         due = [self.secure_by]
-        if self.push is not None:
+        if self._push is not None:
             due.append(now + 0.2)
-        if self.wait_save_until is not None:
-            due.append(self.wait_save_until)
-        if self.state is State.WATCHING:
-            if self.deadline_at is not None:
+        if self._wait_save_until is not None:
+            due.append(self._wait_save_until)
+        if self._state is State.WATCHING:
+            if self._deadline_at is not None:
                 due.append(self._deadline_request_at())
-            if self.queued is not None and self.push is None:
-                due.append(self.last_start + self.push_interval_s)
+            if self._queued is not None and self._push is None:
+                due.append(self._last_start + self._push_interval_s)
         return min(due)
+
+    def deadline_due(self, now: float) -> bool:
+        """The deadline's request is due (send ``DeadlineNear``)."""
+        return self._state is State.WATCHING and self._deadline_at is not None and now >= self._deadline_request_at()
 
     def _deadline_request_at(self) -> float:
         """When to ask for the last checkpoint: ``margin`` before the deadline once training has started. Before the
         first step there is nothing new to save, and the margin still rests on guessed sizes, so asking then would
-        only stop a job that is still loading (a short budget with a slow start): wait until the last moment that
-        still leaves time to stop the job and secure what is already on disk (``LATE_REQUEST_S``)."""
-        assert self.deadline_at is not None
-        margin_s = self.estimator.margin_s() if self.training_started else min(self.estimator.margin_s(),
-                                                                                LATE_REQUEST_S)
-        return self.deadline_at - margin_s
+        only stop a job that is still loading: wait until ``LATE_REQUEST_S`` before it."""
+        assert self._deadline_at is not None
+        margin_s = self._estimator.margin_s()
+        return self._deadline_at - (margin_s if self._training_started else min(margin_s, LATE_REQUEST_S))
 
-    def deadline_due(self, now: float) -> bool:
-        return self.state is State.WATCHING and self.deadline_at is not None and now >= self._deadline_request_at()
+    def report(self) -> PlanReport:
+        """A frozen snapshot of what the plan knows (see :class:`PlanReport`)."""
+        secured = self._secured
+        if secured is not None and self._is_suspect(secured.info):
+            secured = None  # never: a taint replaces it at once (kept as a last guard)
+        return PlanReport(
+            state=self._state, trigger=self._trigger, failure_reason=self._failure_reason, signum=self._signum,
+            secure_by=self.secure_by, deadline_at=self._deadline_at,
+            secured=secured.view() if secured is not None else None, newest=self._newest,
+            suspect=self._suspects[-1] if self._suspects else None, suspects=tuple(self._suspects),
+            non_finite_from_step=self._bad_from_step, final=self._final.view() if self._final is not None else None,
+            error=self._error.view() if self._error is not None else None,
+            history=tuple(p.view() for p in self._history), has_pusher=self._pusher is not None,
+            training_complete=self._complete, superseded_trigger=self._superseded_trigger,
+            ignored=tuple(self._ignored))
 
-    # -- events -----------------------------------------------------------------------------------------------
+    # -- handlers (see TRANSITIONS) -----------------------------------------------------------------------------
 
-    def already_secured(self, info: CheckpointInfo, *, destination: str, revision: str) -> None:
-        """The destination already holds ``info``: the checkpoint a resumed run was fetched from (and verified).
-        It stands as the secured one until a newer one is, so a deadline or signal before the job's first save
-        still ends with exit 75 naming it, not "nothing secured"."""
-        result = PriorPush(destination, revision, tuple(info.files), info.size_bytes, info.step)
-        self.secured = PushRecord("resumed", info, _Ended(result), self.clock(), result)
-        if _step(info) >= _step(self.newest):
-            self.newest = info
+    def _on_already_secured(self, event: AlreadySecured, now: float) -> list[Action]:
+        """The destination already holds ``info``: it stands as the secured one until a newer one is, so a
+        deadline or signal before the job's first save still ends with exit 75 naming it."""
+        info = event.info
+        result = PriorPush(event.destination, event.revision, tuple(info.files), info.size_bytes, info.step)
+        self._secured = _Push("resumed", info, _Ended(result), now, result)
+        if _step(info) >= _step(self._newest):
+            self._newest = info
+        return []
 
+    def _on_training_started(self, event: TrainingStarted, now: float) -> list[Action]:
+        self._training_started = True
+        return []
 
-    def checkpoint(self, info: CheckpointInfo) -> list[Action]:
-        """A complete checkpoint appeared (the job's save event, or found complete in its output folder)."""
-        now = self.clock()
-        if self.bad_from_step is not None and info.step is not None and info.step >= self.bad_from_step:
-            self.suspect = info
-            log.warning("checkpoint %s was saved after the first non-finite loss (step %d): suspect, not pushed",
-                        info.path, self.bad_from_step)
+    def _on_destination(self, event: DestinationKnown, now: float) -> list[Action]:
+        self._pusher = event.pusher
+        return []
+
+    def _on_output_dir(self, event: OutputDirKnown, now: float) -> list[Action]:
+        self._final_output_dir = self._final_output_dir or event.path
+        return []
+
+    def _on_deadline_moved(self, event: DeadlineMoved, now: float) -> list[Action]:
+        before = self.secure_by
+        self._deadline_at = event.deadline_at
+        return self._shortened(before, now)
+
+    def _on_checkpoint(self, event: CheckpointSeen, now: float) -> list[Action]:
+        info = event.info
+        if self._is_suspect(info):
+            return self._mark(info, why="saved after")
+        newest = self._newest
+        if newest is not None and (_step(info) < _step(newest) or _same(info, newest)):
             return []
-        if _step(info) < _step(self.newest) or (self.newest is not None and info.path == self.newest.path
-                                                   and info.newest_mtime_s <= self.newest.newest_mtime_s):
+        self._newest = info
+        self._seen.append(info)
+        if self._pusher is None or self._state in (State.DONE, State.FINAL_PUSH):
             return []
-        previous, self.newest = self.newest, info
-        self.seen.append(info)
-        if self.pusher is None or self.state in (State.DONE, State.FINAL_PUSH):
-            return []
-        if self.state is State.WATCHING:
-            if not self.background:
+        if self._state is State.WATCHING:
+            if not self._background:
                 return []
-            if self.push is not None or now < self.last_start + self.push_interval_s:
-                self.queued = info  # a newer one replaces a queued one
+            if self._push is not None or now < self._last_start + self._push_interval_s:
+                self._queued = info  # a newer one replaces a queued one
                 return []
-            return self._start("background", info, self._background_deadline(now))
-        rewritten = previous is not None and info.path == previous.path and _step(info) == _step(previous)
-        if self.state is State.AWAITING_SAVE and (_step(info) > self.awaiting_after_step or rewritten):
+            return self._start("background", info, self._background_deadline(now), now)
+        rewritten = newest is not None and info.path == newest.path and _step(info) == _step(newest)
+        if self._state is State.AWAITING_SAVE and (_step(info) > self._awaiting_after_step or rewritten):
             # a fresh save: a later step, or the same file saved over in place (nanoGPT's ckpt.pt, step unknown)
-            self.wait_save_until = None
-            self.state = State.SECURING
-            return self._secure_newest()
-        if self.state is State.SECURING:
-            return self._newer_while_securing(info, now)
+            self._wait_save_until = None
+            self._state = State.SECURING
+        if self._state is State.SECURING:
+            return self._secure_newest(now)
         return []
 
-    def deadline_near(self, *, can_save: bool, handles_term: bool = False) -> list[Action]:
+    def _on_deadline_near(self, event: DeadlineNear, now: float) -> list[Action]:
         """The deadline is within the margin: ask for a fresh checkpoint (or secure the newest) before it. A job
-        that cannot be asked but saves on SIGTERM itself (``handles_term``) gets SIGTERM now, so that its own save
-        has the margin, not the last seconds."""
-        if self.state is not State.WATCHING or self.deadline_at is None:
+        that cannot be asked but saves on SIGTERM itself (``handles_term``) gets SIGTERM now."""
+        if self._deadline_at is None:
+            self._ignored.append("watching/DeadlineNear (no deadline)")
             return []
-        now = self.clock()
-        self.trigger = "deadline"
-        self.secure_by = self.deadline_at - SAFETY_S
-        log.warning("deadline in %.0fs: securing a checkpoint (margin %.0fs)", self.deadline_at - now,
-                    self.estimator.margin_s())
+        self._trigger = "deadline"
+        log.warning("deadline in %.0fs: securing a checkpoint (margin %.0fs)", self._deadline_at - now,
+                    self._estimator.margin_s())
         actions: list[Action] = [Decide("TIMEOUT", "deadline"), StopJob(self.secure_by - STOP_BEFORE_S)]
-        return actions + self._await_save(now, can_save, signum=None, term_now=handles_term)
+        return actions + self._await_save(now, event.can_save, signum=None, term_now=event.handles_term)
 
-    def signal(self, signum: int, *, can_save: bool) -> list[Action]:
-        """A termination signal: securing ends within ``--grace`` from now, whatever runs."""
-        now = self.clock()
-        by = now + self.grace_s - SAFETY_S
-        if self.state is State.DONE:
+    def _on_signal(self, event: SignalReceived, now: float) -> list[Action]:
+        """A termination signal: securing ends within ``--grace`` from now (and before the deadline), whatever
+        runs."""
+        signum = event.signum
+        if self._signum is None:
+            self._signum = signum
+        before = self.secure_by
+        self._window_end = min(self._window_end, now + self._grace_s)
+        if self._state is State.WATCHING:
+            self._trigger = "signal"
+            log.warning("signal %d received: securing a checkpoint within %.0fs", signum,
+                        max(0.0, self.secure_by - now))
+            actions: list[Action] = [Decide("INTERRUPTED", "signal", signum),
+                                     StopJob(self.secure_by - STOP_BEFORE_S)]
+            return actions + self._await_save(now, event.can_save, signum=signum)
+        log.warning("signal %d received while %s: ending within %.0fs", signum, self._state.value.replace("_", " "),
+                    max(0.0, self.secure_by - now))
+        if self._state is State.FINAL_PUSH and self._trigger is None:
+            self._trigger = "signal"
+        return self._shortened(before, now)
+
+    def _on_failure(self, event: Failure, now: float) -> list[Action]:
+        """The run failed: secure the newest complete checkpoint saved before it, within ``--grace`` (and before
+        the deadline)."""
+        self._trigger = "failure"
+        self._failure_reason = event.reason
+        self._window_end = min(self._window_end, now + self._grace_s)
+        self._state = State.SECURING
+        return self._secure_newest(now)
+
+    def _on_taint(self, event: Tainted, now: float) -> list[Action]:
+        """The loss went non-finite at ``from_step``: in every state, every save at or after it is suspect."""
+        first = event.from_step if self._bad_from_step is None else min(self._bad_from_step, event.from_step)
+        if first == self._bad_from_step:
             return []
-        if self.signum is None:
-            self.signum = signum
-        if self.state is State.WATCHING:
-            self.trigger = "signal"
-            self.secure_by = by
-            log.warning("signal %d received: securing a checkpoint within --grace %.0fs", signum, self.grace_s)
-            actions: list[Action] = [Decide("INTERRUPTED", "signal", signum), StopJob(self.secure_by - STOP_BEFORE_S)]
-            return actions + self._await_save(now, can_save, signum=signum)
-        log.warning("signal %d received while %s: ending within --grace (%.0fs)", signum,
-                    self.state.value.replace("_", " "), max(0.0, min(self.secure_by, by) - now))
-        self._shorten(by)
-        if self.state is State.FINAL_PUSH and self.trigger is None:
-            self.trigger = "signal"
-        return []
-
-    def failure(self, reason: str, *, bad_from_step: int | None = None) -> list[Action]:
-        """The run failed (non-finite loss, stall, crash, OOM, killed, incomplete): secure the newest complete
-        checkpoint saved before it, within ``--grace`` or the deadline, whichever is first."""
-        if self.state in (State.DONE, State.FINAL_PUSH) or self.trigger is not None:
-            return []
-        now = self.clock()
-        self.trigger = "failure"
-        self.failure_reason = reason
-        self.secure_by = now + self.grace_s - SAFETY_S
-        if self.deadline_at is not None:
-            self.secure_by = min(self.secure_by, self.deadline_at - SAFETY_S)
-        if bad_from_step is not None:
-            self.bad_from_step = bad_from_step
-            if self.newest is not None and self.newest.step is not None and self.newest.step >= bad_from_step:
-                self.suspect, self.newest = self.newest, self._older_than(bad_from_step)
-                log.warning("checkpoint %s was saved after the first non-finite loss (step %d): suspect, not pushed",
-                            self.suspect.path, bad_from_step)
-        self.state = State.SECURING
-        return self._secure_newest()
-
-    def job_exit(self, *, ok: bool, has_final_model: bool = True) -> list[Action]:
-        """The job's main process ended (``ok``: exit 0 and no outcome decided by the guard; ``has_final_model``:
-        its output folder holds final model files). A job that ended well without final model files has its newest
-        checkpoint secured instead (if not already)."""
-        self.job_ended = True
-        if self.state is State.AWAITING_SAVE:
-            self.wait_save_until = None
-            self.state = State.SECURING
-            return self._secure_newest()
-        if self.state is State.WATCHING and ok and self.pusher is not None and self.final_output_dir \
-                and not has_final_model:
-            log.warning("the job ended well but wrote no final model files to %s: securing its newest checkpoint "
-                        "instead", self.final_output_dir)
-            self.trigger = "ended"
-            self.state = State.SECURING
-            self.secure_by = self._final_bound(self.clock())
-            return self._secure_newest()
-        if self.state is State.WATCHING and ok and self.pusher is not None and self.final_output_dir:
-            actions = self._kill("the final model supersedes it") if self.push is not None else []
-            now = self.clock()
-            self.secure_by = self._final_bound(now)
-            self.state = State.FINAL_PUSH
-            log.info("the job ended: securing the final model from %s", self.final_output_dir)
-            handle = self.pusher.start("push_final", {"output_dir": str(self.final_output_dir)}, self.secure_by)
-            self.push = self.final = PushRecord("final", None, handle, now)
-            self.history.append(self.push)
-            return [*actions, StartPush("final", str(self.final_output_dir), None, self.secure_by)]
-        if self.state is State.WATCHING and self.push is None:
-            self.state = State.DONE
-        return []
-
-    def _final_bound(self, now: float) -> float:
-        """When securing after a good end is over: 3x the estimate plus two minutes, never past the deadline."""
-        bound = now + max(self.estimator.secure_estimate_s() * 3 + 120, 5.0)
-        return min(bound, self.deadline_at - SAFETY_S) if self.deadline_at is not None else bound
-
-    def tick(self) -> list[Action]:
-        """Timers and the running push: call from the loop at ``due_at`` (and whenever convenient)."""
-        now = self.clock()
+        self._bad_from_step = first
+        log.warning("the loss went non-finite at step %d: checkpoints saved from then on are suspect", first)
         actions: list[Action] = []
-        if self.push is not None:
-            self.push.handle.deadline = min(self.push.handle.deadline, self.secure_by)
-            result = self.push.handle.poll()
-            if result is not None:
-                actions += self._push_ended(result, now)
-            elif self.push.info is not None:  # a push running longer than the rate allows lowers it now
-                self.estimator.observe_push_progress(self.push.info.size_bytes, now - self.push.started)
-        if self.wait_save_until is not None and now >= self.wait_save_until and self.state is State.AWAITING_SAVE:
-            log.warning("the job did not save a checkpoint in time: securing the newest complete one")
-            self.wait_save_until = None
-            self.state = State.SECURING
-            actions += self._secure_newest()
-        if (self.state is State.WATCHING and self.queued is not None and self.push is None
-                and now >= self.last_start + self.push_interval_s):
-            info, self.queued = self.queued, None
-            actions += self._start("background", info, self._background_deadline(now))
-        if self.busy and now >= self.secure_by:
-            if self.push is not None:
-                actions += self._kill("deadline")
-            if self.state is not State.DONE:
-                log.warning("securing ran out of time")
-                self.state = State.DONE
+        for info in self._seen:
+            if self._is_suspect(info):
+                actions += self._mark(info, why="saved after")
+        if self._queued is not None and self._is_suspect(self._queued):
+            self._queued = None
+        if self._newest is not None and self._is_suspect(self._newest):
+            self._newest = self._older_than(first)
+        if self._secured is not None and self._is_suspect(self._secured.info):
+            self._secured = self._good_secured(first)
+        running = self._push
+        if running is not None and running.info is not None and self._is_suspect(running.info):
+            actions += self._kill("suspect")
+            if self._state is State.SECURING:
+                actions += self._secure_newest(now)
+        if self._state is State.AWAITING_SAVE:
+            # the save it waits for would be saved after the non-finite loss: secure the newest good one now
+            log.warning("the checkpoint the guard asked for would be saved after the non-finite loss: securing the "
+                        "newest one saved before it instead")
+            self._wait_save_until = None
+            self._follow_saves = False
+            self._state = State.SECURING
+            actions += self._secure_newest(now)
         return actions
 
-    def stop(self) -> list[Action]:
-        """The run is over (the guard is about to write its VERDICT): kill a push still running."""
-        return self._kill("killed") if self.push is not None else []
+    def _on_job_exit(self, event: JobExited, now: float) -> list[Action]:
+        """The job's main process ended. Training complete (and no non-finite loss): ``PASS`` with its final
+        push, whatever securing had begun; else what it saved is secured."""
+        self._job_ended = True
+        finished = event.ok and (event.complete or self._state is State.WATCHING) and self._bad_from_step is None
+        if finished and self._trigger in (None, "deadline") and self._state is not State.FINAL_PUSH:
+            return self._finished(event, now)
+        if self._state is State.AWAITING_SAVE:
+            self._wait_save_until = None
+            self._state = State.SECURING
+            return self._secure_newest(now)
+        if self._state is State.WATCHING and self._push is None:
+            self._state = State.DONE
+        return []
+
+    def _finished(self, event: JobExited, now: float) -> list[Action]:
+        self._complete = True
+        if self._trigger == "deadline":
+            log.warning("the job finished its training before the deadline: a PASS, not a timeout")
+            self._superseded_trigger, self._trigger = "deadline", None
+        self._wait_save_until = None
+        self._follow_saves = False
+        if self._pusher is None or not self._final_output_dir:
+            if self._push is None:
+                self._state = State.DONE
+            else:
+                self._state = State.SECURING  # the running push may still end well; nothing more to do
+            return []
+        if not event.has_final_model:
+            log.warning("the job ended well but wrote no final model files to %s: securing its newest checkpoint "
+                        "instead", self._final_output_dir)
+            self._trigger = "ended"
+            self._window_end = min(self._window_end, now + self._final_allowance_s())
+            self._state = State.SECURING
+            return self._secure_newest(now)
+        self._window_end = min(self._window_end, now + self._final_allowance_s())
+        self._state = State.FINAL_PUSH
+        running = self._push
+        if running is not None and running.info is not None:
+            decision = self._supersede(running, None, now)
+            if decision == "replace":
+                return [*self._kill("superseded"), *self._start_final(now)]
+            self._final_pending = True
+            return []
+        return self._start_final(now)
+
+    def _on_tick(self, event: Tick, now: float) -> list[Action]:
+        actions: list[Action] = []
+        if self._push is not None:
+            record = self._push
+            record.handle.deadline = min(record.handle.deadline, self.secure_by)
+            result = record.handle.poll()
+            if result is not None:
+                actions += self._push_ended(result, now)
+            elif record.info is not None:  # a push running longer than the rate allows lowers it now
+                self._estimator.observe_push_progress(record.info.size_bytes, now - record.started)
+        if self._wait_save_until is not None and now >= self._wait_save_until and self._state is State.AWAITING_SAVE:
+            log.warning("the job did not save a checkpoint in time: securing the newest complete one")
+            self._wait_save_until = None
+            self._state = State.SECURING
+            actions += self._secure_newest(now)
+        if (self._state is State.WATCHING and self._queued is not None and self._push is None
+                and now >= self._last_start + self._push_interval_s):
+            info, self._queued = self._queued, None
+            actions += self._start("background", info, self._background_deadline(now), now)
+        if self.busy and now >= self.secure_by:
+            if self._push is not None:
+                actions += self._kill("deadline")
+            log.warning("securing ran out of time")
+            self._state = State.DONE
+        return actions
+
+    def _on_run_over(self, event: RunOver, now: float) -> list[Action]:
+        return self._kill("killed") if self._push is not None else []
 
     # -- internals --------------------------------------------------------------------------------------------
 
+    def _is_suspect(self, info: CheckpointInfo | None) -> bool:
+        return (info is not None and self._bad_from_step is not None and info.step is not None
+                and info.step >= self._bad_from_step)
+
+    def _mark(self, info: CheckpointInfo, *, why: str) -> list[Action]:
+        assert self._bad_from_step is not None
+        if any(s.path == info.path and s.step == info.step for s in self._suspects):
+            return []
+        self._suspects.append(info)
+        log.warning("checkpoint %s (step %s) was %s the first non-finite loss (step %d): suspect, not pushed",
+                    info.path, info.step, why, self._bad_from_step)
+        return [MarkSuspect(str(info.path), info.step, self._bad_from_step)]
+
+    def _estimate_s(self, info: CheckpointInfo) -> float:
+        return self._estimator.secure_estimate_s(info.size_bytes)
+
+    def _final_allowance_s(self) -> float:
+        """How long a push after a good end may take: 3x the estimate plus two minutes."""
+        return max(self._estimator.secure_estimate_s() * 3 + 120, 5.0)
+
+    def _shortened(self, before: float, now: float) -> list[Action]:
+        """``secure_by`` may have moved earlier: the running push, the wait for a save and the job's stop follow."""
+        by = self.secure_by
+        if self._wait_save_until is not None:
+            self._wait_save_until = min(self._wait_save_until, by)
+        if self._push is not None:
+            self._push.handle.deadline = min(self._push.handle.deadline, by)
+        if by < before and self.busy and not self._job_ended:
+            return [StopJob(by - STOP_BEFORE_S)]
+        return []
+
     def _await_save(self, now: float, can_save: bool, signum: int | None, term_now: bool = False) -> list[Action]:
-        self.state = State.AWAITING_SAVE
-        self.awaiting_after_step = _step(self.newest)
-        if self.push is not None:
-            self.push.handle.deadline = min(self.push.handle.deadline, self.secure_by)
+        self._state = State.AWAITING_SAVE
+        self._awaiting_after_step = _step(self._newest)
+        if self._push is not None:
+            self._push.handle.deadline = min(self._push.handle.deadline, self.secure_by)
         left_s = self.secure_by - now
-        fallback = self.newest if self._unsecured(self.newest) else None
-        reserve_s = self.estimator.secure_estimate_s(fallback.size_bytes) if fallback is not None else 0.0
-        self.wait_save_until = now + max(0.5 * left_s, left_s - reserve_s, 0.0)
+        fallback = self._newest if self._unsecured(self._newest) else None
+        reserve_s = self._estimate_s(fallback) if fallback is not None else 0.0
+        self._wait_save_until = now + max(0.5 * left_s, left_s - reserve_s, 0.0)
         if can_save:
-            log.info("waiting up to %.0fs for the job's checkpoint", self.wait_save_until - now)
+            log.info("waiting up to %.0fs for the job's checkpoint", self._wait_save_until - now)
             return [RequestSave()]
-        self.follow_saves = True
+        self._follow_saves = True
         if signum is None and term_now:
             log.info("the job cannot be asked for a checkpoint but saves on SIGTERM itself: SIGTERM now, %.0fs "
                      "before the deadline; what it writes is secured", self.secure_by + SAFETY_S - now)
@@ -442,151 +627,190 @@ class Plan:
                  "secured", "the signal goes to it now" if signum is not None else "it is stopped before the deadline")
         return [ForwardSignal(signum)] if signum is not None else []
 
-    def _follow(self) -> bool:
+    def _follow(self, now: float) -> bool:
         """A job that cannot be asked to save runs on until it is stopped (or ends): wait for its next save
-        (pushed as it appears) instead of ending securing; ``secure_by`` still ends it."""
-        if not self.follow_saves or self.job_ended or self.pusher is None or self.clock() >= self.secure_by:
+        instead of ending securing; ``secure_by`` still ends it."""
+        if not self._follow_saves or self._job_ended or self._pusher is None or now >= self.secure_by:
             return False
-        self.state = State.AWAITING_SAVE
-        self.awaiting_after_step = _step(self.newest)
-        self.wait_save_until = None
+        self._state = State.AWAITING_SAVE
+        self._awaiting_after_step = _step(self._newest)
+        self._wait_save_until = None
         return True
-
-    def _shorten(self, by: float) -> None:
-        self.secure_by = min(self.secure_by, by)
-        if self.wait_save_until is not None:
-            self.wait_save_until = min(self.wait_save_until, self.secure_by)
-        if self.push is not None:
-            self.push.handle.deadline = min(self.push.handle.deadline, self.secure_by)
 
     def _unsecured(self, info: CheckpointInfo | None) -> bool:
         if info is None:
             return False
-        done = self.secured.info if self.secured is not None else None
+        done = self._secured.info if self._secured is not None else None
         return done is None or _step(info) > _step(done) or (
             _step(info) == _step(done) and (info.path != done.path or info.newest_mtime_s > done.newest_mtime_s))
 
     def _older_than(self, step: int) -> CheckpointInfo | None:
-        """The newest checkpoint saved before ``step`` that is still on disk as it was saved (a loop that saves
-        ``ckpt.pt`` again in place leaves no older one), else the newest one pushed before it."""
-        for info in reversed(self.seen):
-            if _step(info) < step and _unchanged(info):
+        """The newest checkpoint saved before ``step`` still on disk as it was saved (a loop that saves ``ckpt.pt``
+        again in place leaves no older one), else the newest one pushed before it."""
+        for info in reversed(self._seen):
+            if _step(info) < step and self._unchanged(info):
                 return info
-        done = self.secured.info if self.secured is not None else None
-        for record in reversed(self.history):
-            if record.info is not None and _step(record.info) < step and (record.result is None or record.result.ok):
-                return record.info
-        return done if done is not None and _step(done) < step else None
+        good = self._good_secured(step)
+        return good.info if good is not None else None
 
-    def _secure_newest(self) -> list[Action]:
-        """In SECURING: push the newest unsecured checkpoint (keep a push of it already running); else done."""
-        target = self.newest
-        if self.push is not None and self.push.info is not None and target is not None \
-                and self.push.info.path == target.path and _step(self.push.info) == _step(target) \
-                and target.newest_mtime_s <= self.push.info.newest_mtime_s:
-            self.push.kind = "securing"
+    def _good_secured(self, step: int) -> _Push | None:
+        """The newest verified push of a checkpoint saved before ``step`` (the resumed one included), or None."""
+        candidates = [p for p in self._history if p.info is not None and p.kind != "final" and p.result is not None
+                      and p.result.ok and _step(p.info) < step]
+        prior = self._secured if self._secured is not None and self._secured.kind == "resumed" else None
+        if prior is not None and _step(prior.info) < step:
+            candidates.append(prior)
+        return max(candidates, key=lambda p: _step(p.info), default=None)
+
+    def _supersede(self, running: _Push, newer: CheckpointInfo | None, now: float) -> str:
+        """The one supersede rule, for a newer checkpoint (or the final model, ``newer`` None): ``follow`` (both
+        fit one after the other: the running push finishes, then the newer one), ``replace`` (only the newer one
+        is estimated to finish before ``secure_by``: kill the running push), ``keep`` (the newer one does not fit:
+        the running push goes on)."""
+        assert running.info is not None
+        left_s = self.secure_by - now
+        need_s = self._estimate_s(newer) if newer is not None else self._estimator.secure_estimate_s()
+        running_left_s = max(0.0, self._estimate_s(running.info) - (now - running.started))
+        if running_left_s + need_s <= left_s:
+            decision = "follow"
+        elif need_s <= left_s:
+            decision = "replace"
+        else:
+            decision = "keep"
+        log.info("%s while %s is pushed: %s (about %.0fs + %.0fs of %.0fs left)",
+                 f"checkpoint {newer.path} (step {newer.step})" if newer is not None else "the final model",
+                 running.info.path, {"follow": "it follows", "replace": "pushing it instead",
+                                     "keep": "too late for it, the running push goes on"}[decision],
+                 running_left_s, need_s, left_s)
+        return decision
+
+    def _secure_newest(self, now: float) -> list[Action]:
+        """In SECURING: push the newest unsecured checkpoint (the supersede rule decides about a running push);
+        else done."""
+        target = self._newest
+        running = self._push
+        if running is not None and running.info is not None and target is not None and _same(target, running.info):
+            running.kind = "securing"
             return []
-        actions: list[Action] = []
-        if self.push is not None:
-            actions += self._kill("a newer checkpoint supersedes it")
-        if self.pusher is None or not self._unsecured(target):
-            if self._follow():
-                return actions
+        if self._pusher is None or target is None or not self._unsecured(target):
+            if running is not None:
+                running.kind = "securing" if running.kind == "background" else running.kind
+                return []  # its end decides (a newer good result, or nothing lost)
+            if self._follow(now):
+                return []
             if target is None:
                 log.error("no complete checkpoint to secure")
-            self.state = State.DONE
-            return actions
-        assert target is not None
-        return actions + self._start("securing", target, self.secure_by)
-
-    def _newer_while_securing(self, info: CheckpointInfo, now: float) -> list[Action]:
-        """A newer complete checkpoint appeared while SECURING (a job that saves on its own schedule, e.g. one that
-        cannot answer a checkpoint request). By the estimates: when the running push can end and the newer one
-        still be pushed after it before ``secure_by``, both happen in turn (``_push_ended``); else, when the newer
-        one alone can be pushed in time, it supersedes the running push; else the running push is kept."""
-        running = self.push
-        if running is None:
-            return self._secure_newest()
-        if running.info is None or not self._unsecured(info) or _step(info) < _step(running.info) or (
-                info.path == running.info.path and _step(info) == _step(running.info)
-                and info.newest_mtime_s <= running.info.newest_mtime_s):
+            self._state = State.DONE
             return []
-        left_s = self.secure_by - now
-        need_s = self.estimator.secure_estimate_s(info.size_bytes)
-        running_left_s = max(0.0, self.estimator.secure_estimate_s(running.info.size_bytes) - (now - running.started))
-        if running_left_s + need_s <= left_s:
-            log.info("checkpoint %s (step %s) saved while %s is pushed: it follows (about %.0fs + %.0fs of %.0fs "
-                     "left)", info.path, info.step, running.info.path, running_left_s, need_s, left_s)
-            return []
-        if need_s <= left_s:
-            log.warning("checkpoint %s (step %s) saved while %s is pushed: pushing it instead (about %.0fs needed, "
-                        "%.0fs left; not enough for both)", info.path, info.step, running.info.path, need_s, left_s)
-            return self._secure_newest()
-        log.info("checkpoint %s (step %s) saved while %s is pushed: too late to push it (about %.0fs needed, %.0fs "
-                 "left): the running push goes on", info.path, info.step, running.info.path, need_s, left_s)
-        return []
+        actions: list[Action] = []
+        if running is not None and running.info is not None:
+            decision = self._supersede(running, target, now)
+            if decision != "replace":
+                running.kind = "securing"
+                return []
+            actions += self._kill("superseded")
+        return actions + self._start("securing", target, self.secure_by, now)
 
     def _background_deadline(self, now: float) -> float:
-        """A background push may take 3x its estimate plus a minute, and never past securing's end."""
-        bound = now + 3 * self.estimator.secure_estimate_s() + 60.0
-        if self.deadline_at is not None:
-            bound = min(bound, self.deadline_at - SAFETY_S)
-        return min(bound, self.secure_by)
+        """A background push may take 3x its estimate plus a minute, and never past ``secure_by``."""
+        return min(now + 3 * self._estimator.secure_estimate_s() + 60.0, self.secure_by)
 
-    def _start(self, kind: str, info: CheckpointInfo, deadline: float) -> list[Action]:
-        assert self.pusher is not None
-        now = self.clock()
-        self.last_start = now if kind == "background" else self.last_start
+    def _start(self, kind: str, info: CheckpointInfo, deadline: float, now: float) -> list[Action]:
+        assert self._pusher is not None
+        if kind == "background":
+            self._last_start = now
+        estimate_s = self._estimate_s(info)
         log.info("securing %s (step %s, %.1f MB)%s, %.0fs allowed", info.path, info.step, info.size_bytes / 1e6,
                  " in the background" if kind == "background" else "", deadline - now)
-        handle = self.pusher.start("push_checkpoint", {"local_dir": str(info.folder), "step": info.step or 0,
-                                                       "files": list(info.files),
-                                                       # after a NaN, a file rewritten since its save holds
-                                                       # the bad weights: refuse it (see Securer.push_checkpoint)
-                                                       "saved_by_s": info.newest_mtime_s
-                                                       if self.bad_from_step is not None else None}, deadline)
-        self.push = PushRecord(kind, info, handle, now)
-        self.history.append(self.push)
-        return [StartPush(kind, str(info.path), info.step, deadline)]
+        handle = self._pusher.start("push_checkpoint", {
+            "local_dir": str(info.folder), "step": info.step or 0, "files": list(info.files),
+            # after a NaN, a file rewritten since its save holds the bad weights: refuse it (Securer.push_checkpoint)
+            "saved_by_s": info.newest_mtime_s if self._bad_from_step is not None else None}, deadline)
+        self._push = _Push(kind, info, handle, now)
+        self._history.append(self._push)
+        return [StartPush(kind, str(info.path), info.step, deadline, estimate_s)]
+
+    def _start_final(self, now: float) -> list[Action]:
+        assert self._pusher is not None and self._final_output_dir
+        self._final_pending = False
+        log.info("the job ended: securing the final model from %s", self._final_output_dir)
+        handle = self._pusher.start("push_final", {"output_dir": str(self._final_output_dir)}, self.secure_by)
+        self._push = self._final = _Push("final", None, handle, now)
+        self._history.append(self._push)
+        return [StartPush("final", str(self._final_output_dir), None, self.secure_by,
+                          self._estimator.secure_estimate_s())]
 
     def _kill(self, why: str) -> list[Action]:
-        record, self.push = self.push, None
+        record, self._push = self._push, None
         if record is None:
             return []
         record.result = record.handle.kill("deadline" if why == "deadline" else "killed")
         log.warning("push of %s stopped: %s", record.info.path if record.info else "the final model", why)
         if record.kind in ("securing", "final"):
-            self.error = record.result
-        return [KillPush(why)]
+            self._error = record
+        return [KillPush(why, str(record.info.path) if record.info else None,
+                         record.info.step if record.info else None)]
 
     def _push_ended(self, result: Any, now: float) -> list[Action]:
-        record, self.push = self.push, None
+        record, self._push = self._push, None
         assert record is not None
         record.result = result
         if result.ok:
             if result.elapsed_s > 0 and result.size_bytes > 0:
-                self.estimator.observe_push(result.size_bytes, result.elapsed_s)
+                self._estimator.observe_push(result.size_bytes, result.elapsed_s)
             if record.kind == "final":
                 log.info("final model secured and verified: %s", result.pushed)
+            elif self._is_suspect(record.info):
+                log.warning("the push of %s ended, but it was saved after the first non-finite loss: not secured",
+                            record.info.path if record.info else "?")
             else:
-                if self.secured is None or _step(record.info) >= _step(self.secured.info):
-                    self.secured = record
+                if self._secured is None or _step(record.info) >= _step(self._secured.info):
+                    self._secured = record
                 log.info("secured and verified: %s (step %s, %.1f MB in %.1fs)", result.pushed,
                          record.info.step if record.info else None, result.size_bytes / 1e6, result.elapsed_s)
         else:
             log.error("%s", result.error)
+            if not getattr(result, "killed", False):
+                self._estimator.discard_push_progress()  # an error is not a rate measurement
             if record.kind != "background":
-                self.error = result
-        if self.state is State.FINAL_PUSH:
-            self.state = State.DONE
+                self._error = record
+        if self._state is State.FINAL_PUSH:
+            if self._final_pending and now < self.secure_by:
+                return self._start_final(now)
+            if record.kind == "final" or not self._final_pending:
+                self._state = State.DONE
             return []
-        if self.state is State.SECURING:
-            if now < self.secure_by and self._unsecured(self.newest) and (result.ok or self.newest is not record.info):
-                return self._secure_newest()  # a newer one appeared meanwhile (also after a failed push)
-            if not (result.ok and self._follow()):
-                self.state = State.DONE
+        if self._state is State.SECURING:
+            if now < self.secure_by and self._unsecured(self._newest) \
+                    and (result.ok or self._newest is not record.info):
+                return self._secure_newest(now)  # a newer one appeared meanwhile (also after a failed push)
+            if not (result.ok and self._follow(now)):
+                self._state = State.DONE
             return []
-        if self.state is State.WATCHING and self.queued is not None and now >= self.last_start + self.push_interval_s:
-            info, self.queued = self.queued, None
-            return self._start("background", info, self._background_deadline(now))
+        if self._state is State.WATCHING and self._queued is not None \
+                and now >= self._last_start + self._push_interval_s:
+            info, self._queued = self._queued, None
+            return self._start("background", info, self._background_deadline(now), now)
         return []
+
+
+def _build_table() -> dict[tuple[State, type[Any]], Handler]:
+    everywhere: dict[type[Any], Handler] = {
+        CheckpointSeen: Plan._on_checkpoint, Tainted: Plan._on_taint, Tick: Plan._on_tick,
+        RunOver: Plan._on_run_over, DeadlineMoved: Plan._on_deadline_moved, DestinationKnown: Plan._on_destination,
+        OutputDirKnown: Plan._on_output_dir, AlreadySecured: Plan._on_already_secured,
+        TrainingStarted: Plan._on_training_started, JobExited: Plan._on_job_exit,
+    }
+    table: dict[tuple[State, type[Any]], Handler] = {}
+    for state in State:
+        for kind, handler in everywhere.items():
+            table[state, kind] = handler
+        if state is not State.DONE:
+            table[state, SignalReceived] = Plan._on_signal
+    table[State.WATCHING, DeadlineNear] = Plan._on_deadline_near
+    table[State.WATCHING, Failure] = Plan._on_failure
+    return table
+
+
+#: ``(state, event type) -> handler``: what each state accepts (anything else is logged and ignored).
+TRANSITIONS: dict[tuple[State, type[Any]], Handler] = _build_table()

@@ -1,9 +1,12 @@
-"""The supervisor's side of securing: feeds the plan its events and carries out the actions it returns.
+"""The supervisor's side of securing: a translator from the loop's events to the plan's, and the executor of the
+actions the plan returns.
 
 The supervisor calls these hooks from its one loop (``tick``, ``on_signal``, ``on_checkpoint_saved``,
-``on_decided``, ``on_job_exit`` ...); none blocks: pushes run in worker processes (``guard.secure.worker``) that
-the plan polls and kills at ``secure_by``. ``finish`` fills the VERDICT's ``checkpoint=``, ``pushed=`` and
-``secured=`` and the exit code of a deadline or signal (``CONTRACT.md``, "Secured checkpoints").
+``on_decided``, ``on_taint``, ``on_job_exit`` ...); each turns what happened into ``guard.secure.events`` events
+for ``Plan.on`` and carries out the answer. None blocks: pushes run in worker processes (``guard.secure.worker``)
+that the plan polls and kills at ``secure_by``. Nothing here reads or writes the plan's state: ``finish`` fills
+the VERDICT's ``checkpoint=``, ``pushed=``, ``secured=`` and the exit code of a deadline or signal from
+``Plan.report()`` through ``guard.secure.outcome.checkpoint_fields`` (``CONTRACT.md``, "Secured checkpoints").
 """
 
 from __future__ import annotations
@@ -16,18 +19,36 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from guard.contract import (
-    EXIT_PUSH_FAILED,
-    EXIT_SECURED,
-    EXIT_TIMEOUT_UNSECURED,
-    RunResult,
-    signal_name,
-)
+from guard.contract import RunResult, signal_name
 from guard.errors import GuardError
 from guard.run.diagnose import incomplete_reason
 from guard.run.state import Message, Outcome, RunState
 from guard.secure import budget, checkpoints, layout, worker
-from guard.secure.plan import Action, Decide, ForwardSignal, Plan, Pusher, RequestSave, State, StopJob
+from guard.secure.events import (
+    Action,
+    AlreadySecured,
+    CheckpointSeen,
+    DeadlineMoved,
+    DeadlineNear,
+    Decide,
+    DestinationKnown,
+    Event,
+    Failure,
+    ForwardSignal,
+    JobExited,
+    MarkSuspect,
+    OutputDirKnown,
+    Pusher,
+    RequestSave,
+    RunOver,
+    SignalReceived,
+    StopJob,
+    Tainted,
+    Tick,
+    TrainingStarted,
+)
+from guard.secure.outcome import Verdict, checkpoint_fields
+from guard.secure.plan import Plan, State
 
 if TYPE_CHECKING:
     from guard.run.slurm import SlurmRefresher
@@ -71,6 +92,9 @@ class JobLink(Protocol):
 
     def job_exit_code(self) -> int | None:
         """The job's exit code once it exited (negative: the signal), else None."""
+
+    def job_stopped(self) -> bool:
+        """The guard stopped the job (``stop`` to the agents, SIGTERM)."""
 
     def agents_connected(self) -> int:
         """How many agents are connected now."""
@@ -148,12 +172,14 @@ class Securing:
         self._seen: set[tuple[str, str]] = set()
         self._node_checked = False
         self._save_logged = False
+        self._training_seen = False
+        self._signalled = False  # a signal was forwarded to the job: its end is no finished training
         if deadline.deadline_s is not None:
             log.info("deadline: %s (%s from now; %s)", time.strftime("%Y-%m-%d %H:%M:%S %Z",
                      time.localtime(deadline.deadline_s)),
                      budget.format_duration_s(round(deadline.deadline_s - wall())), deadline.source)
             estimator.margin_s()  # logs the starting margin
-        if self.plan.pusher is not None:
+        if self.plan.has_pusher:
             every = budget.format_duration_s(push_interval_s)
             log.info("background securing: %s", f"on, at most one push every {every}" if background
                      else "off (--background-push off)")
@@ -164,6 +190,16 @@ class Securing:
         if securer is None:
             return None
         return self._pusher_factory(str(securer.destination), getattr(securer, "token", None))
+
+    def _feed(self, sup: JobLink | None, event: Event, now: float | None = None) -> None:
+        """One event to the plan; its actions carried out (``sup`` None: only actions that need no loop)."""
+        actions = self.plan.on(event)
+        if actions:
+            self._carry_out(sup, actions, self.clock() if now is None else now)
+
+    def already_secured(self, info: checkpoints.CheckpointInfo, *, destination: str, revision: str) -> None:
+        """The destination already holds ``info`` (the checkpoint a resumed run was fetched from)."""
+        self._feed(None, AlreadySecured(info, destination, revision))
 
     def _to_clock(self, epoch_s: float | None) -> float | None:
         return None if epoch_s is None else self.clock() + (epoch_s - self.wall())
@@ -208,19 +244,24 @@ class Securing:
         return step is None or step < 3 or sup.state.facts.answers_checkpoints
 
     def _check_node(self, sup: JobLink) -> None:
-        if self._node_checked or self.plan.pusher is None:
+        if self._node_checked or not self.plan.has_pusher:
             return
         node = sup.node_rank
         if node not in (None, 0):
             log.info("node %d: the guard of node 0 secures checkpoints; this one does not push", node)
-            self.plan.pusher = None
+            self._feed(sup, DestinationKnown(None))
             self._node_checked = True
         elif node == 0:
             self._node_checked = True
         # None: not known yet (the launcher's own agent says hello before the ranks do): asked again next time
 
-    def _carry_out(self, sup: JobLink, actions: list[Action], now: float) -> None:
+    def _carry_out(self, sup: JobLink | None, actions: list[Action], now: float) -> None:
         for action in actions:
+            if isinstance(action, MarkSuspect):
+                checkpoints.mark_suspect(action.path, step=action.step, first_non_finite_step=action.first_bad_step)
+                continue
+            if sup is None:
+                continue
             if isinstance(action, Decide):
                 extra = {"signal": signal_name(action.signum)} if action.signum is not None else {}
                 sup.decide(Outcome(action.status, action.reason, extra=extra))
@@ -229,6 +270,7 @@ class Securing:
             elif isinstance(action, StopJob):
                 sup.stop_job_at(max(now, action.at), action.grace_s)
             elif isinstance(action, ForwardSignal):
+                self._signalled = True
                 sup.signal_job(action.signum)
 
     def _request_save(self, sup: JobLink) -> None:
@@ -262,19 +304,22 @@ class Securing:
                     log.info("deadline moved to %s (%s)", time.strftime("%H:%M:%S", time.localtime(moved.deadline_s)),
                              moved.source)
                     self.deadline = moved
-                    self.plan.deadline_at = self._to_clock(moved.deadline_s)
+                    self._feed(sup, DeadlineMoved(self._to_clock(moved.deadline_s)), now)
         self._settle(sup, now)
         if self._scanning() and now >= self.next_scan:
             self.next_scan = now + SCAN_EVERY_S
             self._scan(sup)
         if sup.state.progress.step is not None:
-            self.plan.training_started = True  # a step was seen: the deadline's request follows the margin
-        actions: list[Action] = []
+            self._training_started(sup, now)  # a step was seen: the deadline's request follows the margin
         if sup.job_running() and sup.state.outcome is None and self.plan.deadline_due(now):
-            actions += self.plan.deadline_near(can_save=self._can_save(sup),
-                                               handles_term=sup.state.facts.handles_sigterm)
-        actions += self.plan.tick()
-        self._carry_out(sup, actions, now)
+            self._feed(sup, DeadlineNear(can_save=self._can_save(sup), handles_term=sup.state.facts.handles_sigterm),
+                       now)
+        self._feed(sup, Tick(), now)
+
+    def _training_started(self, sup: JobLink, now: float) -> None:
+        if not self._training_seen:
+            self._training_seen = True
+            self._feed(sup, TrainingStarted(), now)
 
     def _scan(self, sup: JobLink) -> None:
         """A complete checkpoint in the output folder the job did not report (``checkpoints.newest_complete``)."""
@@ -286,17 +331,17 @@ class Securing:
         if found is not None and (self.latest_reported is None or (found.step or -1) > (self.latest_reported.step
                                                                                       or -1)):
             self.estimator.observe_size(found.size_bytes)
-            self._carry_out(sup, self.plan.checkpoint(found), self.clock())
+            self._feed(sup, CheckpointSeen(found))
 
     def on_signal(self, sup: JobLink, signum: int, now: float) -> bool:
         """Feed a termination signal to the plan; False lets the supervisor handle it (no destination, or done)."""
         if signum == signal.SIGHUP or self.plan.state is State.DONE:
             return False
-        if self.plan.pusher is None and self.plan.state is State.WATCHING:
+        if not self.plan.has_pusher and self.plan.state is State.WATCHING:
             return False
         if self.plan.state is State.WATCHING and sup.state.outcome is not None:
             return False
-        self._carry_out(sup, self.plan.signal(signum, can_save=self._can_save(sup)), now)
+        self._feed(sup, SignalReceived(signum, can_save=self._can_save(sup)), now)
         return True
 
     def on_trainer_config(self, config: dict[str, Any]) -> None:
@@ -309,18 +354,18 @@ class Securing:
             log.debug("checkpoint size before the first save: about %.1f MB (weights + AdamW state)", estimate / 1e6)
         if self.output_dir is None and config.get("output_dir"):
             self.output_dir = str(config["output_dir"])
-            self.plan.final_output_dir = self.plan.final_output_dir or self.output_dir
+            self._feed(None, OutputDirKnown(self.output_dir))
         if self.securer is None and config.get("push_to_hub") and config.get("hub_model_id") and self.securer_factory:
             try:
                 self.securer = self.securer_factory(str(config["hub_model_id"]))
-                self.plan.pusher = self._make_pusher(self.securer)
+                self._feed(None, DestinationKnown(self._make_pusher(self.securer)))
                 log.info("destination from the Trainer: %s (push_to_hub, hub_model_id)", self.securer.destination)
             except GuardError as exc:
                 log.warning("cannot use the Trainer's hub_model_id as a destination: %s", exc.message)
 
     def on_step(self, sup: JobLink, now: float) -> None:
         """A training step of the primary rank (step times for the margin)."""
-        self.plan.training_started = True
+        self._training_started(sup, now)
         if self.last_step_at is not None:
             self.estimator.observe_step(now - self.last_step_at)
         self.last_step_at = now
@@ -334,7 +379,7 @@ class Securing:
         where = Path(str(path))
         if self.output_dir is None and layout.is_plausible_output_dir(where.parent):
             self.output_dir = str(where.parent)
-            self.plan.final_output_dir = self.plan.final_output_dir or self.output_dir
+            self._feed(sup, OutputDirKnown(self.output_dir))
             log.info("output folder: %s (where the job saves with torch.save)", self.output_dir)
         if self.output_dir is None or not where.resolve().is_relative_to(Path(self.output_dir).resolve()):
             return
@@ -364,7 +409,7 @@ class Securing:
         self.latest_reported = info
         log.info("the job saved %s (step %s, %.1f MB)", info.path, info.step, info.size_bytes / 1e6)
         self._check_node(sup)
-        self._carry_out(sup, self.plan.checkpoint(info), now)
+        self._feed(sup, CheckpointSeen(info), now)
 
     def on_checkpoint_saved(self, sup: JobLink, message: Message) -> None:
         """The job reported a finished save (``checkpoint_saved``, with the sender's ``rank``)."""
@@ -403,155 +448,100 @@ class Securing:
                      ",".join(map(str, sorted(missing))))
             return
         self._check_node(sup)
-        self._carry_out(sup, self.plan.checkpoint(info), self.clock())
+        self._feed(sup, CheckpointSeen(info))
 
     def push_running(self) -> bool:
         """A push that ends the run (securing a failure, a deadline, a signal) is under way."""
-        return self.plan.state is State.SECURING and self.plan.push is not None
+        return self.plan.push_running()
 
     def on_decided(self, sup: JobLink, outcome: Outcome) -> None:
-        """The supervisor decided a failure (non-finite loss, stall): secure what was saved before it."""
+        """The supervisor decided a failure (non-finite loss, stall ...): secure what was saved before it."""
         if outcome.reason not in FAILURE_REASONS:
             return
         self._settle(sup, self.clock(), force=True)
-        bad = sup.state.progress.step if outcome.reason == "non_finite_loss" else None
         if self.output_dir:
             self._scan(sup)
-        self._carry_out(sup, self.plan.failure(outcome.reason, bad_from_step=bad), self.clock())
+        bad = sup.state.progress.step if outcome.reason == "non_finite_loss" else None
+        if bad is not None:
+            self._feed(sup, Tainted(bad))
+        self._feed(sup, Failure(outcome.reason))
+
+    def on_taint(self, sup: JobLink, step: int) -> None:
+        """A non-finite loss from ``step`` on, heard after another outcome was decided (a deadline, a signal): the
+        saves from then on are suspect whatever is under way."""
+        self._settle(sup, self.clock(), force=True)
+        self._feed(sup, Tainted(step))
+
+    def _training_complete(self, sup: JobLink) -> bool:
+        """The job trained to its end: a Trainer reached ``max_steps``/its epochs (or ended with no stop asked
+        for), a loop ended with no stop delivered to it (no checkpoint request served, no SIGTERM, no signal)."""
+        facts = sup.state.facts
+        end = facts.train_end
+        if end is not None:
+            step, max_steps = end.get("step"), end.get("max_steps")
+            reached = isinstance(step, int) and isinstance(max_steps, int) and 0 < max_steps <= step
+            return reached or not end.get("stopped")
+        if facts.trainer_config is not None:
+            return False  # a Trainer that never said how training ended
+        answered = any(message.get("requested") for message in facts.checkpoints)  # saved on the guard's request
+        return not (answered or "stop_served" in facts.api_used or self._signalled or sup.job_stopped())
 
     def on_job_exit(self, sup: JobLink, now: float) -> None:
-        """The job's main process exited: a failure secures what it saved, a good end pushes the final model."""
+        """The job's main process exited: a failure secures what it saved, a finished training pushes the final
+        model (a PASS, even after the deadline's request)."""
         self._settle(sup, now, force=True)
         code = sup.job_exit_code()
         outcome = sup.state.outcome
         if self.output_dir and self.plan.state is not State.DONE:
             self._scan(sup)
         if self.plan.state is State.WATCHING and outcome is None and code is not None and code != 0:
-            reason = "crash" if code > 0 else "killed"
-            self._carry_out(sup, self.plan.failure(reason), now)
+            self._feed(sup, Failure("crash" if code > 0 else "killed"), now)
             return
         # an exit 0 that is not a finished run: a failure, not a final push
         if self.plan.state is State.WATCHING and outcome is None and code == 0 \
                 and incomplete_reason(sup.state.facts) is not None:
-            self._carry_out(sup, self.plan.failure("incomplete"), now)
+            self._feed(sup, Failure("incomplete"), now)
             return
-        ok = code == 0 and outcome is None
+        ok = code == 0 and (outcome is None or outcome.reason == "deadline")
+        complete = ok and incomplete_reason(sup.state.facts) is None and self._training_complete(sup)
         self._check_node(sup)
         if ok and sup.node_rank not in (None, 0) and self.securer is not None:
             log.info("node %d: the guard of node 0 pushes the final model", sup.node_rank)
         has_final_model = True
-        if ok and self.plan.final_output_dir:
+        if ok and self.output_dir:
             from guard.secure.hub import final_model_files
 
-            folder = Path(self.plan.final_output_dir)
+            folder = Path(self.output_dir)
             has_final_model = folder.is_dir() and bool(final_model_files(folder))
-        self._carry_out(sup, self.plan.job_exit(ok=ok, has_final_model=has_final_model), now)
+        self._feed(sup, JobExited(ok=(ok and outcome is None) or complete, complete=complete,
+                                  has_final_model=has_final_model), now)
 
     # -- the verdict ------------------------------------------------------------------------------------------
 
     def finish(self, result: RunResult, *, step: int | None) -> None:
-        """Fill the result's checkpoint fields, and its exit code for TIMEOUT/INTERRUPTED (75 when secured).
+        """Fill the result's checkpoint fields, and its exit code for TIMEOUT/INTERRUPTED (75 when secured), from
+        the plan's report (``outcome.checkpoint_fields``).
 
         Args:
             result: the run's result, changed in place.
             step: the job's last training step (the steps lost after the secured checkpoint), or None.
         """
-        plan = self.plan
-        plan.stop()
-        secured = plan.secured
-        newest = plan.newest
-        if secured is not None:
-            result.extra["checkpoint"] = str(secured.info.path) if secured.info else None
-            result.extra["pushed"] = secured.result.pushed
-            result.details["push"] = {"files": len(secured.result.files), "size_bytes": secured.result.size_bytes,
-                                      "elapsed_s": round(secured.result.elapsed_s, 3),
-                                      "attempts": secured.result.attempts, "step": secured.info.step
-                                      if secured.info else None}
-        elif newest is not None:
-            result.extra["checkpoint"] = str(newest.path)
-        if plan.suspect is not None:
-            result.details["suspect_checkpoint"] = str(plan.suspect.path)
-        result.details["pushes"] = [{"kind": r.kind, "step": r.info.step if r.info else None,
-                                     "ok": bool(r.result is not None and r.result.ok),
-                                     "error": getattr(r.result, "error", None)} for r in plan.history]
-        if plan.final is not None:
-            self._finish_final(result)
-            return
-        if plan.trigger == "ended":  # ended well without final model files: its newest checkpoint was secured
-            if secured is None and newest is not None and result.status == "PASS":
-                failed = next((r.result for r in reversed(plan.history) if r.result is not None), None)
-                result.status, result.reason, result.exit_code = "FAIL", "push_failed", EXIT_PUSH_FAILED
-                result.extra["secured"] = "no"
-                result.hint = (failed.hint if failed is not None and failed.hint else
-                               "the job's newest checkpoint could not be secured; it is still in the output folder")
-            return
-        if plan.trigger is None or (plan.pusher is None and plan.trigger == "failure"):
-            if plan.trigger == "failure" and result.extra.get("checkpoint"):
-                result.extra["secured"] = "no"
-            return
-        is_secured = secured is not None
-        result.extra["secured"] = "yes" if is_secured else "no"
-        lost = ""
-        steps_lost = 0
-        if secured is not None and secured.info is not None and secured.info.step is not None and step is not None \
-                and step > secured.info.step:
-            steps_lost = step - secured.info.step
-            lost = f"; the {steps_lost} steps after step {secured.info.step} are lost"
-        if plan.trigger == "failure":
-            if steps_lost:
-                result.details["steps_lost"] = steps_lost
-            if plan.suspect is not None:
-                later = f" (step {plan.suspect.step})" if plan.suspect.step is not None else ""
-                result.hint = (result.hint or "") + (f" (the save of {plan.suspect.path}{later} after the first "
-                                                     "non-finite loss was not pushed)")
-            if secured is not None:
-                step_text = f"step {secured.info.step}" if secured.info and secured.info.step is not None else "it"
-                result.hint = (result.hint or "") + (f"; secured before the failure: {step_text}, resume with "
-                                                     f"--resume on --push-to {secured.result.destination}")
-            return
-        if plan.trigger == "deadline":
-            result.exit_code = EXIT_SECURED if is_secured else EXIT_TIMEOUT_UNSECURED
-            if not is_secured:
-                result.hint = (layout.nothing_found_hint(output_dir=self.output_dir,
-                                                         destination_given=self.securer is not None)
-                               if plan.pusher is None or newest is None else
-                               "the checkpoint was not secured before the deadline: raise --margin, or check the "
-                               "destination's upload speed")
-        else:
-            signum = plan.signum or signal.SIGTERM
-            result.exit_code = EXIT_SECURED if is_secured else 128 + signum
-            if not is_secured:
-                result.hint = (layout.nothing_found_hint(output_dir=self.output_dir, destination_given=True)
-                               if newest is None and plan.pusher is not None else
-                               "no checkpoint was secured within --grace: save more often or raise --grace")
-        if secured is not None:
-            result.hint = (f"the next run resumes from step {secured.info.step if secured.info else '?'}{lost}: "
-                           f"python -m guard --resume on --push-to {secured.result.destination} ...")
-        elif self.follower:
-            result.hint = "the guard of node 0 secures the checkpoint of every rank: see its VERDICT"
-
-    def _finish_final(self, result: RunResult) -> None:
-        plan = self.plan
-        final = plan.final
-        assert final is not None
-        done = final.result
-        if done is not None and done.ok:
-            result.extra["pushed"] = done.pushed
-            result.details["final_push"] = {"files": len(done.files), "size_bytes": done.size_bytes,
-                                            "elapsed_s": round(done.elapsed_s, 3)}
-            return
-        if result.status != "PASS":
-            return
-        if plan.signum is not None and (done is None or done.killed):
-            result.status, result.reason, result.exit_code = "INTERRUPTED", "signal", 128 + plan.signum
-            result.extra["signal"] = signal_name(plan.signum)
-            result.extra["secured"] = "no"
-            result.hint = "the job finished but a signal ended the final model's push within --grace: push it again"
-            return
-        result.status, result.reason, result.exit_code = "FAIL", "push_failed", EXIT_PUSH_FAILED
-        result.extra["secured"] = "no"
-        result.hint = (done.hint if done is not None and done.hint else
-                       "the final model could not be secured; it is still in the output folder")
+        self._feed(None, RunOver())
+        report = self.plan.report()
+        nothing = layout.nothing_found_hint(output_dir=self.output_dir,
+                                            destination_given=self.securer is not None or report.trigger == "signal")
+        fields = checkpoint_fields(report, Verdict(result.status, result.reason, result.exit_code, result.hint,
+                                                   result.extra.get("signal")),
+                                   step=step, nothing_found_hint=nothing, follower=self.follower)
+        verdict = fields.verdict
+        result.status, result.reason, result.exit_code, result.hint = (verdict.status, verdict.reason,
+                                                                       verdict.exit_code, verdict.hint)
+        if verdict.signal is not None:
+            result.extra["signal"] = verdict.signal
+        elif verdict.status == "PASS":
+            result.extra.pop("signal", None)
+        result.extra.update(fields.extra)
+        result.details.update(fields.details)
 
     @property
     def output_folder(self) -> Path | None:

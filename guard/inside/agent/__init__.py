@@ -231,10 +231,13 @@ class Agent:
     def wait_stop(self, timeout_s: float = 10.0) -> None:
         """After a non-finite loss: wait (bounded) for the supervisor's SIGTERM, so that the job does not train on.
 
-        Returns early only when the supervisor is gone (the channel closed).
+        Returns early when the supervisor is gone (the channel closed), and at once when a stop was already asked
+        for (a deadline's or a signal's checkpoint request, a ``stop``): the guard already decided, and waiting
+        would only eat the time left for the save.
         """
-        if not self.dead:
-            self._closed.wait(timeout_s)
+        if self.dead or self.stop_requested or self.served_stop or self.checkpoint_request is not None:
+            return  # a stop (or a checkpoint request with its stop) is already under way: never block on it
+        self._closed.wait(timeout_s)
 
     def wait_ack(self) -> None:
         """Wait (bounded) for the supervisor's go-ahead after ``trainer_config``."""
@@ -275,6 +278,7 @@ class Agent:
         due = at_step is None or self.watch.step >= int(at_step)
         if due and request.get("stop") and not self.trainer:
             self.served_stop = True
+            self.note_api("stop_served")  # the loop got the stop: its end is no finished training
         return due
 
     def note_api(self, name: str) -> None:

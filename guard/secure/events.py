@@ -1,0 +1,227 @@
+"""What the securing plan hears and what it answers: events and actions as frozen data (``guard.secure.plan``).
+
+Every event goes through ``Plan.on(event) -> list[Action]``; the plan's transition table says which states accept
+which event types. Actions are carried out by ``guard.secure.securing.Securing`` (``RequestSave``, ``StopJob``,
+``ForwardSignal``, ``Decide``, ``MarkSuspect``) or by the plan itself through its pusher and returned for the
+record (``StartPush``, ``KillPush``). All times are the plan's ``clock`` seconds (monotonic).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from guard.secure.checkpoints import CheckpointInfo
+
+__all__ = [
+    "Action",
+    "AlreadySecured",
+    "CheckpointSeen",
+    "DeadlineMoved",
+    "DeadlineNear",
+    "Decide",
+    "DestinationKnown",
+    "Event",
+    "Failure",
+    "ForwardSignal",
+    "JobExited",
+    "KillPush",
+    "MarkSuspect",
+    "OutputDirKnown",
+    "PushHandle",
+    "Pusher",
+    "RequestSave",
+    "RunOver",
+    "SignalReceived",
+    "StartPush",
+    "StopJob",
+    "Tainted",
+    "Tick",
+    "TrainingStarted",
+]
+
+
+class PushHandle(Protocol):
+    """A running push (``guard.secure.worker``'s handle): ``poll()`` is its result once over, else None."""
+
+    deadline: float
+
+    def poll(self) -> Any: ...
+
+    def kill(self, why: str = ...) -> Any: ...
+
+
+class Pusher(Protocol):
+    """Starts pushes (``guard.secure.worker.Pusher``): ``start(op, args, deadline) -> handle``."""
+
+    def start(self, op: str, args: dict[str, Any], deadline: float) -> PushHandle: ...
+
+
+# -- events ------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CheckpointSeen:
+    """A complete checkpoint appeared (the job's save event, or found complete in its output folder)."""
+
+    info: CheckpointInfo
+
+
+@dataclass(frozen=True)
+class AlreadySecured:
+    """The destination already holds ``info`` (the checkpoint a resumed run was fetched from, verified)."""
+
+    info: CheckpointInfo
+    destination: str
+    revision: str
+
+
+@dataclass(frozen=True)
+class TrainingStarted:
+    """A training step was seen: from now on the deadline's request follows the margin."""
+
+
+@dataclass(frozen=True)
+class DeadlineNear:
+    """The deadline is within the margin (``Plan.deadline_due``). ``can_save``: the job answers a checkpoint
+    request; ``handles_term``: it cannot, but saves on SIGTERM itself."""
+
+    can_save: bool
+    handles_term: bool = False
+
+
+@dataclass(frozen=True)
+class DeadlineMoved:
+    """The scheduler moved the deadline (clock seconds; None: no deadline any more)."""
+
+    deadline_at: float | None
+
+
+@dataclass(frozen=True)
+class SignalReceived:
+    """A termination signal reached the guard: securing ends within ``--grace`` from now."""
+
+    signum: int
+    can_save: bool
+
+
+@dataclass(frozen=True)
+class Failure:
+    """The run failed (``non_finite_loss``, ``stalled``, ``crash``, ``oom``, ``killed``, ``incomplete``)."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class Tainted:
+    """The loss was not finite from step ``from_step`` on: every save at or after it is suspect, in every state."""
+
+    from_step: int
+
+
+@dataclass(frozen=True)
+class JobExited:
+    """The job's main process ended. ``ok``: exit 0 and no failure decided; ``complete``: training ran to its end
+    (a Trainer reached ``max_steps``/its epochs, a loop ended without a stop delivered to it);
+    ``has_final_model``: its output folder holds final model files."""
+
+    ok: bool
+    complete: bool = False
+    has_final_model: bool = True
+
+
+@dataclass(frozen=True)
+class DestinationKnown:
+    """Where checkpoints go is now known (a pusher), or this guard must not push (None: another node's guard)."""
+
+    pusher: Pusher | None
+
+
+@dataclass(frozen=True)
+class OutputDirKnown:
+    """The job's output folder (for the final model push)."""
+
+    path: str
+
+
+@dataclass(frozen=True)
+class Tick:
+    """Timers and the running push; send at ``Plan.due_at`` (and whenever convenient)."""
+
+
+@dataclass(frozen=True)
+class RunOver:
+    """The guard is about to write its VERDICT: a push still running is killed."""
+
+
+Event = (CheckpointSeen | AlreadySecured | TrainingStarted | DeadlineNear | DeadlineMoved | SignalReceived | Failure
+         | Tainted | JobExited | DestinationKnown | OutputDirKnown | Tick | RunOver)
+
+
+# -- actions -----------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RequestSave:
+    """Ask every agent for a checkpoint and then a stop."""
+
+    stop: bool = True
+
+
+@dataclass(frozen=True)
+class StopJob:
+    """SIGTERM the job at ``at`` (clock seconds) if it still runs, SIGKILL ``grace_s`` later; an earlier stop
+    already set stands."""
+
+    at: float
+    grace_s: float = 1.0
+
+
+@dataclass(frozen=True)
+class ForwardSignal:
+    """Send ``signum`` to the job now (it cannot answer a checkpoint request: its own handler saves)."""
+
+    signum: int
+
+
+@dataclass(frozen=True)
+class Decide:
+    """The run's outcome: ``TIMEOUT``/``deadline`` or ``INTERRUPTED``/``signal``."""
+
+    status: str
+    reason: str
+    signum: int | None = None
+
+
+@dataclass(frozen=True)
+class StartPush:
+    """A push started (carried out by the plan): ``kind`` ``background``/``securing``/``final``; ``deadline`` is
+    when its worker is killed; ``estimate_s`` the margin estimator's time for it at the start."""
+
+    kind: str
+    path: str
+    step: int | None
+    deadline: float
+    estimate_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class KillPush:
+    """The running push was killed (``why``: ``deadline``, ``superseded``, ``suspect``, ``final``, ``killed``)."""
+
+    why: str
+    path: str | None = None
+    step: int | None = None
+
+
+@dataclass(frozen=True)
+class MarkSuspect:
+    """Mark the checkpoint at ``path`` (step ``step``) as saved at or after the first non-finite step
+    (``checkpoints.mark_suspect``)."""
+
+    path: str
+    step: int | None
+    first_bad_step: int
+
+
+Action = RequestSave | StopJob | ForwardSignal | Decide | StartPush | KillPush | MarkSuspect

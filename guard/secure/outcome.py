@@ -1,0 +1,162 @@
+"""The VERDICT's checkpoint fields from the plan's snapshot: one pure function, :func:`checkpoint_fields`.
+
+``checkpoint=`` (the secured checkpoint), ``pushed=`` (``DEST@REVISION``), ``secured=`` (``yes``/``no``), the exit
+code of a deadline or signal (75 when secured, ``CONTRACT.md`` "Secured checkpoints") and the hint's "resumes from
+step N" are computed from a ``plan.PlanReport`` and the result as the run left it; nothing here reads a plan, a
+process or the disk.
+"""
+
+from __future__ import annotations
+
+import signal
+from dataclasses import dataclass, field
+from typing import Any
+
+from guard.contract import EXIT_PUSH_FAILED, EXIT_SECURED, EXIT_TIMEOUT_UNSECURED, signal_name
+from guard.secure.plan import PlanReport, PushView
+
+__all__ = ["Fields", "Verdict", "checkpoint_fields"]
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The result's fields that securing may change: ``status``, ``reason``, ``exit_code``, ``hint``, and
+    ``signal`` (the VERDICT key, or None)."""
+
+    status: str
+    reason: str
+    exit_code: int
+    hint: str | None = None
+    signal: str | None = None
+
+
+@dataclass(frozen=True)
+class Fields:
+    """What :func:`checkpoint_fields` decided: the new ``verdict``, the VERDICT keys to set (``extra``:
+    ``checkpoint``, ``pushed``, ``secured``) and the JSON details (``details``)."""
+
+    verdict: Verdict
+    extra: dict[str, Any] = field(default_factory=dict)
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+def _view(push: PushView) -> dict[str, Any]:
+    return {"kind": push.kind, "step": push.step, "ok": push.ok, "error": push.error}
+
+
+def checkpoint_fields(report: PlanReport, verdict: Verdict, *, step: int | None, nothing_found_hint: str,
+                      follower: bool = False) -> Fields:
+    """The VERDICT's checkpoint fields for ``report`` (pure).
+
+    Args:
+        report: ``Plan.report()`` at the end of the run.
+        verdict: the result as the run left it (the outcome the guard decided, or the job's exit).
+        step: the job's last training step (the steps lost after the secured checkpoint), or None.
+        nothing_found_hint: the hint when no checkpoint was found at all (``layout.nothing_found_hint``).
+        follower: this guard follows node 0's (it secures nothing itself).
+
+    Returns:
+        :class:`Fields`: a ``PASS`` for a training that completed even after the deadline's request; exit 75 for a
+        deadline or signal with a secured checkpoint; ``secured=`` never names a suspect save; a non-finite loss
+        heard after the outcome was decided is said in the hint.
+    """
+    extra: dict[str, Any] = {}
+    details: dict[str, Any] = {"pushes": [_view(p) for p in report.history]}
+    status, reason, code, hint, sig = verdict.status, verdict.reason, verdict.exit_code, verdict.hint, verdict.signal
+    secured = report.secured
+    newest = report.newest
+    if secured is not None:
+        extra["checkpoint"] = secured.path
+        extra["pushed"] = secured.pushed
+        details["push"] = {"files": secured.files, "size_bytes": secured.size_bytes,
+                           "elapsed_s": round(secured.elapsed_s, 3), "attempts": secured.attempts,
+                           "step": secured.step}
+    elif newest is not None and not report.has_pusher:
+        extra["checkpoint"] = str(newest.path)  # no destination: the newest complete local one is what there is
+    if newest is not None:
+        details["newest_checkpoint"] = str(newest.path)
+    if report.suspects:
+        details["suspect_checkpoint"] = str(report.suspects[-1].path)
+        details["suspect_checkpoints"] = [str(s.path) for s in report.suspects]
+    bad = report.non_finite_from_step
+    if bad is not None:
+        details["non_finite_from_step"] = bad
+    if report.training_complete and status in ("TIMEOUT", "PASS"):
+        status, reason, code = "PASS", "ok", 0
+        if report.superseded_trigger == "deadline":
+            details["finished_before_deadline"] = True
+            if hint and "margin" in hint:
+                hint = None
+
+    def done(hint_text: str | None) -> Fields:
+        if bad is not None and reason != "non_finite_loss":
+            said = f"the loss went non-finite at step {bad}: saves from then on were not secured"
+            hint_text = f"{said}; {hint_text}" if hint_text else said
+        return Fields(Verdict(status, reason, code, hint_text, sig), extra, details)
+
+    final = report.final
+    if final is not None:
+        if final.ok:
+            extra["pushed"] = final.pushed
+            details["final_push"] = {"files": final.files, "size_bytes": final.size_bytes,
+                                     "elapsed_s": round(final.elapsed_s, 3)}
+            return done(hint)
+        if status != "PASS":
+            return done(hint)
+        if report.signum is not None and (final.running or final.killed):
+            status, reason, code = "INTERRUPTED", "signal", 128 + report.signum
+            sig = signal_name(report.signum)
+            extra["secured"] = "no"
+            return done("the job finished but a signal ended the final model's push within --grace: push it again")
+        status, reason, code = "FAIL", "push_failed", EXIT_PUSH_FAILED
+        extra["secured"] = "no"
+        return done(final.hint or "the final model could not be secured; it is still in the output folder")
+    trigger = report.trigger
+    if trigger == "ended":  # ended well without final model files: its newest checkpoint was secured
+        if secured is None and newest is not None and status == "PASS":
+            failed = next((p for p in reversed(report.history) if not p.running), None)
+            status, reason, code = "FAIL", "push_failed", EXIT_PUSH_FAILED
+            extra["secured"] = "no"
+            return done(failed.hint if failed is not None and failed.hint else
+                        "the job's newest checkpoint could not be secured; it is still in the output folder")
+        return done(hint)
+    if trigger is None or (not report.has_pusher and trigger == "failure"):
+        if trigger == "failure" and extra.get("checkpoint"):
+            extra["secured"] = "no"
+        return done(hint)
+    extra["secured"] = "yes" if secured is not None else "no"
+    steps_lost = 0
+    lost = ""
+    if secured is not None and secured.step is not None and step is not None and step > secured.step:
+        steps_lost = step - secured.step
+        lost = f"; the {steps_lost} steps after step {secured.step} are lost"
+    if trigger == "failure":
+        if steps_lost:
+            details["steps_lost"] = steps_lost
+        if report.suspect is not None:
+            later = f" (step {report.suspect.step})" if report.suspect.step is not None else ""
+            hint = (hint or "") + (f" (the save of {report.suspect.path}{later} after the first non-finite loss was "
+                                   "not pushed)")
+        if secured is not None:
+            step_text = f"step {secured.step}" if secured.step is not None else "it"
+            hint = (hint or "") + (f"; secured before the failure: {step_text}, resume with --resume on --push-to "
+                                   f"{secured.destination}")
+        return Fields(Verdict(status, reason, code, hint, sig), extra, details)
+    if trigger == "deadline":
+        code = EXIT_SECURED if secured is not None else EXIT_TIMEOUT_UNSECURED
+        if secured is None:
+            hint = (nothing_found_hint if not report.has_pusher or newest is None else
+                    "the checkpoint was not secured before the deadline: raise --margin, or check the destination's "
+                    "upload speed")
+    else:
+        signum = report.signum or signal.SIGTERM
+        code = EXIT_SECURED if secured is not None else 128 + signum
+        if secured is None:
+            hint = (nothing_found_hint if newest is None and report.has_pusher else
+                    "no checkpoint was secured within --grace: save more often or raise --grace")
+    if secured is not None:
+        hint = (f"the next run resumes from step {secured.step if secured.step is not None else '?'}{lost}: "
+                f"python -m guard --resume on --push-to {secured.destination} ...")
+    elif follower:
+        hint = "the guard of node 0 secures the checkpoint of every rank: see its VERDICT"
+    return done(hint)
