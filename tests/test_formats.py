@@ -127,11 +127,15 @@ def test_json(tmp_path: Path) -> None:
     assert "does not parse" in (formats.check_file(_cut(path, 0.5)) or "")
 
 
-def test_unknown_model_file_is_refused_other_files_pass(tmp_path: Path) -> None:
+def test_files_of_no_known_format_are_taken_as_they_are(tmp_path: Path) -> None:
     (tmp_path / "weights.bin").write_bytes(b"\x01\x02garbage" * 10)
+    (tmp_path / "raw.safetensors").write_bytes(b"\xff" * 100)  # not a safetensors header
     (tmp_path / "notes.txt").write_text("hello")
-    assert "no format" in (formats.check_file(tmp_path / "weights.bin") or "")
-    assert formats.check_file(tmp_path / "notes.txt") is None
+    for name in ("weights.bin", "raw.safetensors", "notes.txt"):
+        assert formats.check_file(tmp_path / name) is None, name
+    assert formats.kind_of(tmp_path / "raw.safetensors") is None
+    (tmp_path / "tiny.safetensors").write_bytes(b"\x10\x00")
+    assert "shorter than" in (formats.check_file(tmp_path / "tiny.safetensors") or "")
 
 
 def _dcp_save(folder: Path) -> None:

@@ -21,8 +21,10 @@ answers None (the file is whole, or of no format known here) or one line on what
   names every ``*.distcp`` shard of the folder, and each item it records (``_StorageInfo``: ``relative_path``,
   ``offset``, ``length``) lies inside its shard (``torch/distributed/checkpoint/filesystem.py``).
 
-A model file (``*.pt``, ``*.pth``, ``*.bin``, ``*.safetensors``, ``*.ckpt``) of zero bytes or of no known format is
-refused: the guard pushes only what it can tell is whole.
+The format is told from the file's first bytes (a ``.safetensors`` name counts only when the file starts like one: a
+header length, then ``{``). A model file (``*.pt``, ``*.pth``, ``*.bin``, ``*.safetensors``, ``*.ckpt``, ``*.pkl``)
+of zero bytes is refused; one of no format known here (raw bytes a job wrote itself) is taken as it is, which the
+debug log says; the settle rule of ``guard.secure.checkpoints`` still applies to it.
 """
 
 from __future__ import annotations
@@ -120,7 +122,7 @@ def kind_of(path: str | os.PathLike[str]) -> str | None:
         head = file.read(8)
     if not head:
         return "empty"
-    if where.suffix == ".safetensors":
+    if where.suffix == ".safetensors" and (len(head) < 8 or _safetensors_head(where)):
         return "safetensors"
     if head.startswith(_ZIP_MAGIC):
         return "torch-zip"
@@ -129,6 +131,13 @@ def kind_of(path: str | os.PathLike[str]) -> str | None:
     if where.suffix == ".json":
         return "json"
     return None
+
+
+def _safetensors_head(path: Path) -> bool:
+    """The file starts like a safetensors file: a header length within the spec's limit, then ``{``."""
+    with open(path, "rb") as file:
+        head = file.read(9)
+    return len(head) == 9 and struct.unpack("<Q", head[:8])[0] <= _SAFETENSORS_MAX_HEADER and head[8:] == b"{"
 
 
 def _check_zip(path: Path, size_bytes: int) -> str | None:
@@ -261,7 +270,7 @@ def check_file(path: str | os.PathLike[str]) -> str | None:
     except OSError as exc:
         return f"cannot be read ({exc.strerror or exc})"
     if where.suffix in MODEL_SUFFIXES:
-        return "a model file of no format the guard can check (not torch.save, pickle or safetensors)"
+        log.debug("%s: no format checked here (not torch.save, pickle or safetensors): taken as it is", where)
     return None
 
 
