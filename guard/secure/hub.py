@@ -482,21 +482,28 @@ class Securer:
         if not files:
             raise PushFailedError(f"cannot secure {what}: {folder} has no files", destination=str(self.destination),
                                   hint="the guard only pushes complete checkpoint folders; check --output-dir")
-        rewritten = rewritten_after(folder, files, saved_by_s) if saved_by_s is not None else None
-        if rewritten is not None:
-            rel, later_s = rewritten
-            raise PushFailedError(f"cannot secure {what}: {folder / rel} was rewritten after that save (modified "
-                                  f"{later_s:.1f}s later), so it no longer holds step {step}",
-                                  destination=str(self.destination),
-                                  hint="the job overwrites its checkpoint in place; save each checkpoint under a new "
-                                       "name (e.g. ckpt-STEP.pt) so an older good one survives a later bad save")
-        _refuse_torn(what, folder, files, "local", str(self.destination))
-        if self.destination.kind == "folder":
-            attempt = lambda: self._folder_push_checkpoint(folder, files, step)  # noqa: E731
-        else:
-            message = CHECKPOINT_COMMIT_TITLE.format(step=step)
-            attempt = lambda: self._hub_push(folder, files, f"{CHECKPOINT_FOLDER}/", message, replace=True,  # noqa: E731
-                                             record_step=step)
+        def still_that_save() -> None:
+            # before every attempt: a retry after "changed while copied" must not secure the next save as this step
+            rewritten = rewritten_after(folder, files, saved_by_s) if saved_by_s is not None else None
+            if rewritten is not None:
+                rel, later_s = rewritten
+                raise PushFailedError(f"cannot secure {what}: {folder / rel} was rewritten after that save (modified "
+                                      f"{later_s:.1f}s later), so it no longer holds step {step}",
+                                      destination=str(self.destination),
+                                      hint="the job overwrites its checkpoint in place; save each checkpoint under a "
+                                           "new name (e.g. ckpt-STEP.pt) so an older good one survives a later bad "
+                                           "save")
+            _refuse_torn(what, folder, files, "local", str(self.destination))
+
+        still_that_save()
+        message = CHECKPOINT_COMMIT_TITLE.format(step=step)
+
+        def attempt() -> str:
+            still_that_save()
+            if self.destination.kind == "folder":
+                return self._folder_push_checkpoint(folder, files, step)
+            return self._hub_push(folder, files, f"{CHECKPOINT_FOLDER}/", message, replace=True, record_step=step)
+
         return self._push(what, folder, files, step, attempt, deadline)
 
     def push_final(self, output_dir: str | os.PathLike[str], *, deadline: float) -> PushResult:
