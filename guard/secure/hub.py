@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from guard.errors import HubError, PushFailedError, UsageError
-from guard.secure.checkpoints import rewritten_after
+from guard.secure.checkpoints import is_marked_suspect, rewritten_after
 from guard.secure.hubhttp import (
     PROGRESS,
     REQUEST_TIMEOUTS_S,
@@ -482,6 +482,12 @@ class Securer:
         if not files:
             raise PushFailedError(f"cannot secure {what}: {folder} has no files", destination=str(self.destination),
                                   hint="the guard only pushes complete checkpoint folders; check --output-dir")
+        suspects = [str(p) for p in [folder, *(folder / rel for rel in files)] if is_marked_suspect(p)]
+        if suspects:
+            raise PushFailedError(f"cannot secure {what}: {suspects[0]} is marked suspect (saved after the first "
+                                  "non-finite loss): never pushed", destination=str(self.destination),
+                                  hint="resume from the secured checkpoint saved before the non-finite loss")
+
         def still_that_save() -> None:
             # before every attempt: a retry after "changed while copied" must not secure the next save as this step
             rewritten = rewritten_after(folder, files, saved_by_s) if saved_by_s is not None else None
