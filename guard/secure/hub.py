@@ -383,26 +383,82 @@ def _rename_exchange(a: Path, b: Path) -> bool:
     raise OSError(code, os.strerror(code), str(b))
 
 
+#: Where the fallback swap keeps the previous secured copy until the new one is in place (never matched by the
+#: staging glob): ``.last-checkpoint.previous-<pid>``.
+_PREVIOUS = f".{CHECKPOINT_FOLDER}.previous-"
+#: The final push's journal: the renames of files staged and verified beside the root, replayed by the next run.
+_FINAL_JOURNAL = ".guard-final-journal.json"
+
+
 def _swap_in(staging: Path, target: Path) -> Path | None:
-    """Put ``staging`` at ``target`` atomically; returns the path now holding the old content (to delete)."""
+    """Put ``staging`` at ``target`` atomically; returns the path now holding the old content (to delete).
+
+    ``renameat2(RENAME_EXCHANGE)`` where the file system has it; else (NFS and others) two renames, the previous
+    copy first moved to ``.last-checkpoint.previous-<pid>``: killed between the two, the next run finds no
+    ``last-checkpoint`` and that folder, and puts it back (``_recover``), so the secured copy is never lost."""
     if not target.exists():
         os.rename(staging, target)
         return None
     if _rename_exchange(staging, target):
         return staging
-    old = staging.with_name(staging.name + ".old")
+    old = target.with_name(f"{_PREVIOUS}{os.getpid()}")
+    if old.exists():
+        shutil.rmtree(old)
     os.rename(target, old)
+    _fsync_dir(target.parent)
     os.rename(staging, target)
     return old
 
 
-def _remove_stale_staging(root: Path) -> None:
-    """Remove ``.last-checkpoint.tmp-<pid>-*`` folders left by a push that was killed (its process is gone)."""
+def _pid_alive(text: str) -> bool:
     import psutil
 
+    return text.isdigit() and psutil.pid_exists(int(text))
+
+
+def _recover(root: Path, log: logging.Logger = logger) -> None:
+    """Finish what a push killed part way left at a folder destination (its process is gone):
+
+    - no ``last-checkpoint`` but a previous copy (``.last-checkpoint.previous-<pid>``, or ``.last-checkpoint.tmp-
+      <pid>-XXXX.old`` of older versions): it is put back; with ``last-checkpoint`` present it is removed;
+    - a final push's journal: every staged file it lists is renamed into place (all were verified before the
+      journal was written), then the journal is removed.
+    """
+    target = root / CHECKPOINT_FOLDER
+    previous = [e for e in root.glob(f"{_PREVIOUS}*") if not _pid_alive(e.name[len(_PREVIOUS):])]
+    previous += [e for e in root.glob(f".{CHECKPOINT_FOLDER}.tmp-*.old")
+                 if not _pid_alive(e.name[len(f".{CHECKPOINT_FOLDER}.tmp-"):].split("-", 1)[0])]
+    for entry in sorted(previous, key=lambda e: e.stat().st_mtime, reverse=True):
+        if not target.exists() and entry.is_dir():
+            os.rename(entry, target)
+            _fsync_dir(root)
+            log.warning("%s was missing after a push killed mid-swap: the previous secured copy is back in place",
+                        target)
+        else:
+            shutil.rmtree(entry, ignore_errors=True)
+    journal = root / _FINAL_JOURNAL
+    try:
+        entries = json.loads(journal.read_text())
+    except (OSError, ValueError):
+        return
+    if _pid_alive(str(entries.get("pid", ""))):
+        return
+    for rel, staged in entries.get("renames", {}).items():
+        if (root / staged).is_file():
+            os.replace(root / staged, root / rel)
+    _fsync_dir(root)
+    journal.unlink()
+    log.warning("a final push to %s was killed while its files were put in place: finished it from its journal",
+                root)
+
+
+def _remove_stale_staging(root: Path) -> None:
+    """Remove ``.last-checkpoint.tmp-<pid>-XXXX`` staging folders left by a push that was killed (its process is
+    gone), after ``_recover`` put back a previous copy that a killed swap left aside."""
+    _recover(root)
     for entry in root.glob(f".{CHECKPOINT_FOLDER}.tmp-*"):
         pid = entry.name[len(f".{CHECKPOINT_FOLDER}.tmp-"):].split("-", 1)[0]
-        if entry.is_dir() and not (pid.isdigit() and psutil.pid_exists(int(pid))):
+        if entry.is_dir() and not entry.name.endswith(".old") and not _pid_alive(pid):
             shutil.rmtree(entry, ignore_errors=True)
 
 
@@ -550,6 +606,8 @@ class Securer:
     def _peek(self) -> SecuredRecord | None:
         if self.destination.kind == "folder":
             assert self.destination.path is not None
+            if self.destination.path.is_dir():
+                _recover(self.destination.path, self._log)
             source = self.destination.path / CHECKPOINT_FOLDER
             if not source.is_dir():
                 return None
@@ -895,21 +953,45 @@ class Securer:
         return str(target)
 
     def _folder_push_final(self, folder: Path, files: list[str]) -> str:
+        """Every changed file is first copied beside its place (``.NAME.guard-tmp``) and verified; then a journal
+        of the renames is written and fsynced, the renames done, the journal removed. Killed before the journal,
+        nothing changed; after it, the next run finishes the renames (``_recover``): never a mixed model."""
         root = self.destination.path
         assert root is not None
-        sums = {}
-        for rel in files:
-            src, dst = folder / rel, root / rel
-            sums[rel] = _hash_file(src)
-            if dst.is_file() and _hash_file(dst) == sums[rel]:
-                continue  # unchanged
-            tmp = dst.with_name(f".{dst.name}.guard-tmp")
-            copied = _copy_and_hash(src, tmp)
-            if copied != sums[rel]:
-                tmp.unlink()
-                raise Mismatch([f"{rel} changed while it was copied"])
-            os.replace(tmp, dst)
-            _fsync_dir(dst.parent)
+        root.mkdir(parents=True, exist_ok=True)
+        _recover(root, self._log)
+        sums, staged = {}, {}
+        try:
+            for rel in files:
+                src, dst = folder / rel, root / rel
+                sums[rel] = _hash_file(src)
+                if dst.is_file() and _hash_file(dst) == sums[rel]:
+                    continue  # unchanged
+                tmp = dst.with_name(f".{dst.name}.guard-tmp")
+                staged[rel] = tmp
+                if _copy_and_hash(src, tmp) != sums[rel]:
+                    raise Mismatch([f"{rel} changed while it was copied"])
+            for tmp in staged.values():  # each copy hashes as its source, which was checked whole by format
+                _fsync_dir(tmp.parent)
+            if staged:
+                journal = root / _FINAL_JOURNAL
+                with open(journal, "w") as out:
+                    json.dump({"pid": os.getpid(), "renames": {rel: tmp.relative_to(root).as_posix()
+                                                                for rel, tmp in staged.items()}}, out)
+                    out.flush()
+                    os.fsync(out.fileno())
+                _fsync_dir(root)
+                for rel, tmp in staged.items():
+                    os.replace(tmp, root / rel)
+                for parent in {(root / rel).parent for rel in staged}:
+                    _fsync_dir(parent)
+                journal.unlink()
+                _fsync_dir(root)
+                staged = {}
+        finally:
+            for tmp in staged.values():
+                with contextlib.suppress(OSError):
+                    tmp.unlink()
         self._verify_folder(root, sums, exclude=None)
         return str(root)
 
@@ -924,6 +1006,8 @@ class Securer:
 
     def _folder_fetch(self, into: Path) -> FetchedCheckpoint | None:
         assert self.destination.path is not None
+        if self.destination.path.is_dir():
+            _recover(self.destination.path, self._log)
         source = self.destination.path / CHECKPOINT_FOLDER
         if not source.is_dir():
             return None
