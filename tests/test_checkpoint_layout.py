@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pickle
 import stat
 from pathlib import Path
 
@@ -32,7 +33,10 @@ NOW = 1_787_236_200.0
 
 def write(path: Path, size: int, *, mtime_s: float = NOW - 60) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(b"x" * size)
+    # files of a format the guard checks hold that format (a whole pickle, valid JSON), about ``size`` bytes
+    data = (pickle.dumps(b"x" * size) if path.suffix == ".pkl" else json.dumps("x" * size).encode()
+            if path.suffix == ".json" else b"x" * size)
+    path.write_bytes(data)
     os.utime(path, (mtime_s, mtime_s))
     return path
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pickle
 from pathlib import Path
 
 import pytest
@@ -25,7 +26,10 @@ NOW = 1_787_236_200.0
 
 def write(path: Path, size: int, *, mtime_s: float = NOW - 60) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(b"x" * size)
+    # files of a format the guard checks hold that format (a whole pickle, valid JSON), about ``size`` bytes
+    data = (pickle.dumps(b"x" * size) if path.suffix == ".pkl" else json.dumps("x" * size).encode()
+            if path.suffix == ".json" else b"x" * size)
+    path.write_bytes(data)
     os.utime(path, (mtime_s, mtime_s))
     return path
 
@@ -168,7 +172,7 @@ def test_describe_a_single_file(tmp_path):
     path = write(tmp_path / "ckpt.pt", 321)
     info = describe(path, step=3)
     assert info == CheckpointInfo(path=path, step=3, size_bytes=321, files=("ckpt.pt",), newest_mtime_s=NOW - 60,
-                                  step_source="reported")
+                                  step_source="reported", admitted_by="reported")
     assert info.folder == tmp_path
 
 

@@ -5,6 +5,7 @@ Against the local Hub and tmp folders.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import threading
@@ -131,8 +132,14 @@ def make_checkpoint(root: Path, step: int, *, trainer_state: bool = True,
 
 
 def remote_checkpoint(hub: HubServer, repo_id: str) -> dict[str, bytes]:
+    """The checkpoint's files at the destination, without the guard's manifest (the record, checked apart)."""
     prefix = "last-checkpoint/"
-    return {p[len(prefix):]: data for p, data in hub.repo_files(repo_id).items() if p.startswith(prefix)}
+    return {p[len(prefix):]: data for p, data in hub.repo_files(repo_id).items()
+            if p.startswith(prefix) and p != prefix + MANIFEST_NAME}
+
+
+def remote_manifest(hub: HubServer, repo_id: str) -> dict:
+    return json.loads(hub.repo_files(repo_id)["last-checkpoint/" + MANIFEST_NAME])
 
 
 def local_files(folder: Path) -> dict[str, bytes]:
@@ -145,8 +152,13 @@ def test_push_creates_private_repo_with_identical_files(hub, api, repo_id, tmp_p
     result = Securer(f"hf://{repo_id}", api=api).push_checkpoint(ckpt, step=7, deadline=time.monotonic() + 60)
     assert hub.is_private(repo_id)
     assert remote_checkpoint(hub, repo_id) == local_files(ckpt)
-    head = hub.commits(repo_id)[-1]
-    assert result.revision == head.oid and "checkpoint step 7" in head.title
+    *_, upload, head = hub.commits(repo_id)
+    assert result.revision == head.oid and head.title == "guard: checkpoint step 7"
+    # the files came in the commit before, which the record names as verified; the record holds every sha256
+    manifest = remote_manifest(hub, repo_id)
+    assert manifest["verified_commit"] == upload.oid and "checkpoint step" not in upload.title
+    assert manifest["step"] == 7 and manifest["files"] == {
+        rel: {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()} for rel, data in local_files(ckpt).items()}
     assert result.pushed == f"hf://{repo_id}@{head.oid}" and result.attempts == 1 and result.step == 7
     assert result.files == tuple(sorted(local_files(ckpt))) and result.size_bytes == sum(
         len(d) for d in local_files(ckpt).values())
@@ -162,8 +174,8 @@ def test_second_push_replaces_last_checkpoint_in_one_commit(hub, api, repo_id, t
     (newer / "scheduler.pt").write_bytes(b"\x00sched")
     result = securer.push_checkpoint(newer, step=20, deadline=time.monotonic() + 60)
     commits = hub.commits(repo_id)
-    assert len(commits) == commits_before + 1 and commits[-1].oid == result.revision
-    assert commits[-1].deleted == ("last-checkpoint/sub/rng_state.txt",)
+    assert len(commits) == commits_before + 2 and commits[-1].oid == result.revision  # the files, then the record
+    assert commits[-2].deleted == ("last-checkpoint/guard_manifest.json", "last-checkpoint/sub/rng_state.txt")
     assert remote_checkpoint(hub, repo_id) == local_files(newer)
 
 
@@ -177,7 +189,7 @@ def test_server_errors_are_retried_with_backoff(hub, api, repo_id, tmp_path):
     result = securer.push_checkpoint(ckpt, step=3, deadline=clock() + 120)
     assert result.attempts == 3 and clock.sleeps == [1.0, 2.0]
     commit_statuses = [r.status for r in hub.requests if "/commit/" in r.path]
-    assert commit_statuses == [500, 500, 200]
+    assert commit_statuses == [500, 500, 200, 200]  # the files, then the record
     assert len([r for r in hub.requests if r.method == "PUT"]) == 2  # each LFS file uploaded once, not per attempt
     assert remote_checkpoint(hub, repo_id) == local_files(ckpt)
 

@@ -24,7 +24,15 @@ A checkpoint folder counts as complete when:
 - it holds no ``checkpoint-is-incomplete.txt``: transformers' JIT checkpointing (``trainer_jit_checkpoint.py``,
   ``enable_jit_checkpoint=True``) creates that sentinel before saving and removes it on success (anchors.md 6a);
 - its files have stopped changing: no file's mtime within ``stable_for_s`` of now, and two stat passes over the
-  folder agree on every size and mtime.
+  folder agree on every size and mtime;
+- every file is whole by its format (``guard.secure.formats.check_files``: a torch zip with its central directory,
+  a pickle stream that ends, a safetensors header that matches the size, a ``.distcp`` set its ``.metadata``
+  names);
+- it carries no suspect marker (``mark_suspect``: saved after the first non-finite loss): such a checkpoint is
+  skipped, and named in the log, by the scan, resume and every later push.
+
+A folder the job said it finished skips the mtime and completion-file rules (not the suspect marker); the push
+checks its files by format all the same. The log says which rule admitted each checkpoint (``admitted_by``).
 
 The Trainer rotates old checkpoints (``rotate_checkpoints``) while we may be scanning: a folder or file that vanishes
 mid-scan is skipped, never an error.
@@ -46,6 +54,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from guard.errors import SupervisorError
+from guard.secure.formats import check_files
 
 __all__ = [
     "GUARD_MARKER_NAME",
@@ -100,6 +109,10 @@ class CheckpointInfo:
         newest_mtime_s: the newest file mtime, epoch seconds.
         root: the folder ``files`` are relative to when it is not ``path`` (a set of loose files: the output
             folder), else None. Push ``folder`` with exactly ``files``.
+        admitted_by: the rule that made it count (logged): ``"reported"`` (the job said the save is done: the
+            Trainer's save event, ``checkpoint_saved``), ``"saved"`` (the agent saw ``torch.save`` return), or
+            ``"settled"`` (written by other means: unchanged for the settle time, its completion file present and
+            every file whole by format, ``guard.secure.formats``); None when not told.
         step_source: where ``step`` comes from: ``"trainer_state"`` (``global_step``), ``"reported"`` (the job's
             ``checkpoint_saved`` or the agent's step count at the save: the guard's own step unit, comparable with
             the VERDICT's ``step``), ``"marker"``, ``"name"`` (N of the folder or file name: the job's unit, which
@@ -113,6 +126,7 @@ class CheckpointInfo:
     newest_mtime_s: float
     root: Path | None = None
     step_source: str | None = None
+    admitted_by: str | None = None
 
     @property
     def folder(self) -> Path:
@@ -224,6 +238,9 @@ def _check(path: Path, now_s: float, stable_for_s: float, stat: StatFn,
     if second != first:
         changed = sorted(set(first.items()) ^ set(second.items()))
         return second, f"still being written ({changed[0][0]} changed while scanning)"
+    problems = check_files(path, sorted(first))
+    if problems:
+        return first, f"not whole by format ({problems[0]})"
     return first, None
 
 
@@ -237,10 +254,26 @@ def _step_from_json(path: Path, name: str, key: str) -> int | None:
 
 
 def _info(path: Path, files: dict[str, tuple[int, float]], step: int | None, *, root: Path | None = None,
-          step_source: str | None = None) -> CheckpointInfo:
+          step_source: str | None = None, admitted_by: str | None = None) -> CheckpointInfo:
     return CheckpointInfo(path=path, step=step, size_bytes=sum(size for size, _ in files.values()),
                           files=tuple(sorted(files)), newest_mtime_s=max(m for _, m in files.values()), root=root,
-                          step_source=step_source if step is not None else None)
+                          step_source=step_source if step is not None else None, admitted_by=admitted_by)
+
+
+_admitted_logged: set[tuple[str, float]] = set()
+
+
+def _log_admitted(info: CheckpointInfo, stable_for_s: float) -> None:
+    """Say once per checkpoint (path and newest mtime) which rule admitted it."""
+    key = (str(info.path), info.newest_mtime_s)
+    if key in _admitted_logged:
+        return
+    _admitted_logged.add(key)
+    if info.admitted_by == "reported":
+        log.info("checkpoint %s counts: the job said its save is done", info.path)
+    else:
+        log.info("checkpoint %s counts: written by other means, unchanged for %.1fs and every file whole by "
+                 "format", info.path, stable_for_s)
 
 
 def _folder_step(path: Path, name_step: int) -> tuple[int, str]:
@@ -294,10 +327,18 @@ def newest_complete(output_dir: str | os.PathLike[str], *, now_s: float, stable_
         path = base / name
         if not path.is_dir() or path.is_symlink():
             continue
-        files, reason = _check(path, now_s, stable_for_s, stat, reported=os.path.realpath(path) in said)
+        told = os.path.realpath(path) in said
+        files: dict[str, tuple[int, float]]
+        reason: str | None
+        if is_marked_suspect(path):
+            files, reason = {}, "marked suspect (saved after the first non-finite loss): never resumed or pushed"
+        else:
+            files, reason = _check(path, now_s, stable_for_s, stat, reported=told)
         if reason is None:
             found, source = _folder_step(path, step)
-            return _info(path, files, found, step_source=source)
+            info = _info(path, files, found, step_source=source, admitted_by="reported" if told else "settled")
+            _log_admitted(info, stable_for_s)
+            return info
         if seen is None or (str(path), reason) not in seen:
             log.info("skipped checkpoint %s: %s", path, reason)
             if seen is not None:
@@ -329,6 +370,11 @@ def loose_files(output_dir: str | os.PathLike[str], *, now_s: float, stable_for_
         names = sorted(n for n in os.listdir(base) if _is_model_file(n))
     except (FileNotFoundError, NotADirectoryError):
         return None
+
+    suspects = [n for n in names if is_marked_suspect(base / n)]
+    if suspects:
+        log.debug("left out %s: marked suspect (saved after the first non-finite loss)", ", ".join(suspects))
+        names = [n for n in names if n not in suspects]
 
     def look() -> dict[str, tuple[int, float]]:
         out = {}
@@ -362,8 +408,14 @@ def loose_files(output_dir: str | os.PathLike[str], *, now_s: float, stable_for_
     second = look()
     if any(second.get(name) != entry for name, entry in chosen.items()):
         return None
+    problems = check_files(base, sorted(chosen))
+    if problems:
+        log.debug("model files in %s not whole by format: %s", base, problems[0])
+        return None
     path = base / next(iter(chosen)) if len(chosen) == 1 else base
-    return _info(path, chosen, step, root=base, step_source="name")
+    info = _info(path, chosen, step, root=base, step_source="name", admitted_by="settled")
+    _log_admitted(info, stable_for_s)
+    return info
 
 
 class SavedFiles:
@@ -399,7 +451,7 @@ class SavedFiles:
         if not files:
             return None
         target = folder / next(iter(files)) if len(files) == 1 else folder
-        return _info(target, files, step, root=folder, step_source="reported")
+        return _info(target, files, step, root=folder, step_source="reported", admitted_by="saved")
 
 
 def describe(path: str | os.PathLike[str], *, step: int | None = None, stat: StatFn = os.stat) -> CheckpointInfo:
@@ -431,7 +483,7 @@ def describe(path: str | os.PathLike[str], *, step: int | None = None, stat: Sta
         found, source = step, "reported"
     if found is None and (m := _FOLDER_RE.fullmatch(where.name)):
         found, source = int(m.group(1)), "name"
-    return _info(where, files, found, step_source=source)
+    return _info(where, files, found, step_source=source, admitted_by="reported")
 
 
 def rewritten_after(folder: Path, files: Iterable[str], saved_s: float) -> tuple[str, float] | None:

@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from guard.errors import HubError, PushFailedError, UsageError
-from guard.secure.checkpoints import rewritten_after
+from guard.secure.checkpoints import is_marked_suspect, rewritten_after
 from guard.secure.hubhttp import (
     PROGRESS,
     REQUEST_TIMEOUTS_S,
@@ -66,6 +66,9 @@ T = TypeVar("T")
 CHECKPOINT_FOLDER = "last-checkpoint"
 #: The title of every checkpoint commit the guard makes; the newest commit with this title is the secured one.
 CHECKPOINT_COMMIT_TITLE = "guard: checkpoint step {step}"
+#: The title of the commit that uploads a checkpoint's files; the record (``CHECKPOINT_COMMIT_TITLE``, adding the
+#: manifest) follows only once every file verified. Never matches ``_STEP_IN_TITLE``.
+UPLOAD_COMMIT_TITLE = "guard: upload of step {step}, not verified yet"
 MANIFEST_NAME = "guard_manifest.json"
 _MIN_ATTEMPT_S = 1.0  # don't start another attempt with less time than this left
 _ACCEPTED_FORMS = ("hf://NS/NAME, hf://datasets/NS/NAME, NS/NAME (a Hub model repo), "
@@ -202,14 +205,29 @@ def _list_files(folder: Path, keep: Callable[[str], bool] = lambda rel: True) ->
             if not rel.startswith((".git/", ".cache/")) and "/.git/" not in rel and "/.cache/" not in rel and keep(rel)]
 
 
-def _signatures(folder: Path, files: list[str]) -> dict[str, tuple[int, int]]:
-    """``{rel: (size, mtime_ns)}``: compared before and after a copy to catch a file rewritten meanwhile."""
+def _signatures(folder: Path, files: list[str]) -> dict[str, tuple[int, int, int]]:
+    """``{rel: (size, mtime_ns, inode)}``: compared before and after a copy to catch a file rewritten meanwhile
+    (in place, or replaced by a rename: a new inode)."""
     out = {}
     for rel in files:
         with contextlib.suppress(OSError):
             st = os.stat(folder / rel)
-            out[rel] = (st.st_size, st.st_mtime_ns)
+            out[rel] = (st.st_size, st.st_mtime_ns, st.st_ino)
     return out
+
+
+def _refuse_torn(what: str, folder: Path, files: list[str], where: str, destination: str) -> None:
+    """Raise ``PushFailedError`` when a file of ``files`` under ``folder`` is not structurally whole
+    (``formats.check_files``): ``where`` says which copy (``"local"``, ``"uploaded"``)."""
+    from guard.secure.formats import check_files
+
+    problems = check_files(folder, files)
+    if problems:
+        shown = "; ".join(problems[:3]) + (f"; ... {len(problems) - 3} more" if len(problems) > 3 else "")
+        raise PushFailedError(f"cannot secure {what}: the {where} files are not whole ({shown}); the secured copy "
+                              "is left as it was", destination=destination,
+                              hint="the job was still writing the checkpoint (or cut it short): let its save finish "
+                                   "(a longer --grace), or save to a temporary name and rename it into place")
 
 
 def _default_dir_mode() -> int:
@@ -298,6 +316,24 @@ def _manifest_files(secured: Path) -> dict[str, tuple[int, str]]:
         return {}
 
 
+def _against_manifest(fetched: Path, manifest: dict[str, Any], present: list[str]) -> list[str]:
+    """Problems of a fetched checkpoint against its manifest (``{"files": {rel: {"size", "sha256"}}}``): a file it
+    names that is missing or differs in size or sha256, a file it does not name."""
+    recorded = manifest.get("files")
+    if not isinstance(recorded, dict):
+        return [f"{MANIFEST_NAME} names no files"]
+    problems = []
+    for rel, want in sorted(recorded.items()):
+        local = fetched / rel
+        if not local.is_file():
+            problems.append(f"{rel} missing (named by {MANIFEST_NAME})")
+        elif not isinstance(want, dict) or _hash_file(local) != (want.get("size"), want.get("sha256")):
+            problems.append(f"{rel} differs from the size and sha256 recorded in {MANIFEST_NAME}")
+    problems += [f"{rel} is not named by {MANIFEST_NAME}" for rel in present
+                 if rel != MANIFEST_NAME and rel not in recorded]
+    return problems
+
+
 def _reuse_unchanged(src: Path, previous: Path, dst: Path, recorded: tuple[int, str] | None) -> tuple[int, str] | None:
     """Hard-link ``previous`` (the same file in the previous secured copy) to ``dst`` when ``src`` has the size and
     sha256 its manifest ``recorded``; returns ``(size, sha256)`` then, else None (the caller copies). Reading
@@ -347,26 +383,82 @@ def _rename_exchange(a: Path, b: Path) -> bool:
     raise OSError(code, os.strerror(code), str(b))
 
 
+#: Where the fallback swap keeps the previous secured copy until the new one is in place (never matched by the
+#: staging glob): ``.last-checkpoint.previous-<pid>``.
+_PREVIOUS = f".{CHECKPOINT_FOLDER}.previous-"
+#: The final push's journal: the renames of files staged and verified beside the root, replayed by the next run.
+_FINAL_JOURNAL = ".guard-final-journal.json"
+
+
 def _swap_in(staging: Path, target: Path) -> Path | None:
-    """Put ``staging`` at ``target`` atomically; returns the path now holding the old content (to delete)."""
+    """Put ``staging`` at ``target`` atomically; returns the path now holding the old content (to delete).
+
+    ``renameat2(RENAME_EXCHANGE)`` where the file system has it; else (NFS and others) two renames, the previous
+    copy first moved to ``.last-checkpoint.previous-<pid>``: killed between the two, the next run finds no
+    ``last-checkpoint`` and that folder, and puts it back (``_recover``), so the secured copy is never lost."""
     if not target.exists():
         os.rename(staging, target)
         return None
     if _rename_exchange(staging, target):
         return staging
-    old = staging.with_name(staging.name + ".old")
+    old = target.with_name(f"{_PREVIOUS}{os.getpid()}")
+    if old.exists():
+        shutil.rmtree(old)
     os.rename(target, old)
+    _fsync_dir(target.parent)
     os.rename(staging, target)
     return old
 
 
-def _remove_stale_staging(root: Path) -> None:
-    """Remove ``.last-checkpoint.tmp-<pid>-*`` folders left by a push that was killed (its process is gone)."""
+def _pid_alive(text: str) -> bool:
     import psutil
 
+    return text.isdigit() and psutil.pid_exists(int(text))
+
+
+def _recover(root: Path, log: logging.Logger = logger) -> None:
+    """Finish what a push killed part way left at a folder destination (its process is gone):
+
+    - no ``last-checkpoint`` but a previous copy (``.last-checkpoint.previous-<pid>``, or ``.last-checkpoint.tmp-
+      <pid>-XXXX.old`` of older versions): it is put back; with ``last-checkpoint`` present it is removed;
+    - a final push's journal: every staged file it lists is renamed into place (all were verified before the
+      journal was written), then the journal is removed.
+    """
+    target = root / CHECKPOINT_FOLDER
+    previous = [e for e in root.glob(f"{_PREVIOUS}*") if not _pid_alive(e.name[len(_PREVIOUS):])]
+    previous += [e for e in root.glob(f".{CHECKPOINT_FOLDER}.tmp-*.old")
+                 if not _pid_alive(e.name[len(f".{CHECKPOINT_FOLDER}.tmp-"):].split("-", 1)[0])]
+    for entry in sorted(previous, key=lambda e: e.stat().st_mtime, reverse=True):
+        if not target.exists() and entry.is_dir():
+            os.rename(entry, target)
+            _fsync_dir(root)
+            log.warning("%s was missing after a push killed mid-swap: the previous secured copy is back in place",
+                        target)
+        else:
+            shutil.rmtree(entry, ignore_errors=True)
+    journal = root / _FINAL_JOURNAL
+    try:
+        entries = json.loads(journal.read_text())
+    except (OSError, ValueError):
+        return
+    if _pid_alive(str(entries.get("pid", ""))):
+        return
+    for rel, staged in entries.get("renames", {}).items():
+        if (root / staged).is_file():
+            os.replace(root / staged, root / rel)
+    _fsync_dir(root)
+    journal.unlink()
+    log.warning("a final push to %s was killed while its files were put in place: finished it from its journal",
+                root)
+
+
+def _remove_stale_staging(root: Path) -> None:
+    """Remove ``.last-checkpoint.tmp-<pid>-XXXX`` staging folders left by a push that was killed (its process is
+    gone), after ``_recover`` put back a previous copy that a killed swap left aside."""
+    _recover(root)
     for entry in root.glob(f".{CHECKPOINT_FOLDER}.tmp-*"):
         pid = entry.name[len(f".{CHECKPOINT_FOLDER}.tmp-"):].split("-", 1)[0]
-        if entry.is_dir() and not (pid.isdigit() and psutil.pid_exists(int(pid))):
+        if entry.is_dir() and not entry.name.endswith(".old") and not _pid_alive(pid):
             shutil.rmtree(entry, ignore_errors=True)
 
 
@@ -446,19 +538,34 @@ class Securer:
         if not files:
             raise PushFailedError(f"cannot secure {what}: {folder} has no files", destination=str(self.destination),
                                   hint="the guard only pushes complete checkpoint folders; check --output-dir")
-        rewritten = rewritten_after(folder, files, saved_by_s) if saved_by_s is not None else None
-        if rewritten is not None:
-            rel, later_s = rewritten
-            raise PushFailedError(f"cannot secure {what}: {folder / rel} was rewritten after that save (modified "
-                                  f"{later_s:.1f}s later), so it no longer holds step {step}",
-                                  destination=str(self.destination),
-                                  hint="the job overwrites its checkpoint in place; save each checkpoint under a new "
-                                       "name (e.g. ckpt-STEP.pt) so an older good one survives a later bad save")
-        if self.destination.kind == "folder":
-            attempt = lambda: self._folder_push_checkpoint(folder, files, step)  # noqa: E731
-        else:
-            message = CHECKPOINT_COMMIT_TITLE.format(step=step)
-            attempt = lambda: self._hub_push(folder, files, f"{CHECKPOINT_FOLDER}/", message, replace=True)  # noqa: E731
+        suspects = [str(p) for p in [folder, *(folder / rel for rel in files)] if is_marked_suspect(p)]
+        if suspects:
+            raise PushFailedError(f"cannot secure {what}: {suspects[0]} is marked suspect (saved after the first "
+                                  "non-finite loss): never pushed", destination=str(self.destination),
+                                  hint="resume from the secured checkpoint saved before the non-finite loss")
+
+        def still_that_save() -> None:
+            # before every attempt: a retry after "changed while copied" must not secure the next save as this step
+            rewritten = rewritten_after(folder, files, saved_by_s) if saved_by_s is not None else None
+            if rewritten is not None:
+                rel, later_s = rewritten
+                raise PushFailedError(f"cannot secure {what}: {folder / rel} was rewritten after that save (modified "
+                                      f"{later_s:.1f}s later), so it no longer holds step {step}",
+                                      destination=str(self.destination),
+                                      hint="the job overwrites its checkpoint in place; save each checkpoint under a "
+                                           "new name (e.g. ckpt-STEP.pt) so an older good one survives a later bad "
+                                           "save")
+            _refuse_torn(what, folder, files, "local", str(self.destination))
+
+        still_that_save()
+        message = CHECKPOINT_COMMIT_TITLE.format(step=step)
+
+        def attempt() -> str:
+            still_that_save()
+            if self.destination.kind == "folder":
+                return self._folder_push_checkpoint(folder, files, step)
+            return self._hub_push(folder, files, f"{CHECKPOINT_FOLDER}/", message, replace=True, record_step=step)
+
         return self._push(what, folder, files, step, attempt, deadline)
 
     def push_final(self, output_dir: str | os.PathLike[str], *, deadline: float) -> PushResult:
@@ -475,6 +582,7 @@ class Securer:
             raise PushFailedError(f"cannot secure the final model: {folder} has no model files",
                                   destination=str(self.destination),
                                   hint="the job wrote no final model to its output folder; check --output-dir")
+        _refuse_torn("the final model", folder, files, "local", str(self.destination))
         if self.destination.kind == "folder":
             attempt = lambda: self._folder_push_final(folder, files)  # noqa: E731
         else:
@@ -498,6 +606,8 @@ class Securer:
     def _peek(self) -> SecuredRecord | None:
         if self.destination.kind == "folder":
             assert self.destination.path is not None
+            if self.destination.path.is_dir():
+                _recover(self.destination.path, self._log)
             source = self.destination.path / CHECKPOINT_FOLDER
             if not source.is_dir():
                 return None
@@ -622,7 +732,12 @@ class Securer:
             self._api = HfApi(token=self._token)
         return self._api
 
-    def _hub_push(self, folder: Path, files: list[str], prefix: str, message: str, *, replace: bool) -> str:
+    def _hub_push(self, folder: Path, files: list[str], prefix: str, message: str, *, replace: bool,
+                  record_step: int | None = None) -> str:
+        """One commit of ``files``, verified; with ``record_step`` (a checkpoint), that commit is titled
+        ``UPLOAD_COMMIT_TITLE`` and, once every file verified, a second commit adds the manifest under the record's
+        title (``CHECKPOINT_COMMIT_TITLE``, on top of exactly the verified commit): a commit that failed
+        verification is never the record. Returns the commit id of the record (or of the one commit)."""
         from huggingface_hub import CommitOperationAdd, CommitOperationDelete, RepoFile
         from huggingface_hub.errors import EntryNotFoundError
 
@@ -643,15 +758,32 @@ class Securer:
                 remote = []
             keep = {op.path_in_repo for op in adds}
             deletes = [CommitOperationDelete(path_in_repo=p) for p in remote if p not in keep]
-        info = api.create_commit(repo_id, [*deletes, *adds], commit_message=message, repo_type=repo_type,
+        title = message if record_step is None else UPLOAD_COMMIT_TITLE.format(step=record_step)
+        info = api.create_commit(repo_id, [*deletes, *adds], commit_message=title, repo_type=repo_type,
                                  commit_description=f"Secured by jobguard: {len(files)} files from {folder.name}.")
         self._verify_hub(api, info.oid, adds)
-        changed = [rel for rel, sig in _signatures(folder, files).items() if before.get(rel) != sig]
+        after = _signatures(folder, files)
+        changed = sorted(rel for rel in set(before) | set(after) if before.get(rel) != after.get(rel))
         if changed:  # rewritten in place while uploading: what was sent may be torn; the retry's commit replaces it
             raise Mismatch([f"{rel} changed while it was uploaded" for rel in changed])
-        return info.oid
+        _refuse_torn(message.removeprefix("guard: "), folder, files, "uploaded", str(self.destination))
+        if record_step is None:
+            return info.oid
+        manifest = {"step": record_step, "source": str(folder), "verified_commit": info.oid,
+                    "files": {op.path_in_repo[len(prefix):]: {"size": op.upload_info.size,
+                                                               "sha256": op.upload_info.sha256.hex()}
+                              for op in adds}}
+        body = json.dumps(manifest, indent=1).encode()
+        record = CommitOperationAdd(path_in_repo=prefix + MANIFEST_NAME, path_or_fileobj=body)
+        # parent_commit: the record goes on top of exactly the verified commit, or not at all
+        done = api.create_commit(repo_id, [record], commit_message=message, repo_type=repo_type,
+                                 parent_commit=info.oid,
+                                 commit_description=f"Verified: {len(files)} files of commit {info.oid}.")
+        self._verify_hub(api, done.oid, [record], contents={record.path_in_repo: body})
+        return done.oid
 
-    def _verify_hub(self, api: HfApi, revision: str, adds: list[CommitOperationAdd]) -> None:
+    def _verify_hub(self, api: HfApi, revision: str, adds: list[CommitOperationAdd],
+                    contents: dict[str, bytes] | None = None) -> None:
         from huggingface_hub import RepoFile
         from huggingface_hub.utils.sha import git_hash
 
@@ -674,7 +806,8 @@ class Securer:
                 problems.append(f"{op.path_in_repo} has {entry.size} bytes, local {size}")
             elif entry.lfs is not None and entry.lfs.sha256 != op.upload_info.sha256.hex():
                 problems.append(f"{op.path_in_repo} sha256 {entry.lfs.sha256[:12]}.. differs")
-            elif entry.lfs is None and entry.blob_id != git_hash(Path(str(op.path_or_fileobj)).read_bytes()):
+            elif entry.lfs is None and entry.blob_id != git_hash((contents or {}).get(op.path_in_repo)
+                                                                 or Path(str(op.path_or_fileobj)).read_bytes()):
                 problems.append(f"{op.path_in_repo} git sha1 {entry.blob_id[:12]}.. differs")
         if problems:
             raise Mismatch(problems)
@@ -709,10 +842,19 @@ class Securer:
                     problems.append(f"{entry.path} sha256 differs from the recorded {entry.lfs.sha256[:12]}..")
                 elif entry.lfs is None and git_hash(local.read_bytes()) != entry.blob_id:
                     problems.append(f"{entry.path} git sha1 differs from the recorded {entry.blob_id[:12]}..")
+            fetched = staging / CHECKPOINT_FOLDER
+            manifest = _read_manifest(fetched)
+            if manifest:  # the record written after verification: every file must match its sha256
+                problems += _against_manifest(fetched, manifest, [e.path[len(CHECKPOINT_FOLDER) + 1:]
+                                                                 for e in entries])
+                with contextlib.suppress(OSError):
+                    (fetched / MANIFEST_NAME).unlink()
+                entries = [e for e in entries if e.path != f"{CHECKPOINT_FOLDER}/{MANIFEST_NAME}"]
             if problems:
                 raise Mismatch(problems)
-            fetched = staging / CHECKPOINT_FOLDER
             step = _step_from_trainer_state(fetched)
+            if step is None and isinstance(manifest.get("step"), int):
+                step = manifest["step"]
             if step is None:
                 for commit in api.list_repo_commits(repo_id, revision=sha, repo_type=repo_type):
                     if match := _STEP_IN_TITLE.search(commit.title):
@@ -771,9 +913,12 @@ class Securer:
                 self._log.info("%d unchanged files (%.1f MB) linked from the previous %s, %d copied (%.1f MB)",
                                len(linked), reused_bytes / 1e6, CHECKPOINT_FOLDER, len(files) - len(linked),
                                self.last_copy.copied_bytes / 1e6)
-            changed = [rel for rel, sig in _signatures(folder, files).items() if before.get(rel) != sig]
+            after = _signatures(folder, files)
+            changed = sorted(rel for rel in set(before) | set(after) if before.get(rel) != after.get(rel))
             if changed:  # a job that saves in place (torch.save over ckpt.pt) wrote it again meanwhile: torn copy
                 raise Mismatch([f"{rel} changed while it was copied" for rel in changed])
+            # the copy that would become the secured one, checked by format before anything is swapped
+            _refuse_torn(f"checkpoint step {step}", staging, files, "copied", str(self.destination))
             manifest = {"step": step, "source": str(folder),
                         "files": {rel: {"size": size, "sha256": sha} for rel, (size, sha) in sums.items()}}
             with open(staging / MANIFEST_NAME, "w") as out:
@@ -808,21 +953,45 @@ class Securer:
         return str(target)
 
     def _folder_push_final(self, folder: Path, files: list[str]) -> str:
+        """Every changed file is first copied beside its place (``.NAME.guard-tmp``) and verified; then a journal
+        of the renames is written and fsynced, the renames done, the journal removed. Killed before the journal,
+        nothing changed; after it, the next run finishes the renames (``_recover``): never a mixed model."""
         root = self.destination.path
         assert root is not None
-        sums = {}
-        for rel in files:
-            src, dst = folder / rel, root / rel
-            sums[rel] = _hash_file(src)
-            if dst.is_file() and _hash_file(dst) == sums[rel]:
-                continue  # unchanged
-            tmp = dst.with_name(f".{dst.name}.guard-tmp")
-            copied = _copy_and_hash(src, tmp)
-            if copied != sums[rel]:
-                tmp.unlink()
-                raise Mismatch([f"{rel} changed while it was copied"])
-            os.replace(tmp, dst)
-            _fsync_dir(dst.parent)
+        root.mkdir(parents=True, exist_ok=True)
+        _recover(root, self._log)
+        sums, staged = {}, {}
+        try:
+            for rel in files:
+                src, dst = folder / rel, root / rel
+                sums[rel] = _hash_file(src)
+                if dst.is_file() and _hash_file(dst) == sums[rel]:
+                    continue  # unchanged
+                tmp = dst.with_name(f".{dst.name}.guard-tmp")
+                staged[rel] = tmp
+                if _copy_and_hash(src, tmp) != sums[rel]:
+                    raise Mismatch([f"{rel} changed while it was copied"])
+            for tmp in staged.values():  # each copy hashes as its source, which was checked whole by format
+                _fsync_dir(tmp.parent)
+            if staged:
+                journal = root / _FINAL_JOURNAL
+                with open(journal, "w") as out:
+                    json.dump({"pid": os.getpid(), "renames": {rel: tmp.relative_to(root).as_posix()
+                                                                for rel, tmp in staged.items()}}, out)
+                    out.flush()
+                    os.fsync(out.fileno())
+                _fsync_dir(root)
+                for rel, tmp in staged.items():
+                    os.replace(tmp, root / rel)
+                for parent in {(root / rel).parent for rel in staged}:
+                    _fsync_dir(parent)
+                journal.unlink()
+                _fsync_dir(root)
+                staged = {}
+        finally:
+            for tmp in staged.values():
+                with contextlib.suppress(OSError):
+                    tmp.unlink()
         self._verify_folder(root, sums, exclude=None)
         return str(root)
 
@@ -837,6 +1006,8 @@ class Securer:
 
     def _folder_fetch(self, into: Path) -> FetchedCheckpoint | None:
         assert self.destination.path is not None
+        if self.destination.path.is_dir():
+            _recover(self.destination.path, self._log)
         source = self.destination.path / CHECKPOINT_FOLDER
         if not source.is_dir():
             return None

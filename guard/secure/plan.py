@@ -724,8 +724,8 @@ class Plan:
                  " in the background" if kind == "background" else "", deadline - now)
         handle = self._pusher.start("push_checkpoint", {
             "local_dir": str(info.folder), "step": info.step or 0, "files": list(info.files),
-            # after a NaN, a file rewritten since its save holds the bad weights: refuse it (Securer.push_checkpoint)
-            "saved_by_s": info.newest_mtime_s if self._bad_from_step is not None else None}, deadline)
+            # a file rewritten since its save no longer holds that step (after a NaN: the bad weights): refused
+            "saved_by_s": info.newest_mtime_s}, deadline)
         self._push = _Push(kind, info, handle, now)
         self._history.append(self._push)
         return [StartPush(kind, str(info.path), info.step, deadline, estimate_s)]

@@ -1,0 +1,66 @@
+"""How often background securing may push, from the destination: every complete save to a folder, under the
+commit rate limit on the Hub.
+
+- **Folder**: 0 s, every complete save is secured. Files unchanged since the last push are hard-linked from the
+  previous secured copy (``hub._reuse_unchanged``), so a push costs one read of the checkpoint and a copy of what
+  changed; a loop that saves in place (``ckpt.pt``) then never loses a good save to an interval.
+- **Hub**: the larger of two bounds, so that the guard's own commits use a bounded share of the repository's commit
+  budget and the time spent pushing stays a fraction of the run:
+
+  - the rate bound: the Hub refuses more than ``HUB_COMMITS_PER_HOUR`` = 128 commits per hour on a repository
+    (the Hub's 429 answer: "You have exceeded the rate limit for repository commits (128 per hour)", free tier).
+    Each checkpoint push makes ``COMMITS_PER_PUSH`` = 2 commits (the files, then the record written after
+    verification, ``hub.Securer.push_checkpoint``); background pushes may use ``HUB_SHARE`` = a quarter of the
+    budget, which leaves the rest to the Trainer's own ``push_to_hub``, the final push and retries:
+    ``3600 * 2 / (128 * 0.25)`` = 225 s;
+  - the time bound: ``PUSH_TIME_FACTOR`` = 3 times the last measured push (upload and verification), so that at
+    most a third of the wall time has a push in flight (its upload shares the job's network and disk).
+
+An explicit ``--push-interval`` wins over both (the caller passes it instead of asking here).
+"""
+
+from __future__ import annotations
+
+import math
+
+__all__ = ["COMMITS_PER_PUSH", "HUB_COMMITS_PER_HOUR", "HUB_SHARE", "PUSH_TIME_FACTOR", "background_interval_s"]
+
+#: The Hub's commit rate limit per repository (commits per hour; the 429 message of the Hub, free tier).
+HUB_COMMITS_PER_HOUR = 128
+#: The share of that budget background securing may use.
+HUB_SHARE = 0.25
+#: Commits per checkpoint push: the files, then the record after verification.
+COMMITS_PER_PUSH = 2
+#: The interval is at least this many times the measured push time.
+PUSH_TIME_FACTOR = 3.0
+
+
+def background_interval_s(destination_kind: str, *, measured_push_s: float | None = None,
+                          commits_per_hour: float = HUB_COMMITS_PER_HOUR, share: float = HUB_SHARE,
+                          commits_per_push: int = COMMITS_PER_PUSH) -> float:
+    """The least time between two background push starts for a destination, in seconds.
+
+    Args:
+        destination_kind: ``hub.Destination.kind``: ``"folder"`` or ``"hub"``.
+        measured_push_s: the last background push's duration (``PushResult.elapsed_s``), or None before the
+            first one.
+        commits_per_hour: the destination's commit rate limit (default ``HUB_COMMITS_PER_HOUR``).
+        share: the share of it background pushes may use (default ``HUB_SHARE``), in (0, 1].
+        commits_per_push: commits each push makes (default ``COMMITS_PER_PUSH``).
+
+    Returns:
+        0.0 for a folder (every complete save); for the Hub ``max(3600 * commits_per_push / (commits_per_hour *
+        share), PUSH_TIME_FACTOR * measured_push_s)``.
+
+    Raises:
+        ValueError: an unknown ``destination_kind``, or a rate or share that is not positive.
+    """
+    if destination_kind == "folder":
+        return 0.0
+    if destination_kind != "hub":
+        raise ValueError(f"unknown destination kind {destination_kind!r}: expected 'folder' or 'hub'")
+    if not (commits_per_hour > 0 and 0 < share <= 1 and commits_per_push > 0):
+        raise ValueError("commits_per_hour, share and commits_per_push must be positive (share at most 1)")
+    rate_bound_s = 3600.0 * commits_per_push / (commits_per_hour * share)
+    measured = measured_push_s if measured_push_s is not None and math.isfinite(measured_push_s) else 0.0
+    return max(rate_bound_s, PUSH_TIME_FACTOR * max(0.0, measured))

@@ -1,0 +1,356 @@
+"""Structural checks of checkpoint files by format: a file cut short or still being rewritten is never secured.
+
+A check reads the file's framing only (headers, directories, pickle opcodes, never the tensors' bytes) and
+answers None (the file is whole, or of no format known here) or one line on what is wrong. The formats:
+
+- **torch zip** (``torch.save``'s default since PyTorch 1.6): a zip archive (``PK\\x03\\x04``) whose central
+  directory, written *last* by ``PyTorchFileWriter``, is present and names its records, each record lying inside
+  the file, with a ``*/data.pkl`` record (``torch/serialization.py``). A truncated archive has no end-of-central-
+  directory record, which is what ``torch.load``'s "failed finding central directory" means.
+- **legacy torch pickle** (``_use_new_zipfile_serialization=False``) and plain pickles (accelerate's
+  ``random_states_0.pkl``): the pickle stream ends (``pickletools.genops`` reaches ``STOP``); for the legacy torch
+  layout (magic number, protocol, system info, the object, the storage keys, then each storage as an 8-byte
+  little-endian element count and its bytes, ``torch/serialization.py::_legacy_save``) every storage is present and
+  the file ends right after the last one. The object is read with a stub unpickler that builds no real class and
+  runs no code of the file.
+- **safetensors**: an 8-byte little-endian header length, a JSON header that parses, every tensor's
+  ``data_offsets`` inside the data, and the file exactly as long as header plus data (the format's spec,
+  ``huggingface/safetensors`` README).
+- **JSON** (``trainer_state.json``, ``config.json``): the text parses.
+- **a torch.distributed.checkpoint set**: ``.metadata`` (written last, by the coordinator's ``finish``) parses,
+  names every ``*.distcp`` shard of the folder, and each item it records (``_StorageInfo``: ``relative_path``,
+  ``offset``, ``length``) lies inside its shard (``torch/distributed/checkpoint/filesystem.py``).
+
+The format is told from the file's first bytes (a ``.safetensors`` name counts only when the file starts like one: a
+header length, then ``{``). A model file (``*.pt``, ``*.pth``, ``*.bin``, ``*.safetensors``, ``*.ckpt``, ``*.pkl``)
+of zero bytes is refused; one of no format known here (raw bytes a job wrote itself) is taken as it is, which the
+debug log says; the settle rule of ``guard.secure.checkpoints`` still applies to it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pickle
+import pickletools
+import struct
+import zipfile
+from collections.abc import Iterable
+from pathlib import Path
+from typing import IO, Any
+
+__all__ = ["DISTCP_METADATA", "MODEL_SUFFIXES", "check_file", "check_files", "kind_of"]
+
+log = logging.getLogger("guard.formats")
+
+#: The file ``torch.distributed.checkpoint.FileSystemWriter`` writes last, naming every shard.
+DISTCP_METADATA = ".metadata"
+#: Suffixes of files that must be of a known format (and not empty) to be secured.
+MODEL_SUFFIXES = (".pt", ".pth", ".bin", ".safetensors", ".ckpt")
+_ZIP_MAGIC = b"PK\x03\x04"
+_LEGACY_MAGIC = 0x1950A86A20F9469CFC6C  # torch.serialization.MAGIC_NUMBER
+_SAFETENSORS_MAX_HEADER = 100_000_000  # the spec's limit on the header length (bytes)
+#: Bytes per element of the legacy storage types (``torch.<Name>Storage``).
+_ELEMENT_BYTES = {"DoubleStorage": 8, "FloatStorage": 4, "HalfStorage": 2, "BFloat16Storage": 2,
+                  "LongStorage": 8, "IntStorage": 4, "ShortStorage": 2, "CharStorage": 1, "ByteStorage": 1,
+                  "BoolStorage": 1, "ComplexDoubleStorage": 16, "ComplexFloatStorage": 8, "UntypedStorage": 1,
+                  "QInt8Storage": 1, "QUInt8Storage": 1, "QInt32Storage": 4, "QUInt4x2Storage": 1,
+                  "QUInt2x4Storage": 1}
+
+
+class _Stub:
+    """What the stub unpickler builds for every class or function the pickle names: it keeps its arguments and
+    state, so that ``.metadata``'s records can be read without importing torch or running the file's code."""
+
+    _qualname = "?"
+    args: tuple[Any, ...]
+    state: Any
+    items: dict[Any, tuple[Any, Any]]
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> _Stub:
+        self = object.__new__(cls)
+        self.args, self.state, self.items = args, None, {}
+        return self
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __setstate__(self, state: Any) -> None:
+        self.state = state
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self.items[id(key)] = (key, value)
+
+    def __hash__(self) -> int:
+        return id(self)
+
+    def append(self, value: Any) -> None:
+        self.items[len(self.items)] = (None, value)
+
+    def extend(self, values: Iterable[Any]) -> None:
+        for value in values:
+            self.append(value)
+
+
+class _StubUnpickler(pickle.Unpickler):
+    def __init__(self, file: IO[bytes]) -> None:
+        super().__init__(file)
+        self.storages: dict[str, tuple[str, int]] = {}  # key -> (storage type name, element count)
+
+    def find_class(self, module: str, name: str) -> Any:
+        return type(name, (_Stub,), {"_qualname": f"{module}.{name}"})
+
+    def persistent_load(self, pid: Any) -> Any:
+        if isinstance(pid, tuple) and len(pid) >= 5 and pid[0] == "storage":
+            kind = getattr(pid[1], "__name__", str(pid[1]))
+            if isinstance(pid[2], str) and isinstance(pid[4], int):
+                self.storages[pid[2]] = (kind, pid[4])
+        return None
+
+
+def kind_of(path: str | os.PathLike[str]) -> str | None:
+    """The format of the file at ``path`` from its first bytes and name: ``"torch-zip"``, ``"pickle"``,
+    ``"safetensors"``, ``"json"``, ``"distcp"`` (a shard of a ``torch.distributed.checkpoint`` set),
+    ``"distcp-metadata"``, ``"empty"``, or None (not known here). Raises OSError when it cannot be read."""
+    where = Path(path)
+    if where.name == DISTCP_METADATA:
+        return "distcp-metadata"
+    if where.suffix == ".distcp":
+        return "distcp"
+    with open(where, "rb") as file:
+        head = file.read(8)
+    if not head:
+        return "empty"
+    if where.suffix == ".safetensors" and (len(head) < 8 or _safetensors_head(where)):
+        return "safetensors"
+    if head.startswith(_ZIP_MAGIC):
+        return "torch-zip"
+    if head[:1] == b"\x80" or where.suffix == ".pkl":
+        return "pickle"
+    if where.suffix == ".json":
+        return "json"
+    return None
+
+
+def _safetensors_head(path: Path) -> bool:
+    """The file starts like a safetensors file: a header length within the spec's limit, then ``{``."""
+    with open(path, "rb") as file:
+        head = file.read(9)
+    return len(head) == 9 and struct.unpack("<Q", head[:8])[0] <= _SAFETENSORS_MAX_HEADER and head[8:] == b"{"
+
+
+def _check_zip(path: Path, size_bytes: int) -> str | None:
+    try:
+        with zipfile.ZipFile(path) as archive:
+            records = archive.infolist()
+    except zipfile.BadZipFile as exc:
+        return f"not a whole zip archive ({exc}): cut short or still being written"
+    if not records:
+        return "a zip archive with no records"
+    for record in records:
+        end = record.header_offset + 30 + len(record.filename.encode()) + record.compress_size
+        if end > size_bytes:
+            return f"its record {record.filename} ends at byte {end}, past the file's {size_bytes}"
+    if path.suffix in (".pt", ".pth", ".bin", ".ckpt") and not any(
+            r.filename == "data.pkl" or r.filename.endswith("/data.pkl") for r in records):
+        return "a zip archive without the data.pkl record of torch.save"
+    return None
+
+
+def _pickle_ends(file: IO[bytes]) -> bool:
+    """Read one pickle from ``file`` with ``pickletools.genops``; True when it reached ``STOP``."""
+    last = None
+    for opcode, _, _ in pickletools.genops(file):
+        last = opcode.name
+    return last == "STOP"
+
+
+def _check_pickle(path: Path, size_bytes: int) -> str | None:
+    with open(path, "rb") as file:
+        try:
+            magic = _StubUnpickler(file).load() if file.peek(1)[:1] == b"\x80" else None
+        except Exception:  # noqa: BLE001 - any failure to read the first pickle: cut short or garbage
+            magic = None
+        if magic != _LEGACY_MAGIC:
+            file.seek(0)
+            try:
+                if not _pickle_ends(file):
+                    return "the pickle stream does not end (no STOP): cut short"
+            except Exception as exc:  # noqa: BLE001 - a truncated stream raises from genops
+                return f"the pickle stream does not end ({exc}): cut short"
+            return None
+        try:
+            _StubUnpickler(file).load()  # protocol version
+            _StubUnpickler(file).load()  # system info
+            reader = _StubUnpickler(file)
+            reader.load()
+            keys = _StubUnpickler(file).load()
+        except Exception as exc:  # noqa: BLE001 - truncated or garbage: cut short
+            return f"the legacy torch pickle stream does not end ({type(exc).__name__}): cut short"
+        if not isinstance(keys, list):
+            return "the legacy torch pickle has no list of storage keys"
+        at = file.tell()
+    for key in keys:
+        kind, count = reader.storages.get(str(key), ("?", -1))
+        element = _ELEMENT_BYTES.get(kind)
+        if element is None:
+            return None  # a storage type not known here: the pickles ended, which is what can be told
+        if at + 8 > size_bytes:
+            return f"storage {key} is missing (the file ends at byte {size_bytes}): cut short"
+        with open(path, "rb") as file:
+            file.seek(at)
+            (stored,) = struct.unpack("<q", file.read(8))
+        at += 8 + stored * element
+        if stored != count and count >= 0:
+            return f"storage {key} records {stored} elements, its tensor {count}"
+        if at > size_bytes:
+            return f"storage {key} ends at byte {at}, past the file's {size_bytes}: cut short"
+    if at != size_bytes:
+        return f"{size_bytes - at} bytes after the last storage (not what torch.save wrote)"
+    return None
+
+
+def _check_safetensors(path: Path, size_bytes: int) -> str | None:
+    if size_bytes < 8:
+        return f"{size_bytes} bytes: shorter than the 8-byte header length"
+    with open(path, "rb") as file:
+        (header_len,) = struct.unpack("<Q", file.read(8))
+        if header_len > _SAFETENSORS_MAX_HEADER or 8 + header_len > size_bytes:
+            return f"the header length {header_len} runs past the file's {size_bytes} bytes: cut short"
+        try:
+            header = json.loads(file.read(header_len))
+        except ValueError as exc:
+            return f"the header does not parse ({exc})"
+    if not isinstance(header, dict):
+        return "the header is not a JSON object"
+    data_end = 0
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)
+                and 0 <= offsets[0] <= offsets[1]):
+            return f"tensor {name} has no valid data_offsets"
+        data_end = max(data_end, offsets[1])
+    expected = 8 + header_len + data_end
+    if expected != size_bytes:
+        return (f"the header says {expected} bytes, the file has {size_bytes}"
+                + (": cut short" if size_bytes < expected else ""))
+    return None
+
+
+def check_file(path: str | os.PathLike[str]) -> str | None:
+    """Whether the file at ``path`` is structurally whole (see the module docstring).
+
+    Returns:
+        None when it is (or its format is not one checked here and its name is not a model file's), else one line
+        on what is wrong. A ``.distcp`` shard is checked with its set (``check_files``), not here: None.
+    """
+    where = Path(path)
+    try:
+        size_bytes = where.stat().st_size
+        kind = kind_of(where)
+        if kind == "empty":
+            return "empty (0 bytes)" if where.suffix in MODEL_SUFFIXES or where.suffix == ".pkl" else None
+        if kind == "torch-zip":
+            return _check_zip(where, size_bytes)
+        if kind == "pickle":
+            return _check_pickle(where, size_bytes)
+        if kind == "safetensors":
+            return _check_safetensors(where, size_bytes)
+        if kind == "json":
+            try:
+                json.loads(where.read_bytes())
+            except ValueError as exc:
+                return f"the JSON does not parse ({exc}): cut short"
+            return None
+        if kind in ("distcp", "distcp-metadata"):
+            return None
+    except OSError as exc:
+        return f"cannot be read ({exc.strerror or exc})"
+    if where.suffix in MODEL_SUFFIXES:
+        log.debug("%s: no format checked here (not torch.save, pickle or safetensors): taken as it is", where)
+    return None
+
+
+def _walk_stubs(root: Any, limit: int = 1_000_000) -> Iterable[_Stub]:
+    """Every stub reachable from ``root`` (through stub args, state, items, dicts, lists, tuples)."""
+    stack: list[Any] = [root]
+    seen: set[int] = set()
+    while stack and len(seen) < limit:
+        value = stack.pop()
+        if id(value) in seen:
+            continue
+        seen.add(id(value))
+        if isinstance(value, _Stub):
+            yield value
+            stack.extend([value.args, value.state, *(kv for pair in value.items.values() for kv in pair)])
+        elif isinstance(value, dict):
+            stack.extend(value.keys())
+            stack.extend(value.values())
+        elif isinstance(value, (list, tuple, set, frozenset)):
+            stack.extend(value)
+
+
+def _storage_records(metadata: Any) -> list[tuple[str, int, int]]:
+    """``(relative_path, offset, length)`` of every ``_StorageInfo`` in a ``.metadata`` read by the stub."""
+    out = []
+    for stub in _walk_stubs(metadata):
+        state = stub.state
+        if isinstance(state, tuple) and len(state) == 2 and isinstance(state[1], dict):
+            state = {**(state[0] or {}), **state[1]}  # a dataclass with __slots__: (dict, slots)
+        if isinstance(state, dict) and isinstance(state.get("relative_path"), str):
+            offset, length = state.get("offset"), state.get("length")
+            if isinstance(offset, int) and isinstance(length, int):
+                out.append((state["relative_path"], offset, length))
+    return out
+
+
+def _check_distcp(folder: Path, names: list[str]) -> list[str]:
+    shards = sorted(n for n in names if n.endswith(".distcp"))
+    if DISTCP_METADATA not in names:
+        return [f"{DISTCP_METADATA} missing: the torch.distributed.checkpoint save is not finished "
+                f"({len(shards)} shards written)"]
+    try:
+        with open(folder / DISTCP_METADATA, "rb") as file:
+            metadata = _StubUnpickler(file).load()
+    except Exception as exc:  # noqa: BLE001 - truncated or garbage
+        return [f"{DISTCP_METADATA} does not parse ({type(exc).__name__}): cut short"]
+    records = _storage_records(metadata)
+    named = {rel for rel, _, _ in records}
+    problems = [f"{rel} is not named by {DISTCP_METADATA} (another save's shard, or one still being written)"
+                for rel in shards if rel not in named]
+    ends: dict[str, int] = {}
+    for rel, offset, length in records:
+        ends[rel] = max(ends.get(rel, 0), offset + length)
+    for rel, end in sorted(ends.items()):
+        try:
+            size_bytes = (folder / rel).stat().st_size
+        except OSError:
+            problems.append(f"{rel}, named by {DISTCP_METADATA}, is missing")
+            continue
+        if size_bytes < end:
+            problems.append(f"{rel} has {size_bytes} bytes, {DISTCP_METADATA} records data up to byte {end}: "
+                            "cut short")
+    return problems
+
+
+def check_files(folder: str | os.PathLike[str], files: Iterable[str]) -> list[str]:
+    """Structural problems of a checkpoint's ``files`` (relative POSIX paths under ``folder``), as
+    ``"REL: why"`` lines; empty when every file is whole. ``*.distcp`` shards are checked as a set per folder
+    against its ``.metadata`` (every shard named, every record inside its shard)."""
+    base = Path(folder)
+    problems: list[str] = []
+    by_dir: dict[str, list[str]] = {}
+    for rel in files:
+        parent, _, name = rel.rpartition("/")
+        by_dir.setdefault(parent, []).append(name)
+        why = check_file(base / rel)
+        if why is not None:
+            problems.append(f"{rel}: {why}")
+    for parent, names in sorted(by_dir.items()):
+        if any(n.endswith(".distcp") for n in names) or DISTCP_METADATA in names:
+            prefix = f"{parent}/" if parent else ""
+            problems += [f"{prefix}{line}" for line in _check_distcp(base / parent, names)]
+    return problems

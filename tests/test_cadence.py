@@ -1,0 +1,33 @@
+"""The background push interval fits the destination (guard.secure.cadence)."""
+
+from __future__ import annotations
+
+import pytest
+
+from guard.secure.cadence import background_interval_s
+
+
+def test_a_folder_secures_every_complete_save() -> None:
+    assert background_interval_s("folder") == 0.0
+    assert background_interval_s("folder", measured_push_s=120.0) == 0.0
+
+
+def test_the_hub_stays_under_its_commit_rate_limit() -> None:
+    # 128 commits/hour, a quarter for background pushes of 2 commits each: one push per 225 s at most
+    assert background_interval_s("hub") == pytest.approx(225.0)
+    pushes_per_hour = 3600 / background_interval_s("hub")
+    assert pushes_per_hour * 2 <= 128 * 0.25
+
+
+def test_a_slow_push_widens_the_hub_interval() -> None:
+    assert background_interval_s("hub", measured_push_s=10.0) == pytest.approx(225.0)
+    assert background_interval_s("hub", measured_push_s=300.0) == pytest.approx(900.0)
+    assert background_interval_s("hub", measured_push_s=float("nan")) == pytest.approx(225.0)
+
+
+def test_other_limits_and_bad_input() -> None:
+    assert background_interval_s("hub", commits_per_hour=1000, share=1.0) == pytest.approx(7.2)
+    with pytest.raises(ValueError):
+        background_interval_s("s3")
+    with pytest.raises(ValueError):
+        background_interval_s("hub", share=0)
