@@ -9,8 +9,9 @@
 #
 # slurm.conf: the settings of shared/reference/slurm-local.md (KillWait=30 between the limit's SIGTERM and SIGKILL,
 # MinJobAge=300 so `scontrol show job` still shows a finished job, JobRequeue=1) plus AuthInfo=cred_expire=30: a
-# requeued job waits cred_expire seconds before it may start again (slurm.conf(5), default 120), which keeps the
-# requeue test short.
+# requeued job waits cred_expire seconds before it may start again (slurm.conf(5), default 120), and
+# SchedulerParameters=sched_interval=5,bf_interval=5 (defaults 60 and 30) start it soon after: the requeue test
+# stays short.
 set -euo pipefail
 
 STATE=${JOBGUARD_SLURM_STATE:-/run/jobguard-slurm/started}
@@ -72,6 +73,7 @@ SlurmdPidFile=/run/slurmd.pid
 SlurmctldLogFile=/var/log/slurm/slurmctld.log
 SlurmdLogFile=/var/log/slurm/slurmd.log
 SchedulerType=sched/backfill
+SchedulerParameters=sched_interval=5,bf_interval=5
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 AccountingStorageType=accounting_storage/none
