@@ -37,8 +37,8 @@ WHEEL_REPO = "me/jobguard-wheels"  # the README's example repo
 needs_uv = pytest.mark.skipif(not os.access(UV, os.X_OK), reason="uv is not installed (pip install uv)")
 
 
-def _requirements(metadata_text: str) -> list[Requirement]:
-    reqs = [Requirement(r) for r in Parser().parsestr(metadata_text).get_all("Requires-Dist") or []]
+def _requirements(lines: list[str] | None) -> list[Requirement]:
+    reqs = [Requirement(r) for r in lines or []]
     return [r for r in reqs if r.marker is None or r.marker.evaluate({"extra": ""})]
 
 
@@ -77,7 +77,7 @@ def wheels(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     [wheel] = folder.glob("jobguard-*.whl")
     with zipfile.ZipFile(wheel) as archive:
         metadata = archive.read(next(n for n in archive.namelist() if n.endswith(".dist-info/METADATA"))).decode()
-    todo, seen = _requirements(metadata), {"jobguard"}
+    todo, seen = _requirements(Parser().parsestr(metadata).get_all("Requires-Dist")), {"jobguard"}
     while todo:
         req = todo.pop()
         key = canonicalize_name(req.name)
@@ -86,7 +86,7 @@ def wheels(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
         seen.add(key)
         dist = importlib.metadata.distribution(req.name)  # every dependency is installed here (the test extra)
         _repack(dist, folder)
-        todo += _requirements(str(dist.metadata))
+        todo += _requirements(dist.requires)
     return wheel, folder
 
 
@@ -188,20 +188,21 @@ def test_the_readme_wheel_url_forms_run_from_a_hub_repo(wheels: tuple[Path, Path
                                  env={**_uv_env(tmp_path, folder, offline=False), **hub.env()}, timeout=300,
                                  check=False)
             assert run.returncode == 0 and run.stdout.strip() == "jobguard 0.1.0", (run.stdout, run.stderr[-2000:])
+        body = _script("x").split("# ///\n")[-1]  # a job that needs nothing but the guard
         for block in blocks:
-            text = block.replace(HUB, hub.url)
+            header = block.replace(HUB, hub.url).partition("\n# ///\n")[0] + "\n# ///\n"
             script = tmp_path / "zero_config.py"
-            script.write_text(text.split("# ///\n", 1)[0] + "# ///\n" + _script("x").split("# ///\n", 2)[2])
+            script.write_text(header + body)
             proc = subprocess.run([HF, "jobs", "uv", "run", "--dry-run", script.name], capture_output=True,
                                   text=True, env=env, timeout=120, check=False)
             assert proc.returncode == 0 and "(dry run) Job not submitted." in proc.stdout, (block, proc.stderr)
-            # Only the dependency list is kept from the README's block: torch and transformers are not needed
-            # by this job and are not in the wheel folder.
-            deps = re.search(r"# dependencies = \[(.*)\]", text)
+            # uv runs it here with the README's jobguard requirement alone: torch and transformers, also listed
+            # there, are not needed by this job and not in the wheel folder.
+            deps = re.search(r"# dependencies = \[(.*)\]", header)
             assert deps is not None
             wanted = [d.strip().strip('"') for d in deps.group(1).split(",") if "jobguard" in d]
-            assert wanted and wanted[0].startswith("jobguard @ "), wanted
-            script.write_text(_script(wanted[0]))
+            assert len(wanted) == 1 and wanted[0].startswith("jobguard @ http"), wanted
+            script.write_text(re.sub(r"# dependencies = \[.*\]", f'# dependencies = ["{wanted[0]}"]', header) + body)
             run = subprocess.run([UV, "run", "--script", script.name], capture_output=True, text=True,
                                  env={**_uv_env(tmp_path, folder, offline=False), **hub.env()}, timeout=300,
                                  check=False)
