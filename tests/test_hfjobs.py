@@ -208,6 +208,6 @@ def test_dockerfile_is_well_formed_and_says_where_the_script_comes_from() -> Non
                 assert (repo / source).exists(), source
     entrypoint = json.loads(next(args for keyword, args in steps if keyword == "ENTRYPOINT"))
     assert entrypoint == ["/entrypoint.sh"]
-    assert "exec python -m guard" in (repo / "entrypoint.sh").read_text()
+    assert 'exec jobguard "$@"' in (repo / "entrypoint.sh").read_text()  # not shadowed by a guard.py in /workspace
     comments = path.read_text()
     assert "-v hf://" in comments and "COPY train.py" in comments

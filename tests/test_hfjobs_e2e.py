@@ -222,16 +222,17 @@ def test_every_documented_hf_jobs_command_builds_a_guarded_job(tmp_path: Path, m
             assert proc.returncode == 0, f"{line}\n{proc.stdout}\n{proc.stderr}"
             assert "(dry run) Job not submitted." in proc.stdout
             if " uv run " not in line:
-                assert "python -m guard" in summary["command"] and "train.py" in summary["command"], line
+                assert "jobguard" in summary["command"] and "train.py" in summary["command"], line
                 continue
             script_args = shlex.split(summary.get("args", ""))
             command, _, _, volumes = api._create_uv_command_env_and_secrets(
-                script=summary["script"], script_args=script_args, dependencies=summary.get("with", "").split() or None,
+                script=summary["script"], script_args=script_args,
+                dependencies=shlex.split(summary.get("with", "")) or None,
                 python=None, env={}, secrets={}, namespace="alice", token=TOKENS["write"])
             shown = shlex.join(command)
             assert "/data/train.py" in shown and volumes and volumes[0].mount_path == "/data", shown
             if summary["script"] == "train.py":  # the zero-config form: the guard comes from the script itself
                 assert summary.get("timeout") == "40s (from script)", proc.stdout
             else:
-                assert "-m guard" in shown, shown
+                assert " jobguard " in f" {shown} ", shown
     assert huggingface_hub.__version__ >= "2"

@@ -96,6 +96,11 @@ def check_distributed(
     slurm = "SLURM_JOB_ID" in environ and ("SLURM_NTASKS" in environ or "SLURM_PROCID" in environ)
     if not torchrun and not slurm and opts.platform not in ("torchrun", "slurm"):
         return [CheckResult(name, "n/a", "not a distributed run (no WORLD_SIZE, not under Slurm)")]
+    ntasks = _int(environ, "SLURM_NTASKS")
+    if not torchrun and (ntasks or 1) == 1 and not (environ.get("MASTER_ADDR") or "").strip():
+        # sbatch without -n/--ntasks sets no SLURM_NTASKS: one task, the batch step's (sbatch(1) OUTPUT ENVIRONMENT)
+        return [CheckResult(name, "n/a", "one process: one Slurm task "
+                            f"({'SLURM_NTASKS=1' if ntasks else 'no SLURM_NTASKS'}), no WORLD_SIZE")]
     rows: list[CheckResult] = []
     facts: list[str] = []
     for key in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "RANK", "LOCAL_RANK"):
@@ -129,7 +134,8 @@ def check_distributed(
         rows.append(CheckResult(name, "fail", f"WORLD_SIZE={world} but MASTER_ADDR is not set",
                                 "launch with torchrun, or export MASTER_ADDR and MASTER_PORT"))
     if not any(row.status == "fail" for row in rows):
-        rows.insert(0, CheckResult(name, "pass", "; ".join(facts) or "distributed launcher detected"))
+        rows.insert(0, CheckResult(name, "pass", "; ".join(facts) or
+                                   ("under torchrun" if torchrun else f"under Slurm ({ntasks} tasks)")))
     return rows
 
 

@@ -7,6 +7,7 @@ supervisor runs the job, and its ``RunResult`` comes back. ``preflight_only`` is
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import signal
 import time
@@ -117,9 +118,30 @@ def resolve_budget(config: Config, platform: PlatformInfo) -> budget.Deadline:
         if table is not None and table.timeout_s is not None:
             timeout_s = table.timeout_s
             timeout_source = f"[{TABLE}] timeout in {table.path.name}"
-    return budget.resolve_deadline(timeout_s=timeout_s, timeout_source=timeout_source,
-                                   started_at_s=started_at_s, started_at_source=started_source,
-                                   environ=config.environ, platform=platform, now_s=time.time())
+    deadline = budget.resolve_deadline(timeout_s=timeout_s, timeout_source=timeout_source,
+                                       started_at_s=started_at_s, started_at_source=started_source,
+                                       environ=config.environ, platform=platform, now_s=time.time())
+    return _slurm_deadline(deadline, config, platform)
+
+
+def _slurm_deadline(deadline: budget.Deadline, config: Config, platform: PlatformInfo) -> budget.Deadline:
+    """Under Slurm without ``SLURM_JOB_END_TIME`` (older than 23.02): the end time from one bounded ``scontrol show
+    job`` call before preflight, so the budget row, the margin's caps and the deadline all see it from the start
+    (the refresher re-reads it later). ``--timeout`` still wins when earlier (``Deadline.refreshed``)."""
+    if platform.name != "slurm" or config.environ.get("SLURM_JOB_END_TIME", "").strip():
+        return deadline
+    from guard.run.slurm import SlurmRefresher
+
+    refresher = SlurmRefresher.from_environ(config.environ)
+    if refresher is None:
+        return deadline
+    end_s = refresher.maybe_refresh()
+    times = refresher.last_times
+    if end_s is None or times is None:
+        return deadline
+    if deadline.timeout_s is None and times.start_time_s is not None and times.start_time_s <= end_s:
+        deadline = dataclasses.replace(deadline, started_at_s=times.start_time_s)  # the budget counts from StartTime
+    return deadline.refreshed(end_s, refresher.last_source)
 
 
 def _uv_environment(config: Config) -> tuple[UvPlan, UvEnvironment | None]:
@@ -184,7 +206,6 @@ def _run_preflight(config: Config, deadline: budget.Deadline, platform: Platform
 
 def _with_requeue_row(report: PreflightReport, platform: PlatformInfo) -> PreflightReport:
     """Add the ``--requeue`` row: ``scontrol`` must exist in the container, and the job must run under Slurm."""
-    import dataclasses
     import shutil
 
     from guard.preflight import CheckResult
@@ -357,9 +378,7 @@ def run_job(config: Config, masker: Masker, started: float) -> RunResult:
         return RunResult("INTERRUPTED", "signal", 128 + signum, time.monotonic() - started,
                          extra={"signal": signal_name(signum)})
 
-    floor_s, max_margin_s = 60.0, None
-    if deadline.timeout_s is not None:  # a short budget: scale the floor and cap the automatic margin
-        floor_s, max_margin_s = min(60.0, 0.25 * deadline.timeout_s), 0.5 * deadline.timeout_s
+    floor_s, max_margin_s = budget.margin_bounds(deadline)  # caps by the budget, whatever its source
     estimator = budget.MarginEstimator(fixed_margin_s=config.margin_s, log_changes=deadline.deadline_s is not None,
                                        floor_s=floor_s, max_margin_s=max_margin_s)
     if fetched is not None:  # a verified checkpoint: the size for the margin, and a fallback to secure
@@ -385,8 +404,6 @@ def run_job(config: Config, masker: Masker, started: float) -> RunResult:
 
     env_extra: dict[str, str] = {}
     if uv_env is not None and uv_env.python and config.script is not None:
-        import dataclasses
-
         config = dataclasses.replace(config, command=(uv_env.python, str(config.script), *config.script_args))
         env_extra.update(uv_env.env_extra)
     if fetched is not None:

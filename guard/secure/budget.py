@@ -39,6 +39,7 @@ __all__ = [
     "MarginEstimator",
     "checkpoint_due",
     "format_duration_s",
+    "margin_bounds",
     "parse_started_at",
     "resolve_deadline",
 ]
@@ -69,6 +70,9 @@ class Deadline:
             ``"SLURM_JOB_END_TIME"``, ``"scontrol EndTime"``).
         explicit_deadline_s: the deadline the user's own ``--timeout`` gives, kept so that a Slurm refresh can
             never move the deadline past it (None when the user gave no timeout).
+        exact: the end time is known to the second (``SLURM_JOB_END_TIME``, ``scontrol``'s ``EndTime``, a timeout
+            counted from ``--started-at`` or ``SLURM_JOB_START_TIME``), so the margin needs no floor for an end
+            known only to the minute (see :func:`margin_bounds`). Default False.
     """
 
     started_at_s: float
@@ -76,6 +80,7 @@ class Deadline:
     deadline_s: float | None
     source: str
     explicit_deadline_s: float | None = None
+    exact: bool = False
 
     def remaining_s(self, now_s: float) -> float | None:
         """Seconds left at ``now_s`` (epoch seconds); negative once passed; None without a deadline."""
@@ -94,13 +99,13 @@ class Deadline:
         """
         if end_s is None:
             return self
-        new_s, new_source = end_s, source
+        new_s, new_source, exact = end_s, source, True  # a scheduler's end time is to the second
         if self.explicit_deadline_s is not None and self.explicit_deadline_s <= end_s:
-            new_s = self.explicit_deadline_s
+            new_s, exact = self.explicit_deadline_s, self.exact
             new_source = f"explicit timeout ({source} is later)"
         if new_s == self.deadline_s:
             return self
-        return replace(self, deadline_s=new_s, timeout_s=new_s - self.started_at_s, source=new_source)
+        return replace(self, deadline_s=new_s, timeout_s=new_s - self.started_at_s, source=new_source, exact=exact)
 
 
 def parse_started_at(text: str, *, option: str = "--started-at") -> float:
@@ -229,17 +234,18 @@ def resolve_deadline(
         start_s, start_text = _start_for_timeout(
             timeout_s, started_at_s, started_at_source, slurm_start_s, platform, now_s, pid1_start_s)
         explicit_s = start_s + timeout_s
+        exact = started_at_s is not None or start_text == "SLURM_JOB_START_TIME"  # a known start, not the guard's
         deadline = Deadline(start_s, float(timeout_s), explicit_s,
-                            f"{timeout_source} {format_duration_s(timeout_s)} from {start_text}", explicit_s)
+                            f"{timeout_source} {format_duration_s(timeout_s)} from {start_text}", explicit_s, exact)
         if slurm_deadline_s is not None and slurm_deadline_s < explicit_s:
             log.warning("Slurm ends the job %s before %s: using SLURM_JOB_END_TIME",
                         format_duration_s(explicit_s - slurm_deadline_s), deadline.source)
             deadline = replace(deadline, deadline_s=slurm_deadline_s, timeout_s=slurm_deadline_s - start_s,
-                               source=f"SLURM_JOB_END_TIME (before {deadline.source})")
+                               source=f"SLURM_JOB_END_TIME (before {deadline.source})", exact=True)
         return deadline
     if slurm_deadline_s is not None:
         start_s = next(s for s in (slurm_start_s, started_at_s, now_s) if s is not None)
-        return Deadline(start_s, slurm_deadline_s - start_s, slurm_deadline_s, "SLURM_JOB_END_TIME")
+        return Deadline(start_s, slurm_deadline_s - start_s, slurm_deadline_s, "SLURM_JOB_END_TIME", exact=True)
     start_s = next(s for s in (started_at_s, slurm_start_s, now_s) if s is not None)
     return Deadline(start_s, None, None, "none (no --timeout, no Slurm end time)")
 
@@ -315,8 +321,9 @@ class MarginEstimator:
     - size 1 GB (``default_size_bytes``) until a save, ``observe_size`` (an existing checkpoint) or
       ``size_hint_bytes`` says otherwise.
     - overhead 15 s: Hub commit round trips (preupload, commit, verify with ``get_paths_info``) of a few seconds each.
-    - floor 60 s: the deadline itself is only known to about a minute (Slurm's time resolution is one minute,
-      ``sbatch.1 --time``; clocks of different hosts differ).
+    - floor 60 s: a deadline counted from the guard's own start is only known to about a minute (Slurm's time
+      resolution is one minute, ``sbatch.1 --time``; clocks of different hosts differ). An exact end time needs
+      none (:func:`margin_bounds`).
 
     Measurements are kept robustly: the save time is the *largest* of the last ``history`` saves (scaled up to the
     expected size); the push throughput is the *slowest* of the last ``history`` pushes, lowered further while a
@@ -337,7 +344,8 @@ class MarginEstimator:
         log_changes: log the margin whenever it changes (default True; off when the job has no deadline).
         max_margin_s: the largest automatic margin (default None: no cap). For a short budget the defaults above
             (a 1 GB checkpoint at 20 MB/s) would ask for the checkpoint at once; the guard caps the margin at half
-            the budget and scales the floor down to a quarter of it.
+            the budget and scales the floor down to a quarter of it, whatever the budget's source
+            (:func:`margin_bounds`).
 
     Raises:
         BudgetError: a negative or non-finite setting, or ``safety_factor < 1``.
@@ -504,6 +512,24 @@ def _ok(value: float) -> bool:
 # ---------------------------------------------------------------------------------------------------------------
 # Plan: when to ask, how long to wait
 # ---------------------------------------------------------------------------------------------------------------
+
+
+def margin_bounds(deadline: Deadline, *, floor_s: float = 60.0) -> tuple[float, float | None]:
+    """The automatic margin's floor and cap for a deadline, in seconds: ``(floor_s, max_margin_s)``.
+
+    The same for every source of the budget (``--timeout``, ``SLURM_JOB_END_TIME``, ``scontrol``): without a
+    budget, ``(floor_s, None)``; with one, the margin is capped at half of it, and the floor is a quarter of it at
+    most. An exact end time (``Deadline.exact``) needs no floor (0): the floor stands for an end known only to about
+    a minute, and what remains is the measured step, save and push times with the safety factor and overhead.
+
+    Args:
+        deadline: the job's deadline (:func:`resolve_deadline`, or one moved by ``Deadline.refreshed``).
+        floor_s: the floor for an end not known exactly (default 60).
+    """
+    if deadline.timeout_s is None:
+        return floor_s, None
+    budget_s = max(deadline.timeout_s, 0.0)
+    return (0.0 if deadline.exact else min(floor_s, 0.25 * budget_s)), 0.5 * budget_s
 
 
 def checkpoint_due(now_s: float, deadline: Deadline, margin_s: float) -> bool:
