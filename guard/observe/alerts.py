@@ -70,7 +70,13 @@ def require_trackio(url: str | None, source: str) -> None:
         PreflightError: ``url`` is set (from ``source``: ``--alert-webhook`` or ``GUARD_ALERT_WEBHOOK``) and
             ``trackio`` cannot be found (check ``tracking``, hint: the ``jobguard[trackio]`` extra).
     """
-    if url and importlib.util.find_spec("trackio") is None:
+    if not url:
+        return
+    try:
+        spec = importlib.util.find_spec("trackio")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None:
         from guard.errors import PreflightError
 
         raise PreflightError(f"{source} needs trackio, which is not installed where the guard runs",
