@@ -102,7 +102,7 @@ def test_verdict_report_and_alert_levels() -> None:
     title, text, level = verdict_alert(failed_result())
     assert (title, level) == ("VERDICT FAIL reason=non_finite_loss", "error")
     assert text.startswith("VERDICT: FAIL reason=non_finite_loss exit=4 elapsed=12.3 step=3")
-    assert text.endswith("\nhint: lower the learning rate")
+    assert text.endswith("hint='lower the learning rate'") and "\n" not in text
     secured = RunResult("TIMEOUT", "deadline", 75, 100.0, extra={"secured": "yes"})
     unsecured = RunResult("INTERRUPTED", "signal", 143, 5.0, extra={"signal": "SIGTERM"})
     assert verdict_alert(secured)[2] == "error"  # the run did not finish: secured or not

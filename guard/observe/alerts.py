@@ -17,7 +17,7 @@ push failing repeatedly, or rate-limited  warn   failed pushes in the plan's ``h
 the VERDICT                               info   PASS; ``error`` otherwise (``tracking.verdict_alert``)
 ========================================  =====  =============================================================
 
-Each alert's text ends with ``step=N rank=R`` and the hint. The throughput drop: after two windows of steps, the
+Each alert's text ends with ``step=N rank=R`` (those known) and the hint. The throughput drop: after two windows of steps, the
 step rate over the last ``--alert-throughput-window`` (default 300 s) is below ``--alert-throughput-drop``
 (default 0.5) times the median of the run's own rates (each measured over a tenth of the window).
 
@@ -84,9 +84,11 @@ def require_trackio(url: str | None, source: str) -> None:
 
 
 def compose(text: str | None, *, step: int | None, rank: int | None, hint: str | None = None) -> str:
-    """An alert's text: ``text``, then ``step=N rank=R`` (``-`` when unknown), then ``hint: ...``."""
+    """An alert's text: ``text``, then ``step=N rank=R`` (each only when known), then ``hint: ...``."""
     parts = [text] if text else []
-    parts.append(f"step={'-' if step is None else step} rank={'-' if rank is None else rank}")
+    where = " ".join(f"{key}={value}" for key, value in (("step", step), ("rank", rank)) if value is not None)
+    if where:
+        parts.append(where)
     if hint:
         parts.append(f"hint: {hint}")
     return "\n".join(parts)
@@ -282,7 +284,8 @@ class Alerts:
                           hint=outcome.hint)
         elif outcome.reason == "stalled":
             who = f"rank {rank}" if rank is not None else "the job"
-            self.send("stalled", "error", f"{who} stalled after step {step}",
+            when = f"after step {step}" if step is not None else "before its first step"
+            self.send("stalled", "error", f"{who} stalled {when}",
                       "no training step within --stall-timeout", step=step, rank=rank, hint=outcome.hint)
 
     def on_progress(self, now: float, progress: Any) -> None:
@@ -338,7 +341,7 @@ class Alerts:
                 self.send(f"final:{where}", "info", "final model secured", f"at {where}")
             else:
                 name = os.path.basename(os.path.normpath(str(info.path))) if info is not None else "checkpoint"
-                self.send(f"secured:{where}", "info", f"checkpoint secured: step {at}", f"{name} at {where}",
+                self.send(f"secured:{at}:{where}", "info", f"checkpoint secured: step {at}", f"{name} at {where}",
                           step=at)
             return
         if getattr(result, "error_type", None) == "killed":

@@ -96,12 +96,10 @@ def verdict_report(result: RunResult, mask: Callable[[str], str] | None = None) 
 
 def verdict_alert(result: RunResult, mask: Callable[[str], str] | None = None) -> tuple[str, str, str]:
     """``(title, text, level)`` of the verdict's alert: ``info`` for PASS, ``error`` for FAIL, TIMEOUT and
-    INTERRUPTED (secured or not: the run did not finish). The text is the VERDICT line, values masked with
-    ``mask``, and the hint."""
+    INTERRUPTED (secured or not: the run did not finish). The text is the VERDICT line (its ``hint=`` included),
+    values masked with ``mask``."""
     level = "info" if result.status == "PASS" else "error"
     text = render_line(result, _MaskText(mask) if mask else None)
-    if result.hint:
-        text += f"\nhint: {mask(result.hint) if mask else result.hint}"
     return f"VERDICT {result.status} reason={result.reason}", text, level
 
 
