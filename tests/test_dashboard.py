@@ -19,6 +19,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -56,7 +57,7 @@ def chromium(url: str, *, screenshot: Path | None = None, budget_ms: int = 15000
 
 
 @pytest.fixture
-def dashboard(tmp_path: Path) -> tuple[str, Path, str]:
+def dashboard(tmp_path: Path) -> Iterator[tuple[str, Path, str]]:
     """A guarded run in PROJECT, and ``trackio show`` serving it; yields (base URL, TRACKIO_DIR, run name)."""
     store = tmp_path / "trackio"
     store.mkdir()
@@ -96,7 +97,7 @@ def dashboard(tmp_path: Path) -> tuple[str, Path, str]:
 
 def test_the_run_its_loss_and_its_alerts_on_the_dashboard(dashboard: tuple[str, Path, str],
                                                           tmp_path: Path) -> None:
-    base, store, name = dashboard
+    base, _store, name = dashboard
     metrics_dom = chromium(f"{base}/?project={PROJECT}")
     assert name in metrics_dom  # the run, in the sidebar and the legends
     assert ">loss<" in metrics_dom and "<svg" in metrics_dom  # the loss plot, drawn

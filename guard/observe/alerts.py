@@ -17,9 +17,10 @@ push failing repeatedly, or rate-limited  warn   failed pushes in the plan's ``h
 the VERDICT                               info   PASS; ``error`` otherwise (``tracking.verdict_alert``)
 ========================================  =====  =============================================================
 
-Each alert's text ends with ``step=N rank=R`` (those known) and the hint. The throughput drop: after two windows of steps, the
-step rate over the last ``--alert-throughput-window`` (default 300 s) is below ``--alert-throughput-drop``
-(default 0.5) times the median of the run's own rates (each measured over a tenth of the window).
+Each alert's text ends with ``step=N rank=R`` (those known) and the hint. The throughput drop: after two
+windows of steps, the step rate over the last ``--alert-throughput-window`` (default 300 s) is below
+``--alert-throughput-drop`` (default 0.5) times the median of the run's own rates (each measured over a tenth of
+the window).
 
 Nothing here waits: :meth:`Alerts.send` appends to the tracker's queue (``tracking.TrackioSink``: one thread makes
 every trackio call), trackio POSTs each alert from its own daemon thread with a 10 s timeout, and at the end
