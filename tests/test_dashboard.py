@@ -62,8 +62,8 @@ def dashboard(tmp_path: Path) -> Iterator[tuple[str, Path, str]]:
     store = tmp_path / "trackio"
     store.mkdir()
     run = run_guard(["--no-preflight", "--heartbeat", "2s", "--timeout", "30s", "--push-interval", "0s",
-                     "--push-to", "dest", "--trackio", PROJECT, str(JOBS / "saving_loop.py"),
-                     "--output-dir", "out", "--step-s", "0.1", "--save-every", "50"],
+                     "--push-to", "./dest", "--trackio", PROJECT, str(JOBS / "saving_loop.py"),
+                     "--output-dir", "./out", "--step-s", "0.1", "--save-every", "50"],
                     env={"TRACKIO_DIR": str(store)}, cwd=tmp_path, timeout_s=120)
     assert run.verdict.startswith("VERDICT: TIMEOUT reason=deadline exit=75"), run.stderr[-3000:]
     with sqlite3.connect(store / f"{PROJECT}.db") as db:
