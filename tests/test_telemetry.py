@@ -404,3 +404,40 @@ def test_progress_of_a_push_without_byte_counts() -> None:
     assert progress.update() == "securing checkpoint-500 (2.0 GB): still running (10s)"
     clock.now = 40.0
     assert progress.done(2_000_000_000) == "securing checkpoint-500: 2.0 GB in 40s (50.0 MB/s)"
+
+
+def test_heartbeat_figures_a_person_reads_and_the_alerts_it_carries() -> None:
+    from types import SimpleNamespace
+
+    from guard.observe.alerts import Alerts
+
+    class Reporting(Recorder):
+        def __init__(self) -> None:
+            super().__init__()
+            self.reports: list[tuple[str, str, int | None]] = []
+
+        def report(self, key: str, text: str, step: int | None = None) -> None:
+            self.reports.append((key, text, step))
+
+    clock = FakeClock()
+    tracker = Reporting()
+    hb = make_heartbeat(clock, interval_s=10.0, deadline_in_s=3600.0, margin_s=120.0, nvml=FakeNvml([]),
+                        tracker=tracker)
+    hb.alerts = Alerts(lambda: hb.tracker)
+    run_steps(hb, clock, 1, 20, 0.5)
+    secured = SimpleNamespace(info=SimpleNamespace(step=15, path="/out/checkpoint-15"),
+                              result=SimpleNamespace(ok=True, pushed="hf://a/b@r1", destination="hf://a/b"),
+                              kind="background")
+    plan = SimpleNamespace(trigger=None, state=SimpleNamespace(name="WATCHING"), history=[secured], secured=secured)
+    hb.observe(clock.now, SimpleNamespace(exploded=None), plan)
+    clock.now = 10.0
+    line = hb.tick(clock.now, Snapshot(tree_rss_bytes=GIB))
+    assert line is not None and " secured=step15 " in line
+    figures, step = tracker.logs[-1]
+    assert step == 20 and figures["guard/step_time_s"] == pytest.approx(0.5)
+    assert figures["guard/margin_s"] == 120.0 and figures["guard/secured_step"] == 15
+    assert figures["guard/left_s"] == pytest.approx(3590.0)
+    clock.now = 20.0
+    hb.tick(clock.now, Snapshot())
+    assert tracker.reports == [("jobguard/gpu", "GPU memory and utilisation: n/a (no GPU visible)", 20)]  # once
+    assert [(title, level) for title, _, level, _ in tracker.alerts] == [("checkpoint secured: step 15", "info")]

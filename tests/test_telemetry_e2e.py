@@ -35,4 +35,4 @@ def test_trackio_gets_the_losses_and_the_verdict_with_an_alert(tmp_path: Path) -
         rows = db.execute("select metrics from metrics").fetchall()
     metrics = " ".join(m.decode() if isinstance(m, bytes) else m for (m,) in rows)
     assert any("non_finite_loss" in title and level == "error" for title, _, level in alerts), alerts
-    assert '"loss"' in metrics and "verdict/exit_code" in metrics
+    assert '"loss"' in metrics and '"jobguard/verdict"' in metrics and "verdict/exit_code" not in metrics

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from guard.contract import RunResult
-from guard.observe.tracking import TrackioSink, _RoutedStream, trainer_trackio_target, verdict_alert, verdict_metrics
+from guard.observe.tracking import TrackioSink, _RoutedStream, trainer_trackio_target, verdict_alert, verdict_report
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -43,10 +43,16 @@ class FakeRun:
         self.module.record("alert", title, text, level, step)
 
 
+class Markdown:
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+
 class FakeTrackio:
     """The part of the ``trackio`` module the sink uses, recording each call and the thread it came from."""
 
     AlertLevel = AlertLevel
+    Markdown = Markdown
 
     def __init__(self, *, init_error: Exception | None = None, fail_on_log: int | None = None,
                  gate: threading.Event | None = None) -> None:
@@ -88,18 +94,20 @@ def failed_result() -> RunResult:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def test_verdict_metrics_and_alert_levels() -> None:
-    metrics = verdict_metrics(failed_result())
-    assert metrics == {"verdict/status": "FAIL", "verdict/reason": "non_finite_loss", "verdict/exit_code": 4,
-                       "verdict/elapsed_s": 12.3, "verdict/rank": 0}
-    title, text, level = verdict_alert(failed_result()) or ("", "", "")
-    assert (title, level) == ("jobguard FAIL reason=non_finite_loss", "error")
+def test_verdict_report_and_alert_levels() -> None:
+    report = verdict_report(failed_result())
+    assert report.startswith("**FAIL** `non_finite_loss` (exit 4)")
+    assert "`VERDICT: FAIL reason=non_finite_loss exit=4 elapsed=12.3 step=3" in report
+    assert report.endswith("hint: lower the learning rate")
+    title, text, level = verdict_alert(failed_result())
+    assert (title, level) == ("VERDICT FAIL reason=non_finite_loss", "error")
     assert text.startswith("VERDICT: FAIL reason=non_finite_loss exit=4 elapsed=12.3 step=3")
+    assert text.endswith("hint='lower the learning rate'") and "\n" not in text
     secured = RunResult("TIMEOUT", "deadline", 75, 100.0, extra={"secured": "yes"})
     unsecured = RunResult("INTERRUPTED", "signal", 143, 5.0, extra={"signal": "SIGTERM"})
-    assert (verdict_alert(secured) or ())[2] == "warn"
-    assert (verdict_alert(unsecured) or ())[2] == "error"
-    assert verdict_alert(RunResult("PASS", "ok", 0, 1.0)) is None
+    assert verdict_alert(secured)[2] == "error"  # the run did not finish: secured or not
+    assert verdict_alert(unsecured)[2] == "error"
+    assert verdict_alert(RunResult("PASS", "ok", 0, 1.0))[:3:2] == ("VERDICT PASS reason=ok", "info")
 
 
 def test_trainer_trackio_target() -> None:
@@ -139,7 +147,9 @@ def test_calls_run_in_order_on_one_worker_thread(capsys: pytest.CaptureFixture[s
     assert kinds == ["init", "log", "log", "alert", "log", "alert", "finish"]
     assert fake.calls[2] == ("log", {"loss": 2.25, "note": "token ***"}, 2)
     assert fake.calls[3] == ("alert", "slow", "it will not finish", AlertLevel.WARN, 2)
-    assert fake.calls[4][1]["verdict/status"] == "FAIL" and fake.calls[4][2] == 3
+    report = fake.calls[4][1]["jobguard/verdict"]  # the verdict as text (a Markdown report), not as plots
+    assert list(fake.calls[4][1]) == ["jobguard/verdict"] and fake.calls[4][2] == 3
+    assert isinstance(report, Markdown) and report.text.startswith("**FAIL** `non_finite_loss` (exit 4)")
     assert fake.calls[5][3] is AlertLevel.ERROR
     assert fake.threads and threading.get_ident() not in fake.threads and len(fake.threads) == 1
     out = capsys.readouterr().out
@@ -158,6 +168,31 @@ def test_the_verdict_alert_is_masked_before_quoting() -> None:
     assert sink.close(timeout_s=10) is True
     [alert] = [c for c in fake.calls if c[0] == "alert"]
     assert "s3cr3t" not in alert[2] and "hint='token *** rejected'" in alert[2]
+
+
+class WebhookTrackio(FakeTrackio):
+    def init(self, project: str, name: str | None = None, space_id: str | None = None,  # type: ignore[override]
+             config: Any = None, embed: bool = True, auto_log_gpu: bool | None = None,
+             auto_log_cpu: bool | None = None, webhook_url: str | None = None,
+             webhook_min_level: str | None = None) -> FakeRun:
+        run = super().init(project, name, space_id, config, embed, auto_log_gpu, auto_log_cpu)
+        self.init_kwargs.update(webhook_url=webhook_url, webhook_min_level=webhook_min_level)
+        return run
+
+
+def test_the_webhook_goes_to_trackio_init(caplog: pytest.LogCaptureFixture) -> None:
+    fake = WebhookTrackio()
+    sink = TrackioSink("jobguard", module=fake, webhook_url="http://127.0.0.1:9/h", webhook_min_level="warn")
+    assert sink.close(timeout_s=10) is True
+    assert fake.init_kwargs["webhook_url"] == "http://127.0.0.1:9/h"
+    assert fake.init_kwargs["webhook_min_level"] == "warn"
+    old = FakeTrackio()  # a trackio without webhooks: said once, the dashboard still gets the alerts
+    with caplog.at_level(logging.WARNING, logger="guard.tracking"):
+        sink = TrackioSink("jobguard", module=old, webhook_url="http://127.0.0.1:9/h")
+        sink.alert("x", "y", "error", step=1)
+        assert sink.close(timeout_s=10) is True
+    assert "webhook_url" not in old.init_kwargs and [c[0] for c in old.calls] == ["init", "alert", "finish"]
+    assert any("alerts reach the dashboard only" in r.getMessage() for r in caplog.records)
 
 
 def test_a_trackio_that_raises_turns_the_sink_off(caplog: pytest.LogCaptureFixture) -> None:
@@ -259,11 +294,12 @@ def test_real_trackio_end_to_end(tmp_path: Path) -> None:
     assert losses == {1: pytest.approx(2.9), 2: pytest.approx(2.8), 3: pytest.approx(2.7)}
     beat = next(row for row in data["logs"] if "guard/steps_per_s" in row)
     assert beat["step"] == 3 and beat["guard/gpu0_util_pct"] == 97
-    verdict = next(row for row in data["logs"] if "verdict/status" in row)
-    assert verdict["verdict/status"] == "TIMEOUT" and verdict["verdict/exit_code"] == 124
-    assert verdict["verdict/secured"] == "no"
+    verdict = next(row for row in data["logs"] if "jobguard/verdict" in row)
+    assert verdict["step"] == 3 and not any(key.startswith("verdict/") for key in verdict)  # no plots
+    assert verdict["jobguard/verdict"]["_type"] == "trackio.markdown"
+    assert "VERDICT: TIMEOUT reason=deadline exit=124" in verdict["jobguard/verdict"]["_value"]
     [alert] = data["alerts"]
-    assert alert["title"] == "jobguard TIMEOUT reason=deadline" and alert["level"] == "error"
+    assert alert["title"] == "VERDICT TIMEOUT reason=deadline" and alert["level"] == "error"
     assert "s3cr3tvalue" not in alert["text"] and "***" in alert["text"]
     # the same rows, read straight from the project's SQLite file where TRACKIO_DIR says
     db = tmp_path / "trackio" / "guard-e2e.db"

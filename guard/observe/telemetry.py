@@ -36,6 +36,7 @@ from guard.run.process import CgroupMemory
 
 if TYPE_CHECKING:
     from guard.contract import RunResult
+    from guard.observe.alerts import Alerts
     from guard.run.helpers import Helpers, Pending
     from guard.run.masking import Masker
 
@@ -327,14 +328,23 @@ class Heartbeat:
             ``tick`` never waits for NVML: when a beat is due it starts the read and returns None; the line comes
             once the read finished (``due_at`` says when to look again), or after ``GPU_WAIT_S`` without GPU
             figures. None (default): NVML is read inside ``tick``.
+        alerts: the run's alerts (``guard.observe.alerts.Alerts``), or None; the supervisor reaches them through
+            :meth:`on_outcome` and :meth:`observe`.
+
+    Figures for the tracker at each beat: ``guard/steps_per_s``, ``guard/step_time_s``, ``guard/left_s`` and
+    ``guard/margin_s`` (with a deadline), ``guard/eta_s``, ``guard/secured_step``, per GPU ``guard/gpuN_util_pct``,
+    ``_mem_used_gib``, ``_temp_c`` (NVML; without it one ``jobguard/gpu`` report says why: n/a),
+    ``guard/tree_rss_gib``, ``guard/cgroup_gib``, ``guard/cgroup_limit_gib``; the loss at each step (``loss``).
     """
 
     def __init__(self, interval_s: float, *, clock: Callable[[], float] = time.monotonic,
                  wall: Callable[[], float] = time.time, deadline_s: Callable[[], float | None] = lambda: None,
                  margin_s: Callable[[], float] = lambda: 0.0, gpus: GpuSampler | None = None,
                  tracker: Tracker | None = None, window_s: float = 300.0, min_span_s: float = 60.0,
-                 helpers: Helpers | None = None) -> None:
+                 helpers: Helpers | None = None, alerts: Alerts | None = None) -> None:
         self.helpers = helpers
+        self.alerts = alerts
+        self._gpu_na_said = False
         self._gpu_read: Pending[list[GpuSample] | None] | None = None  # gpus.sample() on the helper thread
         self._gpu_read_since = 0.0
         self.interval_s = interval_s
@@ -382,7 +392,23 @@ class Heartbeat:
         self.loss = loss
         if self.tracker is not None and loss is not None and self.step is not None:
             self.tracker.log({"loss": loss}, step=self.step)
+        if self.alerts is not None and step is not None:
+            self.alerts.on_rate(now, int(step))
         return self._check_projection(now)
+
+    def on_outcome(self, outcome: Any, progress: Any, world_size: int = 1) -> None:
+        """The guard decided (``state.Outcome``): its alert (see ``alerts.Alerts.on_outcome``)."""
+        if self.alerts is not None:
+            self.alerts.on_outcome(outcome, progress, world_size)
+
+    def observe(self, now: float, progress: Any, plan: Any = None) -> None:
+        """After a step or a timer turn: the watchdog's warnings (``state.Progress``) and the securing plan
+        (``secure.plan.Plan``, or None) become alerts; the newest secured step feeds the heartbeat."""
+        if self.alerts is None:
+            return
+        self.alerts.on_progress(now, progress)
+        if plan is not None:
+            self.alerts.on_securing(plan, self.step)
 
     def projection(self, now: float) -> dict[str, float] | None:
         """``{"steps_per_s", "eta_s", "left_s", "stop_in_s", "reach_step"}`` (the last three only with a
@@ -412,7 +438,9 @@ class Heartbeat:
                 f"{fmt_duration(proj['stop_in_s'])} are left before the guard secures a checkpoint at {secure_at}, "
                 f"margin {fmt_duration(self.margin_s())})")
         log.warning("%s", text)
-        if self.tracker is not None:
+        if self.alerts is not None:
+            self.alerts.warning("projection", "the run will not finish before the deadline", text, step=self.step)
+        elif self.tracker is not None:
             self.tracker.alert("run will not finish before the deadline", text, "warn", step=self.step)
         return text
 
@@ -441,19 +469,31 @@ class Heartbeat:
         parts.append(f"steps/s={rate:.3g}" if rate is not None else "steps/s=-")
         if rate is not None:
             figures["guard/steps_per_s"] = rate
+            if rate > 0:
+                figures["guard/step_time_s"] = 1.0 / rate
         deadline = self.deadline_s()
         if deadline is not None:
             left = deadline - self.wall()
             parts.append(f"left={fmt_duration(left)}")
             figures["guard/left_s"] = left
+            figures["guard/margin_s"] = self.margin_s()
         proj = self.projection(now)
         if proj is not None:
             parts.append(f"eta={fmt_duration(proj['eta_s'])}")
             figures["guard/eta_s"] = proj["eta_s"]
         if self.saves:
             parts.append(f"saves={self.saves}({self.newest_save})")
+        secured = self.alerts.secured_step if self.alerts is not None else None
+        if secured is not None:
+            parts.append(f"secured=step{secured}")
+            figures["guard/secured_step"] = secured
         if samples is None:
-            parts.append(f"gpu=n/a({f'no answer within {GPU_WAIT_S:g}s' if slow else self.gpus.reason})")
+            why = f"no answer within {GPU_WAIT_S:g}s" if slow else self.gpus.reason
+            parts.append(f"gpu=n/a({why})")
+            report = getattr(self.tracker, "report", None)
+            if report is not None and not self._gpu_na_said:
+                self._gpu_na_said = True
+                report("jobguard/gpu", f"GPU memory and utilisation: n/a ({why})", step=self.step)
         for gpu in samples or []:
             parts.append(f"{gpu.label}={gpu.text()}")
             for key, value in (("util_pct", gpu.utilization_pct), ("temp_c", gpu.temperature_c),
@@ -583,6 +623,8 @@ def close_with_verdict(heartbeat: Heartbeat, result: RunResult, deadline_s: floa
     heartbeat.close()
     tracker = heartbeat.tracker
     if tracker is None:
+        if heartbeat.alerts is not None:
+            heartbeat.alerts.close()
         return
     limit_s = 5.0
     if result.status == "INTERRUPTED":
@@ -592,3 +634,5 @@ def close_with_verdict(heartbeat: Heartbeat, result: RunResult, deadline_s: floa
     tracker.finish(result)
     if not tracker.close(timeout_s=limit_s):
         log.warning("trackio did not finish within %.0fs; the verdict may be missing there", limit_s)
+    if heartbeat.alerts is not None:  # the verdict's POST (and any still in flight): at most alerts.WEBHOOK_WAIT_S
+        heartbeat.alerts.close()

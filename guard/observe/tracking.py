@@ -13,6 +13,13 @@ Facts used (trackio 0.43.0, ``trackio/__init__.py``, ``trackio/run.py``, ``track
   ``trackio.AlertLevel`` ``"info"|"warn"|"error"``; ``trackio.finish()`` finishes the thread's current run
   (the current run is a ``contextvars`` value, so all calls stay on one thread). ``auto_log_gpu``/``auto_log_cpu``
   are passed ``False``: the guard samples NVML and memory itself.
+- Alerts: ``Run.alert`` prints the alert, stores it in the run (the dashboard's "Alerts & Reports" page) and,
+  with ``trackio.init(webhook_url=URL, webhook_min_level=LEVEL)`` (else ``TRACKIO_WEBHOOK_URL`` and
+  ``TRACKIO_WEBHOOK_MIN_LEVEL``), POSTs it from a new daemon thread (``trackio.alerts.send_webhook``, a 10 s
+  ``urlopen`` timeout; a failure is logged on the ``trackio.alerts`` logger, never raised). Slack URLs
+  (``hooks.slack.com``) get Block Kit ``blocks``, Discord URLs (``discord.com/api/webhooks``) an ``embeds`` entry,
+  any other URL ``{"level", "title", "text", "project", "run", "step", "timestamp"}``.
+- ``trackio.Markdown(text)`` logged as a metric is a report: the same page shows its text.
 - Local-first: with no ``space_id`` (and no ``TRACKIO_SPACE_ID``/``TRACKIO_SERVER_URL`` in the environment, which
   trackio reads) everything goes to SQLite at ``$TRACKIO_DIR/<project>.db`` (default ``$HF_HOME/trackio``),
   no network. ``TRACKIO_DIR`` is read once, when trackio is first imported.
@@ -37,13 +44,14 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from guard.contract import EXIT_SECURED, RunResult, render_line
+from guard.contract import RunResult, render_line
 
-__all__ = ["TrackioSink", "trainer_trackio_target", "verdict_alert", "verdict_metrics"]
+__all__ = ["VERDICT_REPORT", "TrackioSink", "trainer_trackio_target", "verdict_alert", "verdict_report"]
 
 log = logging.getLogger("guard.tracking")
 
 QUEUE_SIZE = 4096
+VERDICT_REPORT = "jobguard/verdict"  # the key of the verdict's Markdown report on the dashboard
 _STOP = ("stop", None)
 
 
@@ -69,17 +77,6 @@ def trainer_trackio_target(config: Mapping[str, Any]) -> dict[str, str | None] |
             "space_id": str(config["trackio_space_id"]) if config.get("trackio_space_id") else None}
 
 
-def verdict_metrics(result: RunResult) -> dict[str, Any]:
-    """The verdict as trackio metrics: ``verdict/status``, ``verdict/reason``, ``verdict/exit_code``,
-    ``verdict/elapsed_s`` and the VERDICT line's optional keys (``verdict/secured``, ``verdict/pushed`` ...)."""
-    metrics: dict[str, Any] = {"verdict/status": result.status, "verdict/reason": result.reason,
-                               "verdict/exit_code": result.exit_code, "verdict/elapsed_s": round(result.elapsed_s, 1)}
-    for key, value in result.extra.items():
-        if value is not None and isinstance(value, (str, int, float, bool)):
-            metrics[f"verdict/{key}"] = value
-    return metrics
-
-
 class _MaskText:
     """Adapts a ``str -> str`` masking function to what ``verdict.render_line`` takes (``mask_text``)."""
 
@@ -87,17 +84,23 @@ class _MaskText:
         self.mask_text = mask
 
 
-def verdict_alert(result: RunResult, mask: Callable[[str], str] | None = None) -> tuple[str, str, str] | None:
-    """``(title, text, level)`` of the alert for a FAIL, TIMEOUT or INTERRUPTED verdict; None for PASS.
+def verdict_report(result: RunResult, mask: Callable[[str], str] | None = None) -> str:
+    """The verdict as the Markdown text of the dashboard's ``jobguard/verdict`` report: the VERDICT line (each
+    value masked with ``mask`` before it is quoted), then the hint. Text, not plots."""
+    line = render_line(result, _MaskText(mask) if mask else None)
+    text = f"**{result.status}** `{result.reason}` (exit {result.exit_code})\n\n`{line}`"
+    if result.hint:
+        text += f"\n\nhint: {mask(result.hint) if mask else result.hint}"
+    return text
 
-    The text is the VERDICT line, each value masked with ``mask`` before it is quoted. FAIL is ``error``;
-    TIMEOUT and INTERRUPTED are ``warn`` when a checkpoint was secured (exit 75), else ``error``.
-    """
-    if result.status == "PASS":
-        return None
-    level = "warn" if result.status != "FAIL" and result.exit_code == EXIT_SECURED else "error"
+
+def verdict_alert(result: RunResult, mask: Callable[[str], str] | None = None) -> tuple[str, str, str]:
+    """``(title, text, level)`` of the verdict's alert: ``info`` for PASS, ``error`` for FAIL, TIMEOUT and
+    INTERRUPTED (secured or not: the run did not finish). The text is the VERDICT line (its ``hint=`` included),
+    values masked with ``mask``."""
+    level = "info" if result.status == "PASS" else "error"
     text = render_line(result, _MaskText(mask) if mask else None)
-    return f"jobguard {result.status} reason={result.reason}", text, level
+    return f"VERDICT {result.status} reason={result.reason}", text, level
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -181,6 +184,10 @@ class TrackioSink:
         queue_size: how many pending calls are kept; beyond, the oldest is dropped. Default 4096.
         mask: applied to every string sent (secret masking, ``Masker.mask_text``), or None.
         module: the ``trackio`` module or a stand-in (tests); None imports ``trackio`` on the thread.
+        webhook_url: where trackio POSTs each alert (``trackio.init(webhook_url=...)``: Slack and Discord URLs get
+            their own payload, any other URL trackio's JSON), or None (trackio then reads ``TRACKIO_WEBHOOK_URL``).
+        webhook_min_level: the lowest level trackio sends to the webhook: ``"info"`` (default), ``"warn"`` or
+            ``"error"``; every alert is stored in the run all the same.
 
     Attributes:
         dropped: how many calls were dropped because the queue was full.
@@ -189,8 +196,11 @@ class TrackioSink:
 
     def __init__(self, project: str, *, run_name: str | None = None, space_id: str | None = None,
                  config: Mapping[str, Any] | None = None, queue_size: int = QUEUE_SIZE,
-                 mask: Callable[[str], str] | None = None, module: Any = None) -> None:
+                 mask: Callable[[str], str] | None = None, module: Any = None, webhook_url: str | None = None,
+                 webhook_min_level: str = "info") -> None:
         self.project, self.run_name, self.space_id = project, run_name, space_id
+        self.webhook_url, self.webhook_min_level = webhook_url, webhook_min_level
+        self.ready = threading.Event()  # trackio.init returned (or the sink turned itself off)
         self.config = dict(config) if config else None
         self.queue_size = max(1, queue_size)
         self.mask = mask or (lambda text: text)
@@ -237,16 +247,24 @@ class TrackioSink:
             return
         self._put(("alert", item))
 
+    def report(self, key: str, text: str, step: int | None = None) -> None:
+        """Queue a Markdown report (``trackio.Markdown``: the dashboard's "Alerts & Reports" page shows its text)
+        under ``key`` at ``step``; a plain string metric with a trackio that has no ``Markdown``."""
+        try:
+            item = (str(key), self.mask(str(text)), step)
+        except Exception as exc:  # noqa: BLE001 - as in log()
+            log.debug("trackio: report dropped: %r", exc)
+            return
+        self._put(("report", item))
+
     def finish(self, result: RunResult | None = None) -> None:
-        """Queue the verdict (metrics at its step, and an alert on FAIL, TIMEOUT, INTERRUPTED), then the end of
-        the run. Later ``log``/``alert`` calls are ignored."""
+        """Queue the verdict (its text as the ``jobguard/verdict`` report at its step, and its alert: ``info`` for
+        PASS, ``error`` otherwise), then the end of the run. Later ``log``/``alert`` calls are ignored."""
         if self.finishing:
             return
         if result is not None:
-            self.log(verdict_metrics(result), step=result.step)
-            alert = verdict_alert(result, self.mask)
-            if alert is not None:
-                self.alert(*alert, step=result.step)
+            self.report(VERDICT_REPORT, verdict_report(result, self.mask), step=result.step)
+            self.alert(*verdict_alert(result, self.mask), step=result.step)
         self._put(("finish", None))
         self.finishing = True
 
@@ -290,22 +308,30 @@ class TrackioSink:
             reason = f"{type(exc).__name__}: {exc}"
         finally:
             _unroute_this_thread()
+            self.ready.set()
         if reason is not None:
             self._fail(reason)
 
     def _run(self, trackio: Any) -> None:
-        wanted = {"project": self.project, "name": self.run_name, "space_id": self.space_id, "config": self.config,
-                  "embed": False, "auto_log_gpu": False, "auto_log_cpu": False}
+        wanted: dict[str, Any] = {"project": self.project, "name": self.run_name, "space_id": self.space_id,
+                                  "config": self.config, "embed": False, "auto_log_gpu": False,
+                                  "auto_log_cpu": False}
+        if self.webhook_url:
+            wanted.update(webhook_url=self.webhook_url, webhook_min_level=self.webhook_min_level)
         try:
             accepted = inspect.signature(trackio.init).parameters
             kwargs = {k: v for k, v in wanted.items() if k in accepted or k == "project"}
+            if self.webhook_url and "webhook_url" not in kwargs:
+                log.warning("this trackio has no webhook_url (trackio 0.43 has): alerts reach the dashboard only")
         except (TypeError, ValueError):
             kwargs = {"project": self.project, "name": self.run_name}
         run = trackio.init(**kwargs)
+        self.ready.set()
         where = f"Space {self.space_id}" if self.space_id else "local"
         log.info("trackio: logging to project %s, run %s (%s)", self.project, getattr(run, "name", self.run_name),
                  where)
         levels = getattr(trackio, "AlertLevel", None)
+        markdown = getattr(trackio, "Markdown", None)
         finished = False
         while True:
             kind, payload = self._next()
@@ -315,6 +341,9 @@ class TrackioSink:
             elif kind == "alert":
                 title, text, level, step = payload
                 run.alert(title=title, text=text, level=levels(level) if levels else level, step=step)
+            elif kind == "report":
+                key, text, step = payload
+                run.log({key: markdown(text) if markdown else text}, step=step)
             elif kind == "finish" and not finished:
                 finished = True
                 trackio.finish()

@@ -25,7 +25,7 @@ from typing import Any, NoReturn
 from guard import __version__
 from guard.contract import EXIT_GUARD_ERROR, RunResult, render_line, signal_name, write_report
 from guard.errors import GuardError, PreflightError, UsageError
-from guard.run.config import OPTIONS, Config, debug_enabled, env_name, log_level, resolve
+from guard.run.config import OPTIONS, Config, debug_enabled, env_name, log_level, resolve, webhook_secrets
 from guard.run.masking import Masker, MaskingFilter, command_line_secrets, secret_values
 from guard.run.output import LINES
 from guard.run.platform import detect
@@ -266,7 +266,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     environ = dict(os.environ)
     # Secrets: the environment's, and the values of secret-named options on the command line (the job's own
     # `--wandb-key VALUE` included): masked in every line the guard writes and in the job's output.
-    masker = Masker(secret_values(environ) + command_line_secrets(args))
+    masker = Masker(secret_values(environ) + command_line_secrets(args) + webhook_secrets(args, environ))
     _setup_logging(masker, environ)
     if args[:1] == ["watch"]:
         from guard import watch

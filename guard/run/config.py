@@ -28,6 +28,7 @@ __all__ = [
     "Config",
     "Option",
     "agent_settings",
+    "alert_webhook_url",
     "debug_enabled",
     "env_name",
     "format_duration_s",
@@ -36,6 +37,7 @@ __all__ = [
     "parse_duration",
     "parse_size",
     "resolve",
+    "webhook_secrets",
 ]
 
 TRUE_VALUES = frozenset({"1", "true", "yes", "on"})
@@ -174,6 +176,28 @@ def _parse_uv(text: str, *, option: str) -> str:
     raise UsageError(f"{option}: {text!r}; accepted: auto, on, off", option=option)
 
 
+ALERT_LEVELS = ("info", "warn", "error")  # trackio.AlertLevel's values, lowest first
+
+
+def _parse_alert_level(text: str, *, option: str) -> str:
+    low = str(text).strip().lower()
+    if low == "warning":
+        low = "warn"
+    if low not in ALERT_LEVELS:
+        raise UsageError(f"{option}: {text!r}; accepted: {', '.join(ALERT_LEVELS)}", option=option)
+    return low
+
+
+def _parse_fraction(text: str, *, option: str) -> float:
+    try:
+        value = float(str(text).strip())
+    except ValueError:
+        value = math.nan
+    if not 0.0 <= value < 1.0:
+        raise UsageError(f"{option}: {text!r} is not a fraction from 0 (off) up to, not including, 1", option=option)
+    return value
+
+
 def _parse_text(text: str, *, option: str) -> str:
     value = str(text).strip()
     if not value:
@@ -295,6 +319,15 @@ OPTIONS: tuple[Option, ...] = (
            lambda t, option: parse_duration(t, option=option), "DURATION"),
     Option("trackio", "log losses, heartbeats and the verdict into this trackio project (jobguard[trackio])", None,
            _parse_text, "PROJECT"),
+    Option("alert_webhook", "send the guard's alerts (non-finite loss, stall, loss rise, slow steps, securing, "
+           "pushes, the VERDICT) to this Slack, Discord or JSON webhook through trackio (jobguard[trackio]); "
+           "TRACKIO_WEBHOOK_URL when unset", None, _parse_text, "URL"),
+    Option("alert_level", "the lowest alert level sent to the webhook: info, warn, error (the dashboard keeps all)",
+           "info", _parse_alert_level, "LEVEL"),
+    Option("alert_throughput_drop", "warn when the step rate over --alert-throughput-window falls below this "
+           "fraction of the run's own median rate (0: off)", 0.5, _parse_fraction, "FRACTION"),
+    Option("alert_throughput_window", "the window of the throughput-drop alert", 300.0,
+           lambda t, option: parse_duration(t, option=option), "DURATION"),
 )
 
 
@@ -419,6 +452,28 @@ def log_level(environ: Mapping[str, str] | None = None) -> str:
     """``GUARD_LOG_LEVEL`` (default ``INFO``)."""
     env = os.environ if environ is None else environ
     return env.get("GUARD_LOG_LEVEL", "INFO").strip().upper() or "INFO"
+
+
+def alert_webhook_url(values: Mapping[str, Any], environ: Mapping[str, str]) -> tuple[str | None, str]:
+    """The webhook the alerts go to and where it came from: ``--alert-webhook``/``GUARD_ALERT_WEBHOOK`` (resolved
+    into ``values``), else ``TRACKIO_WEBHOOK_URL`` (the variable trackio itself reads), else ``(None, "")``."""
+    if values.get("alert_webhook"):
+        return str(values["alert_webhook"]), "--alert-webhook"
+    fallback = environ.get("TRACKIO_WEBHOOK_URL", "").strip()
+    return (fallback, "TRACKIO_WEBHOOK_URL") if fallback else (None, "")
+
+
+def webhook_secrets(args: Sequence[str], environ: Mapping[str, str]) -> list[str]:
+    """Webhook URLs to mask in everything the guard writes (a Slack or Discord webhook URL is a credential):
+    ``--alert-webhook URL`` or ``--alert-webhook=URL`` in ``args``, ``GUARD_ALERT_WEBHOOK`` and
+    ``TRACKIO_WEBHOOK_URL``. Read before the options are parsed, so that the config log masks them too."""
+    found = [environ.get(name, "").strip() for name in (env_name("alert_webhook"), "TRACKIO_WEBHOOK_URL")]
+    for i, token in enumerate(args):
+        if token == "--alert-webhook" and i + 1 < len(args):
+            found.append(args[i + 1])
+        elif token.startswith("--alert-webhook="):
+            found.append(token.split("=", 1)[1])
+    return sorted({url for url in found if url})
 
 
 def guard_options_in(args: Sequence[str]) -> list[str]:

@@ -356,6 +356,7 @@ def run_job(config: Config, masker: Masker, started: float) -> RunResult:
                  "guard (guard options go before the script)", ", ".join(misplaced))
     output_dir, output_source = output_folder(config)
     log.info("output folder: %s (%s)", output_dir or "-", output_source)
+    _require_trackio(config)
     with EarlySignals() as early:
         deadline = resolve_budget(config, platform)
         factory = _securer_factory(config.environ)
@@ -441,23 +442,42 @@ def _slurm_refresher(config: Config, platform: PlatformInfo) -> SlurmRefresher |
 
 
 def _heartbeat(config: Config, masker: Masker, securing: Securing) -> Heartbeat:
-    """The heartbeat (``--heartbeat``), the projection against the deadline, and ``--trackio``."""
+    """The heartbeat (``--heartbeat``), the projection against the deadline, ``--trackio`` and the alerts
+    (``--alert-webhook``: without ``--trackio`` a local trackio run in the project ``jobguard``)."""
+    from guard.observe.alerts import Alerts, ThroughputWatch, WebhookWatch
     from guard.observe.telemetry import GpuSampler, Heartbeat
     from guard.observe.tracking import TrackioSink
+    from guard.run.config import alert_webhook_url
     from guard.run.helpers import HELPERS
 
+    url, _source = alert_webhook_url(config.values, config.environ)
+    project = config.trackio or ("jobguard" if url else None)
     tracker = None
-    if config.trackio:
-        tracker = TrackioSink(config.trackio, run_name=f"jobguard-{time.strftime('%Y%m%d-%H%M%S')}",
-                              mask=masker.mask_text)
-    return Heartbeat(config.heartbeat, deadline_s=lambda: securing.deadline.deadline_s,
-                     margin_s=securing.estimator.margin_s, gpus=GpuSampler(environ=config.environ), tracker=tracker,
-                     helpers=HELPERS)
+    if project:
+        tracker = TrackioSink(project, run_name=f"jobguard-{time.strftime('%Y%m%d-%H%M%S')}",
+                              mask=masker.mask_text, webhook_url=url, webhook_min_level=config.alert_level)
+    heartbeat = Heartbeat(config.heartbeat, deadline_s=lambda: securing.deadline.deadline_s,
+                          margin_s=securing.estimator.margin_s, gpus=GpuSampler(environ=config.environ),
+                          tracker=tracker, helpers=HELPERS)
+    heartbeat.alerts = Alerts(lambda: heartbeat.tracker,
+                              throughput=ThroughputWatch(config.alert_throughput_drop, config.alert_throughput_window),
+                              webhook=WebhookWatch(url, masker.mask_text).install() if url else None)
+    return heartbeat
+
+
+def _require_trackio(config: Config) -> None:
+    """``--alert-webhook`` (or ``GUARD_ALERT_WEBHOOK``) without trackio: ``FAIL preflight`` naming the extra."""
+    from guard.observe.alerts import require_trackio
+
+    if config.values.get("alert_webhook"):
+        require_trackio(config.alert_webhook, "--alert-webhook" if config.sources.get("alert_webhook") == "flag"
+                        else "GUARD_ALERT_WEBHOOK")
 
 
 def preflight_only(config: Config, masker: Masker, started: float) -> RunResult:
     """``python -m guard preflight``: the checks, the table, a VERDICT (PASS ok, or FAIL preflight exit 3)."""
     platform = detect(config.environ)
+    _require_trackio(config)
     deadline = resolve_budget(config, platform)
     _, uv_env = _uv_environment(config)
     report = _run_preflight(config, deadline, platform, uv_env)

@@ -344,6 +344,7 @@ class Supervisor:
                 self._stop_job(now, self.stop_grace_s)
         if self.securer is not None:
             self.securer.tick(self, now)
+        self._observe(now)
         if self.frozen and not self._securing():
             self.frozen = False
             if self.job is not None:
@@ -358,6 +359,11 @@ class Supervisor:
         if drained and job.alive() and not self.escalation.started and not self._securing():
             log.info("the job exited but left processes holding its output open: stopping them")
             self._stop_job(now)
+
+    def _observe(self, now: float) -> None:
+        """Alerts (``guard.observe.alerts``): the watchdog's warnings and the securing plan, read, never waited on."""
+        if self.heartbeat is not None:
+            self.heartbeat.observe(now, self.state.progress, self.securer.plan if self.securer is not None else None)
 
     def _securing(self) -> bool:
         return self.securer is not None and self.securer.busy()
@@ -506,6 +512,7 @@ class Supervisor:
                 self.securer.on_step(self, now)
             if self.heartbeat is not None:
                 self.heartbeat.on_step(now, self.state.progress.step, self.state.progress.loss)
+                self._observe(now)
         if self.watchdog.nan_decide_at is not None:
             self._recheck = True
         if self.securer is not None and self.state.outcome is not None and not (finite and math.isfinite(value)):
@@ -563,6 +570,8 @@ class Supervisor:
         self._recheck = True
         self.state.outcome = outcome
         self.watchdog.pause()
+        if self.heartbeat is not None:
+            self.heartbeat.on_outcome(outcome, self.state.progress, self.world_size())
         if stop and secure and self.securer is not None and outcome.reason == "non_finite_loss" and self.job_alive():
             # Secure first, then stop: a job told to stop (or training on) may save again over the good checkpoint
             # (a loop's SIGTERM handler rewriting ckpt.pt with the NaN weights). Frozen with SIGSTOP meanwhile,
