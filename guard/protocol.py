@@ -28,6 +28,8 @@ Agent -> supervisor (``t``):
 ``push_result``     ok (bool), error (str|None), count: pushes the Trainer did in the background
 ``train_end``       step, max_steps, stopped (a callback or the guard asked training to stop)
 ``train_error``     exc_type, message, root, step, max_steps: ``Trainer.train()`` raised (the script may catch it)
+``train_intent``    what (``optimizer``, with type: an optimizer was built; ``optimizer_step``: it stepped), once each
+``empty_loader``    samples, batch_size, drop_last: a DataLoader with no batch at all was iterated (once)
 ``watching``        what (``torch``): the agent hooked torch and sees the losses; printed losses stop deciding
 ``progress``        begun, step, where (the main thread's stack in one line): the answer to ``dump``
 ``replay``          n: CUDA-graph replays since the last such message (sent every ``check_every``); progress without

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from guard.contract import EXIT_GUARD_ERROR, EXIT_INCOMPLETE, RunResult, signal_name
 from guard.run.config import Config, guard_options_in
 from guard.run.process import CgroupMemory, Survivor, cgroup_memory
-from guard.run.state import JobFacts, RunState
+from guard.run.state import JobFacts, Progress, RunState
 
 if TYPE_CHECKING:
     from guard.secure.securing import Securing
@@ -136,11 +136,34 @@ def cause_hint(facts: JobFacts, code: int, *, output_folder: str | None = None) 
             "Python): its last output lines say why")
 
 
-def incomplete_reason(facts: JobFacts) -> str | None:
+def _empty_loader_text(facts: JobFacts) -> str:
+    empty = facts.empty_loader
+    if empty is None:
+        return ""
+    samples, batch, drop = empty.get("samples"), empty.get("batch_size"), empty.get("drop_last")
+    why = (f"{samples} sample(s) with batch_size={batch} and drop_last=True" if drop and samples
+           else f"{samples if samples is not None else 'an unknown number of'} sample(s)")
+    return f"; a DataLoader yielded no batch ({why})"
+
+
+def incomplete_reason(facts: JobFacts, progress: Progress | None = None) -> str | None:
     """Why an exit 0 is not a finished run (the hint), or None: ``Trainer.train()`` raised and the script went on,
-    or training ended before ``max_steps`` with no stop asked for (a callback's ``should_training_stop``, the
-    guard's own request)."""
+    training ended before ``max_steps`` with no stop asked for (a callback's ``should_training_stop``, the
+    guard's own request), or the job entered training (built an optimizer) and completed no step at all (no loss,
+    no optimizer step: an empty DataLoader).
+
+    Args:
+        facts: what the job said about itself.
+        progress: the run's progress (the steps counted); None skips the zero-step check.
+    """
     error, end = facts.train_error, facts.train_end
+    if (progress is not None and progress.step is None and not progress.sanity and end is None and error is None
+            and "optimizer" in facts.train_intent and "optimizer_step" not in facts.train_intent):
+        optimizer = facts.train_intent["optimizer"]
+        named = f" ({optimizer})" if isinstance(optimizer, str) else ""
+        return (f"the job built an optimizer{named} but completed no training step (no .backward(), no optimizer "
+                f"step){_empty_loader_text(facts)}, then exited 0: check the dataset's path, split and filters, and "
+                "that it holds at least batch_size samples (drop_last=True drops a short last batch)")
     if error is not None:
         what = error.get("root") or f"{error.get('exc_type')}: {error.get('message')}"
         where = f" at step {error.get('step')} of {error.get('max_steps')}" if error.get("step") is not None else ""
@@ -201,7 +224,7 @@ def job_result(state: RunState, ended: JobExit, config: Config, *, securer: Secu
         result = RunResult("FAIL", "guard_error", EXIT_GUARD_ERROR, elapsed_s, extra={"job_exit": "unknown"}, hint=(
             "the job's exit status was lost (another process reaped it), so whether it succeeded is unknown: "
             "check its output above"))
-    elif code == 0 and (why := incomplete_reason(facts)) is not None:
+    elif code == 0 and (why := incomplete_reason(facts, progress)) is not None:
         log.error("the job exited 0, but its run is incomplete: %s", why)
         result = RunResult("FAIL", "incomplete", EXIT_INCOMPLETE, elapsed_s, hint=why)
     elif code == 0:
@@ -253,6 +276,8 @@ def job_result(state: RunState, ended: JobExit, config: Config, *, securer: Secu
     result.details.update(details)
     if securer is not None:
         securer.finish(result, step=progress.step)
+    if result.status == "PASS" and result.reason == "ok" and progress.step is None and facts.agents_seen:
+        result.extra.setdefault("steps", 0)  # the agent was there and saw no training step: say so
     if not progress.sanity and result.status == "PASS":
         log.warning("%s", NO_LOSS_HINT)
     return result

@@ -77,6 +77,9 @@ class JobFacts:
         hang_where: where the main thread waits, once the job looked hung.
         node_rank: the node rank an agent reported (torchrun's ``GROUP_RANK``), or None.
         job_verdict: the job's own last ``VERDICT:`` line (escaped in the output), or None.
+        train_intent: signs that the job meant to train (``train_intent`` messages): ``optimizer`` (the first
+            optimizer's class name) and ``optimizer_step`` (True once an optimizer stepped).
+        empty_loader: a DataLoader with no batch was iterated (``empty_loader``: samples, batch_size, drop_last).
     """
 
     trainer_config: dict[str, Any] | None = None
@@ -93,6 +96,8 @@ class JobFacts:
     hang_where: str | None = None
     node_rank: int | None = None
     job_verdict: str | None = None
+    train_intent: dict[str, Any] = field(default_factory=dict)
+    empty_loader: Message | None = None
 
     @property
     def answers_checkpoints(self) -> bool:

@@ -489,6 +489,12 @@ class Supervisor:
             self.watchdog.on_replay(now, rank)
         elif kind == "watching":
             facts.agent_watching = True
+        elif kind == "train_intent":
+            facts.train_intent.setdefault(str(message.get("what")), message.get("type") or True)
+        elif kind == "empty_loader" and facts.empty_loader is None:
+            facts.empty_loader = message
+            log.warning("the job iterated a DataLoader with no batch (%s samples, batch_size %s, drop_last %s)",
+                        message.get("samples"), message.get("batch_size"), message.get("drop_last"))
         elif kind == "train_end":
             log.debug("training ended at step %s of %s", message.get("step"), message.get("max_steps"))
             facts.on_train_end(message, rank)

@@ -432,7 +432,7 @@ class Securing:
             return
         # an exit 0 that is not a finished run: a failure, not a final push
         if self.plan.state is State.WATCHING and outcome is None and code == 0 \
-                and incomplete_reason(sup.state.facts) is not None:
+                and incomplete_reason(sup.state.facts, sup.state.progress) is not None:
             self._carry_out(sup, self.plan.failure("incomplete"), now)
             return
         ok = code == 0 and outcome is None

@@ -516,7 +516,8 @@ def install() -> None:
 
     hooks = {"torch": _torch.patch, "transformers.trainer": _transformers.patch,
              "transformers.training_args": _transformers.patch_arguments,
-             "accelerate.accelerator": _torch.patch_accelerate}
+             "accelerate.accelerator": _torch.patch_accelerate,
+             "torch.optim.optimizer": _torch.patch_optimizer, "torch.utils.data.dataloader": _torch.patch_dataloader}
     for name, hook in list(hooks.items()):
         if name in sys.modules:  # already imported (rare: the agent was installed late)
             try:
