@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from guard.contract import EXIT_GUARD_ERROR, EXIT_INCOMPLETE, RunResult, signal_name
 from guard.run.config import Config, guard_options_in
+from guard.run.output import add_worker_deaths
 from guard.run.process import CgroupMemory, Survivor, cgroup_memory
 from guard.run.state import JobFacts, Progress, RunState
 
@@ -52,6 +53,7 @@ class JobExit:
         cgroup_start: the cgroup's memory figures at the start (its ``oom_kill`` counter), or None.
         elapsed_s: seconds from the start to the end.
         node_rank: this machine's node rank, or None.
+        peak_rss_by_pid: each process's highest sampled resident memory (bytes), by pid.
     """
 
     returncode: int | None
@@ -63,6 +65,7 @@ class JobExit:
     cgroup_start: CgroupMemory | None = None
     elapsed_s: float = 0.0
     node_rank: int | None = None
+    peak_rss_by_pid: dict[int, int] = field(default_factory=dict)
 
 
 def _host_oom(ended: JobExit, *, near_limit: bool = True) -> tuple[bool, str]:
@@ -78,6 +81,47 @@ def _host_oom(ended: JobExit, *, near_limit: bool = True) -> tuple[bool, str]:
     if limit and rss >= OOM_NEAR_LIMIT * limit:
         return True, f"the job used {rss / 1e9:.1f} GB of the container's {limit / 1e9:.1f} GB limit"
     return False, ""
+
+
+#: A DataLoader worker SIGKILLed while holding at least this much (or while the largest process of the job) was the
+#: kernel OOM killer's pick: it kills the process with the highest ``oom_score``, which follows its resident memory
+#: (Linux, Documentation/filesystems/proc.rst, "oom_score").
+WORKER_HIGH_RSS_BYTES = 1 << 30
+
+
+def _worker_death(facts: JobFacts, ended: JobExit) -> tuple[str, str] | None:
+    """A DataLoader worker that torch said died, as ``(reason, hint)``: ``oom`` when it was SIGKILLed and the
+    evidence says memory (the cgroup's OOM kill counter rose; it held ``WORKER_HIGH_RSS_BYTES`` or more, or the
+    most of any process of the job), else ``crash`` naming the worker's signal (not the socket error its death left
+    in the main process). None when no worker died, or it died of SIGBUS (shared memory: ``cause_hint`` says so)."""
+    deaths = dict(facts.worker_deaths)
+    for text in (facts.last_exception, facts.root_exception):
+        if text:
+            add_worker_deaths(deaths, text)
+    if not deaths:
+        return None
+    pid, how = next(((p, h) for p, h in deaths.items() if h == "Killed"), next(iter(deaths.items())))
+    if how is not None and ("Bus error" in how or how.startswith("Bus")):
+        return None
+    by_pid = ended.peak_rss_by_pid
+    rss = by_pid.get(pid)
+    peak = f"; the job's peak {_size(ended.peak_rss_bytes)}" if ended.peak_rss_bytes else ""
+    held = f" holding {_size(rss)} resident{peak}" if rss else ""
+    sent = "SIGKILL" if how == "Killed" else how or "an unknown cause"
+    what = f"a DataLoader worker (pid {pid}) was killed by {sent}"
+    if how == "Killed":
+        counter, why = _host_oom(ended, near_limit=False)
+        largest = rss is not None and rss >= max(by_pid.values(), default=0)
+        if counter or (rss is not None and (rss >= WORKER_HIGH_RSS_BYTES or largest)):
+            evidence = why if counter else ("the largest process of the job: the kernel OOM killer's pick"
+                                            if largest else "more than a worker needs")
+            return "oom", (f"out of host memory: {what}{held} ({evidence}): lower DataLoader num_workers (each "
+                           "worker holds its own copy of what it touches) and prefetch_factor or the batch size, keep "
+                           "the dataset in numpy arrays or tensors rather than Python lists and dicts (read-only "
+                           "access copies their pages in every worker), or ask the platform for more memory")
+    return "crash", (f"{what}{held}, and the main process failed on its death ({facts.last_exception}): see what "
+                     "the worker was doing (its dataset's __getitem__, a native library), or set num_workers=0 to "
+                     "see its error in the main process")
 
 
 _SHM = ("shared memory", "(shm)", "/dev/shm", "shm_open")
@@ -229,6 +273,11 @@ def job_result(state: RunState, ended: JobExit, config: Config, *, securer: Secu
         result = RunResult("FAIL", "incomplete", EXIT_INCOMPLETE, elapsed_s, hint=why)
     elif code == 0:
         result = RunResult("PASS", "ok", 0, elapsed_s)
+    elif code is not None and code != 0 and not facts.cuda_oom and (worker := _worker_death(facts, ended)):
+        exit_code = code if code > 0 else 128 - code
+        if worker[0] == "oom":
+            log.error("%s", worker[1])
+        result = RunResult("FAIL", worker[0], exit_code, elapsed_s, hint=worker[1])
     elif code is not None and code > 0:
         host_oom, why = (False, "") if facts.cuda_oom else _host_oom(ended, near_limit=False)
         if facts.cuda_oom:

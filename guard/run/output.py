@@ -46,6 +46,9 @@ _QUALIFIED = re.compile(
 )
 _STEP = re.compile(rb"""(?<![\w])['"]?(?:global_)?step['"]?\s*[:=]?\s*(?P<s>\d+)\b""", re.IGNORECASE)
 _EXC_LINE = re.compile(rb"^(?P<type>[A-Za-z_][\w.]*)(?::\s?(?P<msg>.*))?$")
+#: torch's words for a DataLoader worker that died (torch/csrc/DataLoader.cpp, torch/utils/data/dataloader.py).
+WORKER_DIED = re.compile(r"DataLoader worker \(pids?(?:\(s\))? (?P<pids>[\d, ]+)\) (?:is killed by signal: "
+                         r"(?P<signal>[^.]+)\.|exited unexpectedly)")
 _CUDA_OOM = (b"CUDA out of memory", b"OutOfMemoryError", b"CUDA error: out of memory")
 
 
@@ -132,6 +135,8 @@ class OutputEvents:
             or a DataLoader worker's own error (the last line of its "Original Traceback").
         cuda_oom: a CUDA out-of-memory error was printed.
         job_verdicts: the job's own ``VERDICT:`` lines (text after ``VERDICT:``), escaped in the output.
+        worker_deaths: DataLoader workers torch said died: pid -> the signal's description (``Killed``), or None
+            (``exited unexpectedly``).
     """
 
     losses: list[tuple[int | None, float]] = field(default_factory=list)
@@ -139,6 +144,16 @@ class OutputEvents:
     root_exception: str | None = None
     cuda_oom: bool = False
     job_verdicts: list[str] = field(default_factory=list)
+    worker_deaths: dict[int, str | None] = field(default_factory=dict)
+
+
+def add_worker_deaths(deaths: dict[int, str | None], text: str) -> None:
+    """Add the DataLoader workers ``text`` says died (``WORKER_DIED``) to ``deaths`` (pid -> signal or None); a
+    signal named once is kept when a later message of the same worker names none."""
+    for match in WORKER_DIED.finditer(text):
+        for pid in re.findall(r"\d+", match["pids"]):
+            if deaths.get(int(pid)) is None:
+                deaths[int(pid)] = match["signal"]
 
 
 class StreamFilter:
@@ -236,6 +251,8 @@ class StreamFilter:
     def _scan_errors(self, line: bytes) -> None:
         if any(marker in line for marker in _CUDA_OOM):
             self.events.cuda_oom = True
+        if b"DataLoader worker (pid" in line:
+            add_worker_deaths(self.events.worker_deaths, line.decode("utf-8", "replace"))
         if line.startswith(b"Traceback (most recent call last)"):
             self._in_traceback = True
             return

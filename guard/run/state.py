@@ -80,6 +80,8 @@ class JobFacts:
         train_intent: signs that the job meant to train (``train_intent`` messages): ``optimizer`` (the first
             optimizer's class name) and ``optimizer_step`` (True once an optimizer stepped).
         empty_loader: a DataLoader with no batch was iterated (``empty_loader``: samples, batch_size, drop_last).
+        worker_deaths: DataLoader workers torch said died (output lines, exception messages): pid -> the signal's
+            description (``Killed``), or None (``exited unexpectedly``).
     """
 
     trainer_config: dict[str, Any] | None = None
@@ -98,6 +100,7 @@ class JobFacts:
     job_verdict: str | None = None
     train_intent: dict[str, Any] = field(default_factory=dict)
     empty_loader: Message | None = None
+    worker_deaths: dict[int, str | None] = field(default_factory=dict)
 
     @property
     def answers_checkpoints(self) -> bool:

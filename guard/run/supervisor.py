@@ -405,6 +405,9 @@ class Supervisor:
         facts.root_exception = events.root_exception or facts.root_exception
         if events.job_verdicts:
             facts.job_verdict = events.job_verdicts[-1]
+        for pid, how in events.worker_deaths.items():
+            if facts.worker_deaths.get(pid) is None:
+                facts.worker_deaths[pid] = how
 
     def _output_decides(self) -> bool:
         """Losses parsed from the output count only while no agent sees the losses itself: once an agent has
@@ -692,6 +695,7 @@ class Supervisor:
         job = self.job
         ended = JobExit(returncode=job.returncode, status_lost=job.status_lost, peak_rss_bytes=job.peak_rss_bytes,
                         last_rss_bytes=job.last_rss_bytes, survivors=list(job.survivors_left),
+                        peak_rss_by_pid=dict(job.peak_rss_by_pid),
                         orphans_reaped=job.reaped, cgroup_start=self.cgroup_start,
                         elapsed_s=self.clock() - self.started, node_rank=self.node_rank)
         return job_result(self.state, ended, self.config, securer=self.securer)
