@@ -10,7 +10,7 @@ job, and a dead or silent agent never blocks the supervisor (it only reads what 
 
 Agent -> supervisor (``t``):
 
-``hello``           pid, argv, rank, local_rank, world_size, node_rank
+``hello``           pid, argv, rank, local_rank, world_size, node_rank, error_file (TORCHELASTIC_ERROR_FILE)
 ``dist``            store (bool), global_rank, world_size: ``torch.distributed`` is up (the cross-rank relay)
 ``step``            step (int), loss (float|None), finite (bool), source (``trainer``|``backward``|``report``),
                     n (steps covered by this message, >= 1), skipped (optimizer steps a GradScaler skipped in a

@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 
 import pytest
 from conftest import JOBS, GuardRun, kill_quietly, run_guard, start_guard
 
+from guard.run.diagnose import rank_failure
+from guard.run.masking import Masker
+from guard.run.output import OutputEvents, StreamFilter
+from guard.run.state import JobFacts
 from guard.run.supervisor import SAMPLE_EVERY_S
 
 pytestmark = pytest.mark.slow
@@ -57,3 +63,31 @@ def test_a_dataloader_worker_sigkilled_while_holding_the_most_memory_is_oom_with
     assert "MB resident" in fields["hint"] and "the job's peak" in fields["hint"]
     assert "num_workers" in fields["hint"]
     assert "Connection reset" not in fields["hint"] and "ConnectionResetError" not in fields["hint"]
+
+
+# -- one torchrun rank raises ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("record", [False, True], ids=["plain", "record"])
+def test_a_torchrun_rank_that_raises_is_named_with_its_own_error(record: bool, tmp_path: Path) -> None:
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    job = [torchrun, "--standalone", "--nproc-per-node", "2", str(JOBS / "rank_raises.py"), "--raise-rank", "1"]
+    run = run_guard(["--no-preflight", "--", *job, *(["--record"] if record else [])], cwd=tmp_path)
+    fields = run.fields()
+    assert (fields["status"], fields["reason"], fields.get("rank")) == ("FAIL", "crash", "1"), run.stderr[-3000:]
+    assert "ValueError: rank 1: bad batch at step 4" in fields["hint"]
+    assert "ChildFailedError" not in fields["hint"]
+
+
+def test_rank_lines_and_error_files_name_the_rank_without_an_agent(tmp_path: Path) -> None:
+    error_file = tmp_path / "error.json"
+    error_file.write_text(json.dumps({"message": {"message": "KeyError: 'labels'",
+                                                  "extraInfo": {"py_callstack": "...", "timestamp": "17"}}}))
+    facts = JobFacts(error_files={3: str(error_file), 0: str(tmp_path / "missing.json")})
+    assert rank_failure(facts) == (3, "KeyError: 'labels'")
+    events = OutputEvents()
+    stream = StreamFilter(Masker([]), events=events)
+    stream.feed(b"[rank1]: Traceback (most recent call last):\n[rank1]:   File x.py, line 1, in <module>\n"
+                b"[rank1]: ValueError: rank 1: loss is nan at step 40\n")
+    assert events.rank_exceptions == {1: "ValueError: rank 1: loss is nan at step 40"}
+    assert events.last_exception is None  # a rank's lines are its own, not the launcher's

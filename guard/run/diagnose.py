@@ -10,6 +10,7 @@ the job's memory was near the cgroup's limit.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -122,6 +123,40 @@ def _worker_death(facts: JobFacts, ended: JobExit) -> tuple[str, str] | None:
     return "crash", (f"{what}{held}, and the main process failed on its death ({facts.last_exception}): see what "
                      "the worker was doing (its dataset's __getitem__, a native library), or set num_workers=0 to "
                      "see its error in the main process")
+
+
+def _error_file_message(path: str) -> tuple[str, int] | None:
+    """The error a rank wrote to its ``TORCHELASTIC_ERROR_FILE`` (torch's ``@record``, see
+    ``torch.distributed.elastic.multiprocessing.errors``: ``{"message": {"message": "Type: text", "extraInfo":
+    {"py_callstack": ..., "timestamp": "SECONDS"}}}``, or ``{"message": "text"}``), with its timestamp (0 when it
+    has none); None when the file is missing or unreadable."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            data = json.load(handle)
+    except (OSError, ValueError):
+        return None
+    message = data.get("message") if isinstance(data, dict) else None
+    if isinstance(message, str) and message:
+        return message[:500], 0
+    if isinstance(message, dict) and isinstance(message.get("message"), str):
+        stamp = str((message.get("extraInfo") or {}).get("timestamp", "0"))
+        return message["message"][:500], int(stamp) if stamp.isdigit() else 0
+    return None
+
+
+def rank_failure(facts: JobFacts) -> tuple[int, str] | None:
+    """The rank whose own exception failed the job, and that exception: the earliest of the ranks' error files
+    (``TORCHELASTIC_ERROR_FILE``), else the first rank whose agent reported an uncaught exception, else the first
+    ``[rankN]:`` traceback in the output. None when no rank said."""
+    written = [(stamp, rank, text) for rank, path in facts.error_files.items()
+               if (found := _error_file_message(path)) is not None for text, stamp in [found]]
+    if written:
+        _, rank, text = min(written)
+        return rank, text
+    if facts.rank_exceptions:
+        rank = next(iter(facts.rank_exceptions))
+        return rank, facts.rank_exceptions[rank]
+    return None
 
 
 _SHM = ("shared memory", "(shm)", "/dev/shm", "shm_open")
@@ -293,6 +328,13 @@ def job_result(state: RunState, ended: JobExit, config: Config, *, securer: Secu
             result = RunResult("FAIL", "crash", code, elapsed_s, hint=(
                 f"the job exited with code 2 (a usage error) and its arguments hold {', '.join(misplaced)}, a guard "
                 f"option: guard options go before the script (python -m guard {misplaced[0]} ... train.py ...)"))
+        elif (failed := rank_failure(facts)) is not None and not any(
+                marker in f"{facts.root_exception} {facts.last_exception}" for marker in _SHM + _DISK_FULL):
+            rank, text = failed
+            log.error("rank %d raised %s", rank, text)
+            result = RunResult("FAIL", "crash", code, elapsed_s, extra={"rank": rank}, hint=(
+                f"rank {rank} raised {text} (the launcher's error only says that a rank failed): fix it and "
+                "rerun; its traceback is in the log, in the lines of that rank"))
         else:
             result = RunResult("FAIL", "crash", code, elapsed_s, hint=cause_hint(
                 facts, code, output_folder=_output_folder(facts, config, securer)))

@@ -49,6 +49,7 @@ _EXC_LINE = re.compile(rb"^(?P<type>[A-Za-z_][\w.]*)(?::\s?(?P<msg>.*))?$")
 #: torch's words for a DataLoader worker that died (torch/csrc/DataLoader.cpp, torch/utils/data/dataloader.py).
 WORKER_DIED = re.compile(r"DataLoader worker \(pids?(?:\(s\))? (?P<pids>[\d, ]+)\) (?:is killed by signal: "
                          r"(?P<signal>[^.]+)\.|exited unexpectedly)")
+_RANK_LINE = re.compile(rb"^\[rank(?P<rank>\d+)\]:\s?(?P<rest>.*)$")
 _CUDA_OOM = (b"CUDA out of memory", b"OutOfMemoryError", b"CUDA error: out of memory")
 
 
@@ -135,6 +136,8 @@ class OutputEvents:
             or a DataLoader worker's own error (the last line of its "Original Traceback").
         cuda_oom: a CUDA out-of-memory error was printed.
         job_verdicts: the job's own ``VERDICT:`` lines (text after ``VERDICT:``), escaped in the output.
+        rank_exceptions: each rank's first exception in its ``[rankN]: `` lines (torchrun's prefix of a rank's
+            output): rank -> ``"Type: message"`` (the first of a chain: the root cause).
         worker_deaths: DataLoader workers torch said died: pid -> the signal's description (``Killed``), or None
             (``exited unexpectedly``).
     """
@@ -145,6 +148,7 @@ class OutputEvents:
     cuda_oom: bool = False
     job_verdicts: list[str] = field(default_factory=list)
     worker_deaths: dict[int, str | None] = field(default_factory=dict)
+    rank_exceptions: dict[int, str] = field(default_factory=dict)
 
 
 def add_worker_deaths(deaths: dict[int, str | None], text: str) -> None:
@@ -175,6 +179,7 @@ class StreamFilter:
         self._chained = False  # a chain separator came after the last exception: the next one is not a root
         self._worker = False  # inside a DataLoader worker's "Original Traceback": its error is the root
         self._line_head = b""  # the part of the current line already written (for parsing), bounded
+        self._rank_tracebacks: set[int] = set()  # ranks inside a "[rankN]: Traceback" block
 
     @property
     def pending(self) -> bool:
@@ -253,6 +258,14 @@ class StreamFilter:
             self.events.cuda_oom = True
         if b"DataLoader worker (pid" in line:
             add_worker_deaths(self.events.worker_deaths, line.decode("utf-8", "replace"))
+        if line.startswith(b"[rank") and (ranked := _RANK_LINE.match(line)):
+            rank, rest = int(ranked["rank"]), ranked["rest"]
+            if rest.startswith(b"Traceback (most recent call last)"):
+                self._rank_tracebacks.add(rank)
+            elif rank in self._rank_tracebacks and rest and not rest[:1].isspace() and _EXC_LINE.match(rest):
+                self._rank_tracebacks.discard(rank)
+                self.events.rank_exceptions.setdefault(rank, rest.decode("utf-8", "replace")[:500])
+            return
         if line.startswith(b"Traceback (most recent call last)"):
             self._in_traceback = True
             return

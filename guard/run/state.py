@@ -80,6 +80,9 @@ class JobFacts:
         train_intent: signs that the job meant to train (``train_intent`` messages): ``optimizer`` (the first
             optimizer's class name) and ``optimizer_step`` (True once an optimizer stepped).
         empty_loader: a DataLoader with no batch was iterated (``empty_loader``: samples, batch_size, drop_last).
+        rank_exceptions: each rank's own uncaught exception (``"Type: message"``, its root cause when it has one),
+            the first per rank, in the order they came (the agents' ``exception`` messages, ``[rankN]:`` lines).
+        error_files: each rank's ``TORCHELASTIC_ERROR_FILE`` (torchrun's per-rank error file), from its ``hello``.
         worker_deaths: DataLoader workers torch said died (output lines, exception messages): pid -> the signal's
             description (``Killed``), or None (``exited unexpectedly``).
     """
@@ -101,6 +104,8 @@ class JobFacts:
     train_intent: dict[str, Any] = field(default_factory=dict)
     empty_loader: Message | None = None
     worker_deaths: dict[int, str | None] = field(default_factory=dict)
+    rank_exceptions: dict[int, str] = field(default_factory=dict)
+    error_files: dict[int, str] = field(default_factory=dict)
 
     @property
     def answers_checkpoints(self) -> bool:
@@ -115,8 +120,12 @@ class JobFacts:
         """The job installed its own SIGTERM handler (seen by the agent at a ``torch.save``): it saves when told."""
         return "sigterm_handler" in self.api_used
 
-    def on_exception(self, message: Message) -> None:
-        """An ``exception`` message: the job's uncaught exception (``sys.excepthook``)."""
+    def on_exception(self, message: Message, rank: int | None = None) -> None:
+        """An ``exception`` message: the job's uncaught exception (``sys.excepthook``), from ``rank`` (None: a
+        process without a rank, such as the launcher)."""
+        if rank is not None and rank not in self.rank_exceptions:
+            self.rank_exceptions[rank] = str(message.get("root") or f"{message.get('exc_type')}: "
+                                             f"{message.get('message')}")
         self.last_exception = f"{message.get('exc_type')}: {message.get('message')}"
         if message.get("root"):
             self.root_exception = str(message["root"])

@@ -405,6 +405,8 @@ class Supervisor:
         facts.root_exception = events.root_exception or facts.root_exception
         if events.job_verdicts:
             facts.job_verdict = events.job_verdicts[-1]
+        for rank, text in events.rank_exceptions.items():
+            facts.rank_exceptions.setdefault(rank, text)
         for pid, how in events.worker_deaths.items():
             if facts.worker_deaths.get(pid) is None:
                 facts.worker_deaths[pid] = how
@@ -450,6 +452,9 @@ class Supervisor:
             facts.agents_seen += 1
             if facts.node_rank is None:
                 facts.node_rank = _int_or_none(message.get("node_rank"))
+            hello_rank = _int_or_none(message.get("rank"))
+            if hello_rank is not None and isinstance(message.get("error_file"), str):
+                facts.error_files[hello_rank] = message["error_file"]
             log.debug("agent connected: pid %s rank %s", message.get("pid"), message.get("rank"))
         elif kind == "step":
             loss = message.get("loss")
@@ -476,7 +481,7 @@ class Supervisor:
         elif kind == "api":
             facts.api_used.add(str(message.get("name")))
         elif kind == "exception":
-            facts.on_exception(message)
+            facts.on_exception(message, rank)
         elif kind == "push_result":
             facts.trainer_push = message
             if not message.get("ok"):

@@ -45,6 +45,7 @@ def _rank_info() -> dict[str, Any]:
         "local_rank": _int("LOCAL_RANK"),
         "world_size": _int("WORLD_SIZE"),
         "node_rank": _int("GROUP_RANK") if _int("GROUP_RANK") is not None else _int("NODE_RANK"),
+        "error_file": os.environ.get("TORCHELASTIC_ERROR_FILE"),  # torchrun's per-rank error file (@record)
     }
 
 
