@@ -91,3 +91,26 @@ def test_rank_lines_and_error_files_name_the_rank_without_an_agent(tmp_path: Pat
                 b"[rank1]: ValueError: rank 1: loss is nan at step 40\n")
     assert events.rank_exceptions == {1: "ValueError: rank 1: loss is nan at step 40"}
     assert events.last_exception is None  # a rank's lines are its own, not the launcher's
+
+
+# -- an abort at teardown after training completed -----------------------------------------------------------------
+
+
+def test_an_abort_after_training_completed_and_saved_is_a_pass_with_a_warning_and_the_final_push(
+        tmp_path: Path) -> None:
+    out, dest = tmp_path / "out", tmp_path / "dest"
+    run = run_guard(["--no-preflight", "--push-to", str(dest), str(JOBS / "abort_after_training.py"),
+                     "--output-dir", str(out)], cwd=tmp_path)
+    fields = run.fields()
+    assert (fields["status"], fields["reason"], run.returncode) == ("PASS", "ok", 0), run.stdout + run.stderr[-3000:]
+    assert "SIGABRT" in fields["warning"] and "6 of 6 steps" in fields["warning"]
+    assert "process group destroyed while a collective was pending" in fields["warning"]
+    assert (dest / "model.safetensors").exists()  # the final push happened
+    assert "OOM killer" not in run.stdout
+
+
+def test_an_abort_after_training_with_no_final_save_stays_killed(tmp_path: Path) -> None:
+    run = run_guard(["--no-preflight", str(JOBS / "abort_after_training.py"), "--output-dir", str(tmp_path / "out"),
+                     "--no-save"], cwd=tmp_path)
+    fields = run.fields()
+    assert (fields["status"], fields["reason"], fields["signal"]) == ("FAIL", "killed", "SIGABRT"), run.stdout

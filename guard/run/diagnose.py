@@ -28,7 +28,7 @@ from guard.run.state import JobFacts, Progress, RunState
 if TYPE_CHECKING:
     from guard.secure.securing import Securing
 
-__all__ = ["JobExit", "cause_hint", "incomplete_reason", "job_result"]
+__all__ = ["JobExit", "cause_hint", "died_after_training", "incomplete_reason", "job_result", "rank_failure"]
 
 log = logging.getLogger("guard.supervisor")
 
@@ -179,6 +179,11 @@ def _size(size_bytes: float) -> str:
     return f"{int(size_bytes)} bytes"
 
 
+def _trainer_output(facts: JobFacts) -> str | None:
+    folder = (facts.trainer_config or {}).get("output_dir")
+    return str(folder) if folder else None
+
+
 def _output_folder(facts: JobFacts, config: Config, securer: Securing | None) -> str:
     """The job's output folder (the guard's ``--output-dir``, the Trainer's ``output_dir``), else its working
     directory."""
@@ -256,6 +261,35 @@ def incomplete_reason(facts: JobFacts, progress: Progress | None = None) -> str 
     return None
 
 
+def died_after_training(facts: JobFacts, code: int | None, output_folder: str | None = None) -> str | None:
+    """The signal a job died of after its training had completed, or None: ``Trainer.train()`` returned at its
+    last step (``max_steps``), a save of that last step was seen (a checkpoint reported at
+    that step, or final model files in ``output_folder``), and then the job was killed by a signal (a C++ watchdog's
+    SIGABRT, a segfault in a library's teardown), or a shell reported one (exit 128 + n). Such a run is a ``PASS``
+    with a ``warning=``, and gets its final push.
+
+    Args:
+        facts: what the job said about itself.
+        code: the job's exit code (negative: the signal), or None.
+        output_folder: where the final model would be (the Trainer's ``output_dir``).
+    """
+    if code is None or code == 0:
+        return None
+    signum = -code if code < 0 else code - 128 if 128 < code < 128 + 65 else None
+    end = facts.train_end
+    if signum is None or end is None:  # "stopped" is set at max_steps too (DefaultFlowCallback): not read here
+        return None
+    step, max_steps = end.get("step"), end.get("max_steps")
+    if not (isinstance(step, int) and isinstance(max_steps, int) and 0 < max_steps <= step):
+        return None
+    saved = any(c.get("step") == step for c in facts.checkpoints)
+    if not saved and output_folder and os.path.isdir(output_folder):
+        from guard.secure.hub import final_model_files
+
+        saved = bool(final_model_files(output_folder))
+    return signal_name(signum) if saved else None
+
+
 def job_result(state: RunState, ended: JobExit, config: Config, *, securer: Securing | None = None) -> RunResult:
     """Build the run's result from what the loop saw.
 
@@ -303,6 +337,14 @@ def job_result(state: RunState, ended: JobExit, config: Config, *, securer: Secu
         result = RunResult("FAIL", "guard_error", EXIT_GUARD_ERROR, elapsed_s, extra={"job_exit": "unknown"}, hint=(
             "the job's exit status was lost (another process reaped it), so whether it succeeded is unknown: "
             "check its output above"))
+    elif (died := died_after_training(facts, code, _trainer_output(facts))) is not None:
+        end = facts.train_end or {}
+        said = f"; its last stderr line: {facts.last_stderr_line}" if facts.last_stderr_line else ""
+        warning = (f"the job died of {died} at teardown, after training completed ({end.get('step')} of "
+                   f"{end.get('max_steps')} steps) and its final model was saved{said}")
+        log.warning("%s: the run counts as complete", warning)
+        result = RunResult("PASS", "ok", 0, elapsed_s, extra={"warning": warning})
+        details["teardown_signal"] = died
     elif code == 0 and (why := incomplete_reason(facts, progress)) is not None:
         log.error("the job exited 0, but its run is incomplete: %s", why)
         result = RunResult("FAIL", "incomplete", EXIT_INCOMPLETE, elapsed_s, hint=why)

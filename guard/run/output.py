@@ -136,6 +136,8 @@ class OutputEvents:
             or a DataLoader worker's own error (the last line of its "Original Traceback").
         cuda_oom: a CUDA out-of-memory error was printed.
         job_verdicts: the job's own ``VERDICT:`` lines (text after ``VERDICT:``), escaped in the output.
+        last_lines: each labelled stream's last non-empty line (``stderr``: what a job said before it died),
+            masked, at most 300 characters.
         rank_exceptions: each rank's first exception in its ``[rankN]: `` lines (torchrun's prefix of a rank's
             output): rank -> ``"Type: message"`` (the first of a chain: the root cause).
         worker_deaths: DataLoader workers torch said died: pid -> the signal's description (``Killed``), or None
@@ -149,6 +151,7 @@ class OutputEvents:
     job_verdicts: list[str] = field(default_factory=list)
     worker_deaths: dict[int, str | None] = field(default_factory=dict)
     rank_exceptions: dict[int, str] = field(default_factory=dict)
+    last_lines: dict[str, str] = field(default_factory=dict)
 
 
 def add_worker_deaths(deaths: dict[int, str | None], text: str) -> None:
@@ -167,10 +170,13 @@ class StreamFilter:
         masker: the secret masker.
         parse_losses: read losses from the output (for jobs the agent does not see into).
         events: where findings go; share one between stdout and stderr.
+        label: the stream's name for ``events.last_lines`` (``stdout``, ``stderr``); empty: not kept.
     """
 
-    def __init__(self, masker: Masker, *, parse_losses: bool = True, events: OutputEvents | None = None) -> None:
+    def __init__(self, masker: Masker, *, parse_losses: bool = True, events: OutputEvents | None = None,
+                 label: str = "") -> None:
         self.masker = masker
+        self.label = label
         self.parse = parse_losses
         self.events = events if events is not None else OutputEvents()
         self._pending = b""
@@ -227,6 +233,8 @@ class StreamFilter:
         if self._in_traceback or any(k in out for k in _KEYWORDS) or (head and any(k in head for k in _KEYWORDS)):
             out = self._inspect(out, line_complete)
         if line_complete:
+            if self.label and (last := (head + out).rstrip().rsplit(b"\n", 1)[-1].rsplit(b"\r", 1)[-1].strip()):
+                self.events.last_lines[self.label] = last[-300:].decode("utf-8", "replace")
             self._at_line_start = out.endswith(b"\n")
             self._line_head = b""
         else:

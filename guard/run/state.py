@@ -82,6 +82,7 @@ class JobFacts:
         empty_loader: a DataLoader with no batch was iterated (``empty_loader``: samples, batch_size, drop_last).
         rank_exceptions: each rank's own uncaught exception (``"Type: message"``, its root cause when it has one),
             the first per rank, in the order they came (the agents' ``exception`` messages, ``[rankN]:`` lines).
+        last_stderr_line: the job's last non-empty stderr line (masked), or None.
         error_files: each rank's ``TORCHELASTIC_ERROR_FILE`` (torchrun's per-rank error file), from its ``hello``.
         worker_deaths: DataLoader workers torch said died (output lines, exception messages): pid -> the signal's
             description (``Killed``), or None (``exited unexpectedly``).
@@ -106,6 +107,7 @@ class JobFacts:
     worker_deaths: dict[int, str | None] = field(default_factory=dict)
     rank_exceptions: dict[int, str] = field(default_factory=dict)
     error_files: dict[int, str] = field(default_factory=dict)
+    last_stderr_line: str | None = None
 
     @property
     def answers_checkpoints(self) -> bool:

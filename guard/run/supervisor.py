@@ -202,8 +202,8 @@ class Supervisor:
             raise SupervisorError(f"cannot start the job {self.config.command[0]!r}: {exc.strerror or exc}",
                                   hint="check the command and that it is executable and on PATH") from exc
         log.info("job started: pid %d, command: %s", self.job.pid, " ".join(self.config.command))
-        self.output.add(self.job.stdout_fd, self.out_fd)
-        self.output.add(self.job.stderr_fd, self.err_fd)
+        self.output.add(self.job.stdout_fd, self.out_fd, label="stdout")
+        self.output.add(self.job.stderr_fd, self.err_fd, label="stderr")
 
     def _job_env(self, sock_path: str) -> dict[str, str]:
         env = dict(self.config.environ)
@@ -405,6 +405,7 @@ class Supervisor:
         facts.root_exception = events.root_exception or facts.root_exception
         if events.job_verdicts:
             facts.job_verdict = events.job_verdicts[-1]
+        facts.last_stderr_line = events.last_lines.get("stderr", facts.last_stderr_line)
         for rank, text in events.rank_exceptions.items():
             facts.rank_exceptions.setdefault(rank, text)
         for pid, how in events.worker_deaths.items():

@@ -24,7 +24,7 @@ from guard.contract import (
     signal_name,
 )
 from guard.errors import GuardError
-from guard.run.diagnose import incomplete_reason
+from guard.run.diagnose import died_after_training, incomplete_reason
 from guard.run.state import Message, Outcome, RunState
 from guard.secure import budget, checkpoints, layout, worker
 from guard.secure.plan import Action, Decide, ForwardSignal, Plan, Pusher, RequestSave, State, StopJob
@@ -426,7 +426,9 @@ class Securing:
         outcome = sup.state.outcome
         if self.output_dir and self.plan.state is not State.DONE:
             self._scan(sup)
-        if self.plan.state is State.WATCHING and outcome is None and code is not None and code != 0:
+        completed = died_after_training(sup.state.facts, code, self.plan.final_output_dir) is not None
+        if self.plan.state is State.WATCHING and outcome is None and code is not None and code != 0 \
+                and not completed:
             reason = "crash" if code > 0 else "killed"
             self._carry_out(sup, self.plan.failure(reason), now)
             return
@@ -435,7 +437,7 @@ class Securing:
                 and incomplete_reason(sup.state.facts, sup.state.progress) is not None:
             self._carry_out(sup, self.plan.failure("incomplete"), now)
             return
-        ok = code == 0 and outcome is None
+        ok = (code == 0 or completed) and outcome is None
         self._check_node(sup)
         if ok and sup.node_rank not in (None, 0) and self.securer is not None:
             log.info("node %d: the guard of node 0 pushes the final model", sup.node_rank)
