@@ -114,3 +114,27 @@ def test_an_abort_after_training_with_no_final_save_stays_killed(tmp_path: Path)
                      "--no-save"], cwd=tmp_path)
     fields = run.fields()
     assert (fields["status"], fields["reason"], fields["signal"]) == ("FAIL", "killed", "SIGABRT"), run.stdout
+
+
+# -- a sustained loss rise -----------------------------------------------------------------------------------------
+
+
+def test_a_loss_that_jumps_35x_and_stays_is_named_once_and_the_pass_carries_a_warning(tmp_path: Path) -> None:
+    run = run_guard([str(JOBS / "loss_rise.py"), "--out", str(tmp_path / "out")], cwd=tmp_path)
+    fields = run.fields()
+    assert (fields["status"], fields["reason"], run.returncode) == ("PASS", "ok", 0), run.stdout + run.stderr[-3000:]
+    assert "the loss rose above 10x its early level" in fields["warning"]
+    assert "at step 25" in fields["warning"]
+    assert f"{tmp_path / 'out' / 'ckpt-20.pt'} (step 20)" in fields["warning"]
+    assert run.stderr.count("the loss rose and stayed up") == 1, run.stderr[-3000:]
+
+
+def test_the_rise_check_follows_its_options(tmp_path: Path) -> None:
+    off = run_guard(["--loss-rise-factor", "50", str(JOBS / "loss_rise.py"), "--out", str(tmp_path / "a")],
+                    cwd=tmp_path)
+    assert off.returncode == 0 and "warning" not in off.fields(), off.stdout
+    short = run_guard(["--loss-rise-steps", "200", str(JOBS / "loss_rise.py"), "--out", str(tmp_path / "b")],
+                      cwd=tmp_path)
+    assert short.returncode == 0 and "warning" not in short.fields(), short.stdout
+    bad = run_guard(["--loss-rise-factor", "0.5", str(JOBS / "loss_rise.py")], cwd=tmp_path)
+    assert bad.returncode == 2 and "--loss-rise-factor" in bad.stdout + bad.stderr

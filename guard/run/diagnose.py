@@ -396,6 +396,18 @@ def job_result(state: RunState, ended: JobExit, config: Config, *, securer: Secu
         said = (f"the loss exploded to {exploded['loss']:.6g} at step {exploded['step']} from about "
                 f"{exploded['early']:.4g} in the first steps (lower the learning rate, add warmup or clip gradients)")
         result.hint = f"{said}; then: {result.hint}" if result.hint else said
+    rose = progress.rose
+    if rose is not None and result.reason not in ("usage", "preflight"):
+        back = (f"; the last checkpoint before it: {rose['checkpoint']} (step {rose['checkpoint_step']})"
+                if rose.get("checkpoint") else "")
+        said = (f"the loss rose above {rose['factor']:g}x its early level {rose['early']:.4g} at step {rose['since']} "
+                f"and stayed there ({rose['loss']:.6g} at step {rose['step']}){back}: lower the learning rate, add "
+                "warmup or clip gradients")
+        details["loss_rise"] = rose
+        if result.status == "PASS":
+            result.extra["warning"] = f"{result.extra['warning']}; {said}" if result.extra.get("warning") else said
+        elif exploded is None:
+            result.hint = f"{said}; then: {result.hint}" if result.hint else said
     result.step, result.loss, result.sanity = progress.step, progress.loss, list(progress.sanity)
     if result.reason == "non_finite_loss" and result.loss is not None and math.isfinite(result.loss):
         result.loss = None  # a finite loss never stands on a non_finite_loss verdict (a later step's echo)

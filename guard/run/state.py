@@ -48,6 +48,8 @@ class Progress:
         sanity_done: the sanity pass is complete.
         loss_source: where losses come from: ``agent`` (inside the job) or ``output`` (parsed lines), or None.
         exploded: ``{"step", "loss", "early"}`` when a finite loss exploded against its early level, else None.
+        rose: ``{"since", "step", "loss", "early", "factor", "checkpoint", "checkpoint_step"}`` when the loss stayed
+            above k x its early level for the window (``--loss-rise-factor``, ``--loss-rise-steps``), else None.
     """
 
     step: int | None = None
@@ -56,6 +58,7 @@ class Progress:
     sanity_done: bool = False
     loss_source: str | None = None
     exploded: dict[str, Any] | None = None
+    rose: dict[str, Any] | None = None
 
 
 @dataclass
@@ -72,6 +75,7 @@ class JobFacts:
         cuda_oom: the job ran out of CUDA memory.
         api_used: the ``guard.<name>()`` calls the job made (``api`` messages).
         checkpoints: the ``checkpoint_saved`` messages, each with the sender's ``rank``.
+        files_saved: the ``file_saved`` messages (``torch.save`` to a named file returned: path, step).
         agents_seen: agents that said ``hello``.
         agent_watching: an agent hooked torch (or a Trainer): printed losses stop deciding.
         hang_where: where the main thread waits, once the job looked hung.
@@ -97,6 +101,7 @@ class JobFacts:
     cuda_oom: bool = False
     api_used: set[str] = field(default_factory=set)
     checkpoints: list[Message] = field(default_factory=list)
+    files_saved: list[Message] = field(default_factory=list)
     agents_seen: int = 0
     agent_watching: bool = False
     hang_where: str | None = None

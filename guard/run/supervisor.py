@@ -108,7 +108,9 @@ class Supervisor:
         self.state = RunState()
         self.watchdog = Watchdog(self.state, self.started, sanity_steps=int(config.values["sanity_steps"]),
                                  stall_timeout_s=config.stall_timeout_s, dry_run=bool(config.values["dry_run"]),
-                                 max_skipped_steps=int(config.values.get("max_skipped_steps") or 0))
+                                 max_skipped_steps=int(config.values.get("max_skipped_steps") or 0),
+                                 loss_rise_factor=float(config.values.get("loss_rise_factor") or 0.0),
+                                 loss_rise_steps=int(config.values.get("loss_rise_steps") or 20))
         self.settings_check = SettingsCheck(trainer_config_check)
         self.check_every = int(config.values["check_every"])
         self.escalation = Escalation(config.grace_s)
@@ -477,6 +479,8 @@ class Supervisor:
             if self.securer is not None:
                 self.securer.on_checkpoint_saved(self, message)
         elif kind == "file_saved":
+            if len(facts.files_saved) < 1000:
+                facts.files_saved.append(message)
             if self.securer is not None:
                 self.securer.on_file_saved(self, {**message, "rank": conn.info.get("rank")})
         elif kind == "api":
