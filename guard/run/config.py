@@ -284,7 +284,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("require_shards", "local data files the job reads: GLOB[:MIN] files at least, each readable in its "
            "format (repeatable)", (), _parse_shards, "GLOB[:MIN]", repeat=True),
     Option("launch_smoke", "before a torchrun/accelerate launch job, a tiny all_reduce under the same launcher: "
-           "auto (more than one process or node), on, off", "auto", _parse_smoke, "auto|on|off"),
+           "auto (more than one process or node), on, off (alone: on)", "auto", _parse_smoke, "auto|on|off", bare="on",
+           choices=("on", "off", "auto", "1", "0", "true", "false", "yes", "no")),
     Option("launch_smoke_timeout", "time limit of the launch smoke", 120.0,
            lambda t, option: parse_duration(t, option=option), "DURATION"),
     Option("no_preflight", "skip every preflight check (each is listed as n/a)", False, _parse_bool,
@@ -371,6 +372,8 @@ class Config:
                 text = "auto" if opt.name == "margin" else "-"
             elif opt.metavar and opt.metavar.startswith("DURATION") and isinstance(value, float):
                 text = format_duration_s(value)
+            elif isinstance(value, bool):
+                text = "on" if value else "off"
             else:
                 text = str(value)
             rows.append((opt.flag, text, self.sources[opt.name]))

@@ -421,6 +421,9 @@ def job_result(state: RunState, ended: JobExit, config: Config, *, securer: Secu
     result.details.update(details)
     if securer is not None:
         securer.finish(result, step=progress.step)
+        pushed = result.extra.get("pushed")
+        if isinstance(pushed, str) and "@" in pushed and os.path.isabs(pushed.rsplit("@", 1)[1]):
+            result.extra["pushed"] = pushed.rsplit("@", 1)[1]  # a folder destination: the folder written
     if result.status == "PASS" and result.reason == "ok" and progress.step is None and facts.agents_seen:
         result.extra.setdefault("steps", 0)  # the agent was there and saw no training step: say so
     if not progress.sanity and result.status == "PASS":

@@ -235,7 +235,7 @@ class StreamFilter:
         if line_complete:
             if self.label and (last := (head + out).rstrip().rsplit(b"\n", 1)[-1].rsplit(b"\r", 1)[-1].strip()):
                 self.events.last_lines[self.label] = last[-300:].decode("utf-8", "replace")
-            self._at_line_start = out.endswith(b"\n")
+            self._at_line_start = out.endswith((b"\n", b"\r"))
             self._line_head = b""
         else:
             # A partial line went out early: keep it, so the whole line is parsed once its end arrives.
@@ -247,7 +247,8 @@ class StreamFilter:
         lines = out.splitlines(keepends=True)
         result = []
         for i, raw in enumerate(lines):
-            at_start = self._at_line_start if i == 0 else lines[i - 1].endswith(b"\n")
+            # after a \r too: a reader that splits there (a terminal, Python's splitlines()) sees a line start
+            at_start = self._at_line_start if i == 0 else lines[i - 1].endswith((b"\n", b"\r"))
             text = raw.rstrip(b"\r\n")
             full = self._line_head + text if i == 0 else text
             if at_start and text.startswith(_VERDICT):
