@@ -138,3 +138,19 @@ def test_the_rise_check_follows_its_options(tmp_path: Path) -> None:
     assert short.returncode == 0 and "warning" not in short.fields(), short.stdout
     bad = run_guard(["--loss-rise-factor", "0.5", str(JOBS / "loss_rise.py")], cwd=tmp_path)
     assert bad.returncode == 2 and "--loss-rise-factor" in bad.stdout + bad.stderr
+
+
+# -- a Hub that cannot be resolved, with a Hub destination -------------------------------------------------------
+
+
+def test_an_unresolvable_hub_endpoint_with_a_hub_destination_fails_preflight(tmp_path: Path) -> None:
+    env = {"HF_ENDPOINT": "http://no-such-hub.invalid", "HF_HUB_OFFLINE": "0", "HF_TOKEN": "hf_" + "x" * 34}
+    run = run_guard(["--push-to", "hf://alice/run", str(JOBS / "echo_args.py")], env=env, cwd=tmp_path)
+    fields = run.fields()
+    assert (fields["status"], fields["reason"], fields["check"], run.returncode) == \
+        ("FAIL", "preflight", "hub-auth", 3), run.stdout + run.stderr[-2000:]
+    assert "args:" not in run.stdout  # the job never started
+    skipped = run_guard(["preflight", "--push-to", "hf://alice/run", "--skip-check", "hub-auth=the Hub comes later",
+                         str(JOBS / "echo_args.py")], env=env, cwd=tmp_path)
+    assert skipped.fields().get("check") != "hub-auth", skipped.stdout + skipped.stderr[-2000:]
+    assert "skipped by --skip-check: the Hub comes later" in skipped.stderr
