@@ -140,6 +140,7 @@ REASONS = tuple(reason.value for reason in Reason)
 #: Optional keys, in the order they are written.
 OPTIONAL_KEYS = (
     "step",
+    "steps",
     "loss",
     "rank",
     "node",
@@ -149,6 +150,7 @@ OPTIONAL_KEYS = (
     "resumed_from",
     "signal",
     "check",
+    "warning",
     "hint",
 )
 

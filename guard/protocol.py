@@ -10,7 +10,7 @@ job, and a dead or silent agent never blocks the supervisor (it only reads what 
 
 Agent -> supervisor (``t``):
 
-``hello``           pid, argv, rank, local_rank, world_size, node_rank
+``hello``           pid, argv, rank, local_rank, world_size, node_rank, error_file (TORCHELASTIC_ERROR_FILE)
 ``dist``            store (bool), global_rank, world_size: ``torch.distributed`` is up (the cross-rank relay)
 ``step``            step (int), loss (float|None), finite (bool), source (``trainer``|``backward``|``report``),
                     n (steps covered by this message, >= 1), skipped (optimizer steps a GradScaler skipped in a
@@ -28,6 +28,8 @@ Agent -> supervisor (``t``):
 ``push_result``     ok (bool), error (str|None), count: pushes the Trainer did in the background
 ``train_end``       step, max_steps, stopped (a callback or the guard asked training to stop)
 ``train_error``     exc_type, message, root, step, max_steps: ``Trainer.train()`` raised (the script may catch it)
+``train_intent``    what (``optimizer``, with type: an optimizer was built; ``optimizer_step``: it stepped), once each
+``empty_loader``    samples, batch_size, drop_last: a DataLoader with no batch at all was iterated (once)
 ``watching``        what (``torch``): the agent hooked torch and sees the losses; printed losses stop deciding
 ``progress``        begun, step, where (the main thread's stack in one line): the answer to ``dump``
 ``replay``          n: CUDA-graph replays since the last such message (sent every ``check_every``); progress without

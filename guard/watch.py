@@ -14,7 +14,8 @@ optionally after **one** log-viewer timestamp prefix. Accepted prefixes, each fo
 - the same in square brackets: ``[2026-11-29 19:37:02]``, ``[2026-11-29T19:37:02.123Z]``.
 
 ``[job] VERDICT: ...`` is the job's own verdict, escaped by the guard (contract, "Output"), and never counts; nor
-does a ``VERDICT:`` after a ``\r`` (a progress bar's redraw), which the guard does not escape. Lines end at ``\n``.
+does a ``VERDICT:`` after a ``\r`` (a progress bar's redraw), which the guard escapes too (``\r[job] VERDICT:``), so
+that a reader splitting at ``\r`` never sees the job's line as the guard's. Lines end at ``\n``.
 
 ``--no-verdict-timeout DURATION`` stops the watch after that long without a new byte: with no VERDICT seen it exits
 ``NO_VERDICT_EXIT``; after one, with that VERDICT's code. ``--summary FILE`` appends a Markdown summary to FILE.

@@ -103,6 +103,7 @@ class _Fault:
     methods: tuple[str, ...] | None
     path_contains: str | None
     latency_s: float
+    headers: dict[str, str] | None = None
 
     def matches(self, method: str, path: str) -> bool:
         return ((self.methods is None or method in self.methods)
@@ -163,10 +164,12 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             if fault is not None and fault.latency_s > 0:
                 hub._wake.wait(fault.latency_s)
             if fault is not None and fault.status is not None:
-                raise HttpError(fault.status, f"injected fault {fault.status}")
+                error = HttpError(fault.status, f"injected fault {fault.status}")
+                error.extra_headers = dict(fault.headers or {})
+                raise error
             status, payload, headers = Routes(hub, self, method, body).route()
         except HttpError as err:
-            status, headers = err.status, {"X-Error-Message": err.message}
+            status, headers = err.status, {"X-Error-Message": err.message, **getattr(err, "extra_headers", {})}
             if err.code:
                 headers["X-Error-Code"] = err.code
             payload = {"error": err.message}
@@ -312,7 +315,8 @@ class HubServer:
     # -- faults and the request log ---------------------------------------------------------------------------
 
     def inject(self, status: int | None = None, *, count: int | None = None, latency_s: float = 0.0,
-               methods: tuple[str, ...] | None = None, path_contains: str | None = None) -> None:
+               methods: tuple[str, ...] | None = None, path_contains: str | None = None,
+               headers: dict[str, str] | None = None) -> None:
         """Add a fault for the requests that match ``methods`` and ``path_contains``.
 
         Args:
@@ -322,6 +326,7 @@ class HubServer:
             methods: HTTP methods that match; default the write methods (POST, PUT, DELETE) for a status fault,
                 every method for pure latency.
             path_contains: only requests whose raw path contains this string match.
+            headers: extra headers of a status fault's answer (``{"Retry-After": "271"}``).
         """
         if status is None and latency_s <= 0:
             raise ValueError("inject() needs a status or a latency_s")
@@ -330,7 +335,7 @@ class HubServer:
         if count is None and status is not None:
             count = 1
         with self._lock:
-            self._faults.append(_Fault(status, count, methods, path_contains, latency_s))
+            self._faults.append(_Fault(status, count, methods, path_contains, latency_s, headers))
 
     def reset_faults(self) -> None:
         """Remove every fault, wake requests waiting on injected latency, and come back up."""

@@ -242,3 +242,13 @@ def test_default_client_in_a_child_process_whose_environment_is_set_before_impor
     assert ("hub-auth", "fail") in by_name  # the read token cannot write to acme
     assert sum(1 for r in rows if r["name"] == "hub-repos" and r["status"] == "pass") == 2
     assert TOKENS["read"] not in proc.stdout + proc.stderr
+
+
+def test_a_hub_that_cannot_be_resolved_fails_hub_auth(tmp_path: Path) -> None:
+    from huggingface_hub import HfApi
+
+    env = {"HF_ENDPOINT": "http://no-such-hub.invalid", "HF_HOME": str(tmp_path / "hf"), "HF_TOKEN": TOKENS["write"]}
+    rows = check_hub_auth(HubTarget("model", "acme/x", "--push-to hf://acme/x"), environ=env,
+                          probe=HubProbe(env, HfApi(endpoint=env["HF_ENDPOINT"]), 10.0))
+    assert [r.status for r in rows] == ["fail"], rows
+    assert "cannot be resolved" in rows[0].seen and "--skip-check hub-auth=" in (rows[0].hint or "")

@@ -141,11 +141,37 @@ def token_can_write(info: Mapping[str, Any], target: HubTarget) -> tuple[str, st
     return "ok", f"token of {user} (role {role or 'unknown'}) can write to {where}"
 
 
+_UNRESOLVED = ("Name or service not known", "nodename nor servname", "Temporary failure in name resolution",
+               "No address associated with hostname", "getaddrinfo failed")
+
+
+def _unreachable(exc: BaseException) -> str | None:
+    """``"cannot be resolved"`` (DNS) or ``"cannot be connected to"`` (refused, unroutable, a connect timeout) when
+    ``exc``'s chain says so, else None (an answer, or a dropped connection, is not that)."""
+    seen: BaseException | None = exc
+    for _ in range(10):
+        if seen is None:
+            break
+        text, kind = str(seen), type(seen).__name__
+        if kind == "gaierror" or any(marker in text for marker in _UNRESOLVED):
+            return "cannot be resolved"
+        if kind in ("ConnectError", "ConnectTimeout", "ConnectionRefusedError") or "Connection refused" in text:
+            return "cannot be connected to"
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+def _endpoint(environ: Mapping[str, str]) -> str:
+    return environ.get("HF_ENDPOINT") or "https://huggingface.co"
+
+
 def check_hub_auth(target: HubTarget | None, *, environ: Mapping[str, str], probe: HubProbe) -> list[CheckResult]:
     """The token is valid and can write where the job pushes.
 
     Distinct failures: Hub destination while offline, token missing, token invalid (401), read-only token, no
-    (write) access to the namespace, fine-grained token without ``repo.write`` there. No answer is a warning.
+    (write) access to the namespace, fine-grained token without ``repo.write`` there, a Hub that cannot be resolved
+    (DNS) or connected to (``--skip-check hub-auth=REASON`` runs anyway). No answer in time, or a dropped
+    connection, is a warning.
     """
     name = "hub-auth"
     if target is None:
@@ -167,6 +193,11 @@ def check_hub_auth(target: HubTarget | None, *, environ: Mapping[str, str], prob
             return [CheckResult(name, "fail", f"token invalid: the Hub answered 401 to whoami (token from "
                                 f"{probe.token_source})",
                                 "create a new token with write access at https://huggingface.co/settings/tokens")]
+        if (unreachable := _unreachable(exc)) is not None:
+            return [CheckResult(name, "fail", f"the Hub at {_endpoint(environ)} {unreachable}, and the job pushes to "
+                                f"it ({target.origin}): {one_line(exc, 160)}",
+                                "check HF_ENDPOINT, DNS and the network (a proxy, a firewall); or --skip-check "
+                                "hub-auth=REASON to run anyway (the push will retry at the end)")]
         return [CheckResult(name, "warn", f"could not ask the Hub who the token is: {one_line(exc, 200)}",
                             "check HF_ENDPOINT and the network; the push at the end may fail")]
     verdict, text = token_can_write(info, target)

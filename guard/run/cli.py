@@ -41,6 +41,23 @@ python -m guard preflight [OPTIONS] [SCRIPT.py]        run the checks only
 python -m guard watch [FILE]                           read a job log; exit by its VERDICT"""
 
 
+EPILOG = """\
+DURATION: 7200, 45s, 90m, 1.5h, 1d, HH:MM:SS or D-HH:MM:SS.
+
+Exit codes (the last line on stdout is the VERDICT, with the same code in exit=):
+  0    PASS: ok, or dry_run
+  2    usage: a malformed option or no job
+  3    preflight: a check failed before the job started (check= names it)
+  4    non_finite_loss          5    stalled
+  6    push_failed: the job succeeded, its model could not be secured
+  7    incomplete: the job exited 0, but it did not finish its training
+  70   guard_error: a fault inside the guard
+  75   TIMEOUT/INTERRUPTED with the newest checkpoint secured (pushed= says where): resume from it
+  124  TIMEOUT with nothing secured
+  128+N  the job died of signal N (killed), or the guard got it and secured nothing (INTERRUPTED)
+  other  the job's own exit code (crash, oom)"""
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         raise UsageError(f"{message}", hint="run `python -m guard --help` for the options and their forms")
@@ -49,7 +66,7 @@ class _Parser(argparse.ArgumentParser):
 def _parser(prog: str = "python -m guard") -> argparse.ArgumentParser:
     parser = _Parser(prog=prog, usage=USAGE, add_help=True, allow_abbrev=False,
                      description="Run a training job under jobguard. Every option falls back to GUARD_<OPTION>.",
-                     epilog="DURATION: 7200, 45s, 90m, 1.5h, 1d, HH:MM:SS or D-HH:MM:SS. Exit codes: README.")
+                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG)
     parser.add_argument("--version", action="version", version=f"jobguard {__version__}")
     for opt in OPTIONS:
         help_text = f"{opt.help} (env {env_name(opt.name)}; default: {opt.default_text()})"
@@ -80,8 +97,20 @@ def _split(argv: Sequence[str]) -> tuple[list[str], list[str], bool]:
             i += 1  # the option's value
         elif token in optional and i + 1 < len(argv) and argv[i + 1].strip().lower() in optional[token]:
             i += 1  # ``--resume on train.py``; ``--resume train.py`` leaves the script alone
+        elif token in optional and i + 1 < len(argv) and _misplaced_value(argv[i + 1]):
+            option = next(o for o in OPTIONS if o.flag == token)
+            assert option.parse is not None
+            option.parse(argv[i + 1], option=token)  # raises that option's usage error (the accepted values)
         i += 1
     return list(argv), [], False
+
+
+def _misplaced_value(token: str) -> bool:
+    """After an option whose value may be left out (``--resume``), whether ``token`` reads as a value meant for it
+    rather than the job's script: a bare word (no path separator, no file extension) that names no file here, such
+    as ``maybe`` in ``--resume maybe train.py``."""
+    return (bool(token) and not token.startswith("-") and "/" not in token and "." not in token
+            and not Path(token).exists())
 
 
 def _check_script(path_text: str) -> Path:
@@ -207,7 +236,11 @@ def _log_config(config: Config) -> None:
         log.info("job (%s form): %s", form, " ".join(config.command[1:] if config.script else config.command))
     rows = config.describe()
     width = max(len(flag) for flag, _, _ in rows)
-    log.info("options (value, source):\n%s", "\n".join(
+    shown = [row for row in rows if row[2] != "default"]
+    if not log.isEnabledFor(logging.DEBUG):  # every option at DEBUG (and in the report); those set at INFO
+        log.info("options set (value, source): %s", ", ".join(f"{flag} {value} ({source})"
+                                                            for flag, value, source in shown) or "none, all defaults")
+    log.debug("options (value, source):\n%s", "\n".join(
         f"[guard]   {flag:<{width}}  {value}  ({source})" for flag, value, source in rows))
 
 
@@ -303,6 +336,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         hint = "set GUARD_DEBUG=1 for the traceback and report it as a bug"
         result = RunResult("FAIL", "guard_error", EXIT_GUARD_ERROR, time.monotonic() - started, hint=hint)
     result.elapsed_s = time.monotonic() - started
+    if config is not None:  # every option in the report (the log shows only those set, at INFO)
+        result.details.setdefault("options", {flag: {"value": value, "source": source}
+                                              for flag, value, source in config.describe()})
     code = _emit_verdict(result, masker, report)
     from guard.run import stages
 

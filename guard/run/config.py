@@ -108,6 +108,16 @@ def _parse_count(text: str, *, option: str) -> int:
     return value
 
 
+def _parse_factor(text: str, *, option: str) -> float:
+    try:
+        value = float(str(text).strip())
+    except ValueError:
+        value = -1.0
+    if not math.isfinite(value) or value < 0 or 0 < value <= 1:
+        raise UsageError(f"{option}: {text!r} is not a factor above 1 (or 0: off)", option=option)
+    return value
+
+
 def _parse_bool(text: str, *, option: str) -> bool:
     low = str(text).strip().lower()
     if low in TRUE_VALUES:
@@ -298,7 +308,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("require_shards", "local data files the job reads: GLOB[:MIN] files at least, each readable in its "
            "format (repeatable)", (), _parse_shards, "GLOB[:MIN]", repeat=True),
     Option("launch_smoke", "before a torchrun/accelerate launch job, a tiny all_reduce under the same launcher: "
-           "auto (more than one process or node), on, off", "auto", _parse_smoke, "auto|on|off"),
+           "auto (more than one process or node), on, off (alone: on)", "auto", _parse_smoke, "auto|on|off", bare="on",
+           choices=("on", "off", "auto", "1", "0", "true", "false", "yes", "no")),
     Option("launch_smoke_timeout", "time limit of the launch smoke", 120.0,
            lambda t, option: parse_duration(t, option=option), "DURATION"),
     Option("no_preflight", "skip every preflight check (each is listed as n/a)", False, _parse_bool,
@@ -315,6 +326,11 @@ OPTIONS: tuple[Option, ...] = (
            _parse_count, "N"),
     Option("max_skipped_steps", "optimizer steps in a row a GradScaler may skip (inf/NaN gradients: the fp16 loss "
            "scale collapsing) before the run fails as non_finite_loss; 0: off", 50, _parse_count, "N"),
+    Option("loss_rise_factor", "a loss above this many times its early level (the median of the first 5 steps) for "
+           "--loss-rise-steps steps in a row is a sustained rise: named once, a warning on the verdict; 0: off", 10.0,
+           _parse_factor, "K"),
+    Option("loss_rise_steps", "training steps the loss must stay above --loss-rise-factor x its early level",
+           20, _parse_count, "N"),
     Option("heartbeat", "interval of the [guard] heartbeat line (0: off)", 300.0,
            lambda t, option: parse_duration(t, option=option), "DURATION"),
     Option("trackio", "log losses, heartbeats and the verdict into this trackio project (jobguard[trackio])", None,
@@ -389,6 +405,8 @@ class Config:
                 text = "auto" if opt.name == "margin" else "-"
             elif opt.metavar and opt.metavar.startswith("DURATION") and isinstance(value, float):
                 text = format_duration_s(value)
+            elif isinstance(value, bool):
+                text = "on" if value else "off"
             else:
                 text = str(value)
             rows.append((opt.flag, text, self.sources[opt.name]))

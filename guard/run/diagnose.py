@@ -10,6 +10,7 @@ the job's memory was near the cgroup's limit.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -20,13 +21,14 @@ from typing import TYPE_CHECKING, Any
 
 from guard.contract import EXIT_GUARD_ERROR, EXIT_INCOMPLETE, RunResult, signal_name
 from guard.run.config import Config, guard_options_in
+from guard.run.output import add_worker_deaths
 from guard.run.process import CgroupMemory, Survivor, cgroup_memory
-from guard.run.state import JobFacts, RunState
+from guard.run.state import JobFacts, Progress, RunState
 
 if TYPE_CHECKING:
     from guard.secure.securing import Securing
 
-__all__ = ["JobExit", "cause_hint", "incomplete_reason", "job_result"]
+__all__ = ["JobExit", "cause_hint", "died_after_training", "incomplete_reason", "job_result", "rank_failure"]
 
 log = logging.getLogger("guard.supervisor")
 
@@ -52,6 +54,7 @@ class JobExit:
         cgroup_start: the cgroup's memory figures at the start (its ``oom_kill`` counter), or None.
         elapsed_s: seconds from the start to the end.
         node_rank: this machine's node rank, or None.
+        peak_rss_by_pid: each process's highest sampled resident memory (bytes), by pid.
     """
 
     returncode: int | None
@@ -63,6 +66,7 @@ class JobExit:
     cgroup_start: CgroupMemory | None = None
     elapsed_s: float = 0.0
     node_rank: int | None = None
+    peak_rss_by_pid: dict[int, int] = field(default_factory=dict)
 
 
 def _host_oom(ended: JobExit, *, near_limit: bool = True) -> tuple[bool, str]:
@@ -78,6 +82,81 @@ def _host_oom(ended: JobExit, *, near_limit: bool = True) -> tuple[bool, str]:
     if limit and rss >= OOM_NEAR_LIMIT * limit:
         return True, f"the job used {rss / 1e9:.1f} GB of the container's {limit / 1e9:.1f} GB limit"
     return False, ""
+
+
+#: A DataLoader worker SIGKILLed while holding at least this much (or while the largest process of the job) was the
+#: kernel OOM killer's pick: it kills the process with the highest ``oom_score``, which follows its resident memory
+#: (Linux, Documentation/filesystems/proc.rst, "oom_score").
+WORKER_HIGH_RSS_BYTES = 1 << 30
+
+
+def _worker_death(facts: JobFacts, ended: JobExit) -> tuple[str, str] | None:
+    """A DataLoader worker that torch said died, as ``(reason, hint)``: ``oom`` when it was SIGKILLed and the
+    evidence says memory (the cgroup's OOM kill counter rose; it held ``WORKER_HIGH_RSS_BYTES`` or more, or the
+    most of any process of the job), else ``crash`` naming the worker's signal (not the socket error its death left
+    in the main process). None when no worker died, or it died of SIGBUS (shared memory: ``cause_hint`` says so)."""
+    deaths = dict(facts.worker_deaths)
+    for text in (facts.last_exception, facts.root_exception):
+        if text:
+            add_worker_deaths(deaths, text)
+    if not deaths:
+        return None
+    pid, how = next(((p, h) for p, h in deaths.items() if h == "Killed"), next(iter(deaths.items())))
+    if how is not None and ("Bus error" in how or how.startswith("Bus")):
+        return None
+    by_pid = ended.peak_rss_by_pid
+    rss = by_pid.get(pid)
+    peak = f"; the job's peak {_size(ended.peak_rss_bytes)}" if ended.peak_rss_bytes else ""
+    held = f" holding {_size(rss)} resident{peak}" if rss else ""
+    sent = "SIGKILL" if how == "Killed" else how or "an unknown cause"
+    what = f"a DataLoader worker (pid {pid}) was killed by {sent}"
+    if how == "Killed":
+        counter, why = _host_oom(ended, near_limit=False)
+        largest = rss is not None and rss >= max(by_pid.values(), default=0)
+        if counter or (rss is not None and (rss >= WORKER_HIGH_RSS_BYTES or largest)):
+            evidence = why if counter else ("the largest process of the job: the kernel OOM killer's pick"
+                                            if largest else "more than a worker needs")
+            return "oom", (f"out of host memory: {what}{held} ({evidence}): lower DataLoader num_workers (each "
+                           "worker holds its own copy of what it touches) and prefetch_factor or the batch size, keep "
+                           "the dataset in numpy arrays or tensors rather than Python lists and dicts (read-only "
+                           "access copies their pages in every worker), or ask the platform for more memory")
+    return "crash", (f"{what}{held}, and the main process failed on its death ({facts.last_exception}): see what "
+                     "the worker was doing (its dataset's __getitem__, a native library), or set num_workers=0 to "
+                     "see its error in the main process")
+
+
+def _error_file_message(path: str) -> tuple[str, int] | None:
+    """The error a rank wrote to its ``TORCHELASTIC_ERROR_FILE`` (torch's ``@record``, see
+    ``torch.distributed.elastic.multiprocessing.errors``: ``{"message": {"message": "Type: text", "extraInfo":
+    {"py_callstack": ..., "timestamp": "SECONDS"}}}``, or ``{"message": "text"}``), with its timestamp (0 when it
+    has none); None when the file is missing or unreadable."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            data = json.load(handle)
+    except (OSError, ValueError):
+        return None
+    message = data.get("message") if isinstance(data, dict) else None
+    if isinstance(message, str) and message:
+        return message[:500], 0
+    if isinstance(message, dict) and isinstance(message.get("message"), str):
+        stamp = str((message.get("extraInfo") or {}).get("timestamp", "0"))
+        return message["message"][:500], int(stamp) if stamp.isdigit() else 0
+    return None
+
+
+def rank_failure(facts: JobFacts) -> tuple[int, str] | None:
+    """The rank whose own exception failed the job, and that exception: the earliest of the ranks' error files
+    (``TORCHELASTIC_ERROR_FILE``), else the first rank whose agent reported an uncaught exception, else the first
+    ``[rankN]:`` traceback in the output. None when no rank said."""
+    written = [(stamp, rank, text) for rank, path in facts.error_files.items()
+               if (found := _error_file_message(path)) is not None for text, stamp in [found]]
+    if written:
+        _, rank, text = min(written)
+        return rank, text
+    if facts.rank_exceptions:
+        rank = next(iter(facts.rank_exceptions))
+        return rank, facts.rank_exceptions[rank]
+    return None
 
 
 _SHM = ("shared memory", "(shm)", "/dev/shm", "shm_open")
@@ -98,6 +177,11 @@ def _size(size_bytes: float) -> str:
         if size_bytes >= scale:
             return f"{size_bytes / scale:.1f} {unit}"
     return f"{int(size_bytes)} bytes"
+
+
+def _trainer_output(facts: JobFacts) -> str | None:
+    folder = (facts.trainer_config or {}).get("output_dir")
+    return str(folder) if folder else None
 
 
 def _output_folder(facts: JobFacts, config: Config, securer: Securing | None) -> str:
@@ -136,11 +220,34 @@ def cause_hint(facts: JobFacts, code: int, *, output_folder: str | None = None) 
             "Python): its last output lines say why")
 
 
-def incomplete_reason(facts: JobFacts) -> str | None:
+def _empty_loader_text(facts: JobFacts) -> str:
+    empty = facts.empty_loader
+    if empty is None:
+        return ""
+    samples, batch, drop = empty.get("samples"), empty.get("batch_size"), empty.get("drop_last")
+    why = (f"{samples} sample(s) with batch_size={batch} and drop_last=True" if drop and samples
+           else f"{samples if samples is not None else 'an unknown number of'} sample(s)")
+    return f"; a DataLoader yielded no batch ({why})"
+
+
+def incomplete_reason(facts: JobFacts, progress: Progress | None = None) -> str | None:
     """Why an exit 0 is not a finished run (the hint), or None: ``Trainer.train()`` raised and the script went on,
-    or training ended before ``max_steps`` with no stop asked for (a callback's ``should_training_stop``, the
-    guard's own request)."""
+    training ended before ``max_steps`` with no stop asked for (a callback's ``should_training_stop``, the
+    guard's own request), or the job entered training (built an optimizer) and completed no step at all (no loss,
+    no optimizer step: an empty DataLoader).
+
+    Args:
+        facts: what the job said about itself.
+        progress: the run's progress (the steps counted); None skips the zero-step check.
+    """
     error, end = facts.train_error, facts.train_end
+    if (progress is not None and progress.step is None and not progress.sanity and end is None and error is None
+            and "optimizer" in facts.train_intent and "optimizer_step" not in facts.train_intent):
+        optimizer = facts.train_intent["optimizer"]
+        named = f" ({optimizer})" if isinstance(optimizer, str) else ""
+        return (f"the job built an optimizer{named} but completed no training step (no .backward(), no optimizer "
+                f"step){_empty_loader_text(facts)}, then exited 0: check the dataset's path, split and filters, and "
+                "that it holds at least batch_size samples (drop_last=True drops a short last batch)")
     if error is not None:
         what = error.get("root") or f"{error.get('exc_type')}: {error.get('message')}"
         where = f" at step {error.get('step')} of {error.get('max_steps')}" if error.get("step") is not None else ""
@@ -152,6 +259,35 @@ def incomplete_reason(facts: JobFacts) -> str | None:
             return (f"training ended at step {step} of {max_steps} with no stop asked for (no callback set "
                     "should_training_stop): check that the dataset yields enough batches for max_steps")
     return None
+
+
+def died_after_training(facts: JobFacts, code: int | None, output_folder: str | None = None) -> str | None:
+    """The signal a job died of after its training had completed, or None: ``Trainer.train()`` returned at its
+    last step (``max_steps``), a save of that last step was seen (a checkpoint reported at
+    that step, or final model files in ``output_folder``), and then the job was killed by a signal (a C++ watchdog's
+    SIGABRT, a segfault in a library's teardown), or a shell reported one (exit 128 + n). Such a run is a ``PASS``
+    with a ``warning=``, and gets its final push.
+
+    Args:
+        facts: what the job said about itself.
+        code: the job's exit code (negative: the signal), or None.
+        output_folder: where the final model would be (the Trainer's ``output_dir``).
+    """
+    if code is None or code == 0:
+        return None
+    signum = -code if code < 0 else code - 128 if 128 < code < 128 + 65 else None
+    end = facts.train_end
+    if signum is None or end is None:  # "stopped" is set at max_steps too (DefaultFlowCallback): not read here
+        return None
+    step, max_steps = end.get("step"), end.get("max_steps")
+    if not (isinstance(step, int) and isinstance(max_steps, int) and 0 < max_steps <= step):
+        return None
+    saved = any(c.get("step") == step for c in facts.checkpoints)
+    if not saved and output_folder and os.path.isdir(output_folder):
+        from guard.secure.hub import final_model_files
+
+        saved = bool(final_model_files(output_folder))
+    return signal_name(signum) if saved else None
 
 
 def job_result(state: RunState, ended: JobExit, config: Config, *, securer: Securing | None = None) -> RunResult:
@@ -201,11 +337,24 @@ def job_result(state: RunState, ended: JobExit, config: Config, *, securer: Secu
         result = RunResult("FAIL", "guard_error", EXIT_GUARD_ERROR, elapsed_s, extra={"job_exit": "unknown"}, hint=(
             "the job's exit status was lost (another process reaped it), so whether it succeeded is unknown: "
             "check its output above"))
-    elif code == 0 and (why := incomplete_reason(facts)) is not None:
+    elif (died := died_after_training(facts, code, _trainer_output(facts))) is not None:
+        end = facts.train_end or {}
+        said = f"; its last stderr line: {facts.last_stderr_line}" if facts.last_stderr_line else ""
+        warning = (f"the job died of {died} at teardown, after training completed ({end.get('step')} of "
+                   f"{end.get('max_steps')} steps) and its final model was saved{said}")
+        log.warning("%s: the run counts as complete", warning)
+        result = RunResult("PASS", "ok", 0, elapsed_s, extra={"warning": warning})
+        details["teardown_signal"] = died
+    elif code == 0 and (why := incomplete_reason(facts, progress)) is not None:
         log.error("the job exited 0, but its run is incomplete: %s", why)
         result = RunResult("FAIL", "incomplete", EXIT_INCOMPLETE, elapsed_s, hint=why)
     elif code == 0:
         result = RunResult("PASS", "ok", 0, elapsed_s)
+    elif code is not None and code != 0 and not facts.cuda_oom and (worker := _worker_death(facts, ended)):
+        exit_code = code if code > 0 else 128 - code
+        if worker[0] == "oom":
+            log.error("%s", worker[1])
+        result = RunResult("FAIL", worker[0], exit_code, elapsed_s, hint=worker[1])
     elif code is not None and code > 0:
         host_oom, why = (False, "") if facts.cuda_oom else _host_oom(ended, near_limit=False)
         if facts.cuda_oom:
@@ -221,6 +370,13 @@ def job_result(state: RunState, ended: JobExit, config: Config, *, securer: Secu
             result = RunResult("FAIL", "crash", code, elapsed_s, hint=(
                 f"the job exited with code 2 (a usage error) and its arguments hold {', '.join(misplaced)}, a guard "
                 f"option: guard options go before the script (python -m guard {misplaced[0]} ... train.py ...)"))
+        elif (failed := rank_failure(facts)) is not None and not any(
+                marker in f"{facts.root_exception} {facts.last_exception}" for marker in _SHM + _DISK_FULL):
+            rank, text = failed
+            log.error("rank %d raised %s", rank, text)
+            result = RunResult("FAIL", "crash", code, elapsed_s, extra={"rank": rank}, hint=(
+                f"rank {rank} raised {text} (the launcher's error only says that a rank failed): fix it and "
+                "rerun; its traceback is in the log, in the lines of that rank"))
         else:
             result = RunResult("FAIL", "crash", code, elapsed_s, hint=cause_hint(
                 facts, code, output_folder=_output_folder(facts, config, securer)))
@@ -240,6 +396,18 @@ def job_result(state: RunState, ended: JobExit, config: Config, *, securer: Secu
         said = (f"the loss exploded to {exploded['loss']:.6g} at step {exploded['step']} from about "
                 f"{exploded['early']:.4g} in the first steps (lower the learning rate, add warmup or clip gradients)")
         result.hint = f"{said}; then: {result.hint}" if result.hint else said
+    rose = progress.rose
+    if rose is not None and result.reason not in ("usage", "preflight"):
+        back = (f"; the last checkpoint before it: {rose['checkpoint']} (step {rose['checkpoint_step']})"
+                if rose.get("checkpoint") else "")
+        said = (f"the loss rose above {rose['factor']:g}x its early level {rose['early']:.4g} at step {rose['since']} "
+                f"and stayed there ({rose['loss']:.6g} at step {rose['step']}){back}: lower the learning rate, add "
+                "warmup or clip gradients")
+        details["loss_rise"] = rose
+        if result.status == "PASS":
+            result.extra["warning"] = f"{result.extra['warning']}; {said}" if result.extra.get("warning") else said
+        elif exploded is None:
+            result.hint = f"{said}; then: {result.hint}" if result.hint else said
     result.step, result.loss, result.sanity = progress.step, progress.loss, list(progress.sanity)
     if result.reason == "non_finite_loss" and result.loss is not None and math.isfinite(result.loss):
         result.loss = None  # a finite loss never stands on a non_finite_loss verdict (a later step's echo)
@@ -253,6 +421,11 @@ def job_result(state: RunState, ended: JobExit, config: Config, *, securer: Secu
     result.details.update(details)
     if securer is not None:
         securer.finish(result, step=progress.step)
+        pushed = result.extra.get("pushed")
+        if isinstance(pushed, str) and "@" in pushed and os.path.isabs(pushed.rsplit("@", 1)[1]):
+            result.extra["pushed"] = pushed.rsplit("@", 1)[1]  # a folder destination: the folder written
+    if result.status == "PASS" and result.reason == "ok" and progress.step is None and facts.agents_seen:
+        result.extra.setdefault("steps", 0)  # the agent was there and saw no training step: say so
     if not progress.sanity and result.status == "PASS":
         log.warning("%s", NO_LOSS_HINT)
     return result

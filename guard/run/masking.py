@@ -3,8 +3,10 @@
 What is secret (the contract, "Secrets"): the value of every environment variable whose name contains
 ``TOKEN``, ``KEY``, ``SECRET`` or ``PASSWORD`` (any case) and that is at least 8 characters long, and any
 Hugging Face token (``hf_`` followed by 30 or more letters; real ones have 34, per gitleaks' rule
-``huggingface-access-token``). Each value is also masked in its URL-quoted and JSON-escaped forms, as the
-GitHub Actions runner does for its secrets (``actions/runner`` ``HostContext.cs``, value encoders).
+``huggingface-access-token``). Each value is also masked in its URL-quoted and JSON-escaped forms, its hex and its
+base64 (at the three byte offsets it can sit at inside a longer encoded text, standard and URL-safe), as the
+GitHub Actions runner does for its secrets (``actions/runner`` ``HostContext.cs``, value encoders). Overlapping
+matches are masked as their union.
 
 The job's output arrives in arbitrary chunks, so a secret may be split across two reads. ``Masker.safe_len``
 tells how much of an unfinished line can be written now: everything except a tail that could be the start of
@@ -17,6 +19,7 @@ Cost: no table of prefixes is built (it grew with the square of a secret's lengt
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
 import os
@@ -46,7 +49,7 @@ def secret_values(environ: Mapping[str, str]) -> list[str]:
 # An option name whose last word names a secret: `--wandb-key`, `--hf_token`, `--api-key`, `--apikey`,
 # `--db-password`, `--client_secret`. Words only *containing* one do not count (`--tokenizer_name`, `--max_tokens`,
 # `--keyword`), nor a tokenizer's special tokens (`--pad_token`, `--eos_token`: text, not credentials).
-_SECRET_OPTION = re.compile(r"^--?(?:[\w.]*[-_.])?\w*(?:key|token|secret|password|passwd|pwd)$", re.IGNORECASE)
+_SECRET_OPTION = re.compile(r"^--?(?:[\w.-]*[-_.])?\w*(?:key|token|secret|password|passwd|pwd)$", re.IGNORECASE)
 _SPECIAL_TOKEN = re.compile(r"(?:^|[-_.])(?:pad|eos|bos|unk|sep|cls|mask|special|chat)[-_.]?token$", re.IGNORECASE)
 
 
@@ -73,8 +76,32 @@ def command_line_secrets(argv: Iterable[str]) -> list[str]:
     return [value for value in found if value and not value.isspace()]
 
 
+def _base64_forms(raw: bytes) -> set[str]:
+    """The value's base64 as it appears inside a longer encoded text, at each of the 3 byte offsets (as in
+    ``Authorization: Basic base64(user:secret)``): the characters that depend on the value's bytes alone, in the
+    standard and the URL-safe alphabets (the GitHub Actions runner masks these forms of its secrets too)."""
+    whole = base64.b64encode(raw).decode()  # the value encoded alone, padding included
+    forms: set[str] = {whole, whole.replace("+", "-").replace("/", "_")}
+    for shift, first in ((0, 0), (1, 2), (2, 3)):  # the first character that no prefix byte reaches
+        text = base64.b64encode(b"\0" * shift + raw).decode().rstrip("=")
+        if (shift + len(raw)) % 3:
+            text = text[:-1]  # the last character also depends on the byte after the value
+        text = text[first:]
+        forms |= {text, text.replace("+", "-").replace("/", "_")}
+    return forms
+
+
 def _encoded_forms(value: str) -> set[bytes]:
+    """The value as written, URL-quoted and JSON-escaped (also held back at the end of an unfinished line)."""
     forms = {value, urllib.parse.quote(value, safe=""), urllib.parse.quote_plus(value), json.dumps(value)[1:-1]}
+    return {form.encode() for form in forms if len(form) >= MIN_SECRET_LEN}
+
+
+def _binary_forms(value: str) -> set[bytes]:
+    """The value's hex (both cases) and base64 forms: masked in whole lines (an HTTP debug log's header), not held
+    back at the end of an unfinished line (any short tail could begin one)."""
+    raw = value.encode("utf-8", "surrogateescape")
+    forms = {raw.hex(), raw.hex().upper(), *_base64_forms(raw)}
     return {form.encode() for form in forms if len(form) >= MIN_SECRET_LEN}
 
 
@@ -93,12 +120,14 @@ class Masker:
 
     def __init__(self, values: Iterable[str] = ()) -> None:
         forms: set[bytes] = set()
+        binary: set[bytes] = set()
         for value in values:
             if len(value) >= MIN_SECRET_LEN:
                 forms |= _encoded_forms(value)
-        # Longest first, so that a value containing another is masked whole.
-        self._secrets = sorted(forms, key=len, reverse=True)
-        self._max_len = len(self._secrets[0]) if self._secrets else 0
+                binary |= _binary_forms(value)
+        self._held = sorted(forms, key=len, reverse=True)  # the forms safe_len holds back
+        self._secrets = sorted(forms | binary, key=len, reverse=True)
+        self._max_len = len(self._held[0]) if self._held else 0
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> Masker:
@@ -106,13 +135,32 @@ class Masker:
         return cls(secret_values(os.environ if environ is None else environ))
 
     def mask(self, data: bytes) -> bytes:
-        """Return ``data`` with every secret and Hugging Face token replaced by ``***``."""
+        """Return ``data`` with every secret and Hugging Face token replaced by ``***``.
+
+        Overlapping secrets (two values sharing characters, a value and its encoded form) are masked as the union
+        of their matches: one ``***`` per run of bytes any of them covers, so no part of either stays visible.
+        """
+        spans: list[tuple[int, int]] = []
         for secret in self._secrets:
-            if secret in data:
-                data = data.replace(secret, MASK)
+            at = data.find(secret)
+            while at != -1:
+                spans.append((at, at + len(secret)))
+                at = data.find(secret, at + 1)
         if b"hf_" in data:
-            data = HF_TOKEN.sub(MASK, data)
-        return data
+            spans += [match.span() for match in HF_TOKEN.finditer(data)]
+        if not spans:
+            return data
+        spans.sort()
+        out, done = [], 0
+        start, end = spans[0]
+        for begin, stop in spans[1:]:
+            if begin <= end:
+                end = max(end, stop)
+                continue
+            out += [data[done:start], MASK]
+            done, start, end = end, begin, stop
+        out += [data[done:start], MASK, data[end:]]
+        return b"".join(out)
 
     def mask_text(self, text: str) -> str:
         """``mask`` for ``str`` (UTF-8)."""
@@ -127,7 +175,7 @@ class Masker:
         keep = 0
         if self._max_len > 1 and data:
             end = data[-(self._max_len - 1):]
-            keep = max((_prefix_tail(end, secret) for secret in self._secrets), default=0)
+            keep = max((_prefix_tail(end, secret) for secret in self._held), default=0)
         tail = _HF_TAIL.search(data[-64:]) if data else None
         if tail is not None:
             keep = max(keep, len(data[-64:]) - tail.start())

@@ -46,6 +46,10 @@ _QUALIFIED = re.compile(
 )
 _STEP = re.compile(rb"""(?<![\w])['"]?(?:global_)?step['"]?\s*[:=]?\s*(?P<s>\d+)\b""", re.IGNORECASE)
 _EXC_LINE = re.compile(rb"^(?P<type>[A-Za-z_][\w.]*)(?::\s?(?P<msg>.*))?$")
+#: torch's words for a DataLoader worker that died (torch/csrc/DataLoader.cpp, torch/utils/data/dataloader.py).
+WORKER_DIED = re.compile(r"DataLoader worker \(pids?(?:\(s\))? (?P<pids>[\d, ]+)\) (?:is killed by signal: "
+                         r"(?P<signal>[^.]+)\.|exited unexpectedly)")
+_RANK_LINE = re.compile(rb"^\[rank(?P<rank>\d+)\]:\s?(?P<rest>.*)$")
 _CUDA_OOM = (b"CUDA out of memory", b"OutOfMemoryError", b"CUDA error: out of memory")
 
 
@@ -132,6 +136,12 @@ class OutputEvents:
             or a DataLoader worker's own error (the last line of its "Original Traceback").
         cuda_oom: a CUDA out-of-memory error was printed.
         job_verdicts: the job's own ``VERDICT:`` lines (text after ``VERDICT:``), escaped in the output.
+        last_lines: each labelled stream's last non-empty line (``stderr``: what a job said before it died),
+            masked, at most 300 characters.
+        rank_exceptions: each rank's first exception in its ``[rankN]: `` lines (torchrun's prefix of a rank's
+            output): rank -> ``"Type: message"`` (the first of a chain: the root cause).
+        worker_deaths: DataLoader workers torch said died: pid -> the signal's description (``Killed``), or None
+            (``exited unexpectedly``).
     """
 
     losses: list[tuple[int | None, float]] = field(default_factory=list)
@@ -139,6 +149,18 @@ class OutputEvents:
     root_exception: str | None = None
     cuda_oom: bool = False
     job_verdicts: list[str] = field(default_factory=list)
+    worker_deaths: dict[int, str | None] = field(default_factory=dict)
+    rank_exceptions: dict[int, str] = field(default_factory=dict)
+    last_lines: dict[str, str] = field(default_factory=dict)
+
+
+def add_worker_deaths(deaths: dict[int, str | None], text: str) -> None:
+    """Add the DataLoader workers ``text`` says died (``WORKER_DIED``) to ``deaths`` (pid -> signal or None); a
+    signal named once is kept when a later message of the same worker names none."""
+    for match in WORKER_DIED.finditer(text):
+        for pid in re.findall(r"\d+", match["pids"]):
+            if deaths.get(int(pid)) is None:
+                deaths[int(pid)] = match["signal"]
 
 
 class StreamFilter:
@@ -148,10 +170,13 @@ class StreamFilter:
         masker: the secret masker.
         parse_losses: read losses from the output (for jobs the agent does not see into).
         events: where findings go; share one between stdout and stderr.
+        label: the stream's name for ``events.last_lines`` (``stdout``, ``stderr``); empty: not kept.
     """
 
-    def __init__(self, masker: Masker, *, parse_losses: bool = True, events: OutputEvents | None = None) -> None:
+    def __init__(self, masker: Masker, *, parse_losses: bool = True, events: OutputEvents | None = None,
+                 label: str = "") -> None:
         self.masker = masker
+        self.label = label
         self.parse = parse_losses
         self.events = events if events is not None else OutputEvents()
         self._pending = b""
@@ -160,6 +185,7 @@ class StreamFilter:
         self._chained = False  # a chain separator came after the last exception: the next one is not a root
         self._worker = False  # inside a DataLoader worker's "Original Traceback": its error is the root
         self._line_head = b""  # the part of the current line already written (for parsing), bounded
+        self._rank_tracebacks: set[int] = set()  # ranks inside a "[rankN]: Traceback" block
 
     @property
     def pending(self) -> bool:
@@ -207,7 +233,9 @@ class StreamFilter:
         if self._in_traceback or any(k in out for k in _KEYWORDS) or (head and any(k in head for k in _KEYWORDS)):
             out = self._inspect(out, line_complete)
         if line_complete:
-            self._at_line_start = out.endswith(b"\n")
+            if self.label and (last := (head + out).rstrip().rsplit(b"\n", 1)[-1].rsplit(b"\r", 1)[-1].strip()):
+                self.events.last_lines[self.label] = last[-300:].decode("utf-8", "replace")
+            self._at_line_start = out.endswith((b"\n", b"\r"))
             self._line_head = b""
         else:
             # A partial line went out early: keep it, so the whole line is parsed once its end arrives.
@@ -219,7 +247,8 @@ class StreamFilter:
         lines = out.splitlines(keepends=True)
         result = []
         for i, raw in enumerate(lines):
-            at_start = self._at_line_start if i == 0 else lines[i - 1].endswith(b"\n")
+            # after a \r too: a reader that splits there (a terminal, Python's splitlines()) sees a line start
+            at_start = self._at_line_start if i == 0 else lines[i - 1].endswith((b"\n", b"\r"))
             text = raw.rstrip(b"\r\n")
             full = self._line_head + text if i == 0 else text
             if at_start and text.startswith(_VERDICT):
@@ -236,6 +265,16 @@ class StreamFilter:
     def _scan_errors(self, line: bytes) -> None:
         if any(marker in line for marker in _CUDA_OOM):
             self.events.cuda_oom = True
+        if b"DataLoader worker (pid" in line:
+            add_worker_deaths(self.events.worker_deaths, line.decode("utf-8", "replace"))
+        if line.startswith(b"[rank") and (ranked := _RANK_LINE.match(line)):
+            rank, rest = int(ranked["rank"]), ranked["rest"]
+            if rest.startswith(b"Traceback (most recent call last)"):
+                self._rank_tracebacks.add(rank)
+            elif rank in self._rank_tracebacks and rest and not rest[:1].isspace() and _EXC_LINE.match(rest):
+                self._rank_tracebacks.discard(rank)
+                self.events.rank_exceptions.setdefault(rank, rest.decode("utf-8", "replace")[:500])
+            return
         if line.startswith(b"Traceback (most recent call last)"):
             self._in_traceback = True
             return

@@ -57,10 +57,11 @@ class JobOutput:
         self._paused: list[int] = []  # a writer is full: these pipes are not read (backpressure)
         self._closed_out = False
 
-    def add(self, fd: int, target: int, *, parse_losses: bool = True) -> None:
-        """Read the pipe ``fd`` and write what it carries, filtered, to ``target``."""
+    def add(self, fd: int, target: int, *, parse_losses: bool = True, label: str = "") -> None:
+        """Read the pipe ``fd`` and write what it carries, filtered, to ``target``; ``label`` names the stream in
+        ``events.last_lines``."""
         _grow_pipe(fd)
-        self.filters[fd] = StreamFilter(self.masker, parse_losses=parse_losses, events=self.events)
+        self.filters[fd] = StreamFilter(self.masker, parse_losses=parse_losses, events=self.events, label=label)
         self.targets[fd] = target
         self._sel.register(fd, selectors.EVENT_READ, PIPE)
 

@@ -165,6 +165,7 @@ class JobProcess:
         self.exclude_pids: set[int] = set()  # the guard's own children (securing workers): never the job's
         self.peak_rss_bytes = 0
         self.last_rss_bytes = 0
+        self.peak_rss_by_pid: dict[int, int] = {}  # each process's highest sampled RSS (a killed worker's size)
         self.reaped = 0
         self._zombies_seen: set[int] = set()
 
@@ -281,9 +282,13 @@ class JobProcess:
         for proc in self.descendants():
             self.known_pids.add(proc.pid)
             try:
-                total += proc.memory_info().rss
+                rss = proc.memory_info().rss
             except psutil.Error:
-                pass
+                continue
+            total += rss
+            if rss > self.peak_rss_by_pid.get(proc.pid, 0) and (proc.pid in self.peak_rss_by_pid
+                                                                  or len(self.peak_rss_by_pid) < 4096):
+                self.peak_rss_by_pid[proc.pid] = rss
         self.last_rss_bytes = total
         self.peak_rss_bytes = max(self.peak_rss_bytes, total)
         return total

@@ -48,6 +48,8 @@ class Progress:
         sanity_done: the sanity pass is complete.
         loss_source: where losses come from: ``agent`` (inside the job) or ``output`` (parsed lines), or None.
         exploded: ``{"step", "loss", "early"}`` when a finite loss exploded against its early level, else None.
+        rose: ``{"since", "step", "loss", "early", "factor", "checkpoint", "checkpoint_step"}`` when the loss stayed
+            above k x its early level for the window (``--loss-rise-factor``, ``--loss-rise-steps``), else None.
     """
 
     step: int | None = None
@@ -56,6 +58,7 @@ class Progress:
     sanity_done: bool = False
     loss_source: str | None = None
     exploded: dict[str, Any] | None = None
+    rose: dict[str, Any] | None = None
 
 
 @dataclass
@@ -72,11 +75,21 @@ class JobFacts:
         cuda_oom: the job ran out of CUDA memory.
         api_used: the ``guard.<name>()`` calls the job made (``api`` messages).
         checkpoints: the ``checkpoint_saved`` messages, each with the sender's ``rank``.
+        files_saved: the ``file_saved`` messages (``torch.save`` to a named file returned: path, step).
         agents_seen: agents that said ``hello``.
         agent_watching: an agent hooked torch (or a Trainer): printed losses stop deciding.
         hang_where: where the main thread waits, once the job looked hung.
         node_rank: the node rank an agent reported (torchrun's ``GROUP_RANK``), or None.
         job_verdict: the job's own last ``VERDICT:`` line (escaped in the output), or None.
+        train_intent: signs that the job meant to train (``train_intent`` messages): ``optimizer`` (the first
+            optimizer's class name) and ``optimizer_step`` (True once an optimizer stepped).
+        empty_loader: a DataLoader with no batch was iterated (``empty_loader``: samples, batch_size, drop_last).
+        rank_exceptions: each rank's own uncaught exception (``"Type: message"``, its root cause when it has one),
+            the first per rank, in the order they came (the agents' ``exception`` messages, ``[rankN]:`` lines).
+        last_stderr_line: the job's last non-empty stderr line (masked), or None.
+        error_files: each rank's ``TORCHELASTIC_ERROR_FILE`` (torchrun's per-rank error file), from its ``hello``.
+        worker_deaths: DataLoader workers torch said died (output lines, exception messages): pid -> the signal's
+            description (``Killed``), or None (``exited unexpectedly``).
     """
 
     trainer_config: dict[str, Any] | None = None
@@ -88,11 +101,18 @@ class JobFacts:
     cuda_oom: bool = False
     api_used: set[str] = field(default_factory=set)
     checkpoints: list[Message] = field(default_factory=list)
+    files_saved: list[Message] = field(default_factory=list)
     agents_seen: int = 0
     agent_watching: bool = False
     hang_where: str | None = None
     node_rank: int | None = None
     job_verdict: str | None = None
+    train_intent: dict[str, Any] = field(default_factory=dict)
+    empty_loader: Message | None = None
+    worker_deaths: dict[int, str | None] = field(default_factory=dict)
+    rank_exceptions: dict[int, str] = field(default_factory=dict)
+    error_files: dict[int, str] = field(default_factory=dict)
+    last_stderr_line: str | None = None
 
     @property
     def answers_checkpoints(self) -> bool:
@@ -107,8 +127,12 @@ class JobFacts:
         """The job installed its own SIGTERM handler (seen by the agent at a ``torch.save``): it saves when told."""
         return "sigterm_handler" in self.api_used
 
-    def on_exception(self, message: Message) -> None:
-        """An ``exception`` message: the job's uncaught exception (``sys.excepthook``)."""
+    def on_exception(self, message: Message, rank: int | None = None) -> None:
+        """An ``exception`` message: the job's uncaught exception (``sys.excepthook``), from ``rank`` (None: a
+        process without a rank, such as the launcher)."""
+        if rank is not None and rank not in self.rank_exceptions:
+            self.rank_exceptions[rank] = str(message.get("root") or f"{message.get('exc_type')}: "
+                                             f"{message.get('message')}")
         self.last_exception = f"{message.get('exc_type')}: {message.get('message')}"
         if message.get("root"):
             self.root_exception = str(message["root"])

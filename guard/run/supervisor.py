@@ -108,7 +108,9 @@ class Supervisor:
         self.state = RunState()
         self.watchdog = Watchdog(self.state, self.started, sanity_steps=int(config.values["sanity_steps"]),
                                  stall_timeout_s=config.stall_timeout_s, dry_run=bool(config.values["dry_run"]),
-                                 max_skipped_steps=int(config.values.get("max_skipped_steps") or 0))
+                                 max_skipped_steps=int(config.values.get("max_skipped_steps") or 0),
+                                 loss_rise_factor=float(config.values.get("loss_rise_factor") or 0.0),
+                                 loss_rise_steps=int(config.values.get("loss_rise_steps") or 20))
         self.settings_check = SettingsCheck(trainer_config_check)
         self.check_every = int(config.values["check_every"])
         self.escalation = Escalation(config.grace_s)
@@ -202,8 +204,8 @@ class Supervisor:
             raise SupervisorError(f"cannot start the job {self.config.command[0]!r}: {exc.strerror or exc}",
                                   hint="check the command and that it is executable and on PATH") from exc
         log.info("job started: pid %d, command: %s", self.job.pid, " ".join(self.config.command))
-        self.output.add(self.job.stdout_fd, self.out_fd)
-        self.output.add(self.job.stderr_fd, self.err_fd)
+        self.output.add(self.job.stdout_fd, self.out_fd, label="stdout")
+        self.output.add(self.job.stderr_fd, self.err_fd, label="stderr")
 
     def _job_env(self, sock_path: str) -> dict[str, str]:
         env = dict(self.config.environ)
@@ -411,6 +413,12 @@ class Supervisor:
         facts.root_exception = events.root_exception or facts.root_exception
         if events.job_verdicts:
             facts.job_verdict = events.job_verdicts[-1]
+        facts.last_stderr_line = events.last_lines.get("stderr", facts.last_stderr_line)
+        for rank, text in events.rank_exceptions.items():
+            facts.rank_exceptions.setdefault(rank, text)
+        for pid, how in events.worker_deaths.items():
+            if facts.worker_deaths.get(pid) is None:
+                facts.worker_deaths[pid] = how
 
     def _output_decides(self) -> bool:
         """Losses parsed from the output count only while no agent sees the losses itself: once an agent has
@@ -453,6 +461,9 @@ class Supervisor:
             facts.agents_seen += 1
             if facts.node_rank is None:
                 facts.node_rank = _int_or_none(message.get("node_rank"))
+            hello_rank = _int_or_none(message.get("rank"))
+            if hello_rank is not None and isinstance(message.get("error_file"), str):
+                facts.error_files[hello_rank] = message["error_file"]
             log.debug("agent connected: pid %s rank %s", message.get("pid"), message.get("rank"))
         elif kind == "step":
             loss = message.get("loss")
@@ -474,12 +485,14 @@ class Supervisor:
             if self.securer is not None:
                 self.securer.on_checkpoint_saved(self, message)
         elif kind == "file_saved":
+            if len(facts.files_saved) < 1000:
+                facts.files_saved.append(message)
             if self.securer is not None:
                 self.securer.on_file_saved(self, {**message, "rank": conn.info.get("rank")})
         elif kind == "api":
             facts.api_used.add(str(message.get("name")))
         elif kind == "exception":
-            facts.on_exception(message)
+            facts.on_exception(message, rank)
         elif kind == "push_result":
             facts.trainer_push = message
             if not message.get("ok"):
@@ -495,6 +508,12 @@ class Supervisor:
             self.watchdog.on_replay(now, rank)
         elif kind == "watching":
             facts.agent_watching = True
+        elif kind == "train_intent":
+            facts.train_intent.setdefault(str(message.get("what")), message.get("type") or True)
+        elif kind == "empty_loader" and facts.empty_loader is None:
+            facts.empty_loader = message
+            log.warning("the job iterated a DataLoader with no batch (%s samples, batch_size %s, drop_last %s)",
+                        message.get("samples"), message.get("batch_size"), message.get("drop_last"))
         elif kind == "train_end":
             log.debug("training ended at step %s of %s", message.get("step"), message.get("max_steps"))
             facts.on_train_end(message, rank)
@@ -702,6 +721,7 @@ class Supervisor:
         job = self.job
         ended = JobExit(returncode=job.returncode, status_lost=job.status_lost, peak_rss_bytes=job.peak_rss_bytes,
                         last_rss_bytes=job.last_rss_bytes, survivors=list(job.survivors_left),
+                        peak_rss_by_pid=dict(job.peak_rss_by_pid),
                         orphans_reaped=job.reaped, cgroup_start=self.cgroup_start,
                         elapsed_s=self.clock() - self.started, node_rank=self.node_rank)
         return job_result(self.state, ended, self.config, securer=self.securer)

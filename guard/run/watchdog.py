@@ -13,7 +13,10 @@ the job, ask for stacks). It decides:
 - optimizer steps skipped by a GradScaler past ``--max-skipped-steps`` (``FAIL non_finite_loss``, no loss);
 - a stall (``FAIL stalled``): one rank silent for ``--stall-timeout`` while others go on (``ranks.RankWatch``), or
   no step (before the first: no output) for that long (``timers.StallWatch``);
-- a loss that exploded while staying finite (named in the hint, no verdict of its own).
+- a loss that exploded while staying finite (named in the hint, no verdict of its own);
+- a sustained loss rise: the loss above ``--loss-rise-factor`` times its early level for ``--loss-rise-steps``
+  steps in a row (named once in the log with the last checkpoint saved before the rise began; a ``warning=`` on a
+  PASS, no verdict of its own).
 
 Only the primary rank's steps (the lowest rank seen) stand for the job's ``step`` and ``loss``; every rank is
 checked for non-finite losses.
@@ -87,11 +90,17 @@ class Watchdog:
         stall_timeout_s: ``--stall-timeout`` in seconds; 0 turns the stall watch off.
         dry_run: ``--dry-run``: stop the job once the sanity pass is done.
         max_skipped_steps: ``--max-skipped-steps``; 0 turns that check off.
+        loss_rise_factor: ``--loss-rise-factor`` (k); 0 turns the sustained-rise check off.
+        loss_rise_steps: ``--loss-rise-steps`` (the window, in training steps; at least 1).
     """
 
     def __init__(self, state: RunState, now: float, *, sanity_steps: int, stall_timeout_s: float,
-                 dry_run: bool = False, max_skipped_steps: int = 0) -> None:
+                 dry_run: bool = False, max_skipped_steps: int = 0, loss_rise_factor: float = 0.0,
+                 loss_rise_steps: int = 20) -> None:
         self.state = state
+        self.loss_rise_factor = loss_rise_factor
+        self.loss_rise_steps = max(1, loss_rise_steps)
+        self.rise_since: tuple[int, float] | None = None  # (step, loss) where the loss first stood above k x early
         self.sanity_steps = sanity_steps
         self.stall_timeout_s = stall_timeout_s
         self.dry_run = dry_run
@@ -153,6 +162,7 @@ class Watchdog:
         progress.step = step if step is not None else (progress.step or 0) + n
         progress.loss = value
         self._check_explosion(value)
+        self._check_rise(value)
         self.stall.step(now)
         result.counted = True
         if not progress.sanity_done:
@@ -293,6 +303,36 @@ class Watchdog:
             log.warning("the loss exploded: %.6g at step %s, %.0fx its early level %.4g (the median of the first %d "
                         "steps): the run is diverging; lower the learning rate, add warmup or clip gradients",
                         value, progress.step, abs(value) / max(abs(early), 1e-6), early, EARLY_STEPS)
+
+    def _check_rise(self, value: float) -> None:
+        """Name, once, a loss that stays above ``loss_rise_factor`` times its early level (the median of the first
+        ``EARLY_STEPS`` losses) for ``loss_rise_steps`` steps: a run that diverged and did not come back, though no
+        single value exploded. The last checkpoint saved before the rise began is the one to go back to."""
+        progress = self.state.progress
+        k = self.loss_rise_factor
+        if not k or progress.rose is not None or len(self.early_losses) < EARLY_STEPS or progress.step is None:
+            return
+        early = sorted(self.early_losses)[len(self.early_losses) // 2]
+        if early <= 0 or value <= k * early:
+            self.rise_since = None
+            return
+        if self.rise_since is None:
+            self.rise_since = (progress.step, value)
+            return
+        began, first = self.rise_since
+        if progress.step - began + 1 < self.loss_rise_steps:
+            return
+        before = [c for c in self.state.facts.checkpoints + self.state.facts.files_saved
+                  if isinstance(c.get("step"), int) and c["step"] < began and c.get("path")]
+        last = max(before, key=lambda c: int(c["step"]), default=None)
+        progress.rose = {"since": began, "step": progress.step, "loss": value, "early": early, "factor": k,
+                         "checkpoint": last.get("path") if last else None,
+                         "checkpoint_step": last.get("step") if last else None}
+        where = (f"the last checkpoint before it: {last['path']} (step {last['step']})" if last
+                 else "no checkpoint was saved before it")
+        log.warning("the loss rose and stayed up: above %gx its early level %.4g (the median of the first %d steps) "
+                    "since step %d (%.6g), now %.6g at step %d (--loss-rise-factor %g, --loss-rise-steps %d); %s",
+                    k, early, EARLY_STEPS, began, first, value, progress.step, k, self.loss_rise_steps, where)
 
     def _sanity_passed(self) -> list[Decision]:
         progress = self.state.progress

@@ -48,9 +48,12 @@ from guard.secure.hubhttp import (
     REQUEST_TIMEOUTS_S,
     Mismatch,
     bounded,
+    cause_hint,
     classify,
+    failure_cause,
     fatal_hint,
     install_request_bounds,
+    retry_after_s,
 )
 
 if TYPE_CHECKING:
@@ -693,10 +696,20 @@ class Securer:
                 return PushFailedError(message, destination=str(self.destination), attempts=len(tried), hint=hint)
             return HubError(message, destination=str(self.destination), hint=hint)
 
+        asked_s: float | None = None  # the last Retry-After the Hub sent
+
+        def kept_failing() -> str:
+            causes = {failure_cause(entry) for entry in tried}
+            for cause in ("rate_limit", "auth", "unreachable"):
+                if cause in causes and (hint := cause_hint(cause, retry_after=asked_s)):
+                    return hint
+            return "the destination kept failing (see the attempts); check the network and the Hub's status"
+
         while True:
             left = deadline - self._clock()
             if left <= 0:
-                raise fail("no time left before the deadline", "a larger --margin leaves more time to secure it")
+                raise fail("no time left before the deadline", kept_failing() if tried else
+                           "a larger --margin leaves more time to secure it")
             try:
                 with bounded(lambda: deadline - self._clock()):
                     return attempt(), len(tried) + 1
@@ -704,6 +717,7 @@ class Securer:
                 raise
             except Exception as err:  # noqa: BLE001 - classified below; unknown errors are fatal
                 kind, text = classify(err)
+                asked_s = retry_after_s(err) if kind == "transient" else None
             tried.append(f"#{len(tried) + 1} {text}")
             self._log.warning("%s: attempt %d failed: %s", what, len(tried), text)
             if kind == "deadline":
@@ -715,10 +729,19 @@ class Securer:
                 raise fail(text, hint)
             mismatches += kind == "mismatch"
             left = deadline - self._clock()
+            if asked_s is not None:  # the Hub said when to come back (Retry-After): never sooner
+                if asked_s > left - _MIN_ATTEMPT_S:
+                    self._log.error("%s: the Hub asks to wait %.0fs before the next attempt (Retry-After), more than "
+                                    "the %.0fs left: not retrying", what, asked_s, max(left, 0.0))
+                    raise fail(f"the Hub asked to wait {asked_s:.0f}s (Retry-After) and {max(left, 0.0):.0f}s were "
+                               "left", kept_failing())
+                self._log.warning("%s: the Hub asks to wait %.0fs (Retry-After): next attempt then", what, asked_s)
+                self._sleep(max(asked_s, min(pause, left / 2)))
+                pause = min(pause * 2, self._max_backoff_s)
+                continue
             wait = min(pause, left / 2)
             if left - wait < _MIN_ATTEMPT_S:
-                raise fail("no time left for another attempt",
-                           "the destination kept failing (see the attempts); check the network and the Hub's status")
+                raise fail("no time left for another attempt", kept_failing())
             self._sleep(wait)
             pause = min(pause * 2, self._max_backoff_s)
 

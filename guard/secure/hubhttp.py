@@ -17,8 +17,21 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = ["PROGRESS", "REQUEST_TIMEOUTS_S", "DeadlineExceeded", "Mismatch", "TransientHubError", "bounded",
-           "classify", "fatal_hint", "install_request_bounds"]
+__all__ = [
+    "PROGRESS",
+    "REQUEST_TIMEOUTS_S",
+    "DeadlineExceeded",
+    "Mismatch",
+    "TransientHubError",
+    "bounded",
+    "cause_hint",
+    "classify",
+    "failure_cause",
+    "fatal_hint",
+    "install_request_bounds",
+    "parse_retry_after",
+    "retry_after_s",
+]
 
 logger = logging.getLogger("guard.hub")
 
@@ -38,7 +51,37 @@ class Mismatch(Exception):
 
 class TransientHubError(Exception):
     """A network error or a 408/429/5xx answer during a bounded call (deliberately not an httpx error, so the
-    client's own backoff does not retry it)."""
+    client's own backoff does not retry it).
+
+    Attributes:
+        retry_after_s: the answer's ``Retry-After`` in seconds (RFC 9110 section 10.2.3: delay-seconds or an
+            HTTP-date), or None.
+        cause: ``rate_limit`` (429), ``unreachable`` (no connection, no answer), ``server`` (408, 5xx).
+    """
+
+    def __init__(self, message: str, *, retry_after_s: float | None = None, cause: str = "server") -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+        self.cause = cause
+
+
+def parse_retry_after(value: str | None, *, now_epoch_s: float | None = None) -> float | None:
+    """A ``Retry-After`` header's wait in seconds: delay-seconds (``"271"``) or an HTTP-date (the seconds from now
+    to it, at least 0); None when absent or malformed."""
+    if not value:
+        return None
+    text = value.strip()
+    if text.isdigit():
+        return float(text)
+    import email.utils
+    import time as _time
+
+    try:
+        when = email.utils.parsedate_to_datetime(text)
+    except (TypeError, ValueError):
+        return None
+    now = _time.time() if now_epoch_s is None else now_epoch_s
+    return max(0.0, when.timestamp() - now)
 
 
 class DeadlineExceeded(Exception):
@@ -136,13 +179,17 @@ def install_request_bounds() -> None:
                 left = _remaining_s()
                 if left is not None and left <= 0:
                     raise DeadlineExceeded(f"deadline reached during {what}") from err
-                raise TransientHubError(f"{type(err).__name__} on {what}: {err}") from err
+                raise TransientHubError(f"{type(err).__name__} on {what}: {err}", cause="unreachable") from err
             if response.status_code in _RETRY_STATUSES:
                 with contextlib.suppress(Exception):
                     response.read()
                 response.close()
                 message = response.headers.get("X-Error-Message", "")
-                raise TransientHubError(f"HTTP {response.status_code} on {what}{': ' + message if message else ''}")
+                wait_s = parse_retry_after(response.headers.get("Retry-After"))
+                after = f" (Retry-After {wait_s:.0f}s)" if wait_s is not None else ""
+                raise TransientHubError(f"HTTP {response.status_code} on {what}{': ' + message if message else ''}"
+                                        f"{after}", retry_after_s=wait_s,
+                                        cause="rate_limit" if response.status_code == 429 else "server")
             response.stream = _DeadlineStream(response.stream, what)
             return response
 
@@ -175,6 +222,54 @@ def classify(err: BaseException) -> tuple[str, str]:
         if isinstance(item, OSError) and "Consistency check failed" in str(item):  # a truncated download
             return "transient", str(item).splitlines()[0]
     return "fatal", f"{type(err).__name__}: {err}"
+
+
+def retry_after_s(err: BaseException) -> float | None:
+    """The ``Retry-After`` wait an error carries (a ``TransientHubError`` in its chain, or an HTTP error's
+    response), or None."""
+    seen: BaseException | None = err
+    for _ in range(10):
+        if seen is None:
+            break
+        if isinstance(seen, TransientHubError) and seen.retry_after_s is not None:
+            return seen.retry_after_s
+        headers = getattr(getattr(seen, "response", None), "headers", None)
+        if headers is not None and hasattr(headers, "get"):
+            found = parse_retry_after(headers.get("Retry-After"))
+            if found is not None:
+                return found
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+def failure_cause(description: str) -> str:
+    """What an attempt's failure says about the Hub, for the hint: ``rate_limit`` (HTTP 429), ``auth`` (401, 403),
+    ``unreachable`` (no connection, DNS, no answer), else ``other``."""
+    if "HTTP 429" in description:
+        return "rate_limit"
+    if description.startswith(("HTTP 401", "HTTP 403")) or " HTTP 401" in description or " HTTP 403" in description:
+        return "auth"
+    if any(marker in description for marker in ("ConnectError", "ConnectTimeout", "Name or service not known",
+                                                "nodename nor servname", "Temporary failure in name resolution",
+                                                "RemoteProtocolError", "ReadTimeout", "ReadError",
+                                                "Connection refused", "WriteTimeout", "PoolTimeout")):
+        return "unreachable"
+    return "other"
+
+
+def cause_hint(cause: str, *, retry_after: float | None = None) -> str | None:
+    """The hint for a push that failed for ``cause`` (``failure_cause``), or None for ``other``."""
+    if cause == "rate_limit":
+        asked = f" (it asked to wait {retry_after:.0f}s)" if retry_after is not None else ""
+        return (f"the Hub is rate-limiting this account's commits{asked}: fewer commits get through, so raise "
+                "--push-interval (the least time between two background pushes) or push fewer checkpoints; the "
+                "checkpoint is still on local disk")
+    if cause == "unreachable":
+        return ("the Hub could not be reached (DNS, connection, or no answer): check the network, a proxy and "
+                "HF_ENDPOINT, and the Hub's status; the checkpoint is still on local disk")
+    if cause == "auth":
+        return "the Hub refused the token: set HF_TOKEN to a valid token that can write to the destination"
+    return None
 
 
 def fatal_hint(description: str) -> str:

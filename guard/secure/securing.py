@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from guard.contract import RunResult, signal_name
 from guard.errors import GuardError
-from guard.run.diagnose import incomplete_reason
+from guard.run.diagnose import died_after_training, incomplete_reason
 from guard.run.state import Message, Outcome, RunState
 from guard.secure import budget, checkpoints, layout, worker
 from guard.secure.events import (
@@ -494,16 +494,19 @@ class Securing:
         outcome = sup.state.outcome
         if self.output_dir and self.plan.state is not State.DONE:
             self._scan(sup)
-        if self.plan.state is State.WATCHING and outcome is None and code is not None and code != 0:
+        completed = died_after_training(sup.state.facts, code, self.output_dir) is not None
+        if self.plan.state is State.WATCHING and outcome is None and code is not None and code != 0 \
+                and not completed:
             self._feed(sup, Failure("crash" if code > 0 else "killed"), now)
             return
         # an exit 0 that is not a finished run: a failure, not a final push
         if self.plan.state is State.WATCHING and outcome is None and code == 0 \
-                and incomplete_reason(sup.state.facts) is not None:
+                and incomplete_reason(sup.state.facts, sup.state.progress) is not None:
             self._feed(sup, Failure("incomplete"), now)
             return
-        ok = code == 0 and (outcome is None or outcome.reason == "deadline")
-        complete = ok and incomplete_reason(sup.state.facts) is None and self._training_complete(sup)
+        ok = (code == 0 or completed) and (outcome is None or outcome.reason == "deadline")
+        complete = ok and incomplete_reason(sup.state.facts, sup.state.progress) is None \
+            and self._training_complete(sup)
         self._check_node(sup)
         if ok and sup.node_rank not in (None, 0) and self.securer is not None:
             log.info("node %d: the guard of node 0 pushes the final model", sup.node_rank)

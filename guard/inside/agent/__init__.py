@@ -45,6 +45,7 @@ def _rank_info() -> dict[str, Any]:
         "local_rank": _int("LOCAL_RANK"),
         "world_size": _int("WORLD_SIZE"),
         "node_rank": _int("GROUP_RANK") if _int("GROUP_RANK") is not None else _int("NODE_RANK"),
+        "error_file": os.environ.get("TORCHELASTIC_ERROR_FILE"),  # torchrun's per-rank error file (@record)
     }
 
 
@@ -520,7 +521,8 @@ def install() -> None:
 
     hooks = {"torch": _torch.patch, "transformers.trainer": _transformers.patch,
              "transformers.training_args": _transformers.patch_arguments,
-             "accelerate.accelerator": _torch.patch_accelerate}
+             "accelerate.accelerator": _torch.patch_accelerate,
+             "torch.optim.optimizer": _torch.patch_optimizer, "torch.utils.data.dataloader": _torch.patch_dataloader}
     for name, hook in list(hooks.items()):
         if name in sys.modules:  # already imported (rare: the agent was installed late)
             try:

@@ -21,6 +21,13 @@ The loss the user means, not the tensor ``.backward()`` runs on:
 file with the step it has counted (``file_saved``). That is how the guard sees the checkpoints of a loop that
 never calls the guard's API (nanoGPT's ``ckpt.pt``), with their step, without reading them.
 
+Whether the job trains at all: the first optimizer built (``torch.optim.Optimizer.__init__``, which every optimizer
+calls) and the first optimizer step (torch's global ``register_optimizer_step_post_hook``) are told once each
+(``{"t": "train_intent", "what": "optimizer"|"optimizer_step"}``), and so is a ``DataLoader`` iterated while it
+has no batch at all (``len(loader) == 0``: an empty dataset, or fewer samples than ``batch_size`` with
+``drop_last=True``; ``{"t": "empty_loader", ...}``). A job that built an optimizer and then exited 0 with no step
+did not train (``FAIL incomplete``); one that never built one (an evaluation script) is not a training run.
+
 CUDA graphs: while a stream is being captured (``torch.cuda.is_current_stream_capturing()``), the backward hook does
 nothing at all (a ``.item()`` there would break the capture); it asks only once CUDA is initialized, so a CPU job
 never touches CUDA. A captured step is later run by ``CUDAGraph.replay()``, which calls no ``.backward()``: the
@@ -36,7 +43,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["patch", "patch_accelerate"]
+__all__ = ["patch", "patch_accelerate", "patch_dataloader", "patch_optimizer"]
 
 
 def _capture_probe(torch: Any) -> Callable[[], bool]:
@@ -98,6 +105,77 @@ def patch(torch: Any) -> None:
         agent_module._warn_once(f"GradScaler hook failed: {exc!r}")
     _wrap_save(torch, agent_module)
     _patch_replay(torch, agent_module)
+
+
+_told: set[str] = set()
+
+
+def _tell(agent_module: Any, what: str, **extra: Any) -> None:
+    agent = agent_module.get()
+    if agent is not None and what not in _told and agent.send({"t": "train_intent", "what": what, **extra}):
+        _told.add(what)
+
+
+def patch_optimizer(optim: Any) -> None:
+    """Wrap ``torch.optim.optimizer.Optimizer.__init__`` and add a global step post-hook, to tell the supervisor
+    once each that an optimizer was built and that one stepped (idempotent)."""
+    from .. import agent as agent_module
+
+    told, tell = _told, functools.partial(_tell, agent_module)
+    base = optim.Optimizer
+    original_init = base.__init__
+    if getattr(original_init, "__guard_wrapped__", False):
+        return
+    @functools.wraps(original_init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        original_init(self, *args, **kwargs)
+        if "optimizer" not in told:
+            tell("optimizer", type=type(self).__name__)
+
+    __init__.__guard_wrapped__ = True  # type: ignore[attr-defined]
+    base.__init__ = __init__
+    handle: list[Any] = []
+
+    def stepped(optimizer: Any, args: Any, kwargs: Any) -> None:
+        tell("optimizer_step")
+        if "optimizer_step" in told and handle:
+            handle.pop().remove()  # once is enough: no cost on later steps
+
+    handle.append(optim.register_optimizer_step_post_hook(stepped))
+
+
+def patch_dataloader(module: Any) -> None:
+    """Wrap ``torch.utils.data.dataloader.DataLoader.__iter__`` to tell the supervisor (once) of a DataLoader
+    iterated while it has no batch at all (idempotent)."""
+    from .. import agent as agent_module
+
+    loader_class = module.DataLoader
+    original_iter = loader_class.__iter__
+    if getattr(original_iter, "__guard_wrapped__", False):
+        return
+    empty_told = [False]
+
+    @functools.wraps(original_iter)
+    def __iter__(self: Any) -> Any:
+        if not empty_told[0]:
+            try:
+                batches = len(self)  # a sized dataset's batch count; an iterable dataset raises TypeError
+            except Exception:
+                batches = None
+            if batches == 0:
+                agent = agent_module.get()
+                try:
+                    samples: int | None = len(self.dataset)
+                except Exception:
+                    samples = None
+                if agent is not None and agent.send({"t": "empty_loader", "samples": samples,
+                                                     "batch_size": self.batch_size,
+                                                     "drop_last": bool(self.drop_last)}):
+                    empty_told[0] = True
+        return original_iter(self)
+
+    __iter__.__guard_wrapped__ = True  # type: ignore[attr-defined]
+    loader_class.__iter__ = __iter__
 
 
 def _patch_replay(torch: Any, agent_module: Any) -> None:

@@ -1,0 +1,116 @@
+"""The Hub client's retries: Retry-After honoured (never sooner, never past the time left), and the hint naming
+the cause (rate limit, unreachable, auth). Real HTTP against the local Hub server (tests/hubserver.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from guard.errors import PushFailedError
+from guard.secure.hub import Securer
+from guard.secure.hubhttp import cause_hint, failure_cause, parse_retry_after
+from tests.hubserver import TOKENS, HubServer, client_constants
+
+pytest.importorskip("huggingface_hub")
+from huggingface_hub import HfApi
+
+
+class FakeClock:
+    """Monotonic seconds that move only when ``sleep`` is called (records every wait)."""
+
+    def __init__(self) -> None:
+        self.now, self.sleeps = 1000.0, []
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+        self.now += seconds
+
+
+@pytest.fixture(scope="module")
+def hub():
+    with client_constants(), HubServer() as server:
+        yield server
+
+
+@pytest.fixture(autouse=True)
+def _clean(hub):
+    yield
+    hub.reset_faults()
+
+
+@pytest.fixture
+def api(hub):
+    return HfApi(endpoint=hub.url, token=TOKENS["write"])
+
+
+def checkpoint(root: Path, step: int) -> Path:
+    folder = root / f"checkpoint-{step}"
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps({"step": step}))
+    (folder / "model.safetensors").write_bytes(os.urandom(64 * 1024))
+    return folder
+
+
+def test_retry_after_is_parsed_as_seconds_or_an_http_date() -> None:
+    assert parse_retry_after("271") == 271.0
+    assert parse_retry_after("Wed, 21 Oct 2015 07:28:00 GMT", now_epoch_s=1445412470.0) == 10.0
+    assert parse_retry_after("soon") is None and parse_retry_after(None) is None
+
+
+def test_causes_and_their_hints() -> None:
+    assert failure_cause("#1 HTTP 429 on POST /api/models/a/b/commit/main (Retry-After 271s)") == "rate_limit"
+    assert failure_cause("HTTP 401: Invalid credentials") == "auth"
+    assert failure_cause("#2 ConnectError on GET /api/whoami-v2: [Errno -2] Name or service not known") == \
+        "unreachable"
+    assert "--push-interval" in (cause_hint("rate_limit", retry_after=271) or "")
+    assert "271s" in (cause_hint("rate_limit", retry_after=271) or "")
+    assert "HF_ENDPOINT" in (cause_hint("unreachable") or "")
+
+
+@pytest.mark.hub
+def test_a_429_with_retry_after_is_waited_out_before_the_next_commit(hub, api, tmp_path) -> None:
+    repo_id = f"alice/run-{uuid.uuid4().hex[:8]}"
+    hub.inject(status=429, count=2, path_contains="/commit/", headers={"Retry-After": "7"})
+    clock = FakeClock()
+    hub.requests.clear()
+    result = Securer(repo_id, api=api, clock=clock, sleep=clock.sleep).push_checkpoint(
+        checkpoint(tmp_path, 3), step=3, deadline=clock() + 120)
+    assert result.attempts == 3
+    assert clock.sleeps == [7.0, 7.0]  # the Hub's wait, not the 1 s / 2 s backoff
+    assert [r.status for r in hub.requests if "/commit/" in r.path] == [429, 429, 200]
+
+
+@pytest.mark.hub
+def test_a_retry_after_longer_than_the_time_left_stops_at_once_and_names_the_rate_limit(hub, api, tmp_path) -> None:
+    repo_id = f"alice/run-{uuid.uuid4().hex[:8]}"
+    hub.inject(status=429, count=None, path_contains="/commit/", headers={"Retry-After": "271"})
+    clock = FakeClock()
+    hub.requests.clear()
+    with pytest.raises(PushFailedError) as info:
+        Securer(repo_id, api=api, clock=clock, sleep=clock.sleep).push_checkpoint(
+            checkpoint(tmp_path, 3), step=3, deadline=clock() + 60)
+    assert [r.status for r in hub.requests if "/commit/" in r.path] == [429]  # one commit, no storm
+    assert clock.sleeps == []
+    assert "271s (Retry-After)" in info.value.message
+    assert "rate-limiting" in (info.value.hint or "") and "--push-interval" in (info.value.hint or "")
+
+
+@pytest.mark.hub
+def test_an_unreachable_hub_is_named_in_the_hint(hub, api, tmp_path) -> None:
+    repo_id = f"alice/run-{uuid.uuid4().hex[:8]}"
+    hub.set_down(True)
+    clock = FakeClock()
+    started = time.monotonic()
+    with pytest.raises(PushFailedError) as info:
+        Securer(repo_id, api=api, clock=clock, sleep=clock.sleep).push_checkpoint(
+            checkpoint(tmp_path, 3), step=3, deadline=clock() + 20)
+    assert "could not be reached" in (info.value.hint or ""), info.value.message
+    assert time.monotonic() - started < 60
