@@ -113,29 +113,35 @@ def test_the_alert_of_a_throughput_drop() -> None:
     assert text is not None and "under 0.5x the run's median 10 steps/s" in text
 
 
-def push(kind: str, step: int | None, ok: bool, *, error: str | None = None, error_type: str | None = None,
-         pushed: str | None = "hf://acme/run@abc123") -> SimpleNamespace:
-    info = SimpleNamespace(step=step, path=f"/out/checkpoint-{step}") if step is not None else None
-    result = SimpleNamespace(ok=ok, pushed=pushed if ok else None, destination="hf://acme/run", error=error,
-                             error_type=error_type, hint=None)
-    return SimpleNamespace(kind=kind, info=info, result=result)
+def push(kind: str, step: int | None, ok: bool, *, error: str | None = None, killed: bool = False,
+         pushed: str | None = "hf://acme/run@abc123", running: bool = False) -> SimpleNamespace:
+    """A push as ``Plan.report()`` shows it (``secure.plan.PushView``)."""
+    return SimpleNamespace(kind=kind, step=step, path=f"/out/checkpoint-{step}" if step is not None else None,
+                           running=running, ok=ok and not running, killed=killed,
+                           pushed=pushed if ok and not running else None, destination="hf://acme/run",
+                           error=error, hint=None)
+
+
+class FakePlan(SimpleNamespace):
+    """What ``Alerts.on_securing`` reads: ``report()`` (here the fake itself)."""
+
+    def report(self) -> FakePlan:
+        return self
 
 
 def test_securing_started_secured_checkpoints_and_failing_pushes() -> None:
     alerts, rec = make()
-    plan: Any = SimpleNamespace(trigger=None, state=SimpleNamespace(name="WATCHING"), history=[], secured=None)
+    plan: Any = FakePlan(trigger=None, state=SimpleNamespace(name="WATCHING"), history=[], secured=None)
     alerts.on_securing(plan, 10)
     assert rec.alerts == []
     plan.history.append(push("background", 100, True))
-    running = push("background", 200, True)
-    running.result = None  # still running: not reported yet
-    plan.history.append(running)
+    plan.history.append(push("background", 200, True, running=True))  # still running: not reported yet
     plan.secured = plan.history[0]
     alerts.on_securing(plan, 150)
     assert rec.alerts[-1][:3] == ("checkpoint secured: step 100",
                                   "checkpoint-100 at hf://acme/run@abc123\nstep=100", "info")
     assert alerts.secured_step == 100
-    running.result = push("background", 200, False, error="HTTP 500 from the Hub").result
+    plan.history[1] = push("background", 200, False, error="HTTP 500 from the Hub")
     plan.history.append(push("background", 300, False, error="HTTP 503 from the Hub"))
     plan.trigger, plan.state = "deadline", SimpleNamespace(name="SECURING")
     alerts.on_securing(plan, 320)
@@ -143,7 +149,7 @@ def test_securing_started_secured_checkpoints_and_failing_pushes() -> None:
     titles = [(t, lvl) for t, _, lvl, _ in rec.alerts]
     assert titles[1:] == [("securing started: the deadline is near", "info"), ("pushes keep failing", "warn")]
     plan.history.append(push("securing", 320, False, error="429 Too Many Requests (attempts: 429; 429)"))
-    plan.history.append(push("securing", 320, False, error_type="killed", error="killed"))
+    plan.history.append(push("securing", 320, False, killed=True, error="killed"))
     plan.history.append(push("final", None, True, pushed="hf://acme/run@def456"))
     alerts.on_securing(plan, 330)
     assert [(t, lvl) for t, _, lvl, _ in rec.alerts][3:] == [("pushes are rate-limited by the destination", "warn"),
@@ -152,7 +158,7 @@ def test_securing_started_secured_checkpoints_and_failing_pushes() -> None:
 
 def test_a_failing_push_with_retries_inside_counts_as_repeated() -> None:
     alerts, rec = make()
-    plan = SimpleNamespace(trigger="signal", state=SimpleNamespace(name="AWAITING_SAVE"), secured=None,
+    plan = FakePlan(trigger="signal", state=SimpleNamespace(name="AWAITING_SAVE"), secured=None,
                            history=[push("securing", 5, False, error="push failed (attempts: timeout; timeout)")])
     alerts.on_securing(plan, 5)
     assert [t for t, _, _, _ in rec.alerts] == ["securing started: a termination signal arrived",

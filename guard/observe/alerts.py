@@ -315,40 +315,40 @@ class Alerts:
                          hint="look for a slow data loader, a throttled GPU, a full disk or another job on the node")
 
     def on_securing(self, plan: Any, step: int | None) -> None:
-        """Poll the securing plan (``secure.plan.Plan``): securing started for the deadline or a signal, each
-        checkpoint secured, and failing or rate-limited pushes."""
-        trigger = plan.trigger
-        if trigger in ("deadline", "signal") and getattr(plan.state, "name", "WATCHING") != "WATCHING":
+        """Poll the securing plan's snapshot (``secure.plan.Plan.report()``): securing started for the deadline or a
+        signal, each checkpoint secured, and failing or rate-limited pushes."""
+        report = plan.report()
+        trigger = report.trigger
+        if trigger in ("deadline", "signal") and getattr(report.state, "name", "WATCHING") != "WATCHING":
             why = "the deadline is near" if trigger == "deadline" else "a termination signal arrived"
             self.send(f"securing:{trigger}", "info", f"securing started: {why}",
                       "the guard secures the newest checkpoint before the job is stopped", step=step)
-        history = plan.history
-        while self._next_record < len(history) and history[self._next_record].result is not None:
-            record = history[self._next_record]
+        history = report.history
+        while self._next_record < len(history) and not history[self._next_record].running:
+            view = history[self._next_record]
             self._next_record += 1
-            self._on_push(record)
-        secured = plan.secured
-        info = getattr(secured, "info", None)
-        if info is not None and info.step is not None:
-            self.secured_step = int(info.step)
+            self._on_push(view)
+        secured = report.secured
+        if secured is not None and secured.step is not None:
+            self.secured_step = int(secured.step)
 
-    def _on_push(self, record: Any) -> None:
-        result, info = record.result, record.info
-        at = getattr(info, "step", None)
-        if result.ok:
+    def _on_push(self, view: Any) -> None:
+        """One push that is over (``secure.plan.PushView``)."""
+        at = view.step
+        if view.ok:
             self._failed_in_a_row = 0
-            where = result.pushed or result.destination
-            if record.kind == "final":
+            where = view.pushed or view.destination
+            if view.kind == "final":
                 self.send(f"final:{where}", "info", "final model secured", f"at {where}")
             else:
-                name = os.path.basename(os.path.normpath(str(info.path))) if info is not None else "checkpoint"
+                name = os.path.basename(os.path.normpath(str(view.path))) if view.path else "checkpoint"
                 self.send(f"secured:{at}:{where}", "info", f"checkpoint secured: step {at}", f"{name} at {where}",
                           step=at)
             return
-        if getattr(result, "error_type", None) == "killed":
+        if view.killed or view.kind == "resumed":
             return
         self._failed_in_a_row += 1
-        error = str(result.error or "")
+        error = str(view.error or "")
         attempts = _ATTEMPTS.search(error)
         tries = len(attempts.group(1).split("; ")) if attempts else 1
         if _RATE_LIMITED.search(error):
@@ -356,7 +356,7 @@ class Alerts:
                       hint="raise --push-interval (the Hub limits commits per hour)")
         elif self._failed_in_a_row >= 2 or tries >= 2:
             self.send("push:failing", "warn", "pushes keep failing", error, step=at,
-                      hint=getattr(result, "hint", None) or "check the network, the token and the destination")
+                      hint=view.hint or "check the network, the token and the destination")
 
     def close(self, timeout_s: float = WEBHOOK_WAIT_S) -> None:
         """At the end (after the tracker took the verdict): wait at most ``timeout_s`` for POSTs in flight, report
