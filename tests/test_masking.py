@@ -152,7 +152,7 @@ def test_a_beginning_that_repeats_inside_the_tail_is_found() -> None:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def test_other_loggers_and_warnings_are_masked(capsys: pytest.CaptureFixture[str]) -> None:
+def test_other_loggers_and_warnings_are_masked(capfd: pytest.CaptureFixture[str]) -> None:
     import logging
     import warnings
 
@@ -176,7 +176,7 @@ def test_other_loggers_and_warnings_are_masked(capsys: pytest.CaptureFixture[str
         logging.captureWarnings(False)
         for handler in [h for h in root.handlers if h not in before]:
             root.removeHandler(handler)
-    err = capsys.readouterr().err
+    err = capfd.readouterr().err
     assert secret not in err
     assert "guard line ***" in err
     assert "retrying https://u:***@host" in err
