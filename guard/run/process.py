@@ -226,8 +226,8 @@ class JobProcess:
         zombies_now: set[int] = set()
         reaped = 0
         for child in children:
-            if child.pid == self.pid:
-                continue
+            if child.pid == self.pid or (child.pid in HELPER_PIDS and not final):
+                continue  # a helper's exit status is its owner's to collect (subprocess.Popen.poll)
             try:
                 if child.status() != psutil.STATUS_ZOMBIE:
                     continue

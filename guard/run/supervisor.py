@@ -39,6 +39,7 @@ from guard.run.process import JobProcess, Spawner, cgroup_memory, default_signal
 from guard.run.state import Message, Outcome, RunState, configured_node_rank
 from guard.run.timers import Escalation
 from guard.run.watchdog import Decision, SettingsCheck, Watchdog
+from guard.secure.worker import reap_killed
 
 if TYPE_CHECKING:
     from guard.observe.telemetry import Heartbeat
@@ -291,6 +292,7 @@ class Supervisor:
                 self._child_exited = False
                 self._next_reap = now + 0.5
                 job.reap_orphans()
+                reap_killed()  # securing workers killed earlier (a kill never waits for the child to die)
             if busy or self._recheck or now >= due or self.output.partial_since:
                 self._recheck = False
                 self._timers(now)
