@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from conftest import pid_alive
 
+from guard.core.children import CHILDREN
 from guard.secure import worker
 
 
@@ -201,7 +202,7 @@ def test_kill_never_waits_for_the_child_and_poll_reaps_it_later(tmp_path: Path) 
         assert result.error_type == "deadline" and not result.ok
         assert _reaped(handle), "poll() did not reap the killed worker"
         assert handle.proc.returncode == -signal.SIGKILL
-        assert worker.reap_killed() == 0 and handle.pid not in worker.RUNNING
+        assert worker.reap_killed() == 0 and CHILDREN.owner(handle.pid) is None
         assert handle.request_dir is None  # the request's folder is gone with the child
     finally:
         release.touch()

@@ -1,4 +1,4 @@
-"""``guard.run.writer`` and ``guard.run.helpers``: the loop never waits for a paused reader nor for a helper call."""
+"""``guard.run.writer`` and ``guard.core.helpers``: the loop never waits for a paused reader nor for a helper call."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 from conftest import kill_quietly, start_guard
 
-from guard.run.helpers import Helpers, Wakeup
+from guard.core.helpers import Helpers, Wakeup
 from guard.run.writer import OutputWriter
 
 

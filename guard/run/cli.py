@@ -22,11 +22,11 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from guard import __version__
 from guard.contract import EXIT_GUARD_ERROR, RunResult, render_line, signal_name, write_report
+from guard.core.masking import Masker, MaskingFilter, command_line_secrets, secret_values
+from guard.core.version import __version__
 from guard.errors import GuardError, PreflightError, UsageError
 from guard.run.config import OPTIONS, Config, debug_enabled, env_name, log_level, resolve
-from guard.run.masking import Masker, MaskingFilter, command_line_secrets, secret_values
 from guard.run.output import LINES
 from guard.run.platform import detect
 from guard.run.writer import LogSink

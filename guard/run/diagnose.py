@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from guard.contract import EXIT_GUARD_ERROR, EXIT_INCOMPLETE, RunResult, signal_name
+from guard.core.state import JobFacts, RunState, incomplete_reason
 from guard.run.config import Config, guard_options_in
 from guard.run.process import CgroupMemory, Survivor, cgroup_memory
-from guard.run.state import JobFacts, RunState
 
 if TYPE_CHECKING:
     from guard.secure.securing import Securing
@@ -134,24 +134,6 @@ def cause_hint(facts: JobFacts, code: int, *, output_folder: str | None = None) 
         return f"the job exited with code {code} after {last}: fix the error its traceback shows in the log and rerun"
     return (f"the job exited with code {code} without a Python traceback (sys.exit, or a program that is not "
             "Python): its last output lines say why")
-
-
-def incomplete_reason(facts: JobFacts) -> str | None:
-    """Why an exit 0 is not a finished run (the hint), or None: ``Trainer.train()`` raised and the script went on,
-    or training ended before ``max_steps`` with no stop asked for (a callback's ``should_training_stop``, the
-    guard's own request)."""
-    error, end = facts.train_error, facts.train_end
-    if error is not None:
-        what = error.get("root") or f"{error.get('exc_type')}: {error.get('message')}"
-        where = f" at step {error.get('step')} of {error.get('max_steps')}" if error.get("step") is not None else ""
-        return (f"Trainer.train() raised {what}{where}, and the script caught it and exited 0: fix that error "
-                "(or let it propagate, so that the run fails visibly)")
-    if end is not None and not end.get("stopped"):
-        step, max_steps = end.get("step"), end.get("max_steps")
-        if isinstance(step, int) and isinstance(max_steps, int) and max_steps > 0 and step < max_steps:
-            return (f"training ended at step {step} of {max_steps} with no stop asked for (no callback set "
-                    "should_training_stop): check that the dataset yields enough batches for max_steps")
-    return None
 
 
 def job_result(state: RunState, ended: JobExit, config: Config, *, securer: Securing | None = None) -> RunResult:

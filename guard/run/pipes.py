@@ -12,7 +12,7 @@ import os
 import selectors
 from typing import Literal
 
-from guard.run.masking import Masker
+from guard.core.masking import Masker
 from guard.run.output import LINES, OutputEvents, StreamFilter
 from guard.run.writer import OutputWriter, pump_all, writer_for
 

@@ -23,17 +23,15 @@ from guard.contract import (
     RunResult,
     signal_name,
 )
+from guard.core.state import Message, Outcome, RunState, incomplete_reason
 from guard.errors import GuardError
-from guard.run.diagnose import incomplete_reason
-from guard.run.state import Message, Outcome, RunState
 from guard.secure import budget, checkpoints, layout, worker
 from guard.secure.plan import Action, Decide, ForwardSignal, Plan, Pusher, RequestSave, State, StopJob
 
 if TYPE_CHECKING:
-    from guard.run.slurm import SlurmRefresher
     from guard.secure.hub import Securer
 
-__all__ = ["FAILURE_REASONS", "JobLink", "Securing"]
+__all__ = ["FAILURE_REASONS", "EndTimeSource", "JobLink", "Securing"]
 
 log = logging.getLogger("guard.secure")
 
@@ -41,6 +39,15 @@ log = logging.getLogger("guard.secure")
 FAILURE_REASONS = ("non_finite_loss", "stalled", "crash", "oom", "killed", "incomplete")
 SCAN_EVERY_S = 5.0  # how often the output folder is looked at for complete checkpoints
 FILE_SETTLE_S = 1.0  # a torch.save'd file counts as a whole checkpoint after this long without another file
+
+
+class EndTimeSource(Protocol):
+    """Where a changed end time of the allocation comes from (``guard.run.slurm.SlurmRefresher``)."""
+
+    last_source: str
+
+    def maybe_refresh(self, now_s: float | None = None) -> float | None:
+        """A new end time (epoch seconds) when a refresh that finished since says so, else None; never blocks."""
 
 
 class JobLink(Protocol):
@@ -112,14 +119,14 @@ class Securing:
         securer_factory: builds a ``Securer`` from destination text (for the Trainer's ``hub_model_id``).
         output_dir: where the job writes checkpoints (``--output-dir``; else the Trainer's ``output_dir``).
         grace_s: ``--grace``. background: ``--background-push``. push_interval_s: ``--push-interval``.
-        refresher: a ``slurm.SlurmRefresher`` or None.
+        refresher: a ``guard.run.slurm.SlurmRefresher`` (any ``EndTimeSource``) or None.
         wall: epoch seconds; clock: monotonic seconds.
         pusher_factory: builds the plan's pusher from (destination text, token); default ``worker.Pusher``.
     """
 
     def __init__(self, *, deadline: budget.Deadline, estimator: budget.MarginEstimator, securer: Securer | None = None,
                  securer_factory: Callable[[str], Securer] | None = None, output_dir: str | None = None,
-                 grace_s: float = 30.0, refresher: SlurmRefresher | None = None,
+                 grace_s: float = 30.0, refresher: EndTimeSource | None = None,
                  wall: Callable[[], float] = time.time,
                  clock: Callable[[], float] = time.monotonic, background: bool = True,
                  push_interval_s: float = 600.0,

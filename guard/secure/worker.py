@@ -43,7 +43,9 @@ from dataclasses import asdict, dataclass, field, is_dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["OPS", "RUNNING", "Handle", "Pusher", "WorkResult", "reap_killed", "run_bounded", "start"]
+from guard.core.children import CHILDREN, WORKER
+
+__all__ = ["OPS", "Handle", "Pusher", "WorkResult", "reap_killed", "run_bounded", "start"]
 
 log = logging.getLogger("guard.secure.worker")
 
@@ -52,8 +54,6 @@ OPS = ("push_checkpoint", "push_final", "fetch_last_checkpoint", "peek_last_chec
 #: The child stops its own retries this long before the deadline, so that it can still report why.
 CHILD_EARLIER_S = 0.5
 POLL_S = 0.1  # how often run_bounded polls
-#: Pids of the workers running now (the supervisor never counts them as the job's processes).
-RUNNING: set[int] = set()
 _RESULT = "RESULT "
 #: Killed workers not reaped yet (``reap_killed``).
 _KILLED: set[Handle] = set()
@@ -162,7 +162,7 @@ class Handle:
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.proc, self.op, self.deadline, self.clock = proc, op, deadline, clock
         self.started = clock()
-        RUNNING.add(proc.pid)
+        CHILDREN.add(proc.pid, WORKER)  # never the job's: stopping the job never stops a push; reaped here only
         self.result: WorkResult | None = None
         self.request_dir: str | None = None  # the request file's private folder, removed once the child ended
         self._buffers: dict[int, bytes] = {}
@@ -280,7 +280,7 @@ class Handle:
             self._close()
 
     def _close(self) -> None:
-        RUNNING.discard(self.proc.pid)
+        CHILDREN.discard(self.proc.pid)
         if self.request_dir is not None:
             import shutil
 
@@ -357,9 +357,6 @@ def start(op: str, args: Mapping[str, Any], deadline: float, *, destination: str
     except BaseException:
         shutil.rmtree(request_dir, ignore_errors=True)
         raise
-    from guard.run.process import HELPER_PIDS
-
-    HELPER_PIDS.add(proc.pid)  # stopping the job (signal_all) must never stop a push
     handle = Handle(proc, op, deadline, clock)
     handle.request_dir = request_dir
     assert proc.stdin is not None

@@ -12,20 +12,27 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from . import Agent
+from typing import Any, Protocol
 
 __all__ = ["KEY", "DistRelay"]
 
 KEY = "jobguard/checkpoint"
 
 
+class _RelayAgent(Protocol):
+    """What the relay needs of ``_core.Agent`` (a protocol: this module imports nothing of the agent's)."""
+
+    checkpoint_request: dict[str, Any] | None
+
+    def send(self, message: dict[str, Any]) -> bool: ...
+
+    def warn(self, text: str) -> None: ...
+
+
 class DistRelay:
     """Relays checkpoint requests between ranks through the job's store (see the module docstring)."""
 
-    def __init__(self, agent: Agent) -> None:
+    def __init__(self, agent: _RelayAgent) -> None:
         self.agent = agent
         self.store: Any = None
         self.rank: int | None = None

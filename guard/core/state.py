@@ -8,11 +8,10 @@ the agent's messages and the job's output, securing (``guard.secure.securing``) 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["JobFacts", "Outcome", "Progress", "RunState", "configured_node_rank"]
+__all__ = ["JobFacts", "Outcome", "Progress", "RunState", "incomplete_reason"]
 
 #: An agent message as decoded from the channel (``guard.protocol``): a JSON object with a string ``t``.
 Message = dict[str, Any]
@@ -143,19 +142,19 @@ class RunState:
     outcome: Outcome | None = None
 
 
-def configured_node_rank(environ: Mapping[str, str], command: Sequence[str]) -> int | None:
-    """This machine's node rank as the guard's environment (``NODE_RANK``, torchrun's ``GROUP_RANK``, Slurm's
-    ``SLURM_NODEID``) or the launcher's command (``torchrun --node-rank N``, ``accelerate launch --machine_rank N``)
-    says; None when neither does."""
-    for name in ("NODE_RANK", "GROUP_RANK", "SLURM_NODEID"):
-        value = environ.get(name, "")
-        if value.isdigit():
-            return int(value)
-    from guard.preflight.launch import parse_launch
-
-    launch = parse_launch(command)
-    for option in ("--node-rank", "--node_rank", "--machine-rank", "--machine_rank"):
-        value = launch.values.get(option, "") if launch is not None else ""
-        if value.isdigit():
-            return int(value)
+def incomplete_reason(facts: JobFacts) -> str | None:
+    """Why an exit 0 is not a finished run (the hint), or None: ``Trainer.train()`` raised and the script went on,
+    or training ended before ``max_steps`` with no stop asked for (a callback's ``should_training_stop``, the
+    guard's own request)."""
+    error, end = facts.train_error, facts.train_end
+    if error is not None:
+        what = error.get("root") or f"{error.get('exc_type')}: {error.get('message')}"
+        where = f" at step {error.get('step')} of {error.get('max_steps')}" if error.get("step") is not None else ""
+        return (f"Trainer.train() raised {what}{where}, and the script caught it and exited 0: fix that error "
+                "(or let it propagate, so that the run fails visibly)")
+    if end is not None and not end.get("stopped"):
+        step, max_steps = end.get("step"), end.get("max_steps")
+        if isinstance(step, int) and isinstance(max_steps, int) and max_steps > 0 and step < max_steps:
+            return (f"training ended at step {step} of {max_steps} with no stop asked for (no callback set "
+                    "should_training_stop): check that the dataset yields enough batches for max_steps")
     return None
