@@ -92,6 +92,9 @@ def install() -> None:
     if _INSTALLED or not agent_settings().socket_path:
         return
     _INSTALLED = True
+    role = _core.multiprocessing_role()
+    if role == "helper":  # the forkserver, the resource tracker: never a rank; its forks would carry an agent too
+        return
     from . import _torch, _transformers
 
     hooks = {"torch": _torch.patch, "transformers.trainer": _transformers.patch,
@@ -121,6 +124,6 @@ def install() -> None:
     atexit.register(_core._flush_at_exit)
     _core._start_stdout_flusher()
     agent = get()
-    if agent is not None:  # connect now: the supervisor learns the agent is alive and can ask it for stacks
+    if agent is not None and not agent.dormant:  # connect now: the supervisor can ask it for stacks
         with agent._lock:
             agent._connect()

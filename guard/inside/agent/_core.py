@@ -19,6 +19,8 @@ from ..settings import AgentSettings, agent_settings
 __all__ = ["Agent", "LossWatch", "get", "root_cause"]
 
 _AGENT: Agent | None = None
+#: What a dormant agent (a ``multiprocessing`` spawn child) keeps to itself until it is seen to be a training rank.
+HELD_WHILE_DORMANT = frozenset({"watching", "dist"})
 
 
 def _rank_info() -> dict[str, Any]:
@@ -124,8 +126,12 @@ class Agent:
         self.dropped = 0
         self.dead = False
         self.backward_hook = True  # off once a Trainer or guard.report() provides the losses
-        self.scaled: tuple[Any, Any] | None = None  # (GradScaler.scale's result, the loss it scaled)
-        self.user_loss: Any = None  # the loss given to accelerate's Accelerator.backward, while it runs
+        self._loss_state = threading.local()  # scaled, user_loss: each thread's own (two threads may call backward)
+        #: A process started by ``multiprocessing`` spawn (a DataLoader worker, or a rank of
+        #: ``torch.multiprocessing.spawn``): it connects only once it says something a training rank says (a loss,
+        #: a save), so a DataLoader worker never connects with its parent's RANK; what it would say before waits.
+        self.dormant = False
+        self._held: list[dict[str, Any]] = []
         self.begun = 0  # steps (or micro-batches) this process has begun: a cheap counter, never sent per step
         self.checkpoint_request: dict[str, Any] | None = None
         self.stop_requested = False
@@ -141,6 +147,25 @@ class Agent:
         from ._dist import DistRelay
 
         self.relay = DistRelay(self)
+
+    @property
+    def scaled(self) -> tuple[Any, Any] | None:
+        """(``GradScaler.scale``'s result, the loss it scaled) of this thread, until its backward ran."""
+        value: tuple[Any, Any] | None = getattr(self._loss_state, "scaled", None)
+        return value
+
+    @scaled.setter
+    def scaled(self, value: tuple[Any, Any] | None) -> None:
+        self._loss_state.scaled = value
+
+    @property
+    def user_loss(self) -> Any:
+        """The loss this thread gave to accelerate's ``Accelerator.backward``, while that runs; else None."""
+        return getattr(self._loss_state, "user_loss", None)
+
+    @user_loss.setter
+    def user_loss(self, value: Any) -> None:
+        self._loss_state.user_loss = value
 
     # -- channel ------------------------------------------------------------------------------------------------
 
@@ -167,9 +192,17 @@ class Agent:
         if self.dead or os.getpid() != self.pid:
             return False
         with self._lock:
+            if self.dormant:
+                if message.get("t") in HELD_WHILE_DORMANT:
+                    self._held.append(message)
+                    return True
+                self.dormant = False  # a training rank after all (torch.multiprocessing.spawn)
             sock = self._connect()
             if sock is None:
                 return False
+            held, self._held = self._held, []
+            for earlier in held:
+                self._send_raw(sock, earlier)
             return self._send_raw(sock, message)
 
     def _send_raw(self, sock: socket.socket, message: dict[str, Any]) -> bool:
@@ -406,14 +439,64 @@ def _start_stdout_flusher() -> None:
 
         while True:
             time.sleep(FLUSH_EVERY_S)
-            try:
-                current = sys.stdout
-                if current is not None:
-                    current.flush()
-            except (OSError, ValueError):  # closed, or a broken pipe: nothing to do
-                pass
+            with _FLUSHING:  # a fork waits for this flush to end (see _before_fork)
+                try:
+                    current = sys.stdout
+                    if current is not None:
+                        current.flush()
+                except (OSError, ValueError):  # closed, or a broken pipe: nothing to do
+                    pass
 
+    _register_fork_handlers()
     threading.Thread(target=flush_forever, name="guard-flush", daemon=True).start()
+
+
+#: Held by the flusher thread while it flushes stdout, and by a fork in progress (``os.register_at_fork``).
+_FLUSHING = threading.Lock()
+_fork_state = {"registered": False, "held": False}
+#: How long a fork waits for the flusher's write to end (seconds); a stdout nobody reads could hold it forever.
+FORK_WAIT_S = 10.0
+
+
+def _before_fork() -> None:
+    """Before ``fork()``: wait for the flusher's flush to end, and keep it from starting another. The flush holds
+    stdout's ``BufferedWriter`` lock; a child forked meanwhile would inherit it held by a thread it does not have,
+    and its first ``print`` would wait forever (the bpo-6721 class: a DataLoader worker with the fork start
+    method)."""
+    _fork_state["held"] = _FLUSHING.acquire(timeout=FORK_WAIT_S)
+
+
+def _after_fork() -> None:
+    if _fork_state["held"]:
+        _fork_state["held"] = False
+        _FLUSHING.release()
+
+
+def _register_fork_handlers() -> None:
+    if _fork_state["registered"] or not hasattr(os, "register_at_fork"):
+        return
+    _fork_state["registered"] = True
+    os.register_at_fork(before=_before_fork, after_in_parent=_after_fork, after_in_child=_after_fork)
+
+
+def multiprocessing_role(orig_argv: list[str] | None = None) -> str | None:
+    """What ``multiprocessing`` started this process as, from its command line (``sys.orig_argv``): ``"spawn"`` (a
+    spawn child: a DataLoader worker, or a ``torch.multiprocessing.spawn`` rank), ``"helper"`` (the forkserver, the
+    resource tracker: never a training rank), or None (started otherwise: a script, torchrun's ranks).
+
+    Facts (CPython ``Lib/multiprocessing``): a spawn child runs ``python -c 'from multiprocessing.spawn import
+    spawn_main; spawn_main(...)' --multiprocessing-fork``; the forkserver ``-c 'from multiprocessing.forkserver
+    import main; main(...)'``; the resource tracker ``-c 'from multiprocessing.resource_tracker import main;...'``.
+    """
+    argv = list(getattr(sys, "orig_argv", []) if orig_argv is None else orig_argv)
+    if "-c" not in argv:
+        return None
+    command = argv[argv.index("-c") + 1] if argv.index("-c") + 1 < len(argv) else ""
+    if "multiprocessing.spawn" in command or "--multiprocessing-fork" in argv:
+        return "spawn"
+    if "from multiprocessing." in command:
+        return "helper"
+    return None
 
 
 def _flush_at_exit() -> None:
@@ -436,4 +519,5 @@ def get() -> Agent | None:
         if not settings.socket_path:
             return None
         _AGENT = Agent(settings)
+        _AGENT.dormant = multiprocessing_role() == "spawn"
     return _AGENT
