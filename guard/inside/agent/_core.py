@@ -1,338 +1,28 @@
-"""The agent of one process of the job: the state every part of the agent shares (``get()``), the loss watch, the
-channel to the supervisor, and the helpers of the hooks (``_warn_once``, ``root_cause``). The hooks themselves
-(``_torch``, ``_transformers``, ``_dist``) import this module, never the package's ``__init__`` (which installs
-them): no circle inside the agent. See the package's docstring for the design."""
+"""What the agent's modules share: the agent of this process (``get()``), ``root_cause``, the one-time warning, the
+stdout flusher with its fork handlers, and what ``multiprocessing`` started this process as. The hooks (``_torch``,
+``_transformers``, ``_dist``) import this module, never the package's ``__init__`` (which defines ``Agent``, binds
+it here and installs them): no circle inside the agent. Stdlib only."""
 
 from __future__ import annotations
 
-import math
 import os
-import signal
-import socket
 import sys
 import threading
+from collections.abc import Callable
 from typing import Any
 
-from ... import protocol
 from ..settings import AgentSettings, agent_settings
 
-__all__ = ["Agent", "LossWatch", "get", "root_cause"]
+__all__ = ["bind", "get", "multiprocessing_role", "root_cause"]
 
-_AGENT: Agent | None = None
-#: What a dormant agent (a ``multiprocessing`` spawn child) keeps to itself until it is seen to be a training rank.
-HELD_WHILE_DORMANT = frozenset({"watching", "dist"})
-
-
-def _rank_info() -> dict[str, Any]:
-    def _int(name: str) -> int | None:
-        try:
-            return int(os.environ[name])
-        except (KeyError, ValueError):
-            return None
-
-    return {
-        "rank": _int("RANK"),
-        "local_rank": _int("LOCAL_RANK"),
-        "world_size": _int("WORLD_SIZE"),
-        "node_rank": _int("GROUP_RANK") if _int("GROUP_RANK") is not None else _int("NODE_RANK"),
-    }
+_AGENT: Any = None  # the process's ``guard.inside.agent.Agent``, made by ``get()``
+_make: Callable[[AgentSettings], Any] | None = None
 
 
-class LossWatch:
-    """Turns losses into ``step`` messages: one by one in the sanity pass, then every ``check_every`` steps.
-
-    After the sanity pass a tensor loss is only kept (detached, a reference: no kernel, no host-device sync);
-    every ``check_every`` steps the kept losses are stacked and read in one transfer. So the first non-finite
-    step between two reads is known exactly: its message carries that step and its non-finite value (``n=1``),
-    while a finite window's message carries the last step and loss and ``n`` (the steps it covers).
-    Float losses (``guard.report(loss=2.3)``) cost nothing to check: a non-finite one is sent at once.
-
-    With a ``GradScaler``, ``skipped`` (consecutive optimizer steps skipped for inf/NaN gradients, counted on the
-    device by ``_torch``) rides along on each message.
-    """
-
-    def __init__(self, agent: Agent, sanity_steps: int, check_every: int) -> None:
-        self.agent = agent
-        self.sanity_steps = sanity_steps
-        self.check_every = max(1, check_every)
-        self.count = 0
-        self.step = 0
-        self._kept: list[tuple[int, Any]] = []  # (step, detached tensor or float) since the last read
-        self._bad_float = False
-        self.skipped: Any = None  # consecutive skipped optimizer steps: a device tensor (set by _torch), or None
-
-    def observe(self, loss: Any, step: int | None, source: str) -> None:
-        self.count += 1
-        self.step = step if step is not None else self.step + 1
-        is_float = isinstance(loss, (int, float))
-        if self.count <= self.sanity_steps:
-            value = float(loss) if is_float else float(loss.detach().float().item())
-            self._send(self.step, value, math.isfinite(value), 1, source)
-            return
-        if is_float:
-            self._kept.append((self.step, float(loss)))
-            if not math.isfinite(loss):
-                self._bad_float = True
-        else:
-            self._kept.append((self.step, loss.detach()))
-        if len(self._kept) >= self.check_every or self._bad_float:
-            self.flush(source)
-
-    def _values(self) -> list[float]:
-        items = [value for _, value in self._kept]
-        tensors = [value for value in items if not isinstance(value, float)]
-        if not tensors:
-            return [float(v) for v in items]
-        torch = sys.modules.get("torch")
-        if torch is not None and len(tensors) == len(items):
-            try:  # one kernel and one transfer for the whole window
-                return [float(v) for v in torch.stack([t.float().reshape(()) for t in tensors]).tolist()]
-            except (RuntimeError, TypeError, ValueError):  # different devices or shapes: one by one
-                pass
-        return [v if isinstance(v, float) else float(v.float().item()) for v in items]
-
-    def flush(self, source: str) -> None:
-        if not self._kept:
-            return
-        values = self._values()
-        steps = [step for step, _ in self._kept]
-        self._kept, self._bad_float = [], False
-        bad = next((i for i, value in enumerate(values) if not math.isfinite(value)), None)
-        if bad is not None:  # the first non-finite step of the window, with its value
-            self._send(steps[bad], values[bad], False, 1, source)
-        else:
-            self._send(steps[-1], values[-1], True, len(values), source)
-
-    def _send(self, step: int, value: float, finite: bool, n: int, source: str) -> None:
-        message = {"t": "step", "step": step, "loss": value, "finite": finite, "n": n, "source": source}
-        if self.skipped is not None:
-            try:
-                message["skipped"] = int(self.skipped.item())  # read with the losses: no extra sync per step
-            except (RuntimeError, TypeError, ValueError):
-                self.skipped = None
-        sent = self.agent.send(message)
-        if sent and not finite:
-            # The supervisor stops the job on a non-finite loss; wait for it here (bounded) so that the job does
-            # not train on past the bad step while the message travels.
-            self.agent.wait_stop()
-
-
-class Agent:
-    """The agent of one process. Use ``guard.inside.agent.get()``; None means no supervisor."""
-
-    def __init__(self, settings: AgentSettings) -> None:
-        self.settings = settings
-        self.pid = os.getpid()
-        self.dropped = 0
-        self.dead = False
-        self.backward_hook = True  # off once a Trainer or guard.report() provides the losses
-        self._loss_state = threading.local()  # scaled, user_loss: each thread's own (two threads may call backward)
-        #: A process started by ``multiprocessing`` spawn (a DataLoader worker, or a rank of
-        #: ``torch.multiprocessing.spawn``): it connects only once it says something a training rank says (a loss,
-        #: a save), so a DataLoader worker never connects with its parent's RANK; what it would say before waits.
-        self.dormant = False
-        self._held: list[dict[str, Any]] = []
-        self.begun = 0  # steps (or micro-batches) this process has begun: a cheap counter, never sent per step
-        self.checkpoint_request: dict[str, Any] | None = None
-        self.stop_requested = False
-        self.trainer = False  # a Trainer is instrumented: its saves come through its callback, not torch.save
-        self.api_used: set[str] = set()  # guard.should_checkpoint / checkpoint_saved / should_stop calls seen
-        self.served_stop = False  # should_checkpoint() answered True to a request with stop (deadline, signal)
-        self.watch = LossWatch(self, settings.sanity_steps, settings.check_every)
-        self.watch.step = settings.resume_step  # a resumed plain loop counts on from the checkpoint's step
-        self._sock: socket.socket | None = None
-        self._lock = threading.Lock()
-        self._acked = threading.Event()
-        self._closed = threading.Event()
-        from ._dist import DistRelay
-
-        self.relay = DistRelay(self)
-
-    @property
-    def scaled(self) -> tuple[Any, Any] | None:
-        """(``GradScaler.scale``'s result, the loss it scaled) of this thread, until its backward ran."""
-        value: tuple[Any, Any] | None = getattr(self._loss_state, "scaled", None)
-        return value
-
-    @scaled.setter
-    def scaled(self, value: tuple[Any, Any] | None) -> None:
-        self._loss_state.scaled = value
-
-    @property
-    def user_loss(self) -> Any:
-        """The loss this thread gave to accelerate's ``Accelerator.backward``, while that runs; else None."""
-        return getattr(self._loss_state, "user_loss", None)
-
-    @user_loss.setter
-    def user_loss(self, value: Any) -> None:
-        self._loss_state.user_loss = value
-
-    # -- channel ------------------------------------------------------------------------------------------------
-
-    def _connect(self) -> socket.socket | None:
-        if self._sock is not None or self.dead or not self.settings.socket_path:
-            return self._sock
-        try:
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-            sock.settimeout(2.0)
-            sock.connect(self.settings.socket_path)
-            sock.settimeout(None)
-        except OSError as exc:
-            self.dead = True
-            _warn_once(f"cannot reach the supervisor ({exc}); the job runs unwatched by the agent")
-            return None
-        self._sock = sock
-        threading.Thread(target=self._read_commands, name="guard-agent", daemon=True).start()
-        hello = {"t": "hello", "pid": self.pid, "argv": sys.argv[:8], **_rank_info()}
-        self._send_raw(sock, hello)
-        return sock
-
-    def send(self, message: dict[str, Any]) -> bool:
-        """Send one message without blocking; False when it was not sent (no supervisor, full, forked child)."""
-        if self.dead or os.getpid() != self.pid:
-            return False
-        with self._lock:
-            if self.dormant:
-                if message.get("t") in HELD_WHILE_DORMANT:
-                    self._held.append(message)
-                    return True
-                self.dormant = False  # a training rank after all (torch.multiprocessing.spawn)
-            sock = self._connect()
-            if sock is None:
-                return False
-            held, self._held = self._held, []
-            for earlier in held:
-                self._send_raw(sock, earlier)
-            return self._send_raw(sock, message)
-
-    def _send_raw(self, sock: socket.socket, message: dict[str, Any]) -> bool:
-        try:
-            sock.send(protocol.encode(message), socket.MSG_DONTWAIT)
-            return True
-        except BlockingIOError:
-            self.dropped += 1
-        except OSError:
-            self.dead = True
-        return False
-
-    def _read_commands(self) -> None:
-        sock = self._sock
-        while sock is not None:
-            try:
-                data = sock.recv(protocol.MAX_MESSAGE_BYTES)
-            except OSError:
-                data = b""
-            if not data:
-                self.dead = True
-                self._acked.set()
-                self._closed.set()
-                return
-            message = protocol.decode(data)
-            if message is None:
-                continue
-            kind = message["t"]
-            if kind == "ack":
-                self._acked.set()
-            elif kind == "checkpoint":
-                self.checkpoint_request = message
-                self.relay.handled.add((message.get("at_step"), message.get("stop")))
-                self.relay.publish(message)
-            elif kind == "stop":
-                self.stop_requested = True
-            elif kind == "dump":
-                _dump_threads()
-                # How far this rank got: a rank blocked outside a collective has begun fewer steps than the
-                # ranks waiting for it inside one.
-                self.send({"t": "progress", "begun": self.begun, "step": self.watch.step, "where": _main_where()})
-
-    def warn(self, text: str) -> None:
-        """One ``[guard] agent:`` line on stderr, once per text."""
-        _warn_once(text)
-
-    def wait_stop(self, timeout_s: float = 10.0) -> None:
-        """After a non-finite loss: wait (bounded) for the supervisor's SIGTERM, so that the job does not train on.
-
-        Returns early only when the supervisor is gone (the channel closed).
-        """
-        if not self.dead:
-            self._closed.wait(timeout_s)
-
-    def wait_ack(self) -> None:
-        """Wait (bounded) for the supervisor's go-ahead after ``trainer_config``."""
-        if not self.dead:
-            self._acked.wait(self.settings.ack_timeout_s)
-
-    def ask(self, message: dict[str, Any]) -> None:
-        """Send ``message`` and wait (bounded) for its ``ack``: each question waits for its own answer."""
-        if not self.dead:
-            self._acked.clear()
-        if self.send(message):
-            self.wait_ack()
-
-    # -- what the hooks and the public API call -------------------------------------------------------------
-
-    def on_loss(self, loss: Any, step: int | None, source: str) -> None:
-        self.watch.observe(loss, step, source)
-        if self.watch.count % 16 == 1:
-            self._probe_sigterm_handler()
-
-    def _probe_sigterm_handler(self) -> None:
-        """Tell the supervisor (once) that the script installed its own SIGTERM handler: a loop that saves when
-        told, so at a deadline the guard sends it SIGTERM early enough for that save. Probed every 16 steps."""
-        if "sigterm_handler" not in self.api_used and callable(signal.getsignal(signal.SIGTERM)):
-            self.note_api("sigterm_handler")
-
-    def checkpoint_due(self) -> bool:
-        if self.served_stop and not self.trainer:
-            # Asked again after answering a stop request: this rank's part of the save is done (a rank other than
-            # the one that calls checkpoint_saved, e.g. in DDP): end it like the saving rank.
-            self.stop_requested = True
-            self.end_process()
-        self.relay.poll(self.watch.count, self.settings.check_every)
-        request = self.checkpoint_request
-        if request is None:
-            return False
-        at_step = request.get("at_step")
-        due = at_step is None or self.watch.step >= int(at_step)
-        if due and request.get("stop") and not self.trainer:
-            self.served_stop = True
-        return due
-
-    def note_api(self, name: str) -> None:
-        """Tell the supervisor (once per name) that the script uses the guard's API: a script that calls
-        ``should_checkpoint`` can answer a checkpoint request; one that calls ``should_stop`` ends itself."""
-        if name not in self.api_used:
-            self.api_used.add(name)
-            self.send({"t": "api", "name": name})
-
-    def file_saved(self, path: str, save_s: float) -> None:
-        """``torch.save`` wrote ``path`` (complete: the call returned); not reported under a Trainer (its callback
-        reports its saves) nor once the script uses ``should_checkpoint``/``checkpoint_saved`` (it reports them)."""
-        if self.trainer or self.api_used & {"should_checkpoint", "checkpoint_saved"}:
-            return  # the script reports its own checkpoints: a file of one is not a checkpoint yet
-        self.send({"t": "file_saved", "path": os.path.abspath(path), "step": self.watch.step,
-                   "save_s": round(save_s, 3)})
-        self._probe_sigterm_handler()
-
-    def end_process(self) -> None:
-        """After a stop the guard asked for (deadline, signal) and the checkpoint saved: end the process, so that
-        the script's code after training does not run as if training had finished. A script that reads
-        ``guard.should_stop()`` handles the stop itself and is left alone. Raises ``SystemExit(0)``
-        (``finally`` blocks and ``atexit`` handlers still run)."""
-        if "should_stop" in self.api_used or not self.stop_requested:
-            return
-        _warn_once("the guard stopped training (deadline or signal) and the checkpoint is saved: ending the "
-                   "process here (a script that reads guard.should_stop() handles this itself)")
-        self.watch.flush("report")
-        raise SystemExit(0)
-
-    def checkpoint_done(self, path: str, step: int | None, *, save_s: float | None = None, zero: bool = True) -> None:
-        request, self.checkpoint_request = self.checkpoint_request, None
-        if request is not None and request.get("stop"):
-            self.stop_requested = True
-        self.watch.flush("report")
-        self.send({"t": "checkpoint_saved", "path": os.path.abspath(path), "step": step, "save_s": save_s,
-                   "requested": request is not None, "zero": zero})
+def bind(make: Callable[[AgentSettings], Any]) -> None:
+    """Set what ``get()`` makes the agent with (``guard.inside.agent.Agent``, bound when the package loads)."""
+    global _make
+    _make = make
 
 
 def root_cause(exc: BaseException) -> str:
@@ -354,58 +44,6 @@ def root_cause(exc: BaseException) -> str:
         if lines and not lines[-1].startswith(" "):
             return lines[-1].strip()[:500]
     return f"{type(inner).__name__}: {text}"[:500]
-
-
-def _short(filename: str) -> str:
-    for marker in ("site-packages/", "dist-packages/"):
-        if marker in filename:
-            return filename.split(marker, 1)[1]
-    return os.path.basename(filename)
-
-
-def _main_where() -> str | None:
-    """Where the main thread waits, in one line: its innermost frame, the innermost frame of a library (not the
-    standard library) and the script's frame, inner to outer: ``wait (threading.py:331) <- upload
-    (mylib/push.py:12) <- train.py:40``. None when the main thread is not found."""
-    import sysconfig
-    import traceback
-
-    frame = sys._current_frames().get(threading.main_thread().ident or -1)
-    if frame is None:
-        return None
-    stack = traceback.extract_stack(frame)
-    if not stack:
-        return None
-    stdlib = sysconfig.get_paths().get("stdlib", "\0")
-    script = os.path.abspath(sys.argv[0]) if sys.argv and sys.argv[0] else "\0"
-    picked = [stack[-1]]
-    library = next((f for f in reversed(stack) if not f.filename.startswith(stdlib)
-                    and os.path.abspath(f.filename) != script and "guard/inside" not in f.filename), None)
-    if library is not None and library is not stack[-1]:
-        picked.append(library)
-    own = next((f for f in reversed(stack) if os.path.abspath(f.filename) == script), None)
-    parts = [f"{f.name} ({_short(f.filename)}:{f.lineno})" for f in picked if f is not own]
-    if own is not None:
-        parts.append(f"{own.name} ({_short(own.filename)}:{own.lineno})")
-    return " <- ".join(parts)
-
-
-def _dump_threads() -> None:
-    """Write the stacks of every thread of this process to stderr (asked for when the job looks hung)."""
-    import traceback
-
-    names = {t.ident: t.name for t in threading.enumerate()}
-    rank = os.environ.get("RANK")
-    lines = [f"[guard] agent: stacks of pid {os.getpid()}{f' (rank {rank})' if rank else ''}:\n"]
-    for ident, frame in sys._current_frames().items():
-        if names.get(ident) == "guard-agent":
-            continue
-        lines.append(f"  thread {names.get(ident, ident)}:\n")
-        lines.extend("    " + entry for entry in "".join(traceback.format_stack(frame)).splitlines(True))
-    try:
-        os.write(2, "".join(lines).encode("utf-8", "replace"))
-    except OSError:
-        pass
 
 
 _warned: set[str] = set()
@@ -509,15 +147,16 @@ def _flush_at_exit() -> None:
             _warn_once(f"last loss check failed: {exc!r}")
 
 
-def get() -> Agent | None:
-    """The agent of this process, or None when the job runs without a supervisor (every call is a no-op)."""
+def get() -> Any:
+    """The agent of this process (a ``guard.inside.agent.Agent``), or None when the job runs without a supervisor
+    (every call is a no-op) or in a forked child."""
     global _AGENT
     if _AGENT is not None and _AGENT.pid != os.getpid():
         return None  # a forked child (DataLoader worker): silent
     if _AGENT is None:
         settings = agent_settings()
-        if not settings.socket_path:
+        if not settings.socket_path or _make is None:
             return None
-        _AGENT = Agent(settings)
+        _AGENT = _make(settings)
         _AGENT.dormant = multiprocessing_role() == "spawn"
     return _AGENT

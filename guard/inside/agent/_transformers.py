@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 from ... import protocol
 
 if TYPE_CHECKING:
-    from ._core import Agent
+    Agent = Any  # guard.inside.agent.Agent: that package imports this module, so it is not imported here
 
 __all__ = ["patch", "patch_arguments"]
 
