@@ -200,7 +200,7 @@ def bench_step(res: Results, guard: list[str], runs: int, steps: int) -> None:
 
 HOOK_COST = r"""
 import time, torch
-from guard.inside import agent as agent_module
+from guard.inside.agent import _core as agent_module
 from guard.inside.agent import Agent, _torch
 from guard.run.config import AgentSettings
 torch.set_num_threads(1)

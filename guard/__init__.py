@@ -22,6 +22,8 @@ import os
 import sys
 from typing import Any
 
+from .core.version import __version__  # relative: this package may be loaded under a private name
+
 #: The private name the job's ``sitecustomize`` loads this package under (never ``guard``, which a project's own
 #: ``guard.py`` may be); the agent of the process lives in ``PRIVATE_NAME + ".inside.agent"``.
 PRIVATE_NAME = "_jobguard"
@@ -41,7 +43,6 @@ class _LazyAgent:
 
 _agent = _LazyAgent()
 
-__version__ = "0.1.0"
 __all__ = [
     "__version__",
     "checkpoint_saved",

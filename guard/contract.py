@@ -55,7 +55,7 @@ log = logging.getLogger("guard.contract")
 
 
 class TextMasker(Protocol):
-    """What masks the VERDICT line and the report: ``guard.run.masking.Masker``, or an adapter of a function."""
+    """What masks the VERDICT line and the report: ``guard.core.masking.Masker``, or an adapter of a function."""
 
     def mask_text(self, text: str) -> str:
         """``text`` with every secret value replaced."""

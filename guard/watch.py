@@ -48,9 +48,9 @@ from guard.contract import (
     parse_verdict,
     render_line,
 )
+from guard.core.durations import DURATION_FORMS, parse_duration
 from guard.errors import UsageError
 from guard.files import write_atomic
-from guard.run.config import DURATION_FORMS, parse_duration
 
 __all__ = [
     "EXIT_INTERRUPTED",

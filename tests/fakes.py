@@ -119,7 +119,7 @@ class FakeLink:
     """
 
     def __init__(self, *, agents: int = 1, world_size: int = 1, **kwargs: Any) -> None:
-        from guard.run.state import RunState
+        from guard.core.state import RunState
 
         self.agents, self.world_size_seen = agents, world_size
         self.running, self.alive, self.exit_code = True, True, None

@@ -13,7 +13,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from guard.inside import agent as agent_module  # noqa: E402 - after the skips
+from guard.inside.agent import _core as agent_module  # noqa: E402 - after the skips
 from guard.inside.agent import _transformers  # noqa: E402
 
 

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
+from guard.core.state import JobFacts, Outcome, RunState
 from guard.run import diagnose
 from guard.run.cli import build_config
 from guard.run.config import Config
 from guard.run.diagnose import JobExit, cause_hint, incomplete_reason, job_result
 from guard.run.process import CgroupMemory, Survivor
-from guard.run.state import JobFacts, Outcome, RunState
 
 
 def config(*args: str) -> Config:

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from guard.contract import render_line
+from guard.core.masking import Masker
 from guard.run import process as process_module
 from guard.run.cli import build_config
-from guard.run.masking import Masker
 from guard.run.process import EXIT_STATUS_LOST, JobProcess
 from guard.run.supervisor import Supervisor
 

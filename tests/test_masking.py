@@ -1,4 +1,4 @@
-"""Tests for ``guard.run.masking``: which values are secret, their encoded forms, and ``safe_len``."""
+"""Tests for ``guard.core.masking``: which values are secret, their encoded forms, and ``safe_len``."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import urllib.parse
 
 import pytest
 
-from guard.run.masking import MASK, Masker, secret_values
+from guard.core.masking import MASK, Masker, secret_values
 
 HF = "hf_" + "abcdefghijklmnopqrstuvwxyzABCDEFGH"  # 34 letters, as real tokens
 
@@ -152,7 +152,7 @@ def test_a_beginning_that_repeats_inside_the_tail_is_found() -> None:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def test_other_loggers_and_warnings_are_masked(capsys: pytest.CaptureFixture[str]) -> None:
+def test_other_loggers_and_warnings_are_masked(capfd: pytest.CaptureFixture[str]) -> None:
     import logging
     import warnings
 
@@ -176,7 +176,7 @@ def test_other_loggers_and_warnings_are_masked(capsys: pytest.CaptureFixture[str
         logging.captureWarnings(False)
         for handler in [h for h in root.handlers if h not in before]:
             root.removeHandler(handler)
-    err = capsys.readouterr().err
+    err = capfd.readouterr().err
     assert secret not in err
     assert "guard line ***" in err
     assert "retrying https://u:***@host" in err
@@ -185,7 +185,7 @@ def test_other_loggers_and_warnings_are_masked(capsys: pytest.CaptureFixture[str
 
 
 def test_command_line_secrets_follow_secret_named_options() -> None:
-    from guard.run.masking import command_line_secrets
+    from guard.core.masking import command_line_secrets
 
     argv = ["train.py", "--wandb-key", "abcd1234efgh", "--hf_token=tok-5678-abcd", "--api_key", "-x",
             "--tokenizer_name", "gpt2-medium", "--max_tokens", "100000000", "--eos_token", "<|endoftext|>",

@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from guard.run.masking import Masker
+from guard.core.masking import Masker
 from guard.run.output import OutputEvents, StreamFilter, finite, parse_losses
 
 SECRET = "s3cr3t-Value-1234567"

@@ -259,3 +259,78 @@ def test_signal_all_then_sigkill_ends_a_sigterm_ignoring_grandchild(subreaper: N
                 os.waitpid(pid, os.WNOHANG)
             except (ChildProcessError, OSError):
                 pass
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GuardChildren: every child of the guard has an owner
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_the_orphan_reaper_never_steals_a_helpers_exit_status() -> None:
+    # A helper subprocess (a securing worker, py-spy) exits with 7 while the loop reaps orphans twice: its owner
+    # still reads 7 (a stolen status reads as 0 in subprocess, "ECHILD: assume it exited 0").
+    from guard.core.children import HELPER, GuardChildren
+
+    children = GuardChildren()
+    job = JobProcess([sys.executable, "-c", "import time; time.sleep(600)"], os.environ, children=children)
+    job.start()
+    helper = subprocess.Popen([sys.executable, "-c", "raise SystemExit(7)"])
+    children.add(helper.pid, HELPER)
+    try:
+        wait_for(lambda: Path(f"/proc/{helper.pid}/stat").read_text().split(")")[-1].split()[0] == "Z",
+                 "the helper's zombie")
+        job.reap_orphans()
+        job.reap_orphans()  # seen twice as a zombie: an unowned one would be reaped now
+        assert job.reaped == 0
+        assert all(p.pid != helper.pid for p in job.descendants())  # never the job's
+        assert helper.wait(timeout=10) == 7
+    finally:
+        os.killpg(job.pid, signal.SIGKILL)
+        finish(job)
+    assert children.owner(job.pid) is None  # the job's entry went with its reap
+
+
+def test_a_reaped_helpers_pid_is_the_jobs_again() -> None:
+    # HELPER_PIDS only grew: once the kernel reused a finished worker's pid for a process of the job, that process
+    # was invisible (never signalled, never waited for). An owner's entry goes with its reap.
+    from guard.core.children import WORKER, GuardChildren
+
+    children = GuardChildren()
+    job = JobProcess([sys.executable, "-c", JOB, GRANDCHILD, "/dev/null", "same_group"], os.environ,
+                     children=children)
+    job.start()
+    try:
+        wait_for(lambda: any(p.pid != job.pid for p in job.descendants()), "the job's child")
+        child = next(p.pid for p in job.descendants() if p.pid != job.pid)
+        children.add(child, WORKER)  # as if a worker had had this pid
+        assert all(p.pid != child for p in job.descendants())
+        children.discard(child)  # the worker was reaped: the pid is free for anyone
+        assert any(p.pid == child for p in job.descendants())
+        assert children.not_jobs() == frozenset()
+    finally:
+        job.signal_all(signal.SIGKILL)
+        finish(job)
+
+
+def test_children_run_registers_the_child_while_it_runs(tmp_path: Path) -> None:
+    from guard.core.children import HELPER, GuardChildren
+
+    children = GuardChildren()
+    seen: list[str | None] = []
+    marker = tmp_path / "pid"
+    code = (f"import os, time; open({str(marker)!r} + '.tmp', 'w').write(str(os.getpid())); "
+            f"os.rename({str(marker)!r} + '.tmp', {str(marker)!r}); time.sleep(0.5)")
+    import threading
+
+    def watch() -> None:
+        wait_for(marker.exists, "the helper's pid")
+        time.sleep(0.05)
+        seen.append(children.owner(int(marker.read_text() or 0)))
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    done = children.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    watcher.join(timeout=30)
+    assert done.returncode == 0
+    assert seen == [HELPER]
+    assert children.pids() == frozenset()

@@ -20,8 +20,8 @@ import pytest
 
 import guard
 from guard import protocol
-from guard.inside import agent as agent_module
 from guard.inside.agent import Agent, LossWatch
+from guard.inside.agent import _core as agent_module
 from guard.inside.settings import AgentSettings
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ import pytest
 from fakes import FakeClock, FakeLink, FakePusher
 
 from guard.contract import RunResult
-from guard.run.state import Outcome
+from guard.core.state import Outcome
 from guard.secure.budget import Deadline, MarginEstimator
 from guard.secure.securing import Securing
 

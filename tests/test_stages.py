@@ -16,13 +16,13 @@ import pytest
 
 from guard import protocol
 from guard.contract import RunResult
+from guard.core.masking import Masker
 from guard.errors import PreflightError
 from guard.preflight import CheckResult
 from guard.run import stages
 from guard.run import supervisor as supervisor_module
 from guard.run.cli import build_config
 from guard.run.config import Config
-from guard.run.masking import Masker
 
 
 class RecordingSupervisor:

@@ -21,9 +21,9 @@ from fakes import FakeClock, FakePusher
 
 from guard import protocol
 from guard.contract import RunResult
+from guard.core.masking import Masker
 from guard.run import supervisor as supervisor_module
 from guard.run.cli import build_config
-from guard.run.masking import Masker
 from guard.run.supervisor import Supervisor
 
 WAIT_S = 30.0  # a bound on how long the loop may take to react (the loop wakes at least once a second)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from guard.contract import RunResult, render_line, report_dict, signal_name, write_report
-from guard.run.masking import Masker
+from guard.core.masking import Masker
 
 
 def fields(line: str) -> tuple[str, dict[str, str], list[str]]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from guard.run.state import Outcome, RunState
+from guard.core.state import Outcome, RunState
 from guard.run.watchdog import NAN_SETTLE_S, STACKS_WAIT_S, Decision, Watchdog
 
 
@@ -242,7 +242,7 @@ def test_the_settings_check_fails_once_and_logs_each_row_once(caplog: Any) -> No
 
 
 def test_the_node_rank_from_the_environment_or_the_launcher() -> None:
-    from guard.run.state import configured_node_rank
+    from guard.run.ranks import configured_node_rank
 
     assert configured_node_rank({"SLURM_NODEID": "2"}, ["python", "train.py"]) == 2
     assert configured_node_rank({}, ["torchrun", "--nnodes", "2", "--node-rank", "1", "train.py"]) == 1

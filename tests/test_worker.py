@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from conftest import pid_alive
 
+from guard.core.children import CHILDREN
 from guard.secure import worker
 
 
@@ -97,7 +98,7 @@ def test_kill_ends_the_whole_worker_at_once(tmp_path: Path, silent_endpoint: str
     assert handle.poll() is None
     result = handle.kill("killed")
     assert result.killed and not result.ok and result.error_type == "killed"
-    assert not pid_alive(handle.pid)
+    assert _reaped(handle) and not pid_alive(handle.pid)
     assert handle.poll() is result
 
 
@@ -118,6 +119,115 @@ def test_run_bounded_returns_when_the_abort_flag_is_set(tmp_path: Path, silent_e
                                 destination="alice/hung", token="hf_test")
     assert result.error_type == "killed" and not result.ok
     assert time.monotonic() - started < 10.0
+
+
+def _reaped(handle: worker.Handle, limit_s: float = 10.0) -> bool:
+    """Poll a killed handle until its child was reaped (``poll`` reaps it; it never waits)."""
+    end = time.monotonic() + limit_s
+    while not handle.reaped and time.monotonic() < end:
+        handle.poll()
+        time.sleep(0.02)
+    return handle.reaped
+
+
+HELD_AT_START = """\
+import os, time
+if os.environ.get("HOLD_RELEASE"):
+    open(os.environ["HOLD_STARTED"], "w").close()
+    while not os.path.exists(os.environ["HOLD_RELEASE"]):
+        time.sleep(0.02)
+"""
+
+
+def _held_environ(tmp_path: Path) -> tuple[dict[str, str], Path, Path]:
+    """An environment whose Python children wait at start-up (a ``sitecustomize``) until ``release`` exists: a
+    worker that does not read its request yet (a loaded machine, a slow filesystem under its imports)."""
+    import os
+
+    site = tmp_path / "held_site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(HELD_AT_START)
+    started, release = tmp_path / "child-started", tmp_path / "release"
+    environ = dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]),
+                   HOLD_STARTED=str(started), HOLD_RELEASE=str(release))
+    return environ, started, release
+
+
+def test_a_request_over_a_pipe_buffer_does_not_wait_for_the_child(tmp_path: Path) -> None:
+    # A sharded checkpoint (FSDP/DeepSpeed): 2000 files, a request of ~120 KiB, over a pipe's 64 KiB. start()
+    # returns while the child has not read anything yet; the child then gets the whole request.
+    import threading
+
+    ckpt = tmp_path / "out" / "checkpoint-9"
+    names = [f"pytorch_model_fsdp_0/__{i // 100}_{i % 100}.shard-{i:05d}-of-02000.distcp" for i in range(2000)]
+    for name in names:
+        (ckpt / name).parent.mkdir(parents=True, exist_ok=True)
+        (ckpt / name).write_bytes(b"s" * 16)
+    (ckpt / "trainer_state.json").write_text(json.dumps({"global_step": 9}))
+    files = [*names, "trainer_state.json"]
+    assert len(json.dumps(files)) > 1 << 16
+    environ, child_started, release = _held_environ(tmp_path)
+    handles: list[worker.Handle] = []
+    starter = threading.Thread(target=lambda: handles.append(worker.start(
+        "push_checkpoint", {"local_dir": str(ckpt), "step": 9, "files": files}, time.monotonic() + 120,
+        destination=str(tmp_path / "dest"), environ=environ)), daemon=True)
+    starter.start()
+    starter.join(timeout=30)
+    returned = bool(handles)
+    release.touch()  # let the child go on either way (the old code waits for it to read the request)
+    starter.join(timeout=30)
+    assert returned, "start() waited for the worker to read a request larger than a pipe's buffer"
+    assert child_started.exists() or not handles[0].reaped
+    result = wait(handles[0], 120)
+    assert result.ok, result.error
+    assert len(result.files) == 2001 and result.step == 9
+
+
+def test_kill_never_waits_for_the_child_and_poll_reaps_it_later(tmp_path: Path) -> None:
+    import signal
+
+    environ, child_started, release = _held_environ(tmp_path)
+    handle = worker.start("peek_last_checkpoint", {}, time.monotonic() + 600, destination=str(tmp_path / "dest"),
+                          environ=environ)
+    try:
+        end = time.monotonic() + 60
+        while not child_started.exists() and time.monotonic() < end:
+            time.sleep(0.02)
+
+        def no_wait(timeout: float | None = None) -> int:
+            raise AssertionError("kill() waited for the worker to die")
+
+        handle.proc.wait = no_wait  # type: ignore[method-assign]
+        result = handle.kill("deadline")
+        assert result.error_type == "deadline" and not result.ok
+        assert _reaped(handle), "poll() did not reap the killed worker"
+        assert handle.proc.returncode == -signal.SIGKILL
+        assert worker.reap_killed() == 0 and CHILDREN.owner(handle.pid) is None
+        assert handle.request_dir is None  # the request's folder is gone with the child
+    finally:
+        release.touch()
+
+
+def test_the_request_file_is_private_and_the_token_is_not_in_it(tmp_path: Path) -> None:
+    import os
+    import stat
+
+    environ, _started, release = _held_environ(tmp_path)
+    handle = worker.start("peek_last_checkpoint", {}, time.monotonic() + 600, destination=str(tmp_path / "dest"),
+                          token="hf_secret_token_value", environ=environ)
+    try:
+        assert handle.request_dir is not None
+        request = Path(handle.request_dir) / "request.json"
+        assert stat.S_IMODE(os.stat(handle.request_dir).st_mode) == 0o700
+        assert stat.S_IMODE(request.stat().st_mode) == 0o600
+        assert "hf_secret_token_value" not in request.read_text()
+        release.touch()
+        result = wait(handle)
+        assert result.ok and result.data is None  # nothing secured there yet
+        assert not request.exists()
+    finally:
+        release.touch()
+        handle.kill()
 
 
 def test_unknown_operation_is_refused() -> None:

@@ -1,4 +1,4 @@
-"""``guard.run.writer`` and ``guard.run.helpers``: the loop never waits for a paused reader nor for a helper call."""
+"""``guard.run.writer`` and ``guard.core.helpers``: the loop never waits for a paused reader nor for a helper call."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 from conftest import kill_quietly, start_guard
 
-from guard.run.helpers import Helpers, Wakeup
+from guard.core.helpers import Helpers, Wakeup
 from guard.run.writer import OutputWriter
 
 
@@ -132,6 +132,123 @@ def test_a_paused_reader_does_not_delay_signals(tmp_path: Path) -> None:
         kill_quietly(proc)
     verdict = [line for line in out.splitlines() if line.startswith("VERDICT:")]
     assert verdict and verdict[-1].startswith("VERDICT: INTERRUPTED reason=signal"), err[-2000:]
+
+
+FLOODS_BOTH = """\
+import os, signal, sys, time
+def on_term(signum, frame):
+    with open({marker!r}, "w") as f:
+        f.write(repr(time.time()))
+    os._exit(143)
+signal.signal(signal.SIGTERM, on_term)
+open({ready!r}, "w").close()
+line = "y" * 1023 + "\\n"
+while True:
+    sys.stderr.write(line)
+    sys.stdout.write(line)
+"""
+
+
+def _flooding_job(tmp_path: Path) -> tuple[Path, Path, Path]:
+    ready, marker = tmp_path / "ready", tmp_path / "got-sigterm"
+    script = tmp_path / "job.py"
+    script.write_text(FLOODS_BOTH.format(marker=str(marker), ready=str(ready)))
+    return script, ready, marker
+
+
+def _wait_for(path: Path, limit_s: float) -> bool:
+    deadline = time.monotonic() + limit_s
+    while not path.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return path.exists()
+
+
+def test_a_stderr_nobody_reads_delays_neither_the_deadline_nor_the_verdict(tmp_path: Path) -> None:
+    # python -m guard train.py 2> a stuck log shipper: the guard's stderr pipe is full from the start (the job floods
+    # it) and nobody ever reads it. The guard's own log lines must not block the loop: the deadline stops the job,
+    # and the VERDICT comes on stdout (read all along), with the log lines it had to drop counted.
+    script, ready, marker = _flooding_job(tmp_path)
+    import subprocess
+
+    from conftest import guard_env
+
+    proc = subprocess.Popen([sys.executable, "-m", "guard", "--no-preflight", "--timeout", "8s", "--margin", "2s",
+                             "--grace", "3s", str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env=guard_env({"GUARD_LOG_LEVEL": "DEBUG"}), start_new_session=True)
+    lines: list[bytes] = []
+    started = time.monotonic()
+    assert proc.stdout is not None
+
+    def read_stdout() -> None:
+        assert proc.stdout is not None
+        for raw in proc.stdout:
+            if raw.startswith(b"VERDICT:"):
+                lines.append(raw)
+
+    reader = threading.Thread(target=read_stdout, daemon=True)
+    reader.start()
+    try:
+        assert _wait_for(ready, 60)
+        reader.join(timeout=8 + 3 + 40)  # the budget, the grace, and room for a loaded machine
+        elapsed_s = time.monotonic() - started
+        assert lines, f"no VERDICT {elapsed_s:.0f}s after an 8s budget while stderr was not read"
+        assert marker.exists(), "the deadline's SIGTERM never reached the job"
+    finally:
+        kill_quietly(proc)
+    verdict = lines[-1].decode()
+    assert verdict.startswith("VERDICT: TIMEOUT reason=deadline"), verdict
+    assert "log_lines_dropped=" in verdict, verdict
+
+
+def test_both_streams_paused_delay_no_signal(tmp_path: Path) -> None:
+    # Neither stdout nor stderr is read (a reader stopped with SIGSTOP, a full pipe to a container runtime): a
+    # SIGTERM to the guard reaches the job at once, and the VERDICT follows once the reader reads again.
+    script, ready, marker = _flooding_job(tmp_path)
+    proc = start_guard(["--no-preflight", "--grace", "5s", str(script)], env={"GUARD_LOG_LEVEL": "DEBUG"})
+    try:
+        assert _wait_for(ready, 60)
+        time.sleep(2.0)  # both pipes to us and the guard's buffers fill up
+        sent = time.time()
+        proc.send_signal(signal.SIGTERM)
+        assert _wait_for(marker, 15), "the job did not get the SIGTERM while both of the guard's readers paused"
+        assert float(marker.read_text()) - sent < 10
+        out, err = proc.communicate(timeout=60)
+    finally:
+        kill_quietly(proc)
+    verdict = [line for line in out.splitlines() if line.startswith("VERDICT:")]
+    assert verdict and verdict[-1].startswith("VERDICT: INTERRUPTED reason=signal"), err[-2000:]
+
+
+def test_the_log_sink_drops_and_counts_what_a_paused_reader_cannot_take() -> None:
+    import logging
+
+    from guard.run.writer import LogSink, writer_for
+
+    r, w = os.pipe()
+    try:
+        sink = LogSink(w)
+        writer_for(w).limit_bytes = 1 << 16
+        logger = logging.getLogger("guard.test.sink")
+        logger.addHandler(sink)
+        logger.propagate = False
+        try:
+            for i in range(5000):
+                logger.warning("line %d %s", i, "z" * 200)  # returns at once: nobody reads
+            assert sink.dropped > 0
+            got = b""
+            while writer_for(w).buffered_bytes or not got:
+                writer_for(w).pump()
+                got += os.read(r, 1 << 20)
+            logger.warning("after")
+            got += os.read(r, 1 << 20)
+        finally:
+            logger.removeHandler(sink)
+        assert f"{sink.dropped} log lines dropped".encode() in got
+        assert got.endswith(b"after\n")
+        assert got.startswith(b"line 0 ")  # what was taken stays in order
+    finally:
+        os.close(r)
+        os.close(w)
 
 
 if sys.platform != "linux":  # pragma: no cover

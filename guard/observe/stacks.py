@@ -13,7 +13,8 @@ import shutil
 import subprocess
 from typing import Any
 
-from guard.run.masking import Masker
+from guard.core.children import CHILDREN
+from guard.core.masking import Masker
 
 __all__ = ["dump_stacks"]
 
@@ -23,8 +24,9 @@ PY_SPY_TIMEOUT_S = 5.0
 MAX_PROCESSES = 8
 
 
-def dump_stacks(job: Any, masker: Masker, *, runner: Any = subprocess.run) -> int:
-    """Log ``py-spy dump`` of up to 8 processes of the job's tree; returns how many were dumped."""
+def dump_stacks(job: Any, masker: Masker, *, runner: Any = CHILDREN.run) -> int:
+    """Log ``py-spy dump`` of up to 8 processes of the job's tree; returns how many were dumped. Each ``py-spy`` is
+    run through ``runner`` (default ``CHILDREN.run``: registered as the helper thread's child while it runs)."""
     py_spy = shutil.which("py-spy")
     if py_spy is None:
         log.info("stacks: asked the agents to print theirs (install py-spy for native frames too)")

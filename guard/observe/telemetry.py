@@ -31,14 +31,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from guard.run.config import format_duration_s
-from guard.run.process import CgroupMemory
+from guard.core.cgroup import CgroupMemory
+from guard.core.durations import format_duration_s
 
 if TYPE_CHECKING:
     from guard.contract import RunResult
+    from guard.core.helpers import Helpers, Pending
+    from guard.core.masking import Masker
     from guard.observe.alerts import Alerts
-    from guard.run.helpers import Helpers, Pending
-    from guard.run.masking import Masker
 
 __all__ = ["GpuSample", "GpuSampler", "Heartbeat", "Progress", "Snapshot", "StepRate", "Tracker", "fmt_duration"]
 
@@ -324,7 +324,7 @@ class Heartbeat:
             ``alert(title, text, level, step)``), or None.
         window_s: the step-rate window (seconds). min_span_s: the rate counts for the projection once its window
             covers this long (so the first slow steps do not cry wolf); default 60.
-        helpers: a ``guard.run.helpers.Helpers`` that reads the GPUs (NVML) on its worker thread, so that
+        helpers: a ``guard.core.helpers.Helpers`` that reads the GPUs (NVML) on its worker thread, so that
             ``tick`` never waits for NVML: when a beat is due it starts the read and returns None; the line comes
             once the read finished (``due_at`` says when to look again), or after ``GPU_WAIT_S`` without GPU
             figures. None (default): NVML is read inside ``tick``.

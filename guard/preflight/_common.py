@@ -136,7 +136,7 @@ def hf_token(environ: Mapping[str, str]) -> tuple[str | None, str]:
 
 
 def fmt_bytes(size_bytes: float) -> str:
-    """``12_300_000_000`` -> ``"12.3 GB"`` (powers of 1000, as ``guard.run.config.parse_size`` reads ``GB``)."""
+    """``12_300_000_000`` -> ``"12.3 GB"`` (powers of 1000, as ``guard.core.durations.parse_size`` reads ``GB``)."""
     value = float(size_bytes)
     for unit in ("B", "kB", "MB", "GB", "TB"):
         if abs(value) < 1000 or unit == "TB":

@@ -125,8 +125,8 @@ def read_hf_jobs(source: str, *, path: Path) -> HfJobsTable | None:
         broken); else the table, with ``error`` set (naming ``path`` and the line) when it is malformed: not a
         table, an unknown key, a value of the wrong type, a timeout that is not a duration.
     """
+    from guard.core.durations import parse_duration
     from guard.errors import UsageError
-    from guard.run.config import parse_duration
 
     text = source.replace("\r\n", "\n").replace("\r", "\n")
     blocks = [m for m in PEP723_REGEX.finditer(text) if m.group("type") == "script"]

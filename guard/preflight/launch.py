@@ -30,10 +30,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from guard.core.durations import format_duration_s
 from guard.preflight._common import one_line
 from guard.preflight._models import CheckResult, GpuInfo
 from guard.preflight.misc import gpu_fit_rows, master_rows
-from guard.run.config import format_duration_s
 
 __all__ = ["SMOKE_SCRIPT", "LaunchCommand", "check_launch", "parse_launch", "run_launch_smoke", "smoke_wanted"]
 

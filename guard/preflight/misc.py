@@ -16,6 +16,7 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from importlib import metadata
 
+from guard.core.durations import format_duration_s
 from guard.preflight._common import (
     NoAnswer,
     call_bounded,
@@ -25,7 +26,6 @@ from guard.preflight._common import (
 from guard.preflight._job import JobView
 from guard.preflight._models import CheckResult, PreflightOptions
 from guard.preflight.gpu import GpuInfo
-from guard.run.config import format_duration_s
 
 __all__ = ["EXPECTED_FACTOR", "check_budget", "check_distributed", "check_optional_imports", "check_tracking"]
 

@@ -22,13 +22,14 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from guard import __version__
 from guard.contract import EXIT_GUARD_ERROR, RunResult, render_line, signal_name, write_report
+from guard.core.masking import Masker, MaskingFilter, command_line_secrets, secret_values
+from guard.core.version import __version__
 from guard.errors import GuardError, PreflightError, UsageError
 from guard.run.config import OPTIONS, Config, debug_enabled, env_name, log_level, resolve, webhook_secrets
-from guard.run.masking import Masker, MaskingFilter, command_line_secrets, secret_values
 from guard.run.output import LINES
 from guard.run.platform import detect
+from guard.run.writer import LogSink
 
 __all__ = ["build_config", "main"]
 
@@ -201,7 +202,7 @@ def _setup_logging(masker: Masker, environ: Mapping[str, str]) -> None:
     logger = logging.getLogger("guard")
     for handler in list(logger.handlers):
         logger.removeHandler(handler)
-    handler = logging.StreamHandler(sys.stderr)
+    handler = LogSink(2, prefix=LINES.line_break)  # never blocks: a paused stderr drops (and counts) lines
     handler.setFormatter(_MaskingFormatter(masker))
     handler.addFilter(MaskingFilter(masker))
     logger.addHandler(handler)
@@ -211,7 +212,7 @@ def _setup_logging(masker: Masker, environ: Mapping[str, str]) -> None:
     root = logging.getLogger()
     for old in [h for h in root.handlers if getattr(h, "guard_masked", False)]:
         root.removeHandler(old)
-    other = logging.StreamHandler(sys.stderr)
+    other = LogSink(2, prefix=LINES.line_break)
     other.guard_masked = True  # type: ignore[attr-defined]
     other.setFormatter(_MaskingFormatter(masker, "[guard] %(name)s: %(levelname)s: %(message)s"))
     other.addFilter(MaskingFilter(masker))
@@ -244,7 +245,22 @@ def _log_config(config: Config) -> None:
         f"[guard]   {flag:<{width}}  {value}  ({source})" for flag, value, source in rows))
 
 
+#: Before the VERDICT, how long the guard waits for a paused stderr to take its buffered log lines (seconds).
+LOG_DRAIN_S = 1.0
+
+
+def _log_lines_dropped() -> int:
+    """Drain the guard's log sinks (up to ``LOG_DRAIN_S``); how many log lines never got out."""
+    sinks = [h for h in (*logging.getLogger("guard").handlers, *logging.getLogger().handlers) if isinstance(h, LogSink)]
+    if sinks:
+        sinks[0].drain(LOG_DRAIN_S)
+    return sum(sink.dropped for sink in sinks)
+
+
 def _emit_verdict(result: RunResult, masker: Masker, report: str | None) -> int:
+    dropped = _log_lines_dropped()
+    if dropped:
+        result.extra.setdefault("log_lines_dropped", dropped)
     if report:
         try:
             write_report(report, result, masker)

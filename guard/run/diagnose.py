@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from guard.contract import EXIT_GUARD_ERROR, EXIT_INCOMPLETE, RunResult, signal_name
+from guard.core.state import JobFacts, RunState, died_after_training, incomplete_reason
 from guard.run.config import Config, guard_options_in
 from guard.run.output import add_worker_deaths
 from guard.run.process import CgroupMemory, Survivor, cgroup_memory
-from guard.run.state import JobFacts, Progress, RunState
 
 if TYPE_CHECKING:
     from guard.secure.securing import Securing
@@ -179,6 +179,12 @@ def _size(size_bytes: float) -> str:
     return f"{int(size_bytes)} bytes"
 
 
+def _holds_final_model(folder: str | None) -> bool:
+    from guard.secure.hub import holds_final_model  # lazily: huggingface_hub only when needed
+
+    return holds_final_model(folder)
+
+
 def _trainer_output(facts: JobFacts) -> str | None:
     folder = (facts.trainer_config or {}).get("output_dir")
     return str(folder) if folder else None
@@ -218,76 +224,6 @@ def cause_hint(facts: JobFacts, code: int, *, output_folder: str | None = None) 
         return f"the job exited with code {code} after {last}: fix the error its traceback shows in the log and rerun"
     return (f"the job exited with code {code} without a Python traceback (sys.exit, or a program that is not "
             "Python): its last output lines say why")
-
-
-def _empty_loader_text(facts: JobFacts) -> str:
-    empty = facts.empty_loader
-    if empty is None:
-        return ""
-    samples, batch, drop = empty.get("samples"), empty.get("batch_size"), empty.get("drop_last")
-    why = (f"{samples} sample(s) with batch_size={batch} and drop_last=True" if drop and samples
-           else f"{samples if samples is not None else 'an unknown number of'} sample(s)")
-    return f"; a DataLoader yielded no batch ({why})"
-
-
-def incomplete_reason(facts: JobFacts, progress: Progress | None = None) -> str | None:
-    """Why an exit 0 is not a finished run (the hint), or None: ``Trainer.train()`` raised and the script went on,
-    training ended before ``max_steps`` with no stop asked for (a callback's ``should_training_stop``, the
-    guard's own request), or the job entered training (built an optimizer) and completed no step at all (no loss,
-    no optimizer step: an empty DataLoader).
-
-    Args:
-        facts: what the job said about itself.
-        progress: the run's progress (the steps counted); None skips the zero-step check.
-    """
-    error, end = facts.train_error, facts.train_end
-    if (progress is not None and progress.step is None and not progress.sanity and end is None and error is None
-            and "optimizer" in facts.train_intent and "optimizer_step" not in facts.train_intent):
-        optimizer = facts.train_intent["optimizer"]
-        named = f" ({optimizer})" if isinstance(optimizer, str) else ""
-        return (f"the job built an optimizer{named} but completed no training step (no .backward(), no optimizer "
-                f"step){_empty_loader_text(facts)}, then exited 0: check the dataset's path, split and filters, and "
-                "that it holds at least batch_size samples (drop_last=True drops a short last batch)")
-    if error is not None:
-        what = error.get("root") or f"{error.get('exc_type')}: {error.get('message')}"
-        where = f" at step {error.get('step')} of {error.get('max_steps')}" if error.get("step") is not None else ""
-        return (f"Trainer.train() raised {what}{where}, and the script caught it and exited 0: fix that error "
-                "(or let it propagate, so that the run fails visibly)")
-    if end is not None and not end.get("stopped"):
-        step, max_steps = end.get("step"), end.get("max_steps")
-        if isinstance(step, int) and isinstance(max_steps, int) and max_steps > 0 and step < max_steps:
-            return (f"training ended at step {step} of {max_steps} with no stop asked for (no callback set "
-                    "should_training_stop): check that the dataset yields enough batches for max_steps")
-    return None
-
-
-def died_after_training(facts: JobFacts, code: int | None, output_folder: str | None = None) -> str | None:
-    """The signal a job died of after its training had completed, or None: ``Trainer.train()`` returned at its
-    last step (``max_steps``), a save of that last step was seen (a checkpoint reported at
-    that step, or final model files in ``output_folder``), and then the job was killed by a signal (a C++ watchdog's
-    SIGABRT, a segfault in a library's teardown), or a shell reported one (exit 128 + n). Such a run is a ``PASS``
-    with a ``warning=``, and gets its final push.
-
-    Args:
-        facts: what the job said about itself.
-        code: the job's exit code (negative: the signal), or None.
-        output_folder: where the final model would be (the Trainer's ``output_dir``).
-    """
-    if code is None or code == 0:
-        return None
-    signum = -code if code < 0 else code - 128 if 128 < code < 128 + 65 else None
-    end = facts.train_end
-    if signum is None or end is None:  # "stopped" is set at max_steps too (DefaultFlowCallback): not read here
-        return None
-    step, max_steps = end.get("step"), end.get("max_steps")
-    if not (isinstance(step, int) and isinstance(max_steps, int) and 0 < max_steps <= step):
-        return None
-    saved = any(c.get("step") == step for c in facts.checkpoints)
-    if not saved and output_folder and os.path.isdir(output_folder):
-        from guard.secure.hub import final_model_files
-
-        saved = bool(final_model_files(output_folder))
-    return signal_name(signum) if saved else None
 
 
 def job_result(state: RunState, ended: JobExit, config: Config, *, securer: Securing | None = None) -> RunResult:
@@ -337,7 +273,7 @@ def job_result(state: RunState, ended: JobExit, config: Config, *, securer: Secu
         result = RunResult("FAIL", "guard_error", EXIT_GUARD_ERROR, elapsed_s, extra={"job_exit": "unknown"}, hint=(
             "the job's exit status was lost (another process reaped it), so whether it succeeded is unknown: "
             "check its output above"))
-    elif (died := died_after_training(facts, code, _trainer_output(facts))) is not None:
+    elif (died := died_after_training(facts, code, lambda: _holds_final_model(_trainer_output(facts)))) is not None:
         end = facts.train_end or {}
         said = f"; its last stderr line: {facts.last_stderr_line}" if facts.last_stderr_line else ""
         warning = (f"the job died of {died} at teardown, after training completed ({end.get('step')} of "

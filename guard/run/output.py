@@ -21,7 +21,7 @@ import os
 import re
 from dataclasses import dataclass, field
 
-from guard.run.masking import Masker
+from guard.core.masking import Masker
 
 __all__ = ["JOB_VERDICT_PREFIX", "LINES", "LineState", "OutputEvents", "StreamFilter", "parse_losses"]
 

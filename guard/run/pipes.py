@@ -12,15 +12,18 @@ import os
 import selectors
 from typing import Literal
 
-from guard.run.masking import Masker
+from guard.core.masking import Masker
 from guard.run.output import LINES, OutputEvents, StreamFilter
-from guard.run.writer import OutputWriter
+from guard.run.writer import OutputWriter, pump_all, writer_for
 
 __all__ = ["PARTIAL_FLUSH_S", "JobOutput"]
 
 PARTIAL_FLUSH_S = 0.1  # an unfinished line is written after this long without a newline
 READ_BYTES = 1 << 16
 PIPE = "pipe"  # the selector data of the job's pipes
+#: At the end, how long the guard waits for a paused reader of its stderr (seconds); its stdout, which the VERDICT
+#: follows, is waited for as long as it takes (and so is stderr when it is the same file, ``2>&1``).
+DRAIN_STDERR_S = 2.0
 
 
 def _grow_pipe(fd: int, size_bytes: int = 1 << 20) -> None:
@@ -112,7 +115,7 @@ class JobOutput:
         LINES.wrote(fd, data)
         writer = self.writers.get(fd)
         if writer is None:
-            writer = self.writers[fd] = OutputWriter(fd)
+            writer = self.writers[fd] = writer_for(fd)  # shared with the guard's log lines on that descriptor
         writer.write(data)
         if writer.broken and fd == self.out_fd:
             self._closed_out = True
@@ -120,12 +123,8 @@ class JobOutput:
     def pump(self) -> bool:
         """Write what the guard's outputs take now; stop reading the job's pipes while a buffer is full, read
         them again once it drained. True while something is still buffered."""
-        pending = False
-        full = False
-        for writer in self.writers.values():
-            if not writer.pump():
-                pending = True
-            full |= writer.full
+        pending = pump_all()  # the guard's log lines too
+        full = any(writer.full for writer in self.writers.values())
         if full and not self._paused:
             self._paused = [key.fd for key in self._sel.get_map().values() if key.data == PIPE]
             for fd in self._paused:
@@ -142,9 +141,15 @@ class JobOutput:
             self.write(self.targets[fd], flt.close())
 
     def drain(self) -> None:
-        """Wait for the readers to take what is buffered (the VERDICT comes after this output)."""
-        for writer in self.writers.values():
-            writer.close()
+        """Wait for the readers to take what is buffered (the VERDICT comes after this output): the guard's stdout
+        (and what shares its file) as long as it takes, any other target up to ``DRAIN_STDERR_S``."""
+        try:
+            out = os.fstat(self.out_fd)
+            out_id = (out.st_dev, out.st_ino)
+        except OSError:
+            out_id = None
+        for fd, writer in self.writers.items():
+            writer.close(None if fd == self.out_fd or writer.identity == out_id else DRAIN_STDERR_S)
 
     def close(self) -> None:
         """Put the outputs' flags back (what is left was written by ``finish``)."""

@@ -5,11 +5,6 @@ marks itself a *child subreaper* (Linux ``prctl(PR_SET_CHILD_SUBREAPER)``), so p
 even ones that called ``setsid()``, are re-parented to the guard instead of PID 1: ``psutil`` then finds them
 as the guard's descendants, and they can be reaped and killed. As PID 1 of a container the guard is the
 reaper anyway.
-
-Memory facts (for telling an out-of-memory kill from another SIGKILL): cgroup v2 ``memory.max`` /
-``memory.current`` / ``memory.events`` (``oom_kill`` counter), or cgroup v1 ``memory.limit_in_bytes`` /
-``memory.usage_in_bytes`` / ``memory.oom_control`` (kernel docs ``admin-guide/cgroup-v2.rst``,
-``cgroup-v1/memory.rst``); ``psutil.virtual_memory()`` would give the host's, not the container's.
 """
 
 from __future__ import annotations
@@ -22,10 +17,12 @@ import subprocess
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import psutil
+
+from guard.core.cgroup import CgroupMemory, cgroup_memory
+from guard.core.children import CHILDREN, JOB, GuardChildren
 
 __all__ = ["EXIT_STATUS_LOST", "KILL_WAIT_S", "CgroupMemory", "JobProcess", "Survivor", "cgroup_memory",
            "set_subreaper"]
@@ -66,72 +63,6 @@ def set_subreaper() -> bool:
         return False
 
 
-@dataclass(frozen=True)
-class CgroupMemory:
-    """The job's cgroup memory: ``limit_bytes`` (None: unlimited/unknown), ``current_bytes``, ``oom_kills``."""
-
-    limit_bytes: int | None
-    current_bytes: int | None
-    oom_kills: int
-
-
-def _read_int(path: Path) -> int | None:
-    try:
-        text = path.read_text().strip()
-    except OSError:
-        return None
-    if not text or text == "max":
-        return None
-    try:
-        return int(text)
-    except ValueError:
-        return None
-
-
-def _oom_kills(path: Path) -> int:
-    """The ``oom_kill`` counter of a cgroup's ``memory.events`` (v2) or ``memory.oom_control`` (v1); 0 if absent."""
-    try:
-        for line in path.read_text().splitlines():
-            key, _, value = line.partition(" ")
-            if key == "oom_kill":
-                return int(value)
-    except (OSError, ValueError):
-        pass
-    return 0
-
-
-def cgroup_memory(root: Path = Path("/sys/fs/cgroup")) -> CgroupMemory | None:
-    """Read this process's cgroup memory (v2, then v1); None when neither can be read."""
-    rel = v1_rel = ""
-    try:
-        for line in Path("/proc/self/cgroup").read_text().splitlines():
-            parts = line.split(":", 2)
-            if len(parts) == 3 and parts[0] == "0":
-                rel = parts[2].lstrip("/")
-            elif len(parts) == 3 and "memory" in parts[1].split(","):
-                v1_rel = parts[2].lstrip("/")
-    except OSError:
-        pass
-    for base in (root / rel, root):
-        if (base / "memory.max").exists() or (base / "memory.current").exists():
-            return CgroupMemory(_read_int(base / "memory.max"), _read_int(base / "memory.current"),
-                                _oom_kills(base / "memory.events"))
-    v1 = root / "memory"
-    if v1_rel and (v1 / v1_rel / "memory.limit_in_bytes").exists():
-        v1 = v1 / v1_rel  # this process's own group (without a cgroup namespace, ROOT/memory is the host's)
-    if (v1 / "memory.limit_in_bytes").exists():
-        limit = _read_int(v1 / "memory.limit_in_bytes")
-        if limit is not None and limit >= 2**60:
-            limit = None
-        return CgroupMemory(limit, _read_int(v1 / "memory.usage_in_bytes"), _oom_kills(v1 / "memory.oom_control"))
-    return None
-
-
-#: Processes the guard starts for itself (``guard.secure.worker``): direct children of the guard that are not the
-#: job's, so that stopping the job never stops a push.
-HELPER_PIDS: set[int] = set()
-
-
 class JobProcess:
     """The job: a child in its own session, with its stdout and stderr on pipes.
 
@@ -140,6 +71,9 @@ class JobProcess:
         env: the job's environment (complete).
         spawner: ``subprocess.Popen`` or a stand-in with the same signature (tests inject faults here).
         clock: monotonic seconds (``time.monotonic``), for the wait after SIGKILL.
+        children: the registry of the guard's children (default ``CHILDREN``): the job is recorded there as
+            ``JOB``; every other owner's processes (securing workers, helper subprocesses) and what they started are
+            never the job's.
 
     Attributes:
         returncode: the job's exit code once it exited (negative: died of that signal); ``EXIT_STATUS_LOST`` with
@@ -150,8 +84,9 @@ class JobProcess:
     kill_wait_s = KILL_WAIT_S
 
     def __init__(self, argv: Sequence[str], env: Mapping[str, str], *, spawner: Spawner = subprocess.Popen,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, children: GuardChildren = CHILDREN) -> None:
         self.clock = clock
+        self.children = children
         self.killed_at: float | None = None
         self.status_lost = False
         self.survivors_left: list[Survivor] = []
@@ -162,7 +97,6 @@ class JobProcess:
         self.pid = -1
         self.returncode: int | None = None
         self.known_pids: set[int] = set()
-        self.exclude_pids: set[int] = set()  # the guard's own children (securing workers): never the job's
         self.peak_rss_bytes = 0
         self.last_rss_bytes = 0
         self.peak_rss_by_pid: dict[int, int] = {}  # each process's highest sampled RSS (a killed worker's size)
@@ -180,6 +114,7 @@ class JobProcess:
             bufsize=0, close_fds=True,
         )
         self.pid = self.proc.pid
+        self.children.add(self.pid, JOB)
         self.known_pids.add(self.pid)
         for stream in (self.proc.stdout, self.proc.stderr):
             os.set_blocking(stream.fileno(), False)
@@ -206,6 +141,7 @@ class JobProcess:
             if pid == self.pid:
                 self.returncode = os.waitstatus_to_exitcode(status)
                 self.proc.returncode = self.returncode
+                self.children.discard(self.pid)
         return self.returncode
 
     @property
@@ -216,9 +152,10 @@ class JobProcess:
     def reap_orphans(self, *, final: bool = False) -> int:
         """Reap zombies re-parented to the guard (it is a subreaper, or PID 1). Returns how many were reaped.
 
-        A zombie is reaped only when it was already a zombie at the previous call: a child that a thread of the
-        guard itself waits for (``subprocess.run``) is gone by then, so its exit status is never stolen.
-        ``final=True`` (at the guard's exit, when no thread of the guard runs a subprocess) reaps every zombie.
+        A child that another owner registered (``GuardChildren``: a securing worker, a helper's ``py-spy``) is
+        never reaped here: its owner collects its exit status. Another zombie is reaped only when it was already a
+        zombie at the previous call (a child that a thread of the guard waits for without registering it is gone by
+        then). ``final=True`` (at the guard's exit, when no thread of the guard runs a subprocess) reaps every zombie.
         """
         try:
             children = psutil.Process().children()
@@ -226,9 +163,10 @@ class JobProcess:
             return 0
         zombies_now: set[int] = set()
         reaped = 0
+        owned = self.children.not_jobs()
         for child in children:
-            if child.pid == self.pid:
-                continue
+            if child.pid == self.pid or (child.pid in owned and not final):
+                continue  # a helper's exit status is its owner's to collect (subprocess.Popen.poll)
             try:
                 if child.status() != psutil.STATUS_ZOMBIE:
                     continue
@@ -248,11 +186,13 @@ class JobProcess:
 
     def descendants(self) -> list[psutil.Process]:
         """Every live process of the job's tree: under the job, or re-parented to the guard (subreaper); never the
-        guard's own helpers (``HELPER_PIDS``: the securing workers) or what they started."""
+        guard's own processes (``GuardChildren.not_jobs``: the securing workers, helper subprocesses) or what they
+        started."""
         found: dict[int, psutil.Process] = {}
+        owned = self.children.not_jobs()
         try:
             for proc in psutil.Process().children(recursive=True):
-                if proc.pid in HELPER_PIDS or (HELPER_PIDS and self._under_helper(proc)):
+                if proc.pid in owned or (owned and self._under(proc, owned)):
                     continue
                 if proc.pid in self.known_pids or self._in_job_tree(proc):
                     found[proc.pid] = proc
@@ -261,9 +201,9 @@ class JobProcess:
         return list(found.values())
 
     @staticmethod
-    def _under_helper(proc: psutil.Process) -> bool:
+    def _under(proc: psutil.Process, owned: frozenset[int]) -> bool:
         try:
-            return any(p.pid in HELPER_PIDS for p in proc.parents())
+            return any(p.pid in owned for p in proc.parents())
         except psutil.Error:
             return False
 
@@ -271,8 +211,6 @@ class JobProcess:
         try:
             parents = proc.parents()
         except psutil.Error:
-            return False
-        if proc.pid in self.exclude_pids:
             return False
         return any(p.pid in self.known_pids for p in parents) or proc.ppid() == os.getpid()
 

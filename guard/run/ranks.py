@@ -14,8 +14,9 @@ A plain policy object, driven by the caller's clock (no threads, no sleeping; te
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 
-__all__ = ["RankWatch"]
+__all__ = ["RankWatch", "configured_node_rank"]
 
 
 class RankWatch:
@@ -87,3 +88,21 @@ class RankWatch:
         if self.paused:
             return {}
         return {rank: when for rank, (_, when) in self.last_step.items() if rank not in self.done}
+
+
+def configured_node_rank(environ: Mapping[str, str], command: Sequence[str]) -> int | None:
+    """This machine's node rank as the guard's environment (``NODE_RANK``, torchrun's ``GROUP_RANK``, Slurm's
+    ``SLURM_NODEID``) or the launcher's command (``torchrun --node-rank N``, ``accelerate launch --machine_rank N``)
+    says; None when neither does."""
+    for name in ("NODE_RANK", "GROUP_RANK", "SLURM_NODEID"):
+        value = environ.get(name, "")
+        if value.isdigit():
+            return int(value)
+    from guard.preflight.launch import parse_launch
+
+    launch = parse_launch(command)
+    for option in ("--node-rank", "--node_rank", "--machine-rank", "--machine_rank"):
+        value = launch.values.get(option, "") if launch is not None else ""
+        if value.isdigit():
+            return int(value)
+    return None

@@ -21,6 +21,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from guard.core.children import CHILDREN
 from guard.secure.budget import SLURM_UNLIMITED_AFTER_S, format_duration_s
 
 __all__ = ["SlurmJobTimes", "SlurmRefresher", "parse_scontrol_job", "parse_slurm_duration_s"]
@@ -104,17 +105,18 @@ class SlurmRefresher:
 
     Args:
         job_id: ``SLURM_JOB_ID``.
-        runner: ``subprocess.run``-like callable (injected in tests).
+        runner: ``subprocess.run``-like callable (default ``CHILDREN.run``: the call is the helper thread's own
+            child, never reaped as an orphan; injected in tests).
         interval_s: least seconds between two calls (default 300).
         call_timeout_s: timeout of one call in seconds (default 5).
         clock: monotonic clock in seconds, used when ``maybe_refresh`` gets no ``now_s``.
         environ: the environment for the call (default ``os.environ``); ``SLURM_TIME_FORMAT=%s`` is added.
-        helpers: a ``guard.run.helpers.Helpers`` to run the call on its worker thread (the supervisor's loop never
+        helpers: a ``guard.core.helpers.Helpers`` to run the call on its worker thread (the supervisor's loop never
             waits for ``scontrol``): ``maybe_refresh`` then starts a call when one is due and returns the end time
             of a call that has finished since; None (default) calls ``scontrol`` right away.
     """
 
-    def __init__(self, job_id: str, *, runner: Callable[..., Any] = subprocess.run, interval_s: float = 300.0,
+    def __init__(self, job_id: str, *, runner: Callable[..., Any] = CHILDREN.run, interval_s: float = 300.0,
                  call_timeout_s: float = 5.0, clock: Callable[[], float] | None = None,
                  environ: Mapping[str, str] | None = None, helpers: Any = None) -> None:
         self.job_id = str(job_id)

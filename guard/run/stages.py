@@ -17,8 +17,8 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from guard.contract import EXIT_PREFLIGHT, RunResult, signal_name
+from guard.core.masking import Masker
 from guard.run.config import Config, env_name, guard_options_in
-from guard.run.masking import Masker
 from guard.run.platform import PlatformInfo, detect
 from guard.run.process import default_signals
 from guard.secure import budget
@@ -435,7 +435,7 @@ def _slurm_refresher(config: Config, platform: PlatformInfo) -> SlurmRefresher |
     """Under Slurm: the end time refreshed from ``scontrol show job`` (see ``guard.run.slurm``)."""
     if platform.name != "slurm":
         return None
-    from guard.run.helpers import HELPERS
+    from guard.core.helpers import HELPERS
     from guard.run.slurm import SlurmRefresher
 
     return SlurmRefresher.from_environ(config.environ, helpers=HELPERS)  # scontrol off the loop
@@ -444,11 +444,11 @@ def _slurm_refresher(config: Config, platform: PlatformInfo) -> SlurmRefresher |
 def _heartbeat(config: Config, masker: Masker, securing: Securing) -> Heartbeat:
     """The heartbeat (``--heartbeat``), the projection against the deadline, ``--trackio`` and the alerts
     (``--alert-webhook``: without ``--trackio`` a local trackio run in the project ``jobguard``)."""
+    from guard.core.helpers import HELPERS
     from guard.observe.alerts import Alerts, ThroughputWatch, WebhookWatch
     from guard.observe.telemetry import GpuSampler, Heartbeat
     from guard.observe.tracking import TrackioSink
     from guard.run.config import alert_webhook_url
-    from guard.run.helpers import HELPERS
 
     url, _source = alert_webhook_url(config.values, config.environ)
     project = config.trackio or ("jobguard" if url else None)

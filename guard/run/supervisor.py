@@ -10,7 +10,7 @@ it feeds the events to the policies and carries out what they return.
   :class:`~guard.secure.securing.JobLink` this loop offers it);
 - ``guard.observe.telemetry.Heartbeat``: the heartbeat line and the projection.
 
-What they know lives in one ``guard.run.state.RunState``; the run ends in a ``RunResult`` built from it by
+What they know lives in one ``guard.core.state.RunState``; the run ends in a ``RunResult`` built from it by
 ``guard.run.diagnose``; the job's failure is data, never an exception. The first decision (non-finite loss, stall,
 dry run done, deadline, signal) fixes the outcome; the job's exit after the guard stopped it does not change it.
 """
@@ -22,6 +22,7 @@ import math
 import os
 import selectors
 import signal
+import subprocess
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -30,15 +31,17 @@ from typing import TYPE_CHECKING, Any
 
 from guard import protocol
 from guard.contract import RunResult, signal_name
+from guard.core.helpers import HELPERS, Wakeup
+from guard.core.masking import Masker
+from guard.core.state import Message, Outcome, RunState
 from guard.run.channel import AgentChannel, AgentConn
 from guard.run.config import Config
-from guard.run.helpers import HELPERS, Wakeup
-from guard.run.masking import Masker
 from guard.run.pipes import JobOutput
 from guard.run.process import JobProcess, Spawner, cgroup_memory, default_signals, set_subreaper
-from guard.run.state import Message, Outcome, RunState, configured_node_rank
+from guard.run.ranks import configured_node_rank
 from guard.run.timers import Escalation
 from guard.run.watchdog import Decision, SettingsCheck, Watchdog
+from guard.secure.worker import reap_killed
 
 if TYPE_CHECKING:
     from guard.observe.telemetry import Heartbeat
@@ -188,14 +191,12 @@ class Supervisor:
 
     def _start(self) -> None:
         from guard.errors import SupervisorError
-        from guard.secure.worker import RUNNING
 
         set_subreaper()
         sock_path = self.channel.open()
         self._sel.register(self._wakeup_r, selectors.EVENT_READ, "wakeup")
         env = self._job_env(sock_path)
-        self.job = JobProcess(self.config.command, env, **({"spawner": self.spawner} if self.spawner else {}))
-        self.job.exclude_pids = RUNNING  # securing workers are the guard's, not the job's
+        self.job = JobProcess(self.config.command, env, spawner=self.spawner or subprocess.Popen)
         if self.securer is not None:
             self.securer.before_start()
         try:
@@ -293,6 +294,7 @@ class Supervisor:
                 self._child_exited = False
                 self._next_reap = now + 0.5
                 job.reap_orphans()
+                reap_killed()  # securing workers killed earlier (a kill never waits for the child to die)
             if busy or self._recheck or now >= due or self.output.partial_since:
                 self._recheck = False
                 self._timers(now)
@@ -679,7 +681,7 @@ class Supervisor:
     @property
     def node_rank(self) -> int | None:
         """This machine's node rank: from the agents (torchrun's ``GROUP_RANK``), else from the guard's environment
-        and the launcher's command (``state.configured_node_rank``); None on a single machine that does not say."""
+        and the launcher's command (``ranks.configured_node_rank``); None on a single machine that does not say."""
         if self.state.facts.node_rank is not None:
             return self.state.facts.node_rank
         return configured_node_rank(self.config.environ, self.config.command)

@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from guard.contract import EXIT_NON_FINITE, EXIT_PREFLIGHT, EXIT_STALLED
+from guard.core.state import Outcome, RunState
 from guard.run.ranks import RankWatch
-from guard.run.state import Outcome, RunState
 from guard.run.timers import StallWatch
 
 if TYPE_CHECKING:

@@ -29,8 +29,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
+from guard.core.durations import format_duration_s
 from guard.errors import BudgetError, UsageError
-from guard.run.config import format_duration_s
 
 __all__ = [
     "CLOCK_SKEW_S",

@@ -256,6 +256,11 @@ def _staging_dir(prefix: str, parent: Path) -> Path:
     return staging
 
 
+def holds_final_model(output_dir: str | os.PathLike[str] | None) -> bool:
+    """``output_dir`` is a folder holding final model files (``final_model_files``); False for None."""
+    return output_dir is not None and os.path.isdir(output_dir) and bool(final_model_files(output_dir))
+
+
 def final_model_files(output_dir: str | os.PathLike[str]) -> list[str]:
     """The final model files of an output folder: everything but ``checkpoint-*/``, ``last-checkpoint/``,
     ``runs/`` and hidden or underscore-prefixed files and folders. Returns sorted posix relative paths."""

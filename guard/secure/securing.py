@@ -20,9 +20,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from guard.contract import RunResult, signal_name
+from guard.core.state import Message, Outcome, RunState, died_after_training, incomplete_reason
 from guard.errors import GuardError
-from guard.run.diagnose import died_after_training, incomplete_reason
-from guard.run.state import Message, Outcome, RunState
 from guard.secure import budget, checkpoints, layout, worker
 from guard.secure.events import (
     Action,
@@ -51,10 +50,9 @@ from guard.secure.outcome import Verdict, checkpoint_fields
 from guard.secure.plan import Plan, State
 
 if TYPE_CHECKING:
-    from guard.run.slurm import SlurmRefresher
     from guard.secure.hub import Securer
 
-__all__ = ["FAILURE_REASONS", "JobLink", "Securing"]
+__all__ = ["FAILURE_REASONS", "EndTimeSource", "JobLink", "Securing"]
 
 log = logging.getLogger("guard.secure")
 
@@ -62,6 +60,15 @@ log = logging.getLogger("guard.secure")
 FAILURE_REASONS = ("non_finite_loss", "stalled", "crash", "oom", "killed", "incomplete")
 SCAN_EVERY_S = 5.0  # how often the output folder is looked at for complete checkpoints
 FILE_SETTLE_S = 1.0  # a torch.save'd file counts as a whole checkpoint after this long without another file
+
+
+class EndTimeSource(Protocol):
+    """Where a changed end time of the allocation comes from (``guard.run.slurm.SlurmRefresher``)."""
+
+    last_source: str
+
+    def maybe_refresh(self, now_s: float | None = None) -> float | None:
+        """A new end time (epoch seconds) when a refresh that finished since says so, else None; never blocks."""
 
 
 class JobLink(Protocol):
@@ -136,14 +143,14 @@ class Securing:
         securer_factory: builds a ``Securer`` from destination text (for the Trainer's ``hub_model_id``).
         output_dir: where the job writes checkpoints (``--output-dir``; else the Trainer's ``output_dir``).
         grace_s: ``--grace``. background: ``--background-push``. push_interval_s: ``--push-interval``.
-        refresher: a ``slurm.SlurmRefresher`` or None.
+        refresher: a ``guard.run.slurm.SlurmRefresher`` (any ``EndTimeSource``) or None.
         wall: epoch seconds; clock: monotonic seconds.
         pusher_factory: builds the plan's pusher from (destination text, token); default ``worker.Pusher``.
     """
 
     def __init__(self, *, deadline: budget.Deadline, estimator: budget.MarginEstimator, securer: Securer | None = None,
                  securer_factory: Callable[[str], Securer] | None = None, output_dir: str | None = None,
-                 grace_s: float = 30.0, refresher: SlurmRefresher | None = None,
+                 grace_s: float = 30.0, refresher: EndTimeSource | None = None,
                  wall: Callable[[], float] = time.time,
                  clock: Callable[[], float] = time.monotonic, background: bool = True,
                  push_interval_s: float = 600.0,
@@ -494,7 +501,10 @@ class Securing:
         outcome = sup.state.outcome
         if self.output_dir and self.plan.state is not State.DONE:
             self._scan(sup)
-        completed = died_after_training(sup.state.facts, code, self.output_dir) is not None
+        from guard.secure.hub import holds_final_model  # lazily: the hub module is needed only at the end
+
+        completed = died_after_training(sup.state.facts, code,
+                                        lambda: holds_final_model(self.output_dir)) is not None
         if self.plan.state is State.WATCHING and outcome is None and code is not None and code != 0 \
                 and not completed:
             self._feed(sup, Failure("crash" if code > 0 else "killed"), now)
@@ -510,12 +520,7 @@ class Securing:
         self._check_node(sup)
         if ok and sup.node_rank not in (None, 0) and self.securer is not None:
             log.info("node %d: the guard of node 0 pushes the final model", sup.node_rank)
-        has_final_model = True
-        if ok and self.output_dir:
-            from guard.secure.hub import final_model_files
-
-            folder = Path(self.output_dir)
-            has_final_model = folder.is_dir() and bool(final_model_files(folder))
+        has_final_model = not (ok and self.output_dir) or holds_final_model(self.output_dir)
         self._feed(sup, JobExited(ok=(ok and outcome is None) or complete, complete=complete,
                                   has_final_model=has_final_model), now)
 

@@ -7,9 +7,16 @@ kills its whole process group with SIGKILL at the deadline (``Handle.kill``; ``p
 left the group). What a killed push leaves is never taken for secured: a Hub commit is atomic (no commit, nothing
 changed) and a folder destination swaps ``last-checkpoint`` in only after the copy was verified.
 
-The child reads one request (JSON) on stdin, writes its log records to stderr (one JSON object a line, re-logged
-by the parent through the guard's masking handler) and its result as one ``RESULT`` line on stdout. It dies with
-the guard (``PR_SET_PDEATHSIG``, Linux ``prctl(2)``).
+The child reads its request (JSON) from a file named on its command line (owner-only, in a private folder; the
+child deletes it once read): a request of a sharded checkpoint (thousands of paths, over a pipe's 64 KiB) written to
+the child's stdin would block the loop until the child read it. Only the Hub token goes through stdin, one small
+write into an empty pipe (which never waits), so it is never on disk nor on a command line. The child writes its log
+records to stderr (one JSON object a line, re-logged by the parent through the guard's masking handler) and its
+result as one ``RESULT`` line on stdout. It dies with the guard (``PR_SET_PDEATHSIG``, Linux ``prctl(2)``).
+
+A kill never waits: SIGKILL goes to the group and every descendant, the result is there at once, and the dead child
+is reaped later, by ``Handle.poll`` or ``reap_killed`` (a worker stuck in the kernel, ``D`` on a hung filesystem,
+dies only when the kernel lets it; the loop goes on meanwhile).
 
 API::
 
@@ -26,6 +33,7 @@ import contextlib
 import json
 import logging
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -35,7 +43,9 @@ from dataclasses import asdict, dataclass, field, is_dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["OPS", "RUNNING", "Handle", "Pusher", "WorkResult", "run_bounded", "start"]
+from guard.core.children import CHILDREN, WORKER
+
+__all__ = ["OPS", "Handle", "Pusher", "WorkResult", "reap_killed", "run_bounded", "start"]
 
 log = logging.getLogger("guard.secure.worker")
 
@@ -44,9 +54,9 @@ OPS = ("push_checkpoint", "push_final", "fetch_last_checkpoint", "peek_last_chec
 #: The child stops its own retries this long before the deadline, so that it can still report why.
 CHILD_EARLIER_S = 0.5
 POLL_S = 0.1  # how often run_bounded polls
-#: Pids of the workers running now (the supervisor never counts them as the job's processes).
-RUNNING: set[int] = set()
 _RESULT = "RESULT "
+#: Killed workers not reaped yet (``reap_killed``).
+_KILLED: set[Handle] = set()
 
 
 @dataclass(frozen=True)
@@ -152,8 +162,9 @@ class Handle:
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.proc, self.op, self.deadline, self.clock = proc, op, deadline, clock
         self.started = clock()
-        RUNNING.add(proc.pid)
+        CHILDREN.add(proc.pid, WORKER)  # never the job's: stopping the job never stops a push; reaped here only
         self.result: WorkResult | None = None
+        self.request_dir: str | None = None  # the request file's private folder, removed once the child ended
         self._buffers: dict[int, bytes] = {}
         self._payload: dict[str, Any] | None = None
         for pipe in (proc.stdout, proc.stderr):
@@ -164,6 +175,11 @@ class Handle:
     @property
     def pid(self) -> int:
         return self.proc.pid
+
+    @property
+    def reaped(self) -> bool:
+        """The child's exit status was collected (it ended, or was killed and has died since)."""
+        return self.proc.returncode is not None
 
     def _drain(self, final: bool = False) -> None:
         for pipe in (self.proc.stdout, self.proc.stderr):
@@ -208,6 +224,8 @@ class Handle:
         Never blocks beyond reading what the pipes hold.
         """
         if self.result is not None:
+            if not self.reaped:
+                self._reap()
             return self.result
         self._drain()
         if self.proc.poll() is None:
@@ -230,7 +248,9 @@ class Handle:
         return self.result
 
     def kill(self, why: str = "killed") -> WorkResult:
-        """SIGKILL the worker's process group and every descendant (``psutil``); returns the killed result.
+        """SIGKILL the worker's process group and every descendant (``psutil``); returns the killed result at once.
+
+        Never waits for the child to die: ``poll`` (or ``reap_killed``) reaps it later.
 
         Args:
             why: ``"deadline"`` or ``"killed"`` (the result's ``error_type``).
@@ -239,15 +259,33 @@ class Handle:
             return self.result
         _kill_tree(self.proc)
         self._drain(final=True)
-        self._close()
+        for pipe in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
+            if pipe is not None:
+                with contextlib.suppress(OSError):
+                    pipe.close()
+        _KILLED.add(self)
+        self._reap()
         text = ("the deadline was reached" if why == "deadline" else "stopped before it finished")
         self.result = WorkResult(self.op, False, error=f"{self.op.replace('_', ' ')} killed: {text}",
                                  hint="a larger --margin (or --grace) leaves more time to secure it",
                                  error_type=why, elapsed_s=self.clock() - self.started)
         return self.result
 
+    def _reap(self) -> None:
+        """Collect a killed child's exit status if it died (never waits)."""
+        with contextlib.suppress(OSError):
+            self.proc.poll()
+        if self.reaped:
+            _KILLED.discard(self)
+            self._close()
+
     def _close(self) -> None:
-        RUNNING.discard(self.proc.pid)
+        CHILDREN.discard(self.proc.pid)
+        if self.request_dir is not None:
+            import shutil
+
+            shutil.rmtree(self.request_dir, ignore_errors=True)
+            self.request_dir = None
         for pipe in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
             if pipe is not None:
                 with contextlib.suppress(OSError):
@@ -266,12 +304,17 @@ def _kill_tree(proc: subprocess.Popen[bytes]) -> None:
     for child in descendants:
         with contextlib.suppress(psutil.Error):
             child.kill()
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        proc.kill()
-    try:
-        proc.wait(timeout=5.0)
-    except subprocess.TimeoutExpired:  # pragma: no cover - a process stuck in the kernel (D state)
-        log.warning("the securing worker (pid %d) did not die within 5s of SIGKILL", proc.pid)
+    if proc.returncode is None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(proc.pid, signal.SIGKILL)
+
+
+def reap_killed() -> int:
+    """Reap the killed workers that have died since (never waits); returns how many are still not reaped (a
+    worker stuck in the kernel)."""
+    for handle in list(_KILLED):
+        handle._reap()
+    return len(_KILLED)
 
 
 def start(op: str, args: Mapping[str, Any], deadline: float, *, destination: str, token: str | None = None,
@@ -297,21 +340,35 @@ def start(op: str, args: Mapping[str, Any], deadline: float, *, destination: str
     env = dict(os.environ if environ is None else environ)
     root = str(Path(__file__).resolve().parent.parent.parent)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
-    request = {"op": op, "args": _plain(dict(args)), "destination": destination, "token": token,
+    request = {"op": op, "args": _plain(dict(args)), "destination": destination,
                "remaining_s": deadline - clock() - CHILD_EARLIER_S, "parent": os.getpid(),
                "level": logging.getLogger("guard").getEffectiveLevel()}
-    proc = subprocess.Popen([sys.executable, "-m", "guard.secure.worker"], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, start_new_session=True)
-    from guard.run.process import HELPER_PIDS
+    import shutil
+    import tempfile
 
-    HELPER_PIDS.add(proc.pid)  # stopping the job (signal_all) must never stop a push
-    handle = Handle(proc, op, deadline, clock)
-    assert proc.stdin is not None
+    request_dir = tempfile.mkdtemp(prefix="guard-worker-")  # owner-only (0700)
     try:
-        proc.stdin.write(json.dumps(request).encode())
+        request_file = os.path.join(request_dir, "request.json")
+        fd = os.open(request_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as handle_file:
+            handle_file.write(json.dumps(request).encode())
+        proc = subprocess.Popen([sys.executable, "-m", "guard.secure.worker", request_file], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, start_new_session=True)
+    except BaseException:
+        shutil.rmtree(request_dir, ignore_errors=True)
+        raise
+    handle = Handle(proc, op, deadline, clock)
+    handle.request_dir = request_dir
+    assert proc.stdin is not None
+    secret = json.dumps({"token": token}).encode()  # a few hundred bytes into an empty pipe: never waits
+    try:
+        os.set_blocking(proc.stdin.fileno(), False)
+        if len(secret) > select.PIPE_BUF or os.write(proc.stdin.fileno(), secret) != len(secret):
+            log.warning("the Hub token is too long for the securing worker's pipe; it runs without it")
         proc.stdin.close()
-    except OSError:  # died at once: poll() reports it
-        pass
+    except OSError:  # died at once (or the pipe is full): poll() reports it
+        with contextlib.suppress(OSError):
+            proc.stdin.close()
     return handle
 
 
@@ -386,8 +443,12 @@ def _die_with_parent(parent: int) -> None:
         os._exit(1)
 
 
-def _child_main() -> int:
-    request = json.loads(sys.stdin.read())
+def _child_main(request_file: str) -> int:
+    with open(request_file, "rb") as handle:
+        request = json.loads(handle.read())
+    with contextlib.suppress(OSError):
+        os.unlink(request_file)
+    request["token"] = json.loads(sys.stdin.read() or "{}").get("token")
     _die_with_parent(int(request.get("parent") or os.getppid()))
     root = logging.getLogger()
     root.handlers[:] = [_JsonLines()]
@@ -415,6 +476,6 @@ def _child_main() -> int:
 
 
 if __name__ == "__main__":  # pragma: no cover - run as a child process
-    _code = _child_main()
+    _code = _child_main(sys.argv[1])
     sys.stderr.flush()
     os._exit(_code)  # no interpreter shutdown: a transfer thread that still hangs must not keep the child alive

@@ -11,6 +11,10 @@ Design notes (why it looks like this):
 - It connects to the supervisor only when it has something to say; a forked child (a DataLoader worker)
   stays silent; sends never block (``MSG_DONTWAIT``; a full socket drops the message and counts it).
 - It only reports and obeys: it never talks to the Hub and never decides a verdict.
+
+Modules: this ``__init__`` (the agent of one process: the channel, the loss watch; the hooks' installation),
+``_core`` (what the hooks share: ``get()``, ``root_cause``, the stdout flusher), and the hooks ``_torch``,
+``_transformers`` and ``_dist``, which import ``_core``, never this package's ``__init__``: no circle.
 """
 
 from __future__ import annotations
@@ -26,11 +30,14 @@ from typing import TYPE_CHECKING, Any
 
 from ... import protocol
 from ..settings import AgentSettings, agent_settings
+from . import _core
+from ._core import _warn_once, get, root_cause
 
 __all__ = ["Agent", "get", "install", "root_cause"]
 
-_AGENT: Agent | None = None
 _INSTALLED = False
+#: What a dormant agent (a ``multiprocessing`` spawn child) keeps to itself until it is seen to be a training rank.
+HELD_WHILE_DORMANT = frozenset({"watching", "dist"})
 
 
 def _rank_info() -> dict[str, Any]:
@@ -137,8 +144,12 @@ class Agent:
         self.dropped = 0
         self.dead = False
         self.backward_hook = True  # off once a Trainer or guard.report() provides the losses
-        self.scaled: tuple[Any, Any] | None = None  # (GradScaler.scale's result, the loss it scaled)
-        self.user_loss: Any = None  # the loss given to accelerate's Accelerator.backward, while it runs
+        self._loss_state = threading.local()  # scaled, user_loss: each thread's own (two threads may call backward)
+        #: A process started by ``multiprocessing`` spawn (a DataLoader worker, or a rank of
+        #: ``torch.multiprocessing.spawn``): it connects only once it says something a training rank says (a loss,
+        #: a save), so a DataLoader worker never connects with its parent's RANK; what it would say before waits.
+        self.dormant = False
+        self._held: list[dict[str, Any]] = []
         self.begun = 0  # steps (or micro-batches) this process has begun: a cheap counter, never sent per step
         self.checkpoint_request: dict[str, Any] | None = None
         self.stop_requested = False
@@ -154,6 +165,25 @@ class Agent:
         from ._dist import DistRelay
 
         self.relay = DistRelay(self)
+
+    @property
+    def scaled(self) -> tuple[Any, Any] | None:
+        """(``GradScaler.scale``'s result, the loss it scaled) of this thread, until its backward ran."""
+        value: tuple[Any, Any] | None = getattr(self._loss_state, "scaled", None)
+        return value
+
+    @scaled.setter
+    def scaled(self, value: tuple[Any, Any] | None) -> None:
+        self._loss_state.scaled = value
+
+    @property
+    def user_loss(self) -> Any:
+        """The loss this thread gave to accelerate's ``Accelerator.backward``, while that runs; else None."""
+        return getattr(self._loss_state, "user_loss", None)
+
+    @user_loss.setter
+    def user_loss(self, value: Any) -> None:
+        self._loss_state.user_loss = value
 
     # -- channel ------------------------------------------------------------------------------------------------
 
@@ -180,9 +210,17 @@ class Agent:
         if self.dead or os.getpid() != self.pid:
             return False
         with self._lock:
+            if self.dormant:
+                if message.get("t") in HELD_WHILE_DORMANT:
+                    self._held.append(message)
+                    return True
+                self.dormant = False  # a training rank after all (torch.multiprocessing.spawn)
             sock = self._connect()
             if sock is None:
                 return False
+            held, self._held = self._held, []
+            for earlier in held:
+                self._send_raw(sock, earlier)
             return self._send_raw(sock, message)
 
     def _send_raw(self, sock: socket.socket, message: dict[str, Any]) -> bool:
@@ -319,27 +357,6 @@ class Agent:
                    "requested": request is not None, "zero": zero})
 
 
-def root_cause(exc: BaseException) -> str:
-    """``"Type: message"`` of the error at the root of ``exc``: the innermost of its chain (``__cause__``, else
-    ``__context__``), and inside a DataLoader worker's re-raised error (``Caught X in DataLoader worker process N``
-    with the worker's ``Original Traceback``, ``torch.utils.data._utils.ExceptionWrapper``) the worker's own last line.
-    """
-    seen: set[int] = set()
-    inner = exc
-    while id(inner) not in seen:
-        seen.add(id(inner))
-        nxt = inner.__cause__ or (None if inner.__suppress_context__ else inner.__context__)
-        if nxt is None:
-            break
-        inner = nxt
-    text = str(inner)
-    if "Original Traceback (most recent call last):" in text:
-        lines = [line for line in text.splitlines() if line.strip()]
-        if lines and not lines[-1].startswith(" "):
-            return lines[-1].strip()[:500]
-    return f"{type(inner).__name__}: {text}"[:500]
-
-
 def _short(filename: str) -> str:
     for marker in ("site-packages/", "dist-packages/"):
         if marker in filename:
@@ -392,68 +409,7 @@ def _dump_threads() -> None:
         pass
 
 
-_warned: set[str] = set()
-
-
-def _warn_once(text: str) -> None:
-    if text not in _warned:
-        _warned.add(text)
-        try:
-            sys.stderr.write(f"[guard] agent: {text}\n")
-        except (OSError, ValueError):
-            pass
-
-
-FLUSH_EVERY_S = 0.1
-
-
-def _start_stdout_flusher() -> None:
-    """Keep the job's stdout block-buffered (fast) yet timely: flush it every 0.1 s from a daemon thread.
-
-    The supervisor does not set ``PYTHONUNBUFFERED``: unbuffered, every ``print`` is a system call of its own
-    (1M lines: 0.6 s -> 3 s). stderr is line-buffered by Python already (3.9+). A job that asked for unbuffered
-    output itself keeps it.
-    """
-    stream = sys.stdout
-    if stream is None or os.environ.get("PYTHONUNBUFFERED"):
-        return
-
-    def flush_forever() -> None:
-        import time
-
-        while True:
-            time.sleep(FLUSH_EVERY_S)
-            try:
-                current = sys.stdout
-                if current is not None:
-                    current.flush()
-            except (OSError, ValueError):  # closed, or a broken pipe: nothing to do
-                pass
-
-    threading.Thread(target=flush_forever, name="guard-flush", daemon=True).start()
-
-
-def _flush_at_exit() -> None:
-    """Report the steps checked since the last flush (a NaN in the last steps before a normal exit counts)."""
-    agent = _AGENT
-    if agent is not None and agent.pid == os.getpid():
-        try:
-            agent.watch.flush("exit")
-        except Exception as exc:  # the job is ending: never raise
-            _warn_once(f"last loss check failed: {exc!r}")
-
-
-def get() -> Agent | None:
-    """The agent of this process, or None when the job runs without a supervisor (every call is a no-op)."""
-    global _AGENT
-    if _AGENT is not None and _AGENT.pid != os.getpid():
-        return None  # a forked child (DataLoader worker): silent
-    if _AGENT is None:
-        settings = agent_settings()
-        if not settings.socket_path:
-            return None
-        _AGENT = Agent(settings)
-    return _AGENT
+_core.bind(Agent)  # get() makes this process's agent of this class
 
 
 # -- post-import hooks ----------------------------------------------------------------------------------------
@@ -517,6 +473,9 @@ def install() -> None:
     if _INSTALLED or not agent_settings().socket_path:
         return
     _INSTALLED = True
+    role = _core.multiprocessing_role()
+    if role == "helper":  # the forkserver, the resource tracker: never a rank; its forks would carry an agent too
+        return
     from . import _torch, _transformers
 
     hooks = {"torch": _torch.patch, "transformers.trainer": _transformers.patch,
@@ -544,9 +503,9 @@ def install() -> None:
     sys.excepthook = excepthook
     import atexit
 
-    atexit.register(_flush_at_exit)
-    _start_stdout_flusher()
+    atexit.register(_core._flush_at_exit)
+    _core._start_stdout_flusher()
     agent = get()
-    if agent is not None:  # connect now: the supervisor learns the agent is alive and can ask it for stacks
+    if agent is not None and not agent.dormant:  # connect now: the supervisor can ask it for stacks
         with agent._lock:
             agent._connect()

@@ -6,32 +6,58 @@ chosen ahead, ``at_step``) reaches global rank 0, which writes it into the job's
 store every ``check_every`` steps (``Store.check``, a non-blocking round trip) and adopts the request, so all
 ranks save at the same step and collective saves do not deadlock. Without an initialized process group, or when
 the store cannot be reached, nothing happens here and each machine's guard asks its own ranks.
+
+Rank 0's ``store.set`` runs on a thread of its own (``guard-relay``), never on the agent's reader thread: a store
+that hangs (its host gone, a network partition) must not keep ``stop`` and ``dump`` from being read. The key
+carries the elastic restart (``TORCHELASTIC_RESTART_COUNT``, set by torchrun for each attempt): after a restart
+the store is the same, and a request of the attempt before must not be taken for one of this attempt.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import queue
 import sys
-from typing import TYPE_CHECKING, Any
+import threading
+from collections.abc import Mapping
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from . import Agent
-
-__all__ = ["KEY", "DistRelay"]
+__all__ = ["KEY", "DistRelay", "store_key"]
 
 KEY = "jobguard/checkpoint"
+
+
+def store_key(environ: Mapping[str, str] | None = None) -> str:
+    """The store key of this attempt: ``jobguard/checkpoint/<TORCHELASTIC_RESTART_COUNT>`` (0 without one)."""
+    env = os.environ if environ is None else environ
+    restart = env.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return f"{KEY}/{restart if restart.isdigit() else 0}"
+
+
+class _RelayAgent(Protocol):
+    """What the relay needs of ``_core.Agent`` (a protocol: this module imports nothing of the agent's)."""
+
+    checkpoint_request: dict[str, Any] | None
+
+    def send(self, message: dict[str, Any]) -> bool: ...
+
+    def warn(self, text: str) -> None: ...
 
 
 class DistRelay:
     """Relays checkpoint requests between ranks through the job's store (see the module docstring)."""
 
-    def __init__(self, agent: Agent) -> None:
+    def __init__(self, agent: _RelayAgent) -> None:
         self.agent = agent
         self.store: Any = None
         self.rank: int | None = None
         self.probed = False
         self.next_poll = 0
         self.handled: set[Any] = set()
+        self.key = store_key()
+        self._outbox: queue.Queue[str] = queue.Queue()
+        self._writer: threading.Thread | None = None
 
     def probe(self) -> None:
         """Find the store once the job has initialized torch.distributed (cheap until then)."""
@@ -52,14 +78,26 @@ class DistRelay:
                          "world_size": world_size})
 
     def publish(self, request: dict[str, Any]) -> None:
-        """On global rank 0: put the guard's request where every rank will see it."""
+        """On global rank 0: put the guard's request where every rank will see it. Returns at once: the write
+        runs on the relay's own thread (called from the agent's reader thread, which must go on reading)."""
         if self.store is None or self.rank != 0:
             return
-        try:
-            self.store.set(KEY, json.dumps(request))
-        except Exception as exc:
-            self.store = None
-            self.agent.warn(f"cannot pass the checkpoint request to the other ranks: {exc!r}")
+        self._outbox.put(json.dumps(request))
+        if self._writer is None:
+            self._writer = threading.Thread(target=self._write_forever, name="guard-relay", daemon=True)
+            self._writer.start()
+
+    def _write_forever(self) -> None:
+        while True:
+            text = self._outbox.get()
+            store = self.store
+            if store is None:
+                continue
+            try:
+                store.set(self.key, text)
+            except Exception as exc:
+                self.store = None
+                self.agent.warn(f"cannot pass the checkpoint request to the other ranks: {exc!r}")
 
     def poll(self, count: int, every: int) -> None:
         """Every ``every`` steps (never per step): find the store once the job has one, then adopt a request
@@ -71,9 +109,9 @@ class DistRelay:
         if self.store is None:
             return
         try:
-            if not self.store.check([KEY]):
+            if not self.store.check([self.key]):
                 return
-            request = json.loads(self.store.get(KEY))
+            request = json.loads(self.store.get(self.key))
         except Exception:
             return
         marker = (request.get("at_step"), request.get("stop"))

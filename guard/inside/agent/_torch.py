@@ -67,7 +67,7 @@ def _capture_probe(torch: Any) -> Callable[[], bool]:
 
 def patch(torch: Any) -> None:
     """Wrap ``torch.Tensor.backward`` and ``torch.amp.GradScaler.scale``/``update`` (idempotent)."""
-    from .. import agent as agent_module
+    from . import _core as agent_module
     original = torch.Tensor.backward
     if getattr(original, "__guard_wrapped__", False):
         return
@@ -234,7 +234,7 @@ def _patch_scaler(torch: Any, agent_module: Any) -> None:
 
 def patch_accelerate(module: Any) -> None:
     """Wrap ``accelerate.accelerator.Accelerator.backward`` to remember the loss it was given (idempotent)."""
-    from .. import agent as agent_module
+    from . import _core as agent_module
 
     cls = module.Accelerator
     original = cls.backward

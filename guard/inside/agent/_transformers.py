@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 from ... import protocol
 
 if TYPE_CHECKING:
-    from . import Agent
+    Agent = Any  # guard.inside.agent.Agent: that package imports this module, so it is not imported here
 
 __all__ = ["patch", "patch_arguments"]
 
@@ -67,7 +67,7 @@ def patch_arguments(args_module: Any) -> None:
     Subclasses (TRL's ``SFTConfig`` ...) call it through ``super().__post_init__()``. Each distinct set of
     reported values is sent once per process.
     """
-    from .. import agent as agent_module
+    from . import _core as agent_module
 
     cls = args_module.TrainingArguments
     original = cls.__post_init__
@@ -98,7 +98,7 @@ def patch(trainer_module: Any) -> None:
     """Wrap ``Trainer.__init__`` of ``transformers.trainer`` (idempotent)."""
     from transformers.trainer_callback import TrainerCallback
 
-    from .. import agent as agent_module
+    from . import _core as agent_module
     Trainer = trainer_module.Trainer
     if getattr(Trainer.__init__, "__guard_wrapped__", False):
         return
@@ -189,7 +189,7 @@ def patch(trainer_module: Any) -> None:
 
 
 def _instrument(trainer: Any, agent: Agent, callback: Any) -> None:
-    from .. import agent as agent_module
+    from . import _core as agent_module
 
     agent.backward_hook = False  # the Trainer's training_step gives the losses; no double counting
     agent.trainer = True  # its saves come through on_save, not torch.save

@@ -8,11 +8,13 @@ the agent's messages and the job's output, securing (``guard.secure.securing``) 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["JobFacts", "Outcome", "Progress", "RunState", "configured_node_rank"]
+from guard.contract import signal_name
+
+__all__ = ["JobFacts", "Outcome", "Progress", "RunState", "died_after_training", "incomplete_reason"]
 
 #: An agent message as decoded from the channel (``guard.protocol``): a JSON object with a string ``t``.
 Message = dict[str, Any]
@@ -167,19 +169,71 @@ class RunState:
     outcome: Outcome | None = None
 
 
-def configured_node_rank(environ: Mapping[str, str], command: Sequence[str]) -> int | None:
-    """This machine's node rank as the guard's environment (``NODE_RANK``, torchrun's ``GROUP_RANK``, Slurm's
-    ``SLURM_NODEID``) or the launcher's command (``torchrun --node-rank N``, ``accelerate launch --machine_rank N``)
-    says; None when neither does."""
-    for name in ("NODE_RANK", "GROUP_RANK", "SLURM_NODEID"):
-        value = environ.get(name, "")
-        if value.isdigit():
-            return int(value)
-    from guard.preflight.launch import parse_launch
+def _empty_loader_text(facts: JobFacts) -> str:
+    empty = facts.empty_loader
+    if empty is None:
+        return ""
+    samples, batch, drop = empty.get("samples"), empty.get("batch_size"), empty.get("drop_last")
+    why = (f"{samples} sample(s) with batch_size={batch} and drop_last=True" if drop and samples
+           else f"{samples if samples is not None else 'an unknown number of'} sample(s)")
+    return f"; a DataLoader yielded no batch ({why})"
 
-    launch = parse_launch(command)
-    for option in ("--node-rank", "--node_rank", "--machine-rank", "--machine_rank"):
-        value = launch.values.get(option, "") if launch is not None else ""
-        if value.isdigit():
-            return int(value)
+
+def incomplete_reason(facts: JobFacts, progress: Progress | None = None) -> str | None:
+    """Why an exit 0 is not a finished run (the hint), or None: ``Trainer.train()`` raised and the script went on,
+    training ended before ``max_steps`` with no stop asked for (a callback's ``should_training_stop``, the
+    guard's own request), or the job entered training (built an optimizer) and completed no step at all (no loss,
+    no optimizer step: an empty DataLoader).
+
+    Args:
+        facts: what the job said about itself.
+        progress: the run's progress (the steps counted); None skips the zero-step check.
+    """
+    error, end = facts.train_error, facts.train_end
+    if (progress is not None and progress.step is None and not progress.sanity and end is None and error is None
+            and "optimizer" in facts.train_intent and "optimizer_step" not in facts.train_intent):
+        optimizer = facts.train_intent["optimizer"]
+        named = f" ({optimizer})" if isinstance(optimizer, str) else ""
+        return (f"the job built an optimizer{named} but completed no training step (no .backward(), no optimizer "
+                f"step){_empty_loader_text(facts)}, then exited 0: check the dataset's path, split and filters, and "
+                "that it holds at least batch_size samples (drop_last=True drops a short last batch)")
+    if error is not None:
+        what = error.get("root") or f"{error.get('exc_type')}: {error.get('message')}"
+        where = f" at step {error.get('step')} of {error.get('max_steps')}" if error.get("step") is not None else ""
+        return (f"Trainer.train() raised {what}{where}, and the script caught it and exited 0: fix that error "
+                "(or let it propagate, so that the run fails visibly)")
+    if end is not None and not end.get("stopped"):
+        step, max_steps = end.get("step"), end.get("max_steps")
+        if isinstance(step, int) and isinstance(max_steps, int) and max_steps > 0 and step < max_steps:
+            return (f"training ended at step {step} of {max_steps} with no stop asked for (no callback set "
+                    "should_training_stop): check that the dataset yields enough batches for max_steps")
     return None
+
+
+def died_after_training(facts: JobFacts, code: int | None,
+                        final_model_saved: Callable[[], bool] | None = None) -> str | None:
+    """The signal a job died of after its training had completed, or None: ``Trainer.train()`` returned at its
+    last step (``max_steps``), a save of that last step was seen (a checkpoint reported at
+    that step, or final model files in the output folder), and then the job was killed by a signal (a C++ watchdog's
+    SIGABRT, a segfault in a library's teardown), or a shell reported one (exit 128 + n). Such a run is a ``PASS``
+    with a ``warning=``, and gets its final push.
+
+    Args:
+        facts: what the job said about itself.
+        code: the job's exit code (negative: the signal), or None.
+        final_model_saved: tells whether the output folder holds final model files (asked only when no checkpoint
+            of the last step was reported), or None.
+    """
+    if code is None or code == 0:
+        return None
+    signum = -code if code < 0 else code - 128 if 128 < code < 128 + 65 else None
+    end = facts.train_end
+    if signum is None or end is None:  # "stopped" is set at max_steps too (DefaultFlowCallback): not read here
+        return None
+    step, max_steps = end.get("step"), end.get("max_steps")
+    if not (isinstance(step, int) and isinstance(max_steps, int) and 0 < max_steps <= step):
+        return None
+    saved = any(c.get("step") == step for c in facts.checkpoints)
+    if not saved and final_model_saved is not None:
+        saved = final_model_saved()
+    return signal_name(signum) if saved else None
