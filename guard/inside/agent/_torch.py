@@ -119,7 +119,7 @@ def _tell(agent_module: Any, what: str, **extra: Any) -> None:
 def patch_optimizer(optim: Any) -> None:
     """Wrap ``torch.optim.optimizer.Optimizer.__init__`` and add a global step post-hook, to tell the supervisor
     once each that an optimizer was built and that one stepped (idempotent)."""
-    from .. import agent as agent_module
+    from . import _core as agent_module
 
     told, tell = _told, functools.partial(_tell, agent_module)
     base = optim.Optimizer
@@ -147,7 +147,7 @@ def patch_optimizer(optim: Any) -> None:
 def patch_dataloader(module: Any) -> None:
     """Wrap ``torch.utils.data.dataloader.DataLoader.__iter__`` to tell the supervisor (once) of a DataLoader
     iterated while it has no batch at all (idempotent)."""
-    from .. import agent as agent_module
+    from . import _core as agent_module
 
     loader_class = module.DataLoader
     original_iter = loader_class.__iter__
