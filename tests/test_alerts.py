@@ -11,7 +11,7 @@ import pytest
 from guard.errors import UsageError
 from guard.observe.alerts import Alerts, ThroughputWatch, WebhookWatch, compose
 from guard.run.config import alert_webhook_url, resolve, webhook_secrets
-from guard.run.state import Outcome, Progress
+from guard.core.state import Outcome, Progress
 
 
 class Recorder:

@@ -7,7 +7,7 @@ import base64
 from hypothesis import given
 from hypothesis import strategies as st
 
-from guard.run.masking import Masker, command_line_secrets
+from guard.core.masking import Masker, command_line_secrets
 
 
 def test_two_secrets_sharing_characters_leave_no_part_of_either_visible() -> None:
