@@ -24,7 +24,8 @@ the window).
 
 Nothing here waits: :meth:`Alerts.send` appends to the tracker's queue (``tracking.TrackioSink``: one thread makes
 every trackio call), trackio POSTs each alert from its own daemon thread with a 10 s timeout, and at the end
-:func:`wait_for_webhooks` gives the POSTs still in flight at most 0.5 s. A failing webhook is
+:func:`wait_for_webhooks` gives the POSTs still in flight at most 0.3 s before the VERDICT and, silently, at most
+2 s more after it (``guard.run.cli``: nothing is written after the VERDICT). A failing webhook is
 logged once (masked, without its URL) and counted (:class:`WebhookWatch`).
 
 Facts used (trackio 0.43.0, ``trackio/run.py`` ``Run.alert`` and ``trackio/alerts.py`` ``send_webhook``): each
@@ -46,13 +47,14 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, Protocol
 
-__all__ = ["LEVELS", "AlertTracker", "Alerts", "ThroughputWatch", "WebhookWatch", "compose", "require_trackio",
-           "wait_for_webhooks"]
+__all__ = ["AFTER_VERDICT_WAIT_S", "LEVELS", "AlertTracker", "Alerts", "ThroughputWatch", "WebhookWatch", "compose",
+           "require_trackio", "wait_for_webhooks"]
 
 log = logging.getLogger("guard.alerts")
 
 LEVELS = ("info", "warn", "error")
-WEBHOOK_WAIT_S = 0.5  # at the end: the most the VERDICT waits for alert POSTs still in flight
+WEBHOOK_WAIT_S = 0.3  # at the end: the most the VERDICT waits for alert POSTs still in flight
+AFTER_VERDICT_WAIT_S = 2.0  # then, after the VERDICT, the most the guard's exit waits for them (silently)
 _RATE_LIMITED = re.compile(r"\b429\b|rate.?limit|too many requests", re.IGNORECASE)
 _ATTEMPTS = re.compile(r"\(attempts: (.*)\)")
 
@@ -170,6 +172,7 @@ class WebhookWatch(logging.Handler):
         super().__init__(logging.WARNING)
         self.url, self.mask = url, mask
         self.failures = 0
+        self.quiet = False  # after the VERDICT: count, never log
         self._lock_count = threading.Lock()
         self._logger = logging.getLogger("trackio.alerts")
         self._propagate = self._logger.propagate
@@ -193,7 +196,7 @@ class WebhookWatch(logging.Handler):
         with self._lock_count:
             self.failures += 1
             first = self.failures == 1
-        if first:
+        if first and not self.quiet:
             reason = message.split(f"{self.url}: ", 1)[-1] if self.url in message else message
             log.warning("the alert webhook did not take an alert: %s (later failures are only counted; the job "
                         "is not affected)", self.mask(reason.replace(self.url, "<webhook>")))
@@ -359,13 +362,15 @@ class Alerts:
                       hint=getattr(result, "hint", None) or "check the network, the token and the destination")
 
     def close(self, timeout_s: float = WEBHOOK_WAIT_S) -> None:
-        """At the end (after the tracker took the verdict): wait at most ``timeout_s`` for POSTs in flight, report
-        the webhook's failures, uninstall its watch."""
+        """At the end (after the tracker took the verdict): wait at most ``timeout_s`` for POSTs in flight and
+        report the webhook's failures; from then on its watch counts silently (the guard's exit may still wait
+        :data:`AFTER_VERDICT_WAIT_S` for them, after the VERDICT, when nothing more is written)."""
         if self.webhook is None:
             return
         left = wait_for_webhooks(timeout_s)
         if left:
-            log.warning("%d alert POST(s) still unanswered after %.0fs: not waiting for them", left, timeout_s)
+            log.warning("%d alert POST(s) still unanswered after %.1fs: the VERDICT does not wait for them (the "
+                        "guard's exit waits up to %.0fs more)", left, timeout_s, AFTER_VERDICT_WAIT_S)
         if self.webhook.failures:
             log.warning("the alert webhook failed %d time(s) in this run", self.webhook.failures)
-        self.webhook.uninstall()
+        self.webhook.quiet = True
