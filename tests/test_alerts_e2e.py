@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import socket
 import subprocess
 import threading
 import time
@@ -197,3 +199,32 @@ def test_a_webhook_without_trackio_is_a_preflight_failure(tmp_path: Path) -> Non
     assert "check=tracking" in run.verdict
     assert "jobguard[trackio]" in run.stderr
     assert "127.0.0.1:9" not in run.stderr  # the webhook URL is masked in the config log
+
+
+def test_a_slack_url_gets_slacks_blocks_and_stays_out_of_the_log(receiver: Receiver, tmp_path: Path) -> None:
+    # trackio picks the Slack format from the URL ("hooks.slack.com" in it): the receiver's path carries it
+    slack = receiver.url.replace("/hook", "/hooks.slack.com/services/T0000/B0000/XXXXXXXXXXXXXXXX")
+    run = run_guard(guard_args(slack, str(JOBS / "plain_loop.py"), "--steps", "5"), env=store_env(tmp_path))
+    assert run.returncode == 0, run.stderr[-2000:]
+    wait_for(receiver, 1)
+    [body] = receiver.bodies()
+    header, text, context = body["blocks"]
+    assert header["text"]["text"].endswith("*[INFO] VERDICT PASS reason=ok*")
+    assert text["text"]["text"].startswith("VERDICT: PASS reason=ok exit=0")
+    assert context["elements"][0]["text"].startswith("Project: jobguard  •  Run: jobguard-")
+    assert "XXXXXXXXXXXXXXXX" not in run.stderr  # a webhook URL is a credential: masked in the log
+    assert re.search(r"--alert-webhook +\*\*\*  \(flag\)", run.stderr)
+
+
+def test_a_refusing_webhook_is_logged_once_and_counted(tmp_path: Path) -> None:
+    with socket.socket() as sock:  # a port nobody listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    run = run_guard(guard_args(f"http://127.0.0.1:{port}/hook", str(JOBS / "plain_loop.py"), "--steps", "30",
+                               "--nan-at", "8"), env=store_env(tmp_path))
+    assert run.returncode == 4, run.stderr[-2000:]
+    said = [line for line in run.stderr.splitlines() if "alert webhook" in line]
+    first = [line for line in said if "did not take an alert" in line]
+    assert len(first) == 1, said  # two alerts failed (the NaN's, the verdict's): said once
+    assert "Connection refused" in first[0] and f":{port}" not in run.stderr
+    assert any(re.search(r"failed [12] time\(s\) in this run", line) for line in said), said
