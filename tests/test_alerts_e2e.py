@@ -228,3 +228,24 @@ def test_a_refusing_webhook_is_logged_once_and_counted(tmp_path: Path) -> None:
     assert len(first) == 1, said  # two alerts failed (the NaN's, the verdict's): said once
     assert "Connection refused" in first[0] and f":{port}" not in run.stderr
     assert any(re.search(r"failed [12] time\(s\) in this run", line) for line in said), said
+
+
+@pytest.mark.hub
+def test_a_rate_limited_destination_warns_once(receiver: Receiver, tmp_path: Path) -> None:
+    from tests.hubserver import TOKENS, HubServer
+
+    with HubServer() as hub:
+        hub.inject(status=429, count=1000, methods=("POST",), path_contains="/commit/")  # every commit: 429
+        env = {**hub.env(token=TOKENS["write"], hf_home=tmp_path / "hf"), **store_env(tmp_path)}
+        run = run_guard(guard_args(receiver.url, "--timeout", "30s", "--push-interval", "0s", "--push-to",
+                                   "alice/limited", str(JOBS / "saving_loop.py"), "--output-dir",
+                                   str(tmp_path / "out"), "--step-s", "0.05", "--save-every", "20"),
+                        env=env, timeout_s=120)
+    assert run.verdict.startswith("VERDICT: TIMEOUT reason=deadline exit=124"), run.stderr[-3000:]
+    wait_for(receiver, 3)
+    titles = [(b["level"], b["title"]) for b in receiver.bodies()]
+    assert titles.count(("warn", "pushes are rate-limited by the destination")) == 1, titles
+    assert ("info", "securing started: the deadline is near") in titles
+    limited = next(b for b in receiver.bodies() if b["title"].startswith("pushes are rate-limited"))
+    assert "HTTP 429" in limited["text"] and "hint: raise --push-interval" in limited["text"]
+    assert titles[-1] == ("error", "VERDICT TIMEOUT reason=deadline")
