@@ -249,3 +249,32 @@ def test_a_rate_limited_destination_warns_once(receiver: Receiver, tmp_path: Pat
     limited = next(b for b in receiver.bodies() if b["title"].startswith("pushes are rate-limited"))
     assert "HTTP 429" in limited["text"] and "hint: raise --push-interval" in limited["text"]
     assert titles[-1] == ("error", "VERDICT TIMEOUT reason=deadline")
+
+
+SLOWING_JOB = """
+import time
+import torch
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+x, y = torch.randn(16, 4), torch.randn(16, 1)
+for step in range(1, 331):
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    time.sleep(0.02 if step <= 300 else 0.2)  # ~50 steps/s, then ~5
+"""
+
+
+def test_a_throughput_drop_warns_once(receiver: Receiver, tmp_path: Path) -> None:
+    script = tmp_path / "slowing.py"
+    script.write_text(SLOWING_JOB)
+    run = run_guard(guard_args(receiver.url, "--check-every", "1", "--alert-throughput-window", "3s", str(script)),
+                    env=store_env(tmp_path))
+    assert run.returncode == 0, run.stderr[-2000:]
+    wait_for(receiver, 2)
+    drops = [b for b in receiver.bodies() if b["title"].startswith("throughput dropped")]
+    assert len(drops) == 1, receiver.bodies()
+    assert drops[0]["level"] == "warn" and drops[0]["step"] > 300
+    assert "under 0.5x the run's median" in drops[0]["text"]
+    assert [b["title"] for b in receiver.bodies()][-1] == "VERDICT PASS reason=ok"
