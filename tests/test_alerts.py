@@ -150,6 +150,14 @@ def test_securing_started_secured_checkpoints_and_failing_pushes() -> None:
                                                               ("final model secured", "info")]
 
 
+def test_no_destination_no_securing_alert() -> None:
+    alerts, rec = make()
+    plan = SimpleNamespace(trigger="deadline", state=SimpleNamespace(name="AWAITING_SAVE"), secured=None,
+                           history=[], pusher=None)
+    alerts.on_securing(plan, 5)
+    assert rec.alerts == []
+
+
 def test_a_failing_push_with_retries_inside_counts_as_repeated() -> None:
     alerts, rec = make()
     plan = SimpleNamespace(trigger="signal", state=SimpleNamespace(name="AWAITING_SAVE"), secured=None,

@@ -318,10 +318,11 @@ class Alerts:
                          hint="look for a slow data loader, a throttled GPU, a full disk or another job on the node")
 
     def on_securing(self, plan: Any, step: int | None) -> None:
-        """Poll the securing plan (``secure.plan.Plan``): securing started for the deadline or a signal, each
-        checkpoint secured, and failing or rate-limited pushes."""
+        """Poll the securing plan (``secure.plan.Plan``): securing started for the deadline or a signal (with a
+        destination: ``plan.pusher``), each checkpoint secured, and failing or rate-limited pushes."""
         trigger = plan.trigger
-        if trigger in ("deadline", "signal") and getattr(plan.state, "name", "WATCHING") != "WATCHING":
+        started = getattr(plan.state, "name", "WATCHING") != "WATCHING"
+        if trigger in ("deadline", "signal") and started and getattr(plan, "pusher", True) is not None:
             why = "the deadline is near" if trigger == "deadline" else "a termination signal arrived"
             self.send(f"securing:{trigger}", "info", f"securing started: {why}",
                       "the guard secures the newest checkpoint before the job is stopped", step=step)
