@@ -278,3 +278,14 @@ def test_a_throughput_drop_warns_once(receiver: Receiver, tmp_path: Path) -> Non
     assert drops[0]["level"] == "warn" and drops[0]["step"] > 300
     assert "under 0.5x the run's median" in drops[0]["text"]
     assert [b["title"] for b in receiver.bodies()][-1] == "VERDICT PASS reason=ok"
+
+
+def test_a_finite_explosion_warns_once_before_the_verdict(receiver: Receiver, tmp_path: Path) -> None:
+    run = run_guard(guard_args(receiver.url, str(JOBS / "diverge.py")), env=store_env(tmp_path))
+    assert run.verdict.startswith("VERDICT: FAIL"), run.stderr[-2000:]
+    wait_for(receiver, 2)
+    bodies = receiver.bodies()
+    explosions = [b for b in bodies if b["title"].startswith("the loss exploded at step")]
+    assert len(explosions) == 1 and explosions[0]["level"] == "warn", bodies
+    assert "its early level" in explosions[0]["text"] and "hint: lower the learning rate" in explosions[0]["text"]
+    assert bodies[-1]["title"].startswith("VERDICT FAIL") and bodies[-1]["level"] == "error"
