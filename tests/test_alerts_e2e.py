@@ -289,3 +289,13 @@ def test_a_finite_explosion_warns_once_before_the_verdict(receiver: Receiver, tm
     assert len(explosions) == 1 and explosions[0]["level"] == "warn", bodies
     assert "its early level" in explosions[0]["text"] and "hint: lower the learning rate" in explosions[0]["text"]
     assert bodies[-1]["title"].startswith("VERDICT FAIL") and bodies[-1]["level"] == "error"
+
+
+def test_a_preflight_failure_still_sends_its_verdict(receiver: Receiver, tmp_path: Path) -> None:
+    run = run_guard(["--alert-webhook", receiver.url, "--require-env", "SURELY_UNSET_VARIABLE",
+                     "--skip-check", "python=not what this test is about", str(JOBS / "plain_loop.py")],
+                    env=store_env(tmp_path))
+    assert run.returncode == 3, run.stderr[-2000:]
+    wait_for(receiver, 1)
+    [verdict] = receiver.bodies()
+    assert verdict["level"] == "error" and verdict["title"] == "VERDICT FAIL reason=preflight"
