@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 
+from guard.core.state import Outcome, Progress
 from guard.errors import UsageError
 from guard.observe.alerts import Alerts, ThroughputWatch, WebhookWatch, compose
 from guard.run.config import alert_webhook_url, resolve, webhook_secrets
-from guard.core.state import Outcome, Progress
 
 
 class Recorder:
@@ -68,11 +68,13 @@ def test_explosion_and_loss_rise_warn_once() -> None:
     progress.exploded = {"step": 30, "loss": 900.0, "early": 2.0}
     alerts.on_progress(2.0, progress)
     alerts.on_progress(3.0, progress)
-    progress.loss_rise = {"step": 60, "rank": 0, "text": "up 40% over 200 steps"}  # type: ignore[attr-defined]
+    progress.rose = {"since": 41, "step": 60, "loss": 70.0, "early": 2.0, "factor": 10.0,
+                     "checkpoint": "/out/checkpoint-40", "checkpoint_step": 40}  # as the watchdog's rise check sets it
     alerts.on_progress(4.0, progress)
     alerts.on_progress(5.0, progress)
     assert [(t, lvl, s) for t, _, lvl, s in rec.alerts] == [("the loss exploded at step 30", "warn", 30),
                                                             ("the loss keeps rising (step 60)", "warn", 60)]
+    assert "the last checkpoint before it: /out/checkpoint-40 (step 40)" in rec.alerts[1][1]
     assert alerts.warning("loss_rise", "again") is False  # the same kind through the hook: already said
 
 
@@ -123,7 +125,10 @@ def push(kind: str, step: int | None, ok: bool, *, error: str | None = None, kil
 
 
 class FakePlan(SimpleNamespace):
-    """What ``Alerts.on_securing`` reads: ``report()`` (here the fake itself)."""
+    """What ``Alerts.on_securing`` reads: ``report()`` (here the fake itself; a destination unless
+    ``has_pusher=False``)."""
+
+    has_pusher = True
 
     def report(self) -> FakePlan:
         return self
@@ -156,10 +161,18 @@ def test_securing_started_secured_checkpoints_and_failing_pushes() -> None:
                                                               ("final model secured", "info")]
 
 
+def test_no_destination_no_securing_alert() -> None:
+    alerts, rec = make()
+    plan = FakePlan(trigger="deadline", state=SimpleNamespace(name="AWAITING_SAVE"), secured=None,
+                    history=[], has_pusher=False)
+    alerts.on_securing(plan, 5)
+    assert rec.alerts == []
+
+
 def test_a_failing_push_with_retries_inside_counts_as_repeated() -> None:
     alerts, rec = make()
     plan = FakePlan(trigger="signal", state=SimpleNamespace(name="AWAITING_SAVE"), secured=None,
-                           history=[push("securing", 5, False, error="push failed (attempts: timeout; timeout)")])
+                    history=[push("securing", 5, False, error="push failed (attempts: timeout; timeout)")])
     alerts.on_securing(plan, 5)
     assert [t for t, _, _, _ in rec.alerts] == ["securing started: a termination signal arrived",
                                                 "pushes keep failing"]

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import socket
 import subprocess
 import threading
 import time
@@ -197,3 +199,103 @@ def test_a_webhook_without_trackio_is_a_preflight_failure(tmp_path: Path) -> Non
     assert "check=tracking" in run.verdict
     assert "jobguard[trackio]" in run.stderr
     assert "127.0.0.1:9" not in run.stderr  # the webhook URL is masked in the config log
+
+
+def test_a_slack_url_gets_slacks_blocks_and_stays_out_of_the_log(receiver: Receiver, tmp_path: Path) -> None:
+    # trackio picks the Slack format from the URL ("hooks.slack.com" in it): the receiver's path carries it
+    slack = receiver.url.replace("/hook", "/hooks.slack.com/services/T0000/B0000/XXXXXXXXXXXXXXXX")
+    run = run_guard(guard_args(slack, str(JOBS / "plain_loop.py"), "--steps", "5"), env=store_env(tmp_path))
+    assert run.returncode == 0, run.stderr[-2000:]
+    wait_for(receiver, 1)
+    [body] = receiver.bodies()
+    header, text, context = body["blocks"]
+    assert header["text"]["text"].endswith("*[INFO] VERDICT PASS reason=ok*")
+    assert text["text"]["text"].startswith("VERDICT: PASS reason=ok exit=0")
+    assert context["elements"][0]["text"].startswith("Project: jobguard  •  Run: jobguard-")
+    assert "XXXXXXXXXXXXXXXX" not in run.stderr  # a webhook URL is a credential: masked in the log
+    assert re.search(r"--alert-webhook +\*\*\*  \(flag\)", run.stderr)
+
+
+def test_a_refusing_webhook_is_logged_once_and_counted(tmp_path: Path) -> None:
+    with socket.socket() as sock:  # a port nobody listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    run = run_guard(guard_args(f"http://127.0.0.1:{port}/hook", str(JOBS / "plain_loop.py"), "--steps", "30",
+                               "--nan-at", "8"), env=store_env(tmp_path))
+    assert run.returncode == 4, run.stderr[-2000:]
+    said = [line for line in run.stderr.splitlines() if "alert webhook" in line]
+    first = [line for line in said if "did not take an alert" in line]
+    assert len(first) == 1, said  # two alerts failed (the NaN's, the verdict's): said once
+    assert "Connection refused" in first[0] and f":{port}" not in run.stderr
+    assert any(re.search(r"failed [12] time\(s\) in this run", line) for line in said), said
+
+
+@pytest.mark.hub
+def test_a_rate_limited_destination_warns_once(receiver: Receiver, tmp_path: Path) -> None:
+    from tests.hubserver import TOKENS, HubServer
+
+    with HubServer() as hub:
+        hub.inject(status=429, count=1000, methods=("POST",), path_contains="/commit/")  # every commit: 429
+        env = {**hub.env(token=TOKENS["write"], hf_home=tmp_path / "hf"), **store_env(tmp_path)}
+        run = run_guard(guard_args(receiver.url, "--timeout", "30s", "--push-interval", "0s", "--push-to",
+                                   "alice/limited", str(JOBS / "saving_loop.py"), "--output-dir",
+                                   str(tmp_path / "out"), "--step-s", "0.05", "--save-every", "20"),
+                        env=env, timeout_s=120)
+    assert run.verdict.startswith("VERDICT: TIMEOUT reason=deadline exit=124"), run.stderr[-3000:]
+    wait_for(receiver, 3)
+    titles = [(b["level"], b["title"]) for b in receiver.bodies()]
+    assert titles.count(("warn", "pushes are rate-limited by the destination")) == 1, titles
+    assert ("info", "securing started: the deadline is near") in titles
+    limited = next(b for b in receiver.bodies() if b["title"].startswith("pushes are rate-limited"))
+    assert "HTTP 429" in limited["text"] and "hint: raise --push-interval" in limited["text"]
+    assert titles[-1] == ("error", "VERDICT TIMEOUT reason=deadline")
+
+
+SLOWING_JOB = """
+import time
+import torch
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+x, y = torch.randn(16, 4), torch.randn(16, 1)
+for step in range(1, 331):
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    time.sleep(0.02 if step <= 300 else 0.2)  # ~50 steps/s, then ~5
+"""
+
+
+def test_a_throughput_drop_warns_once(receiver: Receiver, tmp_path: Path) -> None:
+    script = tmp_path / "slowing.py"
+    script.write_text(SLOWING_JOB)
+    run = run_guard(guard_args(receiver.url, "--check-every", "1", "--alert-throughput-window", "3s", str(script)),
+                    env=store_env(tmp_path))
+    assert run.returncode == 0, run.stderr[-2000:]
+    wait_for(receiver, 2)
+    drops = [b for b in receiver.bodies() if b["title"].startswith("throughput dropped")]
+    assert len(drops) == 1, receiver.bodies()
+    assert drops[0]["level"] == "warn" and drops[0]["step"] > 300
+    assert "under 0.5x the run's median" in drops[0]["text"]
+    assert [b["title"] for b in receiver.bodies()][-1] == "VERDICT PASS reason=ok"
+
+
+def test_a_finite_explosion_warns_once_before_the_verdict(receiver: Receiver, tmp_path: Path) -> None:
+    run = run_guard(guard_args(receiver.url, str(JOBS / "diverge.py")), env=store_env(tmp_path))
+    assert run.verdict.startswith("VERDICT: FAIL"), run.stderr[-2000:]
+    wait_for(receiver, 2)
+    bodies = receiver.bodies()
+    explosions = [b for b in bodies if b["title"].startswith("the loss exploded at step")]
+    assert len(explosions) == 1 and explosions[0]["level"] == "warn", bodies
+    assert "its early level" in explosions[0]["text"] and "hint: lower the learning rate" in explosions[0]["text"]
+    assert bodies[-1]["title"].startswith("VERDICT FAIL") and bodies[-1]["level"] == "error"
+
+
+def test_a_preflight_failure_still_sends_its_verdict(receiver: Receiver, tmp_path: Path) -> None:
+    run = run_guard(["--alert-webhook", receiver.url, "--require-env", "SURELY_UNSET_VARIABLE",
+                     "--skip-check", "python=not what this test is about", str(JOBS / "plain_loop.py")],
+                    env=store_env(tmp_path))
+    assert run.returncode == 3, run.stderr[-2000:]
+    wait_for(receiver, 1)
+    [verdict] = receiver.bodies()
+    assert verdict["level"] == "error" and verdict["title"] == "VERDICT FAIL reason=preflight"

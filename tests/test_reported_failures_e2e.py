@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 from conftest import JOBS, GuardRun, kill_quietly, run_guard, start_guard
 
-from guard.run.diagnose import rank_failure
 from guard.core.masking import Masker
-from guard.run.output import OutputEvents, StreamFilter
 from guard.core.state import JobFacts
+from guard.run.diagnose import rank_failure
+from guard.run.output import OutputEvents, StreamFilter
 from guard.run.supervisor import SAMPLE_EVERY_S
 
 pytestmark = pytest.mark.slow

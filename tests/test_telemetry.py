@@ -425,10 +425,11 @@ def test_heartbeat_figures_a_person_reads_and_the_alerts_it_carries() -> None:
                         tracker=tracker)
     hb.alerts = Alerts(lambda: hb.tracker)
     run_steps(hb, clock, 1, 20, 0.5)
-    secured = SimpleNamespace(info=SimpleNamespace(step=15, path="/out/checkpoint-15"),
-                              result=SimpleNamespace(ok=True, pushed="hf://a/b@r1", destination="hf://a/b"),
-                              kind="background")
-    plan = SimpleNamespace(trigger=None, state=SimpleNamespace(name="WATCHING"), history=[secured], secured=secured)
+    secured = SimpleNamespace(kind="background", step=15, path="/out/checkpoint-15", running=False, ok=True,
+                              killed=False, pushed="hf://a/b@r1", destination="hf://a/b", error=None, hint=None)
+    snapshot = SimpleNamespace(trigger=None, state=SimpleNamespace(name="WATCHING"), history=(secured,),
+                               secured=secured, has_pusher=True)  # what Plan.report() gives
+    plan = SimpleNamespace(report=lambda: snapshot)
     hb.observe(clock.now, SimpleNamespace(exploded=None), plan)
     clock.now = 10.0
     line = hb.tick(clock.now, Snapshot(tree_rss_bytes=GIB))

@@ -24,7 +24,8 @@ the window).
 
 Nothing here waits: :meth:`Alerts.send` appends to the tracker's queue (``tracking.TrackioSink``: one thread makes
 every trackio call), trackio POSTs each alert from its own daemon thread with a 10 s timeout, and at the end
-:func:`wait_for_webhooks` gives the POSTs still in flight at most 0.5 s. A failing webhook is
+:func:`wait_for_webhooks` gives the POSTs still in flight at most 0.3 s before the VERDICT and, silently, at most
+2 s more after it (``guard.run.cli``: nothing is written after the VERDICT). A failing webhook is
 logged once (masked, without its URL) and counted (:class:`WebhookWatch`).
 
 Facts used (trackio 0.43.0, ``trackio/run.py`` ``Run.alert`` and ``trackio/alerts.py`` ``send_webhook``): each
@@ -46,13 +47,14 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, Protocol
 
-__all__ = ["LEVELS", "AlertTracker", "Alerts", "ThroughputWatch", "WebhookWatch", "compose", "require_trackio",
-           "wait_for_webhooks"]
+__all__ = ["AFTER_VERDICT_WAIT_S", "LEVELS", "AlertTracker", "Alerts", "ThroughputWatch", "WebhookWatch", "compose",
+           "require_trackio", "wait_for_webhooks"]
 
 log = logging.getLogger("guard.alerts")
 
 LEVELS = ("info", "warn", "error")
-WEBHOOK_WAIT_S = 0.5  # at the end: the most the VERDICT waits for alert POSTs still in flight
+WEBHOOK_WAIT_S = 0.3  # at the end: the most the VERDICT waits for alert POSTs still in flight
+AFTER_VERDICT_WAIT_S = 2.0  # then, after the VERDICT, the most the guard's exit waits for them (silently)
 _RATE_LIMITED = re.compile(r"\b429\b|rate.?limit|too many requests", re.IGNORECASE)
 _ATTEMPTS = re.compile(r"\(attempts: (.*)\)")
 
@@ -170,6 +172,7 @@ class WebhookWatch(logging.Handler):
         super().__init__(logging.WARNING)
         self.url, self.mask = url, mask
         self.failures = 0
+        self.quiet = False  # after the VERDICT: count, never log
         self._lock_count = threading.Lock()
         self._logger = logging.getLogger("trackio.alerts")
         self._propagate = self._logger.propagate
@@ -193,7 +196,7 @@ class WebhookWatch(logging.Handler):
         with self._lock_count:
             self.failures += 1
             first = self.failures == 1
-        if first:
+        if first and not self.quiet:
             reason = message.split(f"{self.url}: ", 1)[-1] if self.url in message else message
             log.warning("the alert webhook did not take an alert: %s (later failures are only counted; the job "
                         "is not affected)", self.mask(reason.replace(self.url, "<webhook>")))
@@ -297,11 +300,15 @@ class Alerts:
                          f"loss {exploded.get('loss'):.6g}, its early level {exploded.get('early'):.4g}",
                          step=exploded.get("step"), rank=exploded.get("rank"),
                          hint="lower the learning rate, add warmup or clip gradients")
-        rise = getattr(progress, "loss_rise", None)
-        if isinstance(rise, dict):
-            self.warning("loss_rise", f"the loss keeps rising (step {rise.get('step')})", rise.get("text"),
-                         step=rise.get("step"), rank=rise.get("rank"),
-                         hint=rise.get("hint") or "lower the learning rate or check the data order")
+        rise = progress.rose  # core.state.Progress.rose: set once by the watchdog's sustained-rise check
+        if rise is not None:
+            back = (f"; the last checkpoint before it: {rise['checkpoint']} (step {rise['checkpoint_step']})"
+                    if rise.get("checkpoint") else "; no checkpoint was saved before it")
+            self.warning("loss_rise", f"the loss keeps rising (step {rise.get('step')})",
+                         f"above {rise.get('factor'):g}x its early level {rise.get('early'):.4g} since step "
+                         f"{rise.get('since')}, now {rise.get('loss'):.6g}{back}", step=rise.get("step"),
+                         hint="lower the learning rate or check the data order, and resume from the checkpoint "
+                              "before the rise")
 
     def on_rate(self, now: float, step: int) -> None:
         """A training step for the throughput watch."""
@@ -316,10 +323,11 @@ class Alerts:
 
     def on_securing(self, plan: Any, step: int | None) -> None:
         """Poll the securing plan's snapshot (``secure.plan.Plan.report()``): securing started for the deadline or a
-        signal, each checkpoint secured, and failing or rate-limited pushes."""
+        signal (with a destination: ``has_pusher``), each checkpoint secured, and failing or rate-limited pushes."""
         report = plan.report()
         trigger = report.trigger
-        if trigger in ("deadline", "signal") and getattr(report.state, "name", "WATCHING") != "WATCHING":
+        started = getattr(report.state, "name", "WATCHING") != "WATCHING"
+        if trigger in ("deadline", "signal") and started and report.has_pusher:
             why = "the deadline is near" if trigger == "deadline" else "a termination signal arrived"
             self.send(f"securing:{trigger}", "info", f"securing started: {why}",
                       "the guard secures the newest checkpoint before the job is stopped", step=step)
@@ -359,13 +367,15 @@ class Alerts:
                       hint=view.hint or "check the network, the token and the destination")
 
     def close(self, timeout_s: float = WEBHOOK_WAIT_S) -> None:
-        """At the end (after the tracker took the verdict): wait at most ``timeout_s`` for POSTs in flight, report
-        the webhook's failures, uninstall its watch."""
+        """At the end (after the tracker took the verdict): wait at most ``timeout_s`` for POSTs in flight and
+        report the webhook's failures; from then on its watch counts silently (the guard's exit may still wait
+        :data:`AFTER_VERDICT_WAIT_S` for them, after the VERDICT, when nothing more is written)."""
         if self.webhook is None:
             return
         left = wait_for_webhooks(timeout_s)
         if left:
-            log.warning("%d alert POST(s) still unanswered after %.0fs: not waiting for them", left, timeout_s)
+            log.warning("%d alert POST(s) still unanswered after %.1fs: the VERDICT does not wait for them (the "
+                        "guard's exit waits up to %.0fs more)", left, timeout_s, AFTER_VERDICT_WAIT_S)
         if self.webhook.failures:
             log.warning("the alert webhook failed %d time(s) in this run", self.webhook.failures)
-        self.webhook.uninstall()
+        self.webhook.quiet = True

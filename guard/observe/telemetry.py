@@ -634,5 +634,5 @@ def close_with_verdict(heartbeat: Heartbeat, result: RunResult, deadline_s: floa
     tracker.finish(result)
     if not tracker.close(timeout_s=limit_s):
         log.warning("trackio did not finish within %.0fs; the verdict may be missing there", limit_s)
-    if heartbeat.alerts is not None:  # the verdict's POST (and any still in flight): at most alerts.WEBHOOK_WAIT_S
+    if heartbeat.alerts is not None:  # the verdict's POST (and others in flight): alerts.WEBHOOK_WAIT_S
         heartbeat.alerts.close()

@@ -360,6 +360,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if config is not None and subcommand == "run":
         stages.requeue(config, result)  # after the VERDICT and the report: Slurm's SIGTERM may follow at once
+    if "guard.observe.alerts" in sys.modules:  # alert POSTs still in flight (the verdict's): a bounded, silent wait
+        from guard.observe.alerts import AFTER_VERDICT_WAIT_S, wait_for_webhooks
+
+        wait_for_webhooks(AFTER_VERDICT_WAIT_S)
     if stages.abandoned_work:  # preflight left running after a signal: end its children, do not wait at exit
         _end_children()
         logging.shutdown()

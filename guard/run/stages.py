@@ -370,7 +370,7 @@ def run_job(config: Config, masker: Masker, started: float) -> RunResult:
             raise PreflightError(f"uv could not build the script's environment: {uv_env.error}", check="python",
                                  hint=uv_error_hint(uv_env.error))
         if finished and report is not None and report.failed is not None:
-            return _with_platform(_preflight_failed(report, started), platform)
+            return _verdict_alert(config, masker, _with_platform(_preflight_failed(report, started), platform))
         fetched = None if not finished else _resume(config, securer, report, platform, output_dir=output_dir,
                                                     deadline=deadline, early=early)
     if early.received:
@@ -463,6 +463,25 @@ def _heartbeat(config: Config, masker: Masker, securing: Securing) -> Heartbeat:
                               throughput=ThroughputWatch(config.alert_throughput_drop, config.alert_throughput_window),
                               webhook=WebhookWatch(url, masker.mask_text).install() if url else None)
     return heartbeat
+
+
+def _verdict_alert(config: Config, masker: Masker, result: RunResult) -> RunResult:
+    """A verdict reached before the job started (preflight failed): with a webhook, its alert all the same, in a
+    trackio run of its own (at most 5 s for trackio, then ``alerts.WEBHOOK_WAIT_S`` for the POST)."""
+    from guard.observe.alerts import WEBHOOK_WAIT_S, WebhookWatch, wait_for_webhooks
+    from guard.observe.tracking import TrackioSink
+    from guard.run.config import alert_webhook_url
+
+    url, _source = alert_webhook_url(config.values, config.environ)
+    if url:
+        watch = WebhookWatch(url, masker.mask_text).install()
+        sink = TrackioSink(config.trackio or "jobguard", run_name=f"jobguard-{time.strftime('%Y%m%d-%H%M%S')}",
+                           mask=masker.mask_text, webhook_url=url, webhook_min_level=config.alert_level)
+        sink.finish(result)
+        sink.close(timeout_s=5.0)
+        wait_for_webhooks(WEBHOOK_WAIT_S)
+        watch.quiet = True
+    return result
 
 
 def _require_trackio(config: Config) -> None:
