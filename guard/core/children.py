@@ -58,11 +58,12 @@ class GuardChildren:
             return frozenset(pid for pid, who in self._owners.items() if who != JOB)
 
     def run(self, argv: Sequence[str], *, owner: str = HELPER, timeout: float | None = None,
-            capture_output: bool = False, **kwargs: Any) -> subprocess.CompletedProcess[Any]:
+            capture_output: bool = False, check: bool = False, **kwargs: Any) -> subprocess.CompletedProcess[Any]:
         """``subprocess.run`` whose child is registered under ``owner`` while it runs (for the helper thread).
 
         Raises:
             subprocess.TimeoutExpired: as ``subprocess.run`` (the child is killed and reaped first).
+            subprocess.CalledProcessError: ``check`` and a non-zero exit, as ``subprocess.run``.
             OSError: the command cannot be started.
         """
         if capture_output:
@@ -78,7 +79,10 @@ class GuardChildren:
             finally:
                 proc.poll()
                 self.discard(proc.pid)
-        return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+        done = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+        if check:
+            done.check_returncode()
+        return done
 
 
 #: The guard process's registry.
