@@ -154,9 +154,9 @@ def _held_environ(tmp_path: Path) -> tuple[dict[str, str], Path, Path]:
 
 
 def test_a_request_over_a_pipe_buffer_does_not_wait_for_the_child(tmp_path: Path) -> None:
-    # A sharded checkpoint (FSDP/DeepSpeed-like shard files, no format of their own): 2000 files, a request of ~120 KiB,
-    # over a pipe's 64 KiB. start()
-    # returns while the child has not read anything yet; the child then gets the whole request.
+    # A sharded checkpoint (FSDP/DeepSpeed-like shard files with no format of their own): 2000 files, a request of
+    # ~120 KiB, over a pipe's 64 KiB. start() returns while the child has not read anything yet; the child then gets
+    # the whole request.
     import threading
 
     ckpt = tmp_path / "out" / "checkpoint-9"
