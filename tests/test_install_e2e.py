@@ -27,7 +27,7 @@ from packaging.utils import canonicalize_name
 
 from tests.hubserver import TOKENS, HubServer
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("install")]
+pytestmark = [pytest.mark.slow]
 
 UV = shutil.which("uv") or os.path.join(os.path.dirname(sys.executable), "uv")
 HF = shutil.which("hf") or os.path.join(os.path.dirname(sys.executable), "hf")

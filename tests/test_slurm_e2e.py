@@ -5,7 +5,9 @@ All jobs are submitted at once when the module starts (the node has 2 CPUs and O
 then waits for its own: the module takes about as long as its longest job (the requeue: a stop, the requeue delay
 of ``cred_expire=30`` s, the resumed run). Each test checks the VERDICT in the job's output file, ``ExitCode`` from
 ``scontrol show job``, the secured checkpoint's content (``torch.load``) and that nothing of the job is left
-running. Without a cluster the tests skip with the reason; with ``CI=true`` that skip is a failure.
+running. Without a cluster the tests skip with the reason; with ``CI=true`` that skip is a failure. Under
+pytest-xdist the module must stay whole on one worker (``--dist loadfile``, as the README's command has it), or
+each worker would submit the jobs again.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import psutil
 import pytest
 from conftest import JOBS, REPO, guard_env
 
-pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.xdist_group("slurm")]
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
 SBATCH = Path(__file__).resolve().parent / "slurm" / "guarded.sbatch"
 NANO = str(JOBS / "nanogpt_like.py")
