@@ -180,22 +180,22 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[dict[str, J
         # Preempted once (SIGTERM to the whole job, as a preemption sends), requeued by the guard, resumed, finished.
         submit("requeue", ["--time=5", "--requeue"],
                [*FAST, "--grace", "10s", "--requeue", "--push-to", str(root / "requeue" / "dest"),
-                str(REPO / "examples" / "train_loop.py"), "--steps", "120", "--save-every", "100000",
+                str(REPO / "examples" / "train_loop.py"), "--steps", "50", "--save-every", "100000",
                 "--log-every", "10", "--output-dir", str(root / "requeue" / "out")])
         # --time=1: the limit comes from scontrol (22.05 sets no SLURM_JOB_END_TIME); a plain loop saving ckpt.pt.
         submit("deadline", ["--time=1"],
                [*FAST, "--push-to", str(root / "deadline" / "dest"), NANO,
-                f"--out_dir={root / 'deadline' / 'out'}", "--eval_interval=200", "--step_s=0.01"])
+                f"--out_dir={root / 'deadline' / 'out'}", "--eval_interval=40", "--step_s=0.05"])
         # scancel: SIGTERM to the job's processes, SIGKILL KillWait (30 s) later.
         submit("scancel", ["--time=5"],
                [*FAST, "--grace", "10s", "--push-to", str(root / "scancel" / "dest"), NANO,
-                f"--out_dir={root / 'scancel' / 'out'}", "--eval_interval=100", "--step_s=0.01"])
+                f"--out_dir={root / 'scancel' / 'out'}", "--eval_interval=40", "--step_s=0.05"])
         # --signal=B:USR1@100 on a 3-minute job: SIGUSR1 to the batch step (the guard) at 80 s, or up to 60 s
         # earlier ("Due to the resolution of event handling by Slurm", sbatch(1)); the guard's own deadline stop
         # comes later (180 s less a margin of at most 90 s).
         submit("usr1", ["--time=3", "--signal=B:USR1@100"],
                [*FAST, "--grace", "10s", "--push-to", str(root / "usr1" / "dest"), NANO,
-                f"--out_dir={root / 'usr1' / 'out'}", "--eval_interval=200", "--step_s=0.01"])
+                f"--out_dir={root / 'usr1' / 'out'}", "--eval_interval=40", "--step_s=0.05"])
         # An srun job step with two tasks under one guard.
         submit("srun", ["--time=3", "--ntasks=2"],
                [*FAST, "--", "srun", "--ntasks=2", sys.executable, str(JOBS / "plain_loop.py"), "--steps", "40",
@@ -207,7 +207,7 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[dict[str, J
     requeue, cancel = submitted["requeue"], submitted["scancel"]
     driver = Driver({
         # a preemption's SIGTERM to every process of the job (not a cancel): the guard secures, then requeues
-        "requeue": (requeue, r"step=20 ", 1, ["scancel", "--signal=TERM", "--full", requeue.job_id]),
+        "requeue": (requeue, r"step=10 ", 1, ["scancel", "--signal=TERM", "--full", requeue.job_id]),
         "scancel": (cancel, SAVED, 3, ["scancel", cancel.job_id]),
     })
     driver.start()
@@ -237,7 +237,7 @@ def test_time_limit_found_through_scontrol_is_the_budget(jobs: tuple[dict[str, J
     # The margin is capped at half the 60 s budget, not 60 s or more: the job trained for most of its minute.
     assert float(fields["elapsed"]) >= 25, verdict
     secured = torch.load(job.folder / "dest" / "last-checkpoint" / "ckpt.pt")
-    assert secured["iter_num"] == max(_saved_steps(job)) > 200, (secured["iter_num"], _saved_steps(job))
+    assert secured["iter_num"] == max(_saved_steps(job)) > 40, (secured["iter_num"], _saved_steps(job))
     assert f"resumes from step {secured['iter_num']}" in fields["hint"]
     assert job.leftovers() == []
 
