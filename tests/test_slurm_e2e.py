@@ -238,7 +238,8 @@ def test_time_limit_found_through_scontrol_is_the_budget(jobs: tuple[dict[str, J
     # The checkpoint is asked for at the end less the margin, at most half the 120 s budget (no 98 s margin
     # before any measurement, no 60 s floor under an exact end time): the job trained for most of it.
     assert float(fields["elapsed"]) >= 45, verdict
-    [saved] = _saved_steps(job)  # the one save, the one the guard asked for
+    # the one save, the one the guard asked for (the agent reports it: "checkpoint saved by the job: PATH (step N")
+    [saved] = [int(n) for n in re.findall(r"checkpoint saved by the job: \S+ \(step (\d+),", text)]
     secured = torch.load(job.folder / "dest" / "last-checkpoint" / "ckpt.pt")
     assert secured["iter_num"] == saved > 100, (secured["iter_num"], saved)
     assert f"resumes from step {saved}" in fields["hint"]
