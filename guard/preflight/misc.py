@@ -135,7 +135,7 @@ def check_distributed(
                                 "launch with torchrun, or export MASTER_ADDR and MASTER_PORT"))
     if not any(row.status == "fail" for row in rows):
         rows.insert(0, CheckResult(name, "pass", "; ".join(facts) or
-                                   ("under torchrun" if torchrun else "under Slurm"
+                                   ("under torchrun" if torchrun or opts.platform == "torchrun" else "under Slurm"
                                     + (f" ({ntasks} tasks)" if ntasks else ""))))
     return rows
 
