@@ -15,6 +15,27 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 JOBS = Path(__file__).resolve().parent / "jobs"
 
+#: Test files that must share one pytest-xdist worker (the README's ``-n 2 --dist loadfile``): they pick free TCP
+#: ports (``free_port``) for torchrun and check that no launch-smoke process is left on the machine, which another
+#: worker's torchrun job would break. Every other file is its own unit, whole on one worker.
+SAME_WORKER = {"test_distributed_e2e.py": "torchrun", "test_preflight_launch.py": "torchrun"}
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """``--dist loadfile`` with the files of :data:`SAME_WORKER` as one unit (pytest-xdist's own ``xdist_group``
+    marks need ``--dist loadgroup``, whose node-id suffix pytest 9.2 no longer takes); None: xdist's choice."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class FilesAndGroups(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            file = nodeid.split("::", 1)[0]
+            return SAME_WORKER.get(file.rsplit("/", 1)[-1], file)
+
+    return FilesAndGroups(config, log)
+
 
 @pytest.fixture(autouse=True)
 def _isolated_env(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:

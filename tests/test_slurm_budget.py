@@ -53,6 +53,8 @@ def test_a_single_slurm_task_says_nothing_about_a_launcher() -> None:
     rows = check_distributed(PreflightOptions(platform="slurm"), environ=plain, gpus=None)
     assert [r.status for r in rows] == ["n/a"] and "launcher" not in rows[0].seen
     assert "one Slurm task" in rows[0].seen
+    rows = check_distributed(PreflightOptions(platform="torchrun"), environ={}, gpus=None)
+    assert "Slurm" not in rows[0].seen  # not under Slurm: nothing said about Slurm tasks
     two = {**plain, "SLURM_NTASKS": "2"}
     rows = check_distributed(PreflightOptions(platform="slurm"), environ=two, gpus=None)
     assert rows[0].status == "pass" and "world size 2" in rows[0].seen

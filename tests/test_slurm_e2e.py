@@ -5,7 +5,9 @@ All jobs are submitted at once when the module starts (the node has 2 CPUs and O
 then waits for its own: the module takes about as long as its longest job (the requeue: a stop, the requeue delay
 of ``cred_expire=30`` s, the resumed run). Each test checks the VERDICT in the job's output file, ``ExitCode`` from
 ``scontrol show job``, the secured checkpoint's content (``torch.load``) and that nothing of the job is left
-running. Without a cluster the tests skip with the reason; with ``CI=true`` that skip is a failure.
+running. Without a cluster the tests skip with the reason; with ``CI=true`` that skip is a failure. Under
+pytest-xdist the module must stay whole on one worker (``--dist loadfile``, as the README's command has it), or
+each worker would submit the jobs again.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import psutil
 import pytest
 from conftest import JOBS, REPO, guard_env
 
-pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.xdist_group("slurm")]
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
 SBATCH = Path(__file__).resolve().parent / "slurm" / "guarded.sbatch"
 NANO = str(JOBS / "nanogpt_like.py")
@@ -178,22 +180,23 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[dict[str, J
         # Preempted once (SIGTERM to the whole job, as a preemption sends), requeued by the guard, resumed, finished.
         submit("requeue", ["--time=5", "--requeue"],
                [*FAST, "--grace", "10s", "--requeue", "--push-to", str(root / "requeue" / "dest"),
-                str(REPO / "examples" / "train_loop.py"), "--steps", "120", "--save-every", "100000",
+                str(REPO / "examples" / "train_loop.py"), "--steps", "50", "--save-every", "100000",
                 "--log-every", "10", "--output-dir", str(root / "requeue" / "out")])
-        # --time=1: the limit comes from scontrol (22.05 sets no SLURM_JOB_END_TIME); a plain loop saving ckpt.pt.
-        submit("deadline", ["--time=1"],
+        # --time=2: the limit comes from scontrol (22.05 sets no SLURM_JOB_END_TIME); a loop that saves ckpt.pt
+        # when the guard asks (--api=True) and never on its own, so the request's time shows the margin.
+        submit("deadline", ["--time=2"],
                [*FAST, "--push-to", str(root / "deadline" / "dest"), NANO,
-                f"--out_dir={root / 'deadline' / 'out'}", "--eval_interval=200", "--step_s=0.01"])
+                f"--out_dir={root / 'deadline' / 'out'}", "--eval_interval=100000", "--step_s=0.05", "--api=True"])
         # scancel: SIGTERM to the job's processes, SIGKILL KillWait (30 s) later.
         submit("scancel", ["--time=5"],
                [*FAST, "--grace", "10s", "--push-to", str(root / "scancel" / "dest"), NANO,
-                f"--out_dir={root / 'scancel' / 'out'}", "--eval_interval=100", "--step_s=0.01"])
+                f"--out_dir={root / 'scancel' / 'out'}", "--eval_interval=40", "--step_s=0.05"])
         # --signal=B:USR1@100 on a 3-minute job: SIGUSR1 to the batch step (the guard) at 80 s, or up to 60 s
         # earlier ("Due to the resolution of event handling by Slurm", sbatch(1)); the guard's own deadline stop
         # comes later (180 s less a margin of at most 90 s).
         submit("usr1", ["--time=3", "--signal=B:USR1@100"],
                [*FAST, "--grace", "10s", "--push-to", str(root / "usr1" / "dest"), NANO,
-                f"--out_dir={root / 'usr1' / 'out'}", "--eval_interval=200", "--step_s=0.01"])
+                f"--out_dir={root / 'usr1' / 'out'}", "--eval_interval=40", "--step_s=0.05"])
         # An srun job step with two tasks under one guard.
         submit("srun", ["--time=3", "--ntasks=2"],
                [*FAST, "--", "srun", "--ntasks=2", sys.executable, str(JOBS / "plain_loop.py"), "--steps", "40",
@@ -205,7 +208,7 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[dict[str, J
     requeue, cancel = submitted["requeue"], submitted["scancel"]
     driver = Driver({
         # a preemption's SIGTERM to every process of the job (not a cancel): the guard secures, then requeues
-        "requeue": (requeue, r"step=20 ", 1, ["scancel", "--signal=TERM", "--full", requeue.job_id]),
+        "requeue": (requeue, r"step=10 ", 1, ["scancel", "--signal=TERM", "--full", requeue.job_id]),
         "scancel": (cancel, SAVED, 3, ["scancel", cancel.job_id]),
     })
     driver.start()
@@ -223,20 +226,23 @@ def test_time_limit_found_through_scontrol_is_the_budget(jobs: tuple[dict[str, J
     import torch
 
     job = jobs[0]["deadline"]
-    info = job.wait_end(timeout_s=150)
+    info = job.wait_end(timeout_s=210)
     text = job.text()
     assert info["ExitCode"] == "75:0", (info, text[-3000:])
-    assert re.search(r"budget +pass +timeout 1m \(from scontrol EndTime\)", text), text[:6000]
+    assert re.search(r"budget +pass +timeout 2m \(from scontrol EndTime\)", text), text[:6000]
     assert re.search(r"distributed +n/a +one process", text) and "launcher detected" not in text
     [verdict] = job.verdicts()
     fields = job.fields(verdict)
     assert (fields["status"], fields["reason"], fields["exit"], fields["secured"]) == (
         "TIMEOUT", "deadline", "75", "yes"), verdict
-    # The margin is capped at half the 60 s budget, not 60 s or more: the job trained for most of its minute.
-    assert float(fields["elapsed"]) >= 25, verdict
+    # The checkpoint is asked for at the end less the margin, at most half the 120 s budget (no 98 s margin
+    # before any measurement, no 60 s floor under an exact end time): the job trained for most of it.
+    assert float(fields["elapsed"]) >= 45, verdict
+    # the one save, the one the guard asked for (the agent reports it: "checkpoint saved by the job: PATH (step N")
+    [saved] = [int(n) for n in re.findall(r"checkpoint saved by the job: \S+ \(step (\d+),", text)]
     secured = torch.load(job.folder / "dest" / "last-checkpoint" / "ckpt.pt")
-    assert secured["iter_num"] == max(_saved_steps(job)) > 200, (secured["iter_num"], _saved_steps(job))
-    assert f"resumes from step {secured['iter_num']}" in fields["hint"]
+    assert secured["iter_num"] == saved > 100, (secured["iter_num"], saved)
+    assert f"resumes from step {saved}" in fields["hint"]
     assert job.leftovers() == []
 
 

@@ -97,7 +97,7 @@ def check_distributed(
     if not torchrun and not slurm and opts.platform not in ("torchrun", "slurm"):
         return [CheckResult(name, "n/a", "not a distributed run (no WORLD_SIZE, not under Slurm)")]
     ntasks = _int(environ, "SLURM_NTASKS")
-    if not torchrun and (ntasks or 1) == 1 and not (environ.get("MASTER_ADDR") or "").strip():
+    if slurm and not torchrun and (ntasks or 1) == 1 and not (environ.get("MASTER_ADDR") or "").strip():
         # sbatch without -n/--ntasks sets no SLURM_NTASKS: one task, the batch step's (sbatch(1) OUTPUT ENVIRONMENT)
         return [CheckResult(name, "n/a", "one process: one Slurm task "
                             f"({'SLURM_NTASKS=1' if ntasks else 'no SLURM_NTASKS'}), no WORLD_SIZE")]
@@ -135,7 +135,8 @@ def check_distributed(
                                 "launch with torchrun, or export MASTER_ADDR and MASTER_PORT"))
     if not any(row.status == "fail" for row in rows):
         rows.insert(0, CheckResult(name, "pass", "; ".join(facts) or
-                                   ("under torchrun" if torchrun else f"under Slurm ({ntasks} tasks)")))
+                                   ("under torchrun" if torchrun or opts.platform == "torchrun" else "under Slurm"
+                                    + (f" ({ntasks} tasks)" if ntasks else ""))))
     return rows
 
 

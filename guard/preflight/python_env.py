@@ -58,8 +58,8 @@ Runner = Callable[..., Any]  # subprocess.run
 
 
 #: What to do when the script's PEP 723 dependencies are not installed here.
-UV_HINT = ("run the guard under uv (uv run --with jobguard python -m guard ..., hf jobs uv run ...) or pass --uv on "
-           "so that uv installs them; or pip install them here")
+UV_HINT = ("run the guard under uv (uv run --with 'jobguard @ WHEEL_URL' jobguard ..., hf jobs uv run ...) or pass "
+           "--uv on so that uv installs them; or pip install them here")
 
 
 def uv_error_hint(uv_error: str) -> str:

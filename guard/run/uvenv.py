@@ -1,6 +1,6 @@
 """Running a PEP 723 script in the environment uv builds for it, where the user chose uv.
 
-``hf jobs uv run ... --with jobguard -- python -m guard train.py`` gives uv an environment with jobguard only:
+``hf jobs uv run ... --with 'jobguard @ WHEEL_URL' -- jobguard train.py`` gives uv an environment with jobguard only:
 the script's own ``# /// script`` dependencies are not in it. When the guard itself runs under uv (or
 ``--uv on``) and the script's dependencies are not all satisfied here, the guard has uv build the script's own
 environment (``uv sync --script SCRIPT``, the environment ``uv run --script SCRIPT`` uses), checks the Python
