@@ -158,7 +158,7 @@ def protect(*options: str) -> None:
         return
     if os.environ.get("LOCAL_RANK") is not None or os.environ.get("TORCHELASTIC_RUN_ID"):
         sys.stderr.write("[guard] protect(): one process per rank (torchrun); run the guard around the launcher "
-                         "instead: python -m guard -- torchrun ...\n")
+                         "instead: jobguard -- torchrun ...\n")
         return
     script = getattr(sys.modules.get("__main__"), "__file__", None)
     if not script:

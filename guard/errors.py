@@ -50,7 +50,7 @@ class UsageError(GuardError, ValueError):
 
     exit_code = 2
     reason = "usage"
-    default_hint = "run `python -m guard --help` for the accepted forms"
+    default_hint = "run `jobguard --help` for the accepted forms"
 
     def __init__(self, message: str, *, option: str | None = None, hint: str | None = None) -> None:
         super().__init__(message, hint=hint)

@@ -4,7 +4,7 @@ The log (a file, or stdin by default) passes through to stdout unchanged, as it 
 ``exit=`` of the **last** guard VERDICT line seen (a requeued job may append a second run to the same log), so a
 CI step or a scheduler hook gets the job's outcome from, e.g.::
 
-    hf jobs logs --follow JOB_ID | python -m guard watch --summary "$GITHUB_STEP_SUMMARY"
+    hf jobs logs --follow JOB_ID | jobguard watch --summary "$GITHUB_STEP_SUMMARY"
 
 Which lines count (see ``parse_verdict``): a line that starts with ``VERDICT: `` (contract, "The VERDICT line"),
 optionally after **one** log-viewer timestamp prefix. Accepted prefixes, each followed by spaces or tabs:
@@ -353,7 +353,7 @@ class _Parser(argparse.ArgumentParser):
 
 def _build_parser() -> _Parser:
     parser = _Parser(
-        prog="python -m guard watch",
+        prog="jobguard watch",
         description="Pass a job log through and exit with the exit= of its last guard VERDICT line "
         f"({NO_VERDICT_EXIT} when the log has none).",
     )

@@ -36,10 +36,10 @@ __all__ = ["build_config", "main"]
 log = logging.getLogger("guard.cli")
 
 USAGE = """\
-python -m guard [OPTIONS] SCRIPT.py [SCRIPT_ARGS...]   run a Python script, supervised
-python -m guard [OPTIONS] -- COMMAND [ARGS...]         run any command (torchrun, accelerate launch, bash ...)
-python -m guard preflight [OPTIONS] [SCRIPT.py]        run the checks only
-python -m guard watch [FILE]                           read a job log; exit by its VERDICT"""
+jobguard [OPTIONS] SCRIPT.py [SCRIPT_ARGS...]   run a Python script, supervised
+jobguard [OPTIONS] -- COMMAND [ARGS...]         run any command (torchrun, accelerate launch, bash ...)
+jobguard preflight [OPTIONS] [SCRIPT.py]        run the checks only
+jobguard watch [FILE]                           read a job log; exit by its VERDICT"""
 
 
 EPILOG = """\
@@ -61,7 +61,7 @@ Exit codes (the last line on stdout is the VERDICT, with the same code in exit=)
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
-        raise UsageError(f"{message}", hint="run `python -m guard --help` for the options and their forms")
+        raise UsageError(f"{message}", hint="run `jobguard --help` for the options and their forms")
 
 
 def _parser(prog: str = "python -m guard") -> argparse.ArgumentParser:
@@ -121,7 +121,7 @@ def _check_script(path_text: str) -> Path:
                          hint="give the path of a Python file, or `-- COMMAND ...` to run another program")
     if path.is_dir():
         raise UsageError(f"{path_text} is a folder, not a script", option="SCRIPT",
-                         hint="give the training script inside it, e.g. `python -m guard {}/train.py`".format(
+                         hint="give the training script inside it, e.g. `jobguard {}/train.py`".format(
                              path_text.rstrip("/")))
     try:
         source = path.read_bytes()
@@ -156,7 +156,7 @@ def build_config(argv: Sequence[str], environ: Mapping[str, str], *, subcommand:
     if command_form:
         if not job:
             raise UsageError("nothing after `--`: give the command to run", option="--",
-                             hint="e.g. python -m guard -- torchrun --nproc-per-node 2 train.py")
+                             hint="e.g. jobguard -- torchrun --nproc-per-node 2 train.py")
         if shutil.which(job[0]) is None and not Path(job[0]).exists():
             raise UsageError(f"command not found: {job[0]}", option="COMMAND",
                              hint="check the spelling and PATH inside the container")
@@ -167,7 +167,7 @@ def build_config(argv: Sequence[str], environ: Mapping[str, str], *, subcommand:
         command = (sys.executable, str(script), *script_args)
     elif subcommand == "run":
         raise UsageError("no job given: name a script or `-- COMMAND`", option="SCRIPT",
-                         hint="python -m guard train.py, or python -m guard -- torchrun ... train.py")
+                         hint="jobguard train.py, or jobguard -- torchrun ... train.py")
     if values["timeout"] is not None and values["timeout"] <= 0:
         raise UsageError("--timeout must be more than 0 seconds", option="--timeout")
     if values["grace"] <= 0:

@@ -305,7 +305,7 @@ def job_result(state: RunState, ended: JobExit, config: Config, *, securer: Secu
             # argparse's exit status for a usage error: the job refused an option meant for the guard
             result = RunResult("FAIL", "crash", code, elapsed_s, hint=(
                 f"the job exited with code 2 (a usage error) and its arguments hold {', '.join(misplaced)}, a guard "
-                f"option: guard options go before the script (python -m guard {misplaced[0]} ... train.py ...)"))
+                f"option: guard options go before the script (jobguard {misplaced[0]} ... train.py ...)"))
         elif (failed := rank_failure(facts)) is not None and not any(
                 marker in f"{facts.root_exception} {facts.last_exception}" for marker in _SHM + _DISK_FULL):
             rank, text = failed

@@ -156,7 +156,7 @@ def checkpoint_fields(report: PlanReport, verdict: Verdict, *, step: int | None,
                     "no checkpoint was secured within --grace: save more often or raise --grace")
     if secured is not None:
         hint = (f"the next run resumes from step {secured.step if secured.step is not None else '?'}{lost}: "
-                f"python -m guard --resume on --push-to {secured.destination} ...")
+                f"jobguard --resume on --push-to {secured.destination} ...")
     elif follower:
         hint = "the guard of node 0 secures the checkpoint of every rank: see its VERDICT"
     return done(hint)
