@@ -23,9 +23,9 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from guard.secure.budget import MarginEstimator
 from guard.secure.events import (
     CheckpointSeen,
-    Decide,
     DeadlineMoved,
     DeadlineNear,
+    Decide,
     Failure,
     JobExited,
     KillPush,
@@ -139,8 +139,9 @@ class PlanMachine(RuleBasedStateMachine):
             new = self.pusher.started[-1]
             bound = self.driver.secure_by
             if killed.started + killed.duration_s <= bound and new.started + new.duration_s > bound:
-                self._violate("supersede", f"a push that would end at {killed.started + killed.duration_s:.1f} (in time for "
-                              f"{bound:.1f}) was killed for one that ends at {new.started + new.duration_s:.1f}")
+                self._violate("supersede", f"a push that would end at {killed.started + killed.duration_s:.1f} "
+                              f"(in time for {bound:.1f}) was killed for one that ends at "
+                              f"{new.started + new.duration_s:.1f}")
 
     def _violate(self, kind: str, text: str) -> None:
         if kind in self.checks:
@@ -232,8 +233,8 @@ class PlanMachine(RuleBasedStateMachine):
     def bound_within_the_deadline(self) -> None:
         if hasattr(self, "driver") and self.deadline_at is not None and self.driver.busy \
                 and self.driver.secure_by > self.deadline_at - SAFETY_S + 1e-6:
-            self._violate("bound", f"secure_by {self.driver.secure_by:.1f} is past the deadline {self.deadline_at:.1f} less "
-                          f"{SAFETY_S}s")
+            self._violate("bound", f"secure_by {self.driver.secure_by:.1f} is past the deadline "
+                          f"{self.deadline_at:.1f} less {SAFETY_S}s")
 
     @invariant()
     def secured_is_good(self) -> None:
@@ -244,7 +245,8 @@ class PlanMachine(RuleBasedStateMachine):
             return
         path, step = secured
         if self.taint_from is not None and step is not None and step >= self.taint_from:
-            self._violate("secured", f"secured names {path} (step {step}), saved after the non-finite step {self.taint_from}")
+            self._violate("secured", f"secured names {path} (step {step}), saved after the non-finite step "
+                          f"{self.taint_from}")
         ends = [h.result for h in self.pusher.started if h.args.get("local_dir") == path and h.result is not None]
         if not any(r.ok for r in ends):
             self._violate("secured", f"secured names {path}, whose push never ended well ({ends})")
