@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from guard.contract import EXIT_PUSH_FAILED, EXIT_SECURED, EXIT_TIMEOUT_UNSECURED, signal_name
-from guard.secure.plan import PlanReport, PushView
+from guard.secure.report import PlanReport, PushView
 
 __all__ = ["Fields", "Verdict", "checkpoint_fields"]
 
