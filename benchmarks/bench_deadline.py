@@ -256,7 +256,7 @@ def one_run(rng: random.Random, drop: bool, answers: bool = True, scenario: str 
             "left_s": kill_at - clock.now, "pushes": len(pusher.handles),
             "suspect_secured": taint_from is not None and secured is not None and secured >= taint_from,
             "passed": status.status == "PASS" and report.final is not None and report.final.ok,
-            "timeout": status.status == "TIMEOUT",
+            "timeout": status.status == "TIMEOUT", "push_failed": status.reason == "push_failed",
             "wasted_kills": wasted_kills}
 
 
@@ -292,7 +292,8 @@ def main() -> int:
         lost = statistics.median(r["lost"] for r in runs)
         drop_missed = sum(r["missed"] for r in runs if r["drop"])
         extra = {"nan": f", suspect save secured {sum(r['suspect_secured'] for r in runs)}",
-                 "finishes": f", PASS with the final model pushed {sum(r['passed'] for r in runs)}, TIMEOUT "
+                 "finishes": f", PASS with the final model pushed {sum(r['passed'] for r in runs)}, FAIL push_failed "
+                             f"(no time left for the final model) {sum(r['push_failed'] for r in runs)}, TIMEOUT "
                              f"{sum(r['timeout'] for r in runs)}",
                  "failure": ", in-time pushes killed for one that could not fit "
                             f"{sum(r['wasted_kills'] for r in runs)}"}.get(scenario, "")
