@@ -25,7 +25,7 @@ def report(**kw: Any) -> PlanReport:
     base = PlanReport(state=State.DONE, trigger=None, failure_reason=None, signum=None, secure_by=math.inf,
                       deadline_at=None, secured=None, newest=None, suspect=None, suspects=(),
                       non_finite_from_step=None, final=None, error=None, history=(), has_pusher=True,
-                      training_complete=False, superseded_trigger=None, ignored=())
+                      training_complete=False, superseded_trigger=None, final_wanted=False, ignored=())
     return replace(base, **kw)
 
 
@@ -51,11 +51,14 @@ ROWS = [
      report(trigger="deadline", suspect=ckpt(1032), suspects=(ckpt(1032),), non_finite_from_step=1030), TIMEOUT,
      1032, ("TIMEOUT", 124, "no", None, "non-finite at step 1030")),
     ("finished inside the margin: PASS with the final push",
-     report(trigger=None, superseded_trigger="deadline", training_complete=True,
+     report(trigger=None, superseded_trigger="deadline", training_complete=True, final_wanted=True,
             final=push(None, kind="final"), secured=push(200), newest=ckpt(200)), TIMEOUT, 280,
      ("PASS", 0, None, "/out/checkpoint-200", None)),
     ("finished, the final push failed", report(training_complete=True, final=push(None, kind="final", ok=False)),
      Verdict("PASS", "ok", 0), 10, ("FAIL", 6, "no", None, None)),
+    ("finished, no time left to start the final push", report(training_complete=True, final_wanted=True,
+                                                             superseded_trigger="deadline"), TIMEOUT, 10,
+     ("FAIL", 6, "no", None, "no time was left to push its final model")),
     ("crash, secured before it", report(trigger="failure", failure_reason="crash", secured=push(30),
                                         newest=ckpt(30)), CRASH, 35,
      ("FAIL", 1, "yes", "/out/checkpoint-30", "secured before the failure: step 30")),

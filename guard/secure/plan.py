@@ -143,6 +143,7 @@ class Plan:
         self._secured: PushRecord | None = None
         self._final: PushRecord | None = None
         self._final_pending = False  # the final push waits for the running push (the supersede rule)
+        self._final_wanted = False  # the job ended well with final model files to push
         self._error: PushRecord | None = None
         self._newest: CheckpointInfo | None = None
         self._suspects: list[CheckpointInfo] = []
@@ -234,6 +235,7 @@ class Plan:
             error=self._error.view() if self._error is not None else None,
             history=tuple(p.view() for p in self._history), has_pusher=self._pusher is not None,
             training_complete=self._complete, superseded_trigger=self._superseded_trigger,
+            final_wanted=self._final_wanted,
             ignored=tuple(self._ignored))
 
     # -- handlers (see TRANSITIONS) -----------------------------------------------------------------------------
@@ -403,6 +405,7 @@ class Plan:
             return self._secure_newest(now)
         self._window_end = min(self._window_end, now + self._final_allowance_s())
         self._state = State.FINAL_PUSH
+        self._final_wanted = True
         running = self._push
         if running is not None and running.info is not None:
             decision = self._supersede(running, None, now)

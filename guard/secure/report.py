@@ -123,6 +123,8 @@ class PlanReport:
         history: every push, oldest first. has_pusher: a destination is known and this guard pushes.
         training_complete: the job ended having trained to its end (PASS, even after the deadline's request).
         superseded_trigger: the trigger a complete training replaced (``deadline``), or None.
+        final_wanted: the job ended well with final model files to push (``final`` None: it never started, no
+            time was left after the running push).
         ignored: ``"State/Event"`` for every event a state did not accept, in order.
     """
 
@@ -143,4 +145,5 @@ class PlanReport:
     has_pusher: bool
     training_complete: bool
     superseded_trigger: str | None
+    final_wanted: bool
     ignored: tuple[str, ...]
