@@ -539,3 +539,24 @@ def test_checkpoint_due_edges():
     assert not checkpoint_due(NOW + 10 * HOUR, Deadline(NOW, None, None, "none"), 100)
 
 
+
+
+def test_a_failed_push_drops_the_bound_its_running_time_set() -> None:
+    estimator = MarginEstimator(log_changes=False)
+    rate = estimator.push_bytes_per_s
+    estimator.observe_push_progress(1_000, 7.5)  # retries against an unreachable Hub look like a slow transfer
+    assert estimator.push_bytes_per_s < rate
+    estimator.discard_push_progress()  # ... until the push ends with its error
+    assert estimator.push_bytes_per_s == rate
+
+
+def test_a_margin_at_or_above_the_budget_is_a_usage_error() -> None:
+    from guard.errors import UsageError
+    from guard.run.config import resolve
+
+    with pytest.raises(UsageError, match="--margin 2h is not less than the budget"):
+        resolve({"margin": "2h", "timeout": "1h"}, {})
+    with pytest.raises(UsageError, match="GUARD_MARGIN"):
+        resolve({"timeout": "1h"}, {"GUARD_MARGIN": "1h"})
+    values, _ = resolve({"margin": "10m", "timeout": "1h"}, {})
+    assert values["margin"] == 600.0

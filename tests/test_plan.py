@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import signal
 from types import SimpleNamespace
 from typing import Any
@@ -20,6 +22,8 @@ from guard.secure.events import (
     Failure,
     ForwardSignal,
     JobExited,
+    KillPush,
+    MarkSuspect,
     RequestSave,
     SignalReceived,
     StopJob,
@@ -27,7 +31,7 @@ from guard.secure.events import (
     Tick,
     TrainingStarted,
 )
-from guard.secure.plan import SAFETY_S, Plan, State
+from guard.secure.plan import SAFETY_S, STOP_BEFORE_S, Plan, State
 
 
 def make(clock: FakeClock, pusher: FakePusher | None, *, deadline_at: float | None = 1000.0, grace_s: float = 30.0,
@@ -406,3 +410,162 @@ def test_a_job_that_saves_on_sigterm_gets_it_at_deadline_minus_margin(clock: Fak
     assert ForwardSignal(signal.SIGTERM) in actions
     plan2 = make(clock, FakePusher(clock))
     assert not any(isinstance(a, ForwardSignal) for a in plan2.on(DeadlineNear(can_save=False)))
+
+
+# -- the orders of issue 17 ----------------------------------------------------------------------------------------
+
+
+def test_nan_then_the_deadlines_request_never_secures_the_fresh_save(clock: FakeClock) -> None:
+    pusher = FakePusher(clock)
+    plan = make(clock, pusher, deadline_at=200.0)
+    seen(plan, ckpt(50))
+    run_until(plan, clock, 5.0)  # step 50 secured in the background
+    clock.now = 150.0
+    plan.on(DeadlineNear(can_save=True))
+    actions = plan.on(Tainted(1030))  # the NaN of step 1030 is read after the request (flushed before the save)
+    actions += seen(plan, ckpt(1032))  # the save the guard asked for
+    assert MarkSuspect("/out/checkpoint-1032", 1032, 1030) in actions
+    run_until(plan, clock, 200.0)
+    report = plan.report()
+    assert secured_step(plan) == 50 and report.non_finite_from_step == 1030
+    assert report.suspect is not None and report.suspect.step == 1032
+    assert [h.args["step"] for h in pusher.started] == [50]
+
+
+def test_the_request_then_nan_before_the_save_stops_waiting_and_keeps_the_older_one(clock: FakeClock) -> None:
+    pusher = FakePusher(clock)
+    plan = make(clock, pusher, deadline_at=200.0)
+    seen(plan, ckpt(50))
+    run_until(plan, clock, 5.0)
+    clock.now = 150.0
+    plan.on(DeadlineNear(can_save=True))
+    assert plan.state is State.AWAITING_SAVE
+    plan.on(Tainted(1292))  # asked at 1291, NaN for the next steps: the save it waits for would be suspect
+    assert plan.state is State.DONE and secured_step(plan) == 50
+
+
+def test_a_taint_after_a_background_push_of_a_later_save_takes_it_back(clock: FakeClock) -> None:
+    pusher = FakePusher(clock)
+    plan = make(clock, pusher, deadline_at=None)
+    seen(plan, ckpt(10))
+    run_until(plan, clock, 3.0)
+    seen(plan, ckpt(20))
+    run_until(plan, clock, 6.0)
+    assert secured_step(plan) == 20
+    actions = plan.on(Tainted(15))
+    assert MarkSuspect("/out/checkpoint-20", 20, 15) in actions and secured_step(plan) == 10
+
+
+def test_a_running_push_of_a_suspect_save_is_killed(clock: FakeClock) -> None:
+    pusher = FakePusher(clock, rate=lambda now: 0.05e6)
+    plan = make(clock, pusher, deadline_at=None)
+    seen(plan, ckpt(20))
+    clock.advance(1.0)
+    actions = plan.on(Tainted(20))
+    assert any(isinstance(a, KillPush) and a.why == "suspect" for a in actions)
+    assert plan.report().secured is None
+
+
+def test_a_signal_less_than_grace_before_the_deadline_ends_before_the_deadline(clock: FakeClock) -> None:
+    plan = make(clock, FakePusher(clock), deadline_at=40.0, grace_s=30.0)
+    clock.now = 22.0
+    actions = plan.on(SignalReceived(signal.SIGTERM, can_save=True))
+    assert plan.secure_by == pytest.approx(40.0 - SAFETY_S)  # not 22 + 30 - 1.5
+    assert StopJob(40.0 - SAFETY_S - STOP_BEFORE_S) in actions
+    run_until(plan, clock, 60.0)
+    assert plan.state is State.DONE and clock.now <= 40.0 - SAFETY_S + 0.11
+
+
+def test_a_signal_during_deadline_securing_moves_the_stop_earlier(clock: FakeClock) -> None:
+    plan = make(clock, FakePusher(clock), deadline_at=1000.0, grace_s=10.0)
+    clock.now = 900.0
+    plan.on(DeadlineNear(can_save=True))
+    clock.now = 901.0
+    actions = plan.on(SignalReceived(signal.SIGTERM, can_save=True))
+    assert StopJob(901.0 + 10.0 - SAFETY_S - STOP_BEFORE_S) in actions
+
+
+def test_a_failure_while_an_older_push_is_nearly_done_lets_it_finish(clock: FakeClock) -> None:
+    # 5 GB at 50 MB/s: 100 s; the crash comes 90 s in, with 28.5 s of --grace left
+    estimator = MarginEstimator(fixed_margin_s=100.0, log_changes=False, default_push_bytes_per_s=50e6)
+    pusher = FakePusher(clock, rate=lambda now: 50e6, overhead_s=0.0)
+    plan = Plan(clock=clock, pusher=pusher, estimator=estimator, deadline_at=None, grace_s=30.0,
+                push_interval_s=0.0, unchanged=lambda info: True)
+    big = ckpt(100, size_bytes=5_000_000_000)
+    pusher.sizes[str(big.path)] = pusher.sizes["/out/checkpoint-200"] = big.size_bytes
+    seen(plan, big)
+    run_until(plan, clock, 60.0)
+    seen(plan, ckpt(200, size_bytes=5_000_000_000))  # queued: the background push of 100 runs
+    run_until(plan, clock, 90.0)
+    plan.on(Failure("crash"))
+    assert not pusher.killed  # the newer one (150 s) cannot fit in 28.5 s: the running push goes on
+    run_until(plan, clock, 150.0)
+    assert secured_step(plan) == 100
+
+
+def test_a_job_that_finishes_inside_the_margin_is_a_pass_with_its_final_push(clock: FakeClock) -> None:
+    from guard.secure.outcome import Verdict, checkpoint_fields
+
+    pusher = FakePusher(clock)
+    plan = make(clock, pusher, deadline_at=60.0)
+    clock.now = 40.0
+    plan.on(DeadlineNear(can_save=False))
+    clock.now = 57.0
+    plan.on(JobExited(ok=True, complete=True, has_final_model=True))
+    assert plan.state is State.FINAL_PUSH and pusher.started[-1].op == "push_final"
+    run_until(plan, clock, 60.0)
+    report = plan.report()
+    assert report.training_complete and report.final is not None and report.final.ok
+    fields = checkpoint_fields(report, Verdict("TIMEOUT", "deadline", 0), step=280, nothing_found_hint="")
+    assert (fields.verdict.status, fields.verdict.reason, fields.verdict.exit_code) == ("PASS", "ok", 0)
+
+
+def test_a_stopped_job_that_did_not_finish_stays_a_timeout(clock: FakeClock) -> None:
+    plan = make(clock, FakePusher(clock), deadline_at=60.0)
+    seen(plan, ckpt(5))
+    clock.now = 40.0
+    plan.on(DeadlineNear(can_save=True))
+    seen(plan, ckpt(6))
+    plan.on(JobExited(ok=False, complete=False))
+    run_until(plan, clock, 60.0)
+    assert plan.report().trigger == "deadline" and not plan.report().training_complete
+
+
+def test_a_failed_push_never_raises_the_margin(clock: FakeClock) -> None:
+    estimator = MarginEstimator(log_changes=False, floor_s=0.0)
+    pusher = FakePusher(clock, rate=lambda now: 1e3, overhead_s=0.0)  # an unreachable Hub: retries, then an error
+    pusher.fail_next = True
+    plan = Plan(clock=clock, pusher=pusher, estimator=estimator, deadline_at=None, push_interval_s=0.0,
+                unchanged=lambda info: True)
+    before = estimator.margin_s()
+    seen(plan, ckpt(1, size_bytes=1_000))
+    pusher.started[-1].duration_s = 7.5
+    run_until(plan, clock, 10.0)
+    assert pusher.started[-1].result is not None and not pusher.started[-1].result.ok
+    assert estimator.margin_s() == pytest.approx(before)
+
+
+def test_an_event_a_state_does_not_accept_is_logged_and_counted(clock: FakeClock,
+                                                                caplog: pytest.LogCaptureFixture) -> None:
+    plan = make(clock, FakePusher(clock))
+    plan.on(Failure("crash"))
+    with caplog.at_level(logging.DEBUG, logger="guard.secure"):
+        assert plan.on(DeadlineNear(can_save=True)) == []
+    assert "DeadlineNear not accepted" in caplog.text
+    assert plan.report().ignored[-1].endswith("/DeadlineNear")
+
+
+def test_the_report_is_frozen_and_the_plan_has_no_public_fields(clock: FakeClock) -> None:
+    plan = make(clock, FakePusher(clock))
+    report = plan.report()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        report.trigger = "deadline"  # type: ignore[misc]
+    assert not [name for name in vars(plan) if not name.startswith("_")]
+
+
+def test_every_state_accepts_a_taint_and_every_table_handler_exists() -> None:
+    from guard.secure.plan import TRANSITIONS
+
+    for state in State:
+        assert (state, Tainted) in TRANSITIONS and (state, JobExited) in TRANSITIONS
+    assert (State.DONE, SignalReceived) not in TRANSITIONS

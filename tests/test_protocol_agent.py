@@ -484,6 +484,7 @@ def test_public_api_with_a_supervisor(server: Server, agents: list[Agent], monke
     wait_until(guard.should_checkpoint, "the checkpoint request")
     guard.report(step=2, loss=2.0)  # pending: one step since the last send
     guard.checkpoint_saved(tmp_path / "ckpt")  # this script reads should_stop(): it is not ended here
+    assert recv(conn) == {"t": "api", "name": "stop_served"}  # the loop got the stop: its end is no finished run
     assert recv(conn) == {"t": "api", "name": "checkpoint_saved"}
     assert recv(conn) == {"t": "step", "step": 2, "loss": 2.0, "finite": True, "n": 1, "source": "report"}
     saved = recv(conn)

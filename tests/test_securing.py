@@ -3,6 +3,7 @@ no Hub. Checkpoints are real folders under ``tmp_path`` (their size and complete
 
 from __future__ import annotations
 
+import json
 import signal
 import time
 from pathlib import Path
@@ -194,3 +195,46 @@ def test_files_saved_with_torch_save_form_one_checkpoint_once_settled(tmp_path: 
     rig.run_for(1.5)
     assert len(rig.pusher.started) == 1
     assert rig.securing.latest_reported is not None and rig.securing.latest_reported.step == 8
+
+
+def test_the_agent_never_waits_for_a_stop_already_asked_for() -> None:
+    from guard.inside.agent import Agent
+    from guard.inside.settings import AgentSettings
+
+    agent = Agent(AgentSettings(socket_path="/nonexistent/guard.sock"))
+    agent.checkpoint_request = {"t": "checkpoint", "stop": True}  # the deadline's request, not yet answered
+    started = time.monotonic()
+    agent.wait_stop(timeout_s=5.0)
+    assert time.monotonic() - started < 1.0
+    agent.checkpoint_request, agent.stop_requested = None, True
+    started = time.monotonic()
+    agent.wait_stop(timeout_s=5.0)
+    assert time.monotonic() - started < 1.0
+
+
+def test_a_taint_marks_the_saves_after_it_on_disk(tmp_path: Path) -> None:
+    from guard.secure.checkpoints import is_marked_suspect
+
+    rig = Rig(tmp_path, timeout_s=1000.0)
+    rig.link.ranks = {0: 40}
+    rig.saved(10)
+    rig.run_for(2.0)
+    rig.saved(40)
+    rig.securing.on_taint(rig.link, 30)
+    assert is_marked_suspect(rig.out / "checkpoint-40") and not is_marked_suspect(rig.out / "checkpoint-10")
+    marker = json.loads((rig.out / "checkpoint-40" / "guard_suspect.json").read_text())
+    assert marker == {"step": 40, "first_non_finite_step": 30}
+    report = rig.securing.plan.report()
+    assert report.secured is not None and report.secured.step == 10
+
+
+def test_a_loose_checkpoint_file_is_marked_beside_it(tmp_path: Path) -> None:
+    from guard.secure.checkpoints import is_marked_suspect, mark_suspect
+
+    loose = tmp_path / "ckpt.pt"
+    loose.write_bytes(b"0")
+    assert not is_marked_suspect(loose)
+    marker = mark_suspect(loose, step=12, first_non_finite_step=9)
+    assert marker == tmp_path / "ckpt.pt.guard-suspect.json" and is_marked_suspect(loose)
+    assert json.loads(marker.read_text()) == {"step": 12, "first_non_finite_step": 9}
+    assert mark_suspect(tmp_path / "gone" / "x.pt", step=1, first_non_finite_step=1) is None  # logged, never raised

@@ -389,6 +389,12 @@ def resolve(flags: Mapping[str, Any], environ: Mapping[str, str]) -> tuple[dict[
         else:
             value = opt.parse(raw, option=label) if opt.parse else raw
         values[opt.name], sources[opt.name] = value, source
+    margin_s, timeout_s = values.get("margin"), values.get("timeout")
+    if margin_s is not None and timeout_s is not None and float(margin_s) >= float(timeout_s):
+        label = "--margin" if sources.get("margin") == "flag" else env_name("margin")
+        raise UsageError(f"{label} {format_duration_s(float(margin_s))} is not less than the budget "
+                         f"({format_duration_s(float(timeout_s))}): every run would be stopped at once",
+                         option=label, hint="give a margin shorter than --timeout, or --margin auto")
     return values, sources
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from guard.contract import EXIT_PUSH_FAILED, EXIT_SECURED, EXIT_TIMEOUT_UNSECURED, signal_name
-from guard.secure.plan import PlanReport, PushView
+from guard.secure.report import PlanReport, PushView
 
 __all__ = ["Fields", "Verdict", "checkpoint_fields"]
 
@@ -111,6 +111,11 @@ def checkpoint_fields(report: PlanReport, verdict: Verdict, *, step: int | None,
         status, reason, code = "FAIL", "push_failed", EXIT_PUSH_FAILED
         extra["secured"] = "no"
         return done(final.hint or "the final model could not be secured; it is still in the output folder")
+    if report.final_wanted and status == "PASS":  # the running push took the time the final model needed
+        status, reason, code = "FAIL", "push_failed", EXIT_PUSH_FAILED
+        extra["secured"] = "no"
+        return done("the job finished, but no time was left to push its final model (it is still in the output "
+                    "folder): push it again")
     trigger = report.trigger
     if trigger == "ended":  # ended well without final model files: its newest checkpoint was secured
         if secured is None and newest is not None and status == "PASS":

@@ -34,12 +34,10 @@ first.
 
 from __future__ import annotations
 
-import enum
 import logging
 import math
 import signal
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from guard.secure.budget import MarginEstimator
@@ -60,7 +58,6 @@ from guard.secure.events import (
     MarkSuspect,
     OutputDirKnown,
     Pusher,
-    PushHandle,
     RequestSave,
     RunOver,
     SignalReceived,
@@ -70,6 +67,7 @@ from guard.secure.events import (
     Tick,
     TrainingStarted,
 )
+from guard.secure.report import EndedHandle, PlanReport, PriorPush, PushRecord, PushView, State
 
 __all__ = ["LATE_REQUEST_S", "SAFETY_S", "STOP_BEFORE_S", "TRANSITIONS", "Action", "Plan", "PlanReport",
            "PriorPush", "PushView", "State", "bound_s"]
@@ -81,141 +79,11 @@ STOP_BEFORE_S = 2.0  # the job is stopped (SIGTERM) this long before secure_by i
 LATE_REQUEST_S = 15.0  # before the first training step, the deadline's request waits until this long before it
 
 
-class State(enum.Enum):
-    WATCHING = "watching"  # training; background pushes
-    AWAITING_SAVE = "awaiting_save"  # the job was asked for a checkpoint (or signalled): waiting for its save
-    SECURING = "securing"  # pushing the checkpoint that ends the run
-    FINAL_PUSH = "final_push"  # the job ended well: pushing its final model
-    DONE = "done"
-
-
 def bound_s(deadline_at: float | None, window_end: float) -> float:
     """``secure_by``: ``min(deadline - SAFETY_S, window_end - SAFETY_S)`` in clock seconds (``inf`` without
     either). ``window_end`` is ``now + --grace`` after a signal or a failure, ``now + allowance`` for a final push,
     ``inf`` otherwise."""
     return min(math.inf if deadline_at is None else deadline_at - SAFETY_S, window_end - SAFETY_S)
-
-
-@dataclass(frozen=True)
-class PriorPush:
-    """A checkpoint the destination already holds, verified when it was fetched: the one a resumed run started
-    from. Shaped like a push result (``ok``, ``pushed``, ``files`` ...) so that it stands as the secured one."""
-
-    destination: str
-    revision: str
-    files: tuple[str, ...]
-    size_bytes: int
-    step: int | None
-    ok: bool = True
-    killed: bool = False
-    elapsed_s: float = 0.0
-    attempts: int = 0
-    error: str | None = None
-    hint: str | None = None
-
-    @property
-    def pushed(self) -> str:
-        return f"{self.destination}@{self.revision}"
-
-
-class _Ended:
-    """The handle of a push that is over (``PriorPush``)."""
-
-    def __init__(self, result: PriorPush) -> None:
-        self.result = result
-        self.deadline = 0.0
-
-    def poll(self) -> PriorPush:
-        return self.result
-
-    def kill(self, why: str = "killed") -> PriorPush:
-        return self.result
-
-
-class _Push:
-    """A push while the plan holds it (private: the report shows a ``PushView``)."""
-
-    def __init__(self, kind: str, info: CheckpointInfo | None, handle: PushHandle, started: float,
-                 result: Any = None) -> None:
-        self.kind, self.info, self.handle, self.started, self.result = kind, info, handle, started, result
-
-    def view(self) -> PushView:
-        result = self.result
-        return PushView(
-            kind=self.kind, path=str(self.info.path) if self.info is not None else None,
-            step=self.info.step if self.info is not None else None, info=self.info,
-            running=result is None, ok=bool(result is not None and result.ok),
-            killed=bool(result is not None and getattr(result, "killed", False)),
-            pushed=getattr(result, "pushed", None) if result is not None and result.ok else None,
-            destination=getattr(result, "destination", None) if result is not None else None,
-            files=len(getattr(result, "files", ()) or ()) if result is not None else 0,
-            size_bytes=int(getattr(result, "size_bytes", 0) or 0) if result is not None else 0,
-            elapsed_s=float(getattr(result, "elapsed_s", 0.0) or 0.0) if result is not None else 0.0,
-            attempts=int(getattr(result, "attempts", 0) or 0) if result is not None else 0,
-            error=getattr(result, "error", None) if result is not None else None,
-            hint=getattr(result, "hint", None) if result is not None else None)
-
-
-@dataclass(frozen=True)
-class PushView:
-    """One push as the report shows it: what (``kind``, ``path``, ``step``) and how it ended (``running`` while it
-    runs; ``ok``, ``killed``, ``pushed`` = ``DEST@REVISION``, ``destination``, ``files`` count, ``size_bytes``,
-    ``elapsed_s``, ``attempts``, ``error``, ``hint``)."""
-
-    kind: str
-    path: str | None
-    step: int | None
-    info: CheckpointInfo | None
-    running: bool
-    ok: bool
-    killed: bool
-    pushed: str | None
-    destination: str | None
-    files: int
-    size_bytes: int
-    elapsed_s: float
-    attempts: int
-    error: str | None
-    hint: str | None
-
-
-@dataclass(frozen=True)
-class PlanReport:
-    """A frozen snapshot of the plan (``Plan.report``): all the VERDICT needs.
-
-    Attributes:
-        state: the plan's state. trigger: ``deadline``, ``signal``, ``failure``, ``ended`` (ended well, no final
-            model files: the newest checkpoint secured), or None. failure_reason: the failure's reason, or None.
-        signum: the first signal received, or None. secure_by / deadline_at: clock seconds (``inf``/None).
-        secured: the newest verified checkpoint push (never a suspect, incomplete or killed one), or None.
-        newest: the newest complete checkpoint that may be secured (never a suspect), or None.
-        suspect: the newest checkpoint saved at or after the first non-finite step, or None; suspects: all of them.
-        non_finite_from_step: the first non-finite step heard of, or None.
-        final: the final model's push, or None. error: the last failed securing/final push, or None.
-        history: every push, oldest first. has_pusher: a destination is known and this guard pushes.
-        training_complete: the job ended having trained to its end (PASS, even after the deadline's request).
-        superseded_trigger: the trigger a complete training replaced (``deadline``), or None.
-        ignored: ``"State/Event"`` for every event a state did not accept, in order.
-    """
-
-    state: State
-    trigger: str | None
-    failure_reason: str | None
-    signum: int | None
-    secure_by: float
-    deadline_at: float | None
-    secured: PushView | None
-    newest: CheckpointInfo | None
-    suspect: CheckpointInfo | None
-    suspects: tuple[CheckpointInfo, ...]
-    non_finite_from_step: int | None
-    final: PushView | None
-    error: PushView | None
-    history: tuple[PushView, ...]
-    has_pusher: bool
-    training_complete: bool
-    superseded_trigger: str | None
-    ignored: tuple[str, ...]
 
 
 def _unchanged_on_disk(info: CheckpointInfo) -> bool:
@@ -270,12 +138,13 @@ class Plan:
         self._superseded_trigger: str | None = None
         self._failure_reason: str | None = None
         self._signum: int | None = None
-        self._push: _Push | None = None
+        self._push: PushRecord | None = None
         self._queued: CheckpointInfo | None = None
-        self._secured: _Push | None = None
-        self._final: _Push | None = None
+        self._secured: PushRecord | None = None
+        self._final: PushRecord | None = None
         self._final_pending = False  # the final push waits for the running push (the supersede rule)
-        self._error: _Push | None = None
+        self._final_wanted = False  # the job ended well with final model files to push
+        self._error: PushRecord | None = None
         self._newest: CheckpointInfo | None = None
         self._suspects: list[CheckpointInfo] = []
         self._bad_from_step: int | None = None
@@ -286,7 +155,7 @@ class Plan:
         self._complete = False
         self._training_started = False
         self._last_start = -math.inf
-        self._history: list[_Push] = []
+        self._history: list[PushRecord] = []
         self._seen: list[CheckpointInfo] = []
         self._ignored: list[str] = []
 
@@ -366,6 +235,7 @@ class Plan:
             error=self._error.view() if self._error is not None else None,
             history=tuple(p.view() for p in self._history), has_pusher=self._pusher is not None,
             training_complete=self._complete, superseded_trigger=self._superseded_trigger,
+            final_wanted=self._final_wanted,
             ignored=tuple(self._ignored))
 
     # -- handlers (see TRANSITIONS) -----------------------------------------------------------------------------
@@ -375,7 +245,7 @@ class Plan:
         deadline or signal before the job's first save still ends with exit 75 naming it."""
         info = event.info
         result = PriorPush(event.destination, event.revision, tuple(info.files), info.size_bytes, info.step)
-        self._secured = _Push("resumed", info, _Ended(result), now, result)
+        self._secured = PushRecord("resumed", info, EndedHandle(result), now, result)
         if _step(info) >= _step(self._newest):
             self._newest = info
         return []
@@ -535,6 +405,7 @@ class Plan:
             return self._secure_newest(now)
         self._window_end = min(self._window_end, now + self._final_allowance_s())
         self._state = State.FINAL_PUSH
+        self._final_wanted = True
         running = self._push
         if running is not None and running.info is not None:
             decision = self._supersede(running, None, now)
@@ -653,7 +524,7 @@ class Plan:
         good = self._good_secured(step)
         return good.info if good is not None else None
 
-    def _good_secured(self, step: int) -> _Push | None:
+    def _good_secured(self, step: int) -> PushRecord | None:
         """The newest verified push of a checkpoint saved before ``step`` (the resumed one included), or None."""
         candidates = [p for p in self._history if p.info is not None and p.kind != "final" and p.result is not None
                       and p.result.ok and _step(p.info) < step]
@@ -662,7 +533,7 @@ class Plan:
             candidates.append(prior)
         return max(candidates, key=lambda p: _step(p.info), default=None)
 
-    def _supersede(self, running: _Push, newer: CheckpointInfo | None, now: float) -> str:
+    def _supersede(self, running: PushRecord, newer: CheckpointInfo | None, now: float) -> str:
         """The one supersede rule, for a newer checkpoint (or the final model, ``newer`` None): ``follow`` (both
         fit one after the other: the running push finishes, then the newer one), ``replace`` (only the newer one
         is estimated to finish before ``secure_by``: kill the running push), ``keep`` (the newer one does not fit:
@@ -726,7 +597,7 @@ class Plan:
             "local_dir": str(info.folder), "step": info.step or 0, "files": list(info.files),
             # a file rewritten since its save no longer holds that step (after a NaN: the bad weights): refused
             "saved_by_s": info.newest_mtime_s}, deadline)
-        self._push = _Push(kind, info, handle, now)
+        self._push = PushRecord(kind, info, handle, now)
         self._history.append(self._push)
         return [StartPush(kind, str(info.path), info.step, deadline, estimate_s)]
 
@@ -735,7 +606,7 @@ class Plan:
         self._final_pending = False
         log.info("the job ended: securing the final model from %s", self._final_output_dir)
         handle = self._pusher.start("push_final", {"output_dir": str(self._final_output_dir)}, self.secure_by)
-        self._push = self._final = _Push("final", None, handle, now)
+        self._push = self._final = PushRecord("final", None, handle, now)
         self._history.append(self._push)
         return [StartPush("final", str(self._final_output_dir), None, self.secure_by,
                           self._estimator.secure_estimate_s())]

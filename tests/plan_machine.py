@@ -1,0 +1,273 @@
+"""A hypothesis state machine over the securing plan: random orders of the events the supervisor's loop feeds it,
+with a fake clock, a fake pusher (durations and failures under the test's control) and a fake job; the plan's
+invariants are checked after every step.
+
+The machine talks to a plan through a *driver* (``NewDriver`` for ``guard.secure.plan.Plan``; the same machine runs
+against an older plan through another driver, see ``tests/plan_old_check.py``), fed as ``guard.secure.securing``
+feeds it: a non-finite loss before any decision is a taint plus a ``non_finite_loss`` failure, after one a taint
+only; a crash is a failure, then the job's exit.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import signal
+from collections.abc import Callable
+from typing import Any
+
+from fakes import FakeClock, FakePusher, ckpt
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from guard.secure.budget import MarginEstimator
+from guard.secure.events import (
+    CheckpointSeen,
+    DeadlineMoved,
+    DeadlineNear,
+    Decide,
+    Failure,
+    JobExited,
+    KillPush,
+    SignalReceived,
+    StartPush,
+    Tainted,
+    Tick,
+)
+from guard.secure.outcome import Verdict, checkpoint_fields
+from guard.secure.plan import SAFETY_S, Plan, State
+
+TICK_S = 0.5  # the loop's timers run at least this often in the machine
+SIZES = (1_000_000, 50_000_000, 400_000_000, 2_000_000_000)
+RATE_BYTES_PER_S = 20e6  # the estimator's default: true durations never exceed its estimates
+
+
+class NewDriver:
+    """``guard.secure.plan.Plan`` through its one entry ``Plan.on``."""
+
+    def __init__(self, clock: FakeClock, pusher: FakePusher, estimator: MarginEstimator, deadline_at: float | None,
+                 grace_s: float) -> None:
+        self.plan = Plan(clock=clock, pusher=pusher, estimator=estimator, deadline_at=deadline_at, grace_s=grace_s,
+                         push_interval_s=5.0, final_output_dir="/out", unchanged=lambda info: True)
+
+    def checkpoint(self, info: Any) -> list[Any]:
+        return self.plan.on(CheckpointSeen(info))
+
+    def deadline_due(self, now: float) -> bool:
+        return self.plan.deadline_due(now)
+
+    def deadline_near(self, can_save: bool) -> list[Any]:
+        return self.plan.on(DeadlineNear(can_save=can_save))
+
+    def deadline_moved(self, deadline_at: float) -> list[Any]:
+        return self.plan.on(DeadlineMoved(deadline_at))
+
+    def signal(self, signum: int, can_save: bool) -> list[Any]:
+        return self.plan.on(SignalReceived(signum, can_save=can_save))
+
+    def failure(self, reason: str) -> list[Any]:
+        return self.plan.on(Failure(reason))
+
+    def taint(self, step: int, *, decided: bool) -> list[Any]:
+        actions = self.plan.on(Tainted(step))
+        return actions if decided else actions + self.plan.on(Failure("non_finite_loss"))
+
+    def job_exit(self, *, ok: bool, complete: bool) -> list[Any]:
+        return self.plan.on(JobExited(ok=ok, complete=complete, has_final_model=True))
+
+    def tick(self) -> list[Any]:
+        return self.plan.on(Tick())
+
+    @property
+    def busy(self) -> bool:
+        return self.plan.busy
+
+    @property
+    def secure_by(self) -> float:
+        return self.plan.secure_by
+
+    def secured(self) -> tuple[str, int | None] | None:
+        secured = self.plan.report().secured
+        return None if secured is None or secured.path is None else (secured.path, secured.step)
+
+    def status(self, decided: str | None) -> str:
+        """The VERDICT's status as the run would end now."""
+        verdict = Verdict(decided or "PASS", "deadline" if decided == "TIMEOUT" else "ok", 0)
+        return checkpoint_fields(self.plan.report(), verdict, step=None, nothing_found_hint="").verdict.status
+
+
+class PlanMachine(RuleBasedStateMachine):
+    """Random event orders against one plan; ``driver_factory`` builds the driver."""
+
+    driver_factory: Callable[..., Any] = NewDriver
+    #: the invariants checked (all by default); a run against an older plan checks one at a time
+    checks: frozenset[str] = frozenset({"bound", "in_time", "secured", "supersede", "finished", "kill_bound"})
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.clock = FakeClock(0.0)
+        self.pusher = FakePusher(self.clock, rate=lambda now: RATE_BYTES_PER_S, overhead_s=1.0)
+        self.step = 0
+        self.decided: str | None = None
+        self.signal_kill_at = math.inf
+        self.taint_from: int | None = None
+        self.job_running = True
+        self.finished = False  # the job ended having trained to its end, nothing decided against it
+        self.signalled = self.failed = False
+        self.violations: list[str] = []
+
+    @initialize(deadline_s=st.sampled_from([None, 60.0, 120.0, 400.0, 3600.0]),
+                grace_s=st.sampled_from([5.0, 10.0, 30.0, 90.0]), can_save=st.booleans(),
+                margin_s=st.sampled_from([20.0, 60.0, 150.0]))
+    def start(self, deadline_s: float | None, grace_s: float, can_save: bool, margin_s: float) -> None:
+        self.deadline_at = deadline_s
+        self.grace_s = grace_s
+        self.can_save = can_save
+        estimator = MarginEstimator(fixed_margin_s=margin_s, log_changes=False)
+        self.driver = type(self).driver_factory(self.clock, self.pusher, estimator, deadline_s, grace_s)
+
+    # -- what the loop feeds ---------------------------------------------------------------------------------
+
+    def _record(self, actions: list[Any], now: float) -> None:
+        for action in actions:
+            if isinstance(action, Decide) and self.decided is None:
+                self.decided = action.status
+        kills = [a for a in actions if isinstance(a, KillPush) and a.why not in ("deadline", "killed")]
+        starts = [a for a in actions if isinstance(a, StartPush)]
+        if kills and starts:
+            killed = self.pusher.killed[-1]
+            new = self.pusher.started[-1]
+            bound = self.driver.secure_by
+            if killed.started + killed.duration_s <= bound and new.started + new.duration_s > bound:
+                self._violate("supersede", f"a push that would end at {killed.started + killed.duration_s:.1f} "
+                              f"(in time for {bound:.1f}) was killed for one that ends at "
+                              f"{new.started + new.duration_s:.1f}")
+
+    def _violate(self, kind: str, text: str) -> None:
+        if kind in self.checks:
+            self.violations.append(text)
+            raise AssertionError(f"[{kind}] {text}")
+
+    @rule(steps=st.integers(1, 200))
+    def train(self, steps: int) -> None:
+        if self.job_running:
+            self.step += steps
+
+    @precondition(lambda self: self.job_running)
+    @rule(size=st.sampled_from(SIZES))
+    def save(self, size: int) -> None:
+        info = ckpt(self.step, size_bytes=size)
+        self.pusher.sizes[str(info.path)] = size
+        self._record(self.driver.checkpoint(info), self.clock.now)
+
+    @rule(seconds=st.sampled_from([0.5, 1.0, 3.0, 10.0, 30.0, 90.0]))
+    def advance(self, seconds: float) -> None:
+        end = self.clock.now + seconds
+        while self.clock.now < end - 1e-9:
+            self.clock.advance(TICK_S)
+            now = self.clock.now
+            if self.job_running and self.decided is None and self.driver.deadline_due(now):
+                self._record(self.driver.deadline_near(self.can_save), now)
+            self._record(self.driver.tick(), now)
+            self._check_decided_in_time()
+
+    @precondition(lambda self: self.deadline_at is not None)
+    @rule(delta_s=st.sampled_from([-60.0, -20.0, 15.0, 120.0]))
+    def deadline_moved(self, delta_s: float) -> None:
+        assert self.deadline_at is not None
+        self.deadline_at = max(self.clock.now + 2.0, self.deadline_at + delta_s)
+        self._record(self.driver.deadline_moved(self.deadline_at), self.clock.now)
+
+    @rule(signum=st.sampled_from([signal.SIGTERM, signal.SIGUSR1]))
+    def signal(self, signum: int) -> None:
+        self.signalled = True
+        self.signal_kill_at = min(self.signal_kill_at, self.clock.now + self.grace_s)
+        self._record(self.driver.signal(signum, self.can_save and self.job_running), self.clock.now)
+
+    @precondition(lambda self: self.job_running and self.decided is None)
+    @rule(reason=st.sampled_from(["stalled", "oom"]))
+    def failure(self, reason: str) -> None:
+        self.decided, self.failed = "FAIL", True
+        self._record(self.driver.failure(reason), self.clock.now)
+
+    @precondition(lambda self: self.job_running)
+    @rule(back=st.integers(0, 20))
+    def non_finite(self, back: int) -> None:
+        at = max(0, self.step - back)
+        self.taint_from = at if self.taint_from is None else min(self.taint_from, at)
+        decided = self.decided is not None
+        if not decided:
+            self.decided, self.failed = "FAIL", True
+        self._record(self.driver.taint(at, decided=decided), self.clock.now)
+
+    @rule()
+    def push_fails(self) -> None:
+        self.pusher.fail_next = True
+
+    @precondition(lambda self: self.job_running)
+    @rule(complete=st.booleans(), crash=st.booleans())
+    def job_exit(self, complete: bool, crash: bool) -> None:
+        self.job_running = False
+        if crash:
+            if self.decided is None:
+                self.decided, self.failed = "FAIL", True
+                self._record(self.driver.failure("crash"), self.clock.now)
+            self._record(self.driver.job_exit(ok=False, complete=False), self.clock.now)
+            return
+        ok = self.decided is None or self.decided == "TIMEOUT"
+        self.finished = complete and not (self.signalled or self.failed or self.taint_from is not None)
+        self._record(self.driver.job_exit(ok=ok and (self.decided is None or complete), complete=complete),
+                     self.clock.now)
+
+    # -- invariants ------------------------------------------------------------------------------------------
+
+    def _earliest_kill(self) -> float:
+        return min(self.deadline_at if self.deadline_at is not None else math.inf, self.signal_kill_at)
+
+    def _check_decided_in_time(self) -> None:
+        kill = self._earliest_kill()
+        if self.driver.busy and self.clock.now >= kill - SAFETY_S + TICK_S + 1e-6:
+            self._violate("in_time", f"securing still runs at {self.clock.now:.1f}, the kill is at {kill:.1f}")
+
+    @invariant()
+    def bound_within_the_deadline(self) -> None:
+        if hasattr(self, "driver") and self.deadline_at is not None and self.driver.busy \
+                and self.driver.secure_by > self.deadline_at - SAFETY_S + 1e-6:
+            self._violate("bound", f"secure_by {self.driver.secure_by:.1f} is past the deadline "
+                          f"{self.deadline_at:.1f} less {SAFETY_S}s")
+
+    @invariant()
+    def secured_is_good(self) -> None:
+        if not hasattr(self, "driver"):
+            return
+        secured = self.driver.secured()
+        if secured is None:
+            return
+        path, step = secured
+        if self.taint_from is not None and step is not None and step >= self.taint_from:
+            self._violate("secured", f"secured names {path} (step {step}), saved after the non-finite step "
+                          f"{self.taint_from}")
+        ends = [h.result for h in self.pusher.started if h.args.get("local_dir") == path and h.result is not None]
+        if not any(r.ok for r in ends):
+            self._violate("secured", f"secured names {path}, whose push never ended well ({ends})")
+
+    @invariant()
+    def finished_is_never_timeout(self) -> None:
+        if hasattr(self, "driver") and self.finished and self.driver.status(self.decided) == "TIMEOUT":
+            self._violate("finished", "the job finished its training but the VERDICT would be TIMEOUT")
+
+    @invariant()
+    def kill_bound(self) -> None:
+        if hasattr(self, "driver") and self.driver.busy and self.driver.secure_by > self._earliest_kill() - SAFETY_S \
+                + 1e-6:
+            self._violate("kill_bound", f"secure_by {self.driver.secure_by:.1f} is past the earliest kill "
+                          f"{self._earliest_kill():.1f} less {SAFETY_S}s")
+
+
+def quiet_plan_logs() -> None:
+    """The plan logs every decision; thousands of runs need none of it."""
+    for name in ("guard.secure", "guard.budget"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+
+
+__all__ = ["NewDriver", "PlanMachine", "State", "quiet_plan_logs"]

@@ -1,0 +1,82 @@
+"""The event orders of issue 17 end to end: real guard processes, tiny real loops (``jobs/plan_orders.py``), a
+folder destination. Each of these failed on the plan before it was closed (afd27c5): the NaN save secured with
+exit 75, the VERDICT after the deadline, the finished job a TIMEOUT."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import JOBS, kill_quietly, run_guard, start_guard
+
+pytestmark = [pytest.mark.slow]
+
+FAST = ["--skip-check", "python=imports are checked by the other tests"]
+JOB = str(JOBS / "plan_orders.py")
+
+
+def _pushed_weights_finite(dest: Path) -> bool:
+    state = torch.load(dest / "last-checkpoint" / "model.pt", weights_only=True)
+    return all(bool(torch.isfinite(t).all()) for t in state["model"].values())
+
+
+def test_nan_then_the_deadlines_request_secures_the_save_before_it_and_says_non_finite(tmp_path: Path) -> None:
+    out, dest = tmp_path / "out", tmp_path / "dest"
+    run = run_guard([*FAST, "--timeout", "90s", "--margin", "30s", "--check-every", "100000", "--push-to",
+                     str(dest), "--output-dir", str(out), JOB, "--output-dir", str(out), "--answer",
+                     "--nan-after-s", "10"], timeout_s=150)
+    fields = run.fields()
+    assert (fields["status"], run.returncode, fields["secured"]) == ("TIMEOUT", 75, "yes"), run.stderr[-3000:]
+    assert "non-finite" in fields["hint"], run.verdict
+    assert _pushed_weights_finite(dest), "the secured checkpoint holds the NaN weights"
+    marked = sorted(out.glob("checkpoint-*/guard_suspect.json"))
+    assert marked, "the save made after the non-finite loss is marked suspect"
+    suspect = json.loads(marked[-1].read_text())
+    assert suspect["step"] >= suspect["first_non_finite_step"]
+    assert not fields["checkpoint"].endswith(marked[-1].parent.name)
+
+
+def test_a_signal_less_than_grace_before_the_deadline_ends_before_the_deadline(tmp_path: Path) -> None:
+    out, dest = tmp_path / "out", tmp_path / "dest"
+    started = time.monotonic()
+    proc = start_guard([*FAST, "--timeout", "50s", "--grace", "40s", "--margin", "5s", "--push-to", str(dest),
+                        "--output-dir", str(out), JOB, "--output-dir", str(out), "--answer", "--slow-answer-s",
+                        "120"])
+    try:
+        while not (dest / "last-checkpoint").is_dir() and time.monotonic() - started < 40:
+            time.sleep(0.1)
+        time.sleep(max(0.0, 20.0 - (time.monotonic() - started)))  # 30 s before the deadline: less than --grace
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=90)
+        took_s = time.monotonic() - started
+    except subprocess.TimeoutExpired:
+        pytest.fail("the guard did not end")
+    finally:
+        kill_quietly(proc)
+    verdict = [line for line in stdout.splitlines() if line.startswith("VERDICT:")][-1]
+    assert "INTERRUPTED" in verdict and proc.returncode == 75, stderr[-3000:]
+    assert took_s < 50.0, f"the VERDICT came {took_s:.1f}s after the start, past the 50 s deadline"
+
+
+def test_a_job_that_finishes_inside_the_margin_is_a_pass_with_its_final_model_pushed(tmp_path: Path) -> None:
+    out, dest = tmp_path / "out", tmp_path / "dest"
+    until = time.time() + 45.0
+    run = run_guard([*FAST, "--timeout", "60s", "--margin", "30s", "--push-to", str(dest), "--output-dir",
+                     str(out), JOB, "--output-dir", str(out), "--plain", "--until-epoch", str(until)],
+                    timeout_s=120)
+    fields = run.fields()
+    assert (fields["status"], fields["reason"], run.returncode) == ("PASS", "ok", 0), run.stdout[-800:] + \
+        run.stderr[-3000:]
+    assert (dest / "model.pt").is_file(), "the final model was not pushed"
+    assert "finished its training before the deadline" in run.stderr
+
+
+def test_a_margin_at_or_above_the_budget_is_a_usage_error(tmp_path: Path) -> None:
+    run = run_guard(["--margin", "2h", "--timeout", "1h", JOB, "--output-dir", str(tmp_path)], timeout_s=60)
+    assert run.returncode == 2 and run.fields()["reason"] == "usage"
+    assert "--margin 2h is not less than the budget (1h)" in run.stderr
