@@ -16,7 +16,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from guard.contract import EXIT_PREFLIGHT, RunResult, signal_name
-from guard.run.config import Config, env_name, guard_options_in
+from guard.run.config import FINAL_PUSH_WINDOW_S, Config, env_name, guard_options_in
 from guard.run.masking import Masker
 from guard.run.platform import PlatformInfo, detect
 from guard.run.process import default_signals
@@ -370,6 +370,7 @@ def run_job(config: Config, masker: Masker, started: float) -> RunResult:
                         output_dir=output_dir, grace_s=config.grace_s,
                         refresher=_slurm_refresher(config, platform), background=config.background_push,
                         push_interval_s=config.push_interval)
+    securing.plan.final_window_s = float(config.values.get("final_push_window") or FINAL_PUSH_WINDOW_S)
     if fetched is not None:
         securing.latest_reported = describe(fetched.path, step=fetched.step)
         if fetched.source == "destination" and securer is not None:  # the destination holds it, verified

@@ -186,6 +186,8 @@ class Plan:
         background: push complete checkpoints as they appear (``--background-push``).
         push_interval_s: the least time between two background push starts (``--push-interval``).
         final_output_dir: the job's output folder for the final model push, or None.
+        final_window_s: with no deadline, how long securing after a good end may take (``--final-push-window``);
+            an upload estimated to take longer gets 3x its estimate.
     """
 
     clock: Callable[[], float]
@@ -196,6 +198,7 @@ class Plan:
     background: bool = True
     push_interval_s: float = 600.0
     final_output_dir: str | None = None
+    final_window_s: float = 180.0
     state: State = State.WATCHING
     secure_by: float = math.inf
     trigger: str | None = None  # "deadline", "signal", "failure", "ended" (ended well, no final model files)
@@ -383,8 +386,9 @@ class Plan:
         return []
 
     def _final_bound(self, now: float) -> float:
-        """When securing after a good end is over: 3x the estimate plus two minutes, never past the deadline."""
-        bound = now + max(self.estimator.secure_estimate_s() * 3 + 120, 5.0)
+        """When securing after a good end is over: ``final_window_s``, or 3x the upload's estimate when that is more,
+        never past the deadline."""
+        bound = now + max(self.estimator.secure_estimate_s() * 3, self.final_window_s, 5.0)
         return min(bound, self.deadline_at - SAFETY_S) if self.deadline_at is not None else bound
 
     def tick(self) -> list[Action]:
