@@ -114,3 +114,21 @@ def test_an_unreachable_hub_is_named_in_the_hint(hub, api, tmp_path) -> None:
             checkpoint(tmp_path, 3), step=3, deadline=clock() + 20)
     assert "could not be reached" in (info.value.hint or ""), info.value.message
     assert time.monotonic() - started < 60
+
+
+@pytest.mark.hub
+def test_a_commit_that_never_answers_is_logged_as_no_progress_and_retried(hub, api, tmp_path, monkeypatch,
+                                                                          caplog) -> None:
+    from guard.secure import hubhttp
+
+    monkeypatch.setitem(hubhttp.REQUEST_TIMEOUTS_S, "read", 2.0)
+    repo_id = f"alice/run-{uuid.uuid4().hex[:8]}"
+    hub.inject(latency_s=600, count=1, path_contains="/commit/", methods=("POST",))
+    clock = FakeClock()
+    started = time.monotonic()
+    with caplog.at_level("WARNING", logger="guard.hub"):
+        result = Securer(repo_id, api=api, clock=clock, sleep=clock.sleep).push_checkpoint(
+            checkpoint(tmp_path, 3), step=3, deadline=clock() + 120)
+    assert result.attempts == 2
+    assert any("no progress for 2s on POST" in r.getMessage() for r in caplog.records), caplog.text
+    assert time.monotonic() - started < 30
