@@ -154,3 +154,17 @@ def test_an_unresolvable_hub_endpoint_with_a_hub_destination_fails_preflight(tmp
                          str(JOBS / "echo_args.py")], env=env, cwd=tmp_path)
     assert skipped.fields().get("check") != "hub-auth", skipped.stdout + skipped.stderr[-2000:]
     assert "skipped by --skip-check: the Hub comes later" in skipped.stderr
+
+
+# -- the primary rank's losses only, from the first step ----------------------------------------------------------
+
+
+def test_the_sanity_pass_holds_rank_0s_losses_only_whatever_rank_reports_first(tmp_path: Path) -> None:
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    for attempt in range(3):  # rank 1 reports first on purpose each time; the primary rank is known beforehand
+        report = tmp_path / f"report{attempt}.json"
+        run = run_guard(["--no-preflight", "--report", str(report), "--", torchrun, "--standalone",
+                         "--nproc-per-node", "2", str(JOBS / "rank_losses.py")], cwd=tmp_path)
+        assert run.returncode == 0, run.stdout + run.stderr[-3000:]
+        sanity = json.loads(report.read_text())["sanity"]
+        assert len(sanity) == 5 and max(sanity) < 100, (attempt, sanity)

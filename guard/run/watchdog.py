@@ -92,11 +92,12 @@ class Watchdog:
         max_skipped_steps: ``--max-skipped-steps``; 0 turns that check off.
         loss_rise_factor: ``--loss-rise-factor`` (k); 0 turns the sustained-rise check off.
         loss_rise_steps: ``--loss-rise-steps`` (the window, in training steps; at least 1).
+        expected_primary: the rank whose steps stand for the job's, from the launcher's command, or None.
     """
 
     def __init__(self, state: RunState, now: float, *, sanity_steps: int, stall_timeout_s: float,
                  dry_run: bool = False, max_skipped_steps: int = 0, loss_rise_factor: float = 0.0,
-                 loss_rise_steps: int = 20) -> None:
+                 loss_rise_steps: int = 20, expected_primary: int | None = None) -> None:
         self.state = state
         self.loss_rise_factor = loss_rise_factor
         self.loss_rise_steps = max(1, loss_rise_steps)
@@ -106,7 +107,7 @@ class Watchdog:
         self.dry_run = dry_run
         self.max_skipped_steps = max_skipped_steps
         self.stall = StallWatch(stall_timeout_s, now)
-        self.ranks = RankWatch(stall_timeout_s)  # the primary rank, and every rank's last step time
+        self.ranks = RankWatch(stall_timeout_s, expected_primary)  # the primary rank, every rank's last step time
         self.primary_agent: int | None = None  # agents without a rank: the first one's steps stand
         self.early_losses: list[float] = []  # the first EARLY_STEPS finite losses (the explosion check's level)
         self.nan_reports: list[tuple[int, int, float, int]] = []  # (step, rank or -1, loss, n), non-finite
