@@ -168,3 +168,24 @@ def test_the_sanity_pass_holds_rank_0s_losses_only_whatever_rank_reports_first(t
         assert run.returncode == 0, run.stdout + run.stderr[-3000:]
         sanity = json.loads(report.read_text())["sanity"]
         assert len(sanity) == 5 and max(sanity) < 100, (attempt, sanity)
+
+
+# -- stall hints: inside torch.compile, and a job that says nothing ----------------------------------------------
+
+
+def test_a_stall_inside_torch_compile_says_so_with_what_to_do(tmp_path: Path) -> None:
+    run = run_guard(["--no-preflight", "--stall-timeout", "30s", "--grace", "3s", str(JOBS / "slow_compile.py")],
+                    cwd=tmp_path, timeout_s=180)
+    fields = run.fields()
+    assert (fields["status"], fields["reason"]) == ("FAIL", "stalled"), run.stdout + run.stderr[-3000:]
+    assert "inside torch.compile" in fields["hint"] and "TORCH_LOGS=recompiles" in fields["hint"]
+    assert "a collective, a DataLoader worker" not in fields["hint"]
+
+
+def test_a_silent_job_without_an_agent_is_told_about_block_buffering(tmp_path: Path) -> None:
+    code = "import time; print('working', flush=False); time.sleep(120)"
+    run = run_guard(["--no-preflight", "--stall-timeout", "4s", "--grace", "2s", "--", sys.executable, "-I", "-c",
+                     code], cwd=tmp_path, timeout_s=120)
+    fields = run.fields()
+    assert (fields["status"], fields["reason"]) == ("FAIL", "stalled"), run.stdout + run.stderr[-3000:]
+    assert "block-buffers" in fields["hint"] and "python -u" in fields["hint"]

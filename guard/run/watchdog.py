@@ -45,6 +45,8 @@ log = logging.getLogger("guard.supervisor")
 EXPLODE_FACTOR = 100.0  # a finite loss this many times its early level (the median of the first steps) exploded
 EARLY_STEPS = 5  # steps whose median is the loss's early level
 NAN_SETTLE_S = 2.0  # with several ranks, how long to wait for the others' reports before naming the first NaN
+#: Frames of torch.compile's machinery (a stall there is compilation, not a collective or I/O).
+_COMPILE_FRAMES = ("torch/_dynamo/", "torch/_inductor/", "_dynamo/", "_inductor/", "torch/_functorch/")
 STACKS_WAIT_S = 1.0  # after a stall: how long the agents have to print their stacks before the SIGTERM
 
 
@@ -113,11 +115,13 @@ class Watchdog:
         self.nan_reports: list[tuple[int, int, float, int]] = []  # (step, rank or -1, loss, n), non-finite
         self.nan_decide_at: float | None = None
         self.rank_begun: dict[int, int] = {}  # rank -> steps begun, from the answers to a stack dump
+        self.output_seen = False  # the job wrote at least one byte
 
     # -- events -------------------------------------------------------------------------------------------------
 
     def on_output(self, now: float) -> None:
         """The job printed something (progress only before its first step)."""
+        self.output_seen = True
         self.stall.output(now)
 
     def on_step(self, now: float, step: int | None, value: float, *, finite: bool = True, n: int = 1,
@@ -262,10 +266,15 @@ class Watchdog:
         if stuck is not None:
             log.error("rank %d reported the fewest steps (%d); asking every rank how far it got",
                       stuck, self.ranks.last_step[stuck][0])
-        return Decision(Outcome("FAIL", "stalled", EXIT_STALLED, extra=extra, hint=(
-            f"{what} for {silent:.0f}s: look at the stacks above for where it waits (a collective, a "
-            "DataLoader worker, I/O); raise --stall-timeout if a step or the first output can take that long")),
-            stop=False, dump_stacks=True, stop_in_s=STACKS_WAIT_S)
+        hint = (f"{what} for {silent:.0f}s: look at the stacks above for where it waits (a collective, a "
+                "DataLoader worker, I/O); raise --stall-timeout if a step or the first output can take that long")
+        if not self.output_seen and not self.stall.first_step_seen and not self.state.facts.agents_seen:
+            hint = (f"{what} for {silent:.0f}s, and no agent inside the job (a program the guard cannot enter, or "
+                    "python -I/-S): a Python program writing to a pipe block-buffers its output, so it may be "
+                    "working and saying nothing: run it with python -u (or PYTHONUNBUFFERED=1, or print(..., "
+                    "flush=True)); raise --stall-timeout if its first output can take that long")
+        return Decision(Outcome("FAIL", "stalled", EXIT_STALLED, extra=extra, hint=hint),
+                        stop=False, dump_stacks=True, stop_in_s=STACKS_WAIT_S)
 
     # -- ranks --------------------------------------------------------------------------------------------------
 
@@ -399,6 +408,12 @@ class Watchdog:
             outcome.hint = (f"training ended at step {facts.train_end.get('step')} (Trainer.train() returned), "
                             f"then the job hung in {where}: that call never returned (a push, an upload, a "
                             "collective or a thread join after training); see the stacks above")
+        elif any(marker in where for marker in _COMPILE_FRAMES):
+            log.error("the job's main thread is inside torch.compile: %s", where)
+            outcome.hint = (f"the main thread is inside torch.compile ({where}): compiling a large model, or "
+                            "recompiling for every new input shape, can take longer than --stall-timeout; raise it "
+                            "for the first steps, mark the changing dimensions dynamic (torch.compile(dynamic=True) "
+                            "or torch._dynamo.mark_dynamic), and see why it recompiles with TORCH_LOGS=recompiles")
         else:
             log.error("the job's main thread waits in %s", where)
             outcome.hint = f"the main thread waits in {where}; {outcome.hint}"

@@ -367,7 +367,10 @@ def _main_where() -> str | None:
     parts = [f"{f.name} ({_short(f.filename)}:{f.lineno})" for f in picked if f is not own]
     if own is not None:
         parts.append(f"{own.name} ({_short(own.filename)}:{own.lineno})")
-    return " <- ".join(parts)
+    where = " <- ".join(parts)
+    if any("torch/_dynamo/" in f.filename or "torch/_inductor/" in f.filename for f in stack):
+        where += " (inside torch.compile: torch/_dynamo/)"  # compiling, whatever library frame is innermost
+    return where
 
 
 def _dump_threads() -> None:
