@@ -514,7 +514,8 @@ class Supervisor:
         elif kind == "progress":
             begun = message.get("begun")
             self.watchdog.on_stack_answer(rank, begun if isinstance(begun, int) else None,
-                                          str(message["where"]) if message.get("where") else None)
+                                          str(message["where"]) if message.get("where") else None,
+                                          step=_int_or_none(message.get("step")))
         elif kind == "replay":  # CUDA-graph replays: steps without a loss, progress all the same
             self.watchdog.on_replay(now, rank)
         elif kind == "watching":

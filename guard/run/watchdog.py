@@ -204,9 +204,17 @@ class Watchdog:
             "(gradients inf/NaN), so nothing was learned: prefer bf16 over fp16, lower the learning rate or add "
             "warmup, clip gradients, and look for a layer whose activations overflow fp16")))]
 
-    def on_stack_answer(self, rank: int | None, begun: int | None, where: str | None) -> None:
-        """A rank's answer to a stack dump (``progress``): how many steps it has begun and where its main thread
-        waits. Names the rank that holds up the rest, and where the job hangs, on a ``stalled`` outcome."""
+    def on_stack_answer(self, rank: int | None, begun: int | None, where: str | None,
+                        step: int | None = None) -> None:
+        """A rank's answer to a stack dump or a stop (``progress``): how many steps it has begun, the last step it
+        counted, and where its main thread waits. The primary rank's count moves ``step`` on (the steps since its
+        last report were checked on the device but not sent yet); names the rank that holds up the rest, and where
+        the job hangs, on a ``stalled`` outcome."""
+        progress = self.state.progress
+        primary = self.ranks.primary
+        if (step is not None and progress.step is not None and step > progress.step
+                and (rank is None or primary is None or rank == primary)):
+            progress.step = step
         outcome = self.state.outcome
         stalled = outcome is not None and outcome.reason == "stalled"
         if where and rank in (None, 0) and stalled and self.state.facts.hang_where is None:

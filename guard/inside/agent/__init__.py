@@ -219,6 +219,8 @@ class Agent:
                 self.relay.publish(message)
             elif kind == "stop":
                 self.stop_requested = True
+                # the last step counted (the steps since the last report were not sent): the VERDICT's step=
+                self.send({"t": "progress", "begun": self.begun, "step": self.watch.step})
             elif kind == "dump":
                 _dump_threads()
                 # How far this rank got: a rank blocked outside a collective has begun fewer steps than the
