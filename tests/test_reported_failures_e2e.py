@@ -201,3 +201,15 @@ def test_a_hang_between_two_loss_reads_says_the_last_step_counted(tmp_path: Path
     fields = run.fields()
     assert (fields["status"], fields["reason"], fields["step"]) == ("FAIL", "stalled", "21"), \
         run.stdout + run.stderr[-3000:]
+
+
+# -- preflight: a push inside try/except is a warning, not a failure -------------------------------------------------
+
+
+def test_a_push_inside_try_except_is_a_warning_and_the_job_runs(tmp_path: Path) -> None:
+    env = {"HF_TOKEN": "", "HF_HOME": str(tmp_path / "hf")}
+    run = run_guard([str(JOBS / "push_in_try.py")], env=env, cwd=tmp_path)
+    fields = run.fields()
+    assert (fields["status"], fields["reason"], run.returncode) == ("PASS", "ok", 0), run.stdout + run.stderr[-3000:]
+    assert "could not push the model: offline" in run.stdout
+    assert "is inside try/except: a failure there is caught" in run.stderr

@@ -100,6 +100,8 @@ class Mention:
         label = {"push": f"push_to_hub({self.what!r})" if self.what else "push_to_hub()",
                  "tracker": f"{self.what}.init()", "compile": "torch.compile()",
                  "import": f"import {self.what}"}.get(self.kind, self.what)
+        if self.condition.startswith("it raises nothing (try/except"):  # caught: the job goes on without it
+            return f"{label} in {script} line {self.line} is inside try/except: a failure there is caught"
         state = "off" if self.taken is False else "not set on the command line"
         return f"{label} in {script} line {self.line} runs only if {self.condition} ({state})"
 
@@ -462,6 +464,23 @@ class _Visitor(ast.NodeVisitor):
 
     def visit_IfExp(self, node: ast.IfExp) -> None:
         self._branch(node.test, [node.body], [node.orelse])
+
+    def visit_Try(self, node: ast.Try) -> None:
+        """A ``try`` body whose errors a handler catches may fail without failing the job (a ``push_to_hub()`` in
+        ``try/except``: the script goes on offline): what it does there is a path that may not complete, like one
+        under an ``if`` not known to be true. Handlers, ``else`` and ``finally`` are visited as they are."""
+        if not node.handlers:
+            self.generic_visit(node)
+            return
+        caught = ", ".join(ast.unparse(h.type) if h.type is not None else "anything" for h in node.handlers)
+        self.guards.append((f"it raises nothing (try/except {caught})", None))
+        for stmt in node.body:
+            self.visit(stmt)
+        self.guards.pop()
+        for part in (*node.handlers, *node.orelse, *node.finalbody):
+            self.visit(part)
+
+    visit_TryStar = visit_Try
 
     def guarded(self, kind: str, what: str, node: ast.AST) -> bool:
         """Record a ``Mention`` when ``node`` is on a path that may not be taken; True when it was recorded."""
