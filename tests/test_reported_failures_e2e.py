@@ -213,3 +213,22 @@ def test_a_push_inside_try_except_is_a_warning_and_the_job_runs(tmp_path: Path) 
     assert (fields["status"], fields["reason"], run.returncode) == ("PASS", "ok", 0), run.stdout + run.stderr[-3000:]
     assert "could not push the model: offline" in run.stdout
     assert "is inside try/except: a failure there is caught" in run.stderr
+
+
+# -- an ephemeral platform with no destination ---------------------------------------------------------------------
+
+HF_JOBS_ENV = {"JOB_ID": "6712ab0c", "CPU_CORES": "2", "MEMORY": "16Gi", "ACCELERATOR": "cpu-basic"}
+
+
+def test_a_trainer_on_hf_jobs_with_no_destination_fails_preflight_destination(tmp_path: Path) -> None:
+    job = [str(JOBS / "abort_after_training.py"), "--output-dir", str(tmp_path / "out")]
+    run = run_guard(["preflight", "--skip-check", "gpu=no GPU in the tests", *job], env=HF_JOBS_ENV, cwd=tmp_path)
+    fields = run.fields()
+    assert (fields["status"], fields["reason"], fields["check"], run.returncode) == \
+        ("FAIL", "preflight", "destination", 3), run.stdout + run.stderr[-3000:]
+    assert "--push-to hf://NS/NAME" in fields["hint"] and "hub_model_id" in fields["hint"]
+    kept = run_guard(["preflight", "--skip-check", "gpu=no GPU in the tests", "--skip-check",
+                      "destination=a scratch run", *job], env=HF_JOBS_ENV, cwd=tmp_path)
+    assert kept.fields().get("check") != "destination", kept.stdout + kept.stderr[-2000:]
+    local = run_guard(["preflight", "--skip-check", "gpu=no GPU in the tests", *job], cwd=tmp_path)
+    assert local.fields().get("check") != "destination", local.stdout + local.stderr[-2000:]

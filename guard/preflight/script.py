@@ -132,6 +132,9 @@ class ScriptFacts:
             be taken (see the module docstring); they are in none of the fields above.
         pep723: the PEP 723 block, or None when there is none.
         syntax_error: the parse error, or None.
+        saves: what writes checkpoints or a model, as the messages name it (``a Trainer``, ``torch.save()``,
+            ``save_model()``, ``save_pretrained()``), in source order; a Trainer with ``save_strategy="no"`` and no
+            save call is not one.
     """
 
     path: Path
@@ -147,6 +150,7 @@ class ScriptFacts:
     mentions: tuple[Mention, ...] = ()
     pep723: Pep723Block | None = None
     syntax_error: str | None = None
+    saves: tuple[str, ...] = ()
 
 
 def read_pep723(source: str) -> Pep723Block | None:
@@ -250,6 +254,8 @@ def analyze_source(source: str, *, path: Path, overrides: Mapping[str, Any] | No
         imports=tuple(dict.fromkeys(_unconditional_imports(tree, conditions, visitor.mentions))),
         mentions=tuple(visitor.mentions),
         pep723=pep723,
+        saves=tuple(dict.fromkeys(([] if not visitor.trainer_eval or config.get("save_strategy") == "no"
+                                   else ["a Trainer"]) + visitor.saves)),
     )
 
 
@@ -413,6 +419,7 @@ class _Visitor(ast.NodeVisitor):
         self.losses: list[str] = []
         self.checkpointing_call = False
         self.compile_call = False
+        self.saves: list[str] = []  # "torch.save()", "save_model()", "save_pretrained()"
 
     # -- literals ------------------------------------------------------------------------------------------
     def literal(self, node: ast.AST | None) -> Any:
@@ -526,6 +533,8 @@ class _Visitor(ast.NodeVisitor):
         elif name in _SAVE_CALLS:
             if text := self.text(self.arg(node, 0)):
                 self.written.add(text)
+            if (name == "save" and owner == "torch") or name in ("save_model", "save_pretrained"):
+                self.saves.append(f"{'torch.' if name == 'save' else ''}{name}()")
         elif name.endswith("TrainingArguments") or name in _TRL_CONFIGS:
             self._training_arguments(node)
         elif name.endswith("Trainer") and name[:1].isupper():
