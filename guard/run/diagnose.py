@@ -421,6 +421,8 @@ def job_result(state: RunState, ended: JobExit, config: Config, *, securer: Secu
     result.details.update(details)
     if securer is not None:
         securer.finish(result, step=progress.step)
+        if result.status == "PASS" and not config.values.get("push_to") and not result.extra.get("pushed"):
+            result.extra.pop("checkpoint", None)  # nothing was secured anywhere: a PASS names no checkpoint
         pushed = result.extra.get("pushed")
         if isinstance(pushed, str) and "@" in pushed and os.path.isabs(pushed.rsplit("@", 1)[1]):
             result.extra["pushed"] = pushed.rsplit("@", 1)[1]  # a folder destination: the folder written

@@ -179,6 +179,12 @@ def _run_preflight(config: Config, deadline: budget.Deadline, platform: Platform
         report = _with_requeue_row(report, platform)
     log.info("preflight (%.1fs):\n%s", report.elapsed_s,
              "\n".join("[guard]   " + line for line in render_table(report).splitlines()))
+    if deadline.timeout_s and report.elapsed_s > deadline.timeout_s / 10:
+        left = deadline.remaining_s(time.time())
+        log.warning("preflight took %.0fs, %.0f%% of the %.0fs budget%s (a loaded machine makes its import checks "
+                    "slow): --skip-check python=REASON skips them", report.elapsed_s,
+                    100 * report.elapsed_s / deadline.timeout_s, deadline.timeout_s,
+                    f"; {left:.0f}s are left" if left is not None else "")
     return report
 
 
