@@ -333,6 +333,10 @@ def job_result(state: RunState, ended: JobExit, config: Config, *, securer: Secu
     if outcome is not None:
         result = RunResult(outcome.status, outcome.reason, int(outcome.exit_code or 0), elapsed_s,
                            hint=outcome.hint, extra=dict(outcome.extra))
+        stuck = outcome.extra.get("rank")
+        if outcome.reason == "stalled" and stuck is not None and facts.hang_where is None:
+            result.hint = (f"rank {stuck} gave no stack when asked (a stopped process, or one stuck outside Python "
+                           f"code: py-spy dump --pid PID shows it); {result.hint}")
     elif ended.status_lost:
         result = RunResult("FAIL", "guard_error", EXIT_GUARD_ERROR, elapsed_s, extra={"job_exit": "unknown"}, hint=(
             "the job's exit status was lost (another process reaped it), so whether it succeeded is unknown: "

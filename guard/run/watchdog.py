@@ -217,7 +217,10 @@ class Watchdog:
             progress.step = step
         outcome = self.state.outcome
         stalled = outcome is not None and outcome.reason == "stalled"
-        if where and rank in (None, 0) and stalled and self.state.facts.hang_where is None:
+        named = outcome.extra.get("rank") if outcome is not None else None
+        # the stalled rank's own stack (rank 0's, or a rankless process's, when no rank is named)
+        if where and stalled and self.state.facts.hang_where is None and (
+                rank == named if named is not None else rank in (None, 0)):
             self._name_hang(where)
         if rank is None or begun is None:
             return
