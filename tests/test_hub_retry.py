@@ -85,6 +85,7 @@ def test_a_429_with_retry_after_is_waited_out_before_the_next_commit(hub, api, t
         checkpoint(tmp_path, 3), step=3, deadline=clock() + 120)
     assert result.attempts == 3
     assert clock.sleeps == [7.0, 7.0]  # the Hub's wait, not the 1 s / 2 s backoff
+    assert result.elapsed_s == 14.0 and result.attempt_s == 0.0  # the waits are the push's time, not its attempt's
     assert [r.status for r in hub.requests if "/commit/" in r.path] == [429, 429, 200]
 
 
@@ -132,3 +133,15 @@ def test_a_commit_that_never_answers_is_logged_as_no_progress_and_retried(hub, a
     assert result.attempts == 2
     assert any("no progress for 2s on POST" in r.getMessage() for r in caplog.records), caplog.text
     assert time.monotonic() - started < 30
+
+
+def test_the_throughput_learns_from_the_successful_attempt_alone() -> None:
+    from guard.secure.hub import PushResult
+    from guard.secure.worker import WorkResult
+
+    result = PushResult("hf://a/b", "0" * 40, ("model.safetensors",), 100_000_000, 290.0, 3, 7, attempt_s=10.0)
+    assert result.bytes_per_s == 10_000_000  # not 100 MB over the 290 s that include a 271 s Retry-After wait
+    work = WorkResult("push_checkpoint", True, {"attempt_s": 10.0, "size_bytes": 100_000_000}, None, None, None,
+                      290.0)
+    assert work.transfer_s == 10.0
+    assert WorkResult("push_checkpoint", True, {}, None, None, None, 290.0).transfer_s == 290.0

@@ -568,8 +568,9 @@ class Plan:
         assert record is not None
         record.result = result
         if result.ok:
-            if result.elapsed_s > 0 and result.size_bytes > 0:
-                self.estimator.observe_push(result.size_bytes, result.elapsed_s)
+            took_s = getattr(result, "transfer_s", result.elapsed_s)  # the successful attempt alone, no waits
+            if took_s > 0 and result.size_bytes > 0:
+                self.estimator.observe_push(result.size_bytes, took_s)
             if record.kind == "final":
                 log.info("final model secured and verified: %s", result.pushed)
             else:
