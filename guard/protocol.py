@@ -31,7 +31,8 @@ Agent -> supervisor (``t``):
 ``train_intent``    what (``optimizer``, with type: an optimizer was built; ``optimizer_step``: it stepped), once each
 ``empty_loader``    samples, batch_size, drop_last: a DataLoader with no batch at all was iterated (once)
 ``watching``        what (``torch``): the agent hooked torch and sees the losses; printed losses stop deciding
-``progress``        begun, step, where (the main thread's stack in one line): the answer to ``dump``
+``progress``        begun, step, where (the main thread's stack in one line): the answer to ``dump``; to ``stop``
+                    without where (the last step counted, for the VERDICT's step=)
 ``replay``          n: CUDA-graph replays since the last such message (sent every ``check_every``); progress without
                     a loss (a replayed step calls no ``.backward()``), so not a stall
 

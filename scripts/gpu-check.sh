@@ -7,6 +7,7 @@
 # does (the contract's `preflight` code), 2 on a usage error. Calls guard.preflight directly (the table on stdout,
 # then the VERDICT line), so it works whether or not the CLI is wired; GPU_CHECK_VIA_CLI=1 runs
 # `python -m guard preflight --require-gpus 1 ARGS` instead (the table in the [guard] log on stderr).
+# GPU_CHECK_CUDA_GRAPHS=1 first runs the CUDA-graph NaN case (see below).
 # The Python used is $PYTHON, else the repo's .venv, else python3.
 set -euo pipefail
 
@@ -16,6 +17,16 @@ if [[ -z "$python" ]]; then
   if [[ -x "$repo/.venv/bin/python" ]]; then python="$repo/.venv/bin/python"; else python="python3"; fi
 fi
 export PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}"
+
+# GPU_CHECK_CUDA_GRAPHS=1: also run a torch.compile(mode="reduce-overhead") loop with a NaN at step 37 under the
+# guard (CUDA-graph trees overwrite each step's loss tensor on the next replay): the VERDICT must be
+# non_finite_loss at step 37, which shows the loss watch survived the overwritten tensors.
+if [[ "${GPU_CHECK_CUDA_GRAPHS:-0}" == "1" ]]; then
+  verdict="$("$python" -m guard --no-preflight "$repo/tests/jobs/compiled_nan.py" --nan-at 37 | tail -n 1)" || true
+  echo "$verdict"
+  [[ "$verdict" == *"reason=non_finite_loss"* && "$verdict" == *"step=37"* ]] || {
+    echo "[guard] gpu-check: the CUDA-graph loop's NaN at step 37 was not caught" >&2; exit 1; }
+fi
 
 if [[ "${GPU_CHECK_VIA_CLI:-0}" == "1" ]]; then
   exec "$python" -m guard preflight --require-gpus 1 "$@"

@@ -81,12 +81,21 @@ def test_reported_paths_that_would_push_the_wrong_thing_are_refused(tmp_path, mo
     assert is_plausible_output_dir(work / "out", cwd=work)
 
 
-def test_the_hint_never_names_a_flag_already_given():
-    hint = nothing_found_hint(output_dir="ckpt", destination_given=True)
+def test_the_hint_never_names_a_flag_already_given(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "state.bin").write_bytes(b"x")  # something was saved, in a form not recognised
+    hint = nothing_found_hint(output_dir=str(ckpt), destination_given=True)
     assert "--push-to" not in hint and "--output-dir" not in hint
     assert "guard.checkpoint_saved(path)" in hint and "checkpoint-N" in hint and "ckpt" in hint
     assert "--output-dir" in nothing_found_hint(output_dir=None, destination_given=True)
     assert "--push-to" in nothing_found_hint(output_dir="ckpt", destination_given=False)
+
+
+def test_an_output_folder_with_nothing_in_it_says_the_job_never_reached_a_save(tmp_path):
+    for folder in (tmp_path / "missing", tmp_path):
+        hint = nothing_found_hint(output_dir=str(folder), destination_given=True)
+        assert "never reached a save" in hint and "checkpoint_saved" not in hint
 
 
 # -- loose model files, accelerate folders, reported folders -------------------------------------------------------

@@ -43,6 +43,8 @@ def test_bare_launch_smoke_means_on_and_a_misplaced_value_gets_its_options_usage
     assert wrong.returncode == 2
     assert "--resume" in wrong.stderr and "maybe" in wrong.stderr and "script not found" not in wrong.stderr
     assert "if-valid" in wrong.stderr  # the accepted values
+    switch = run_guard(["--dry-run", "yes", str(JOBS / "echo_args.py")], cwd=tmp_path)
+    assert switch.returncode == 2 and "--dry-run takes no value" in switch.stderr, switch.stderr
 
 
 def test_on_off_options_print_on_off_and_the_dump_shows_only_options_set_at_info(tmp_path: Path) -> None:

@@ -85,6 +85,7 @@ def test_a_429_with_retry_after_is_waited_out_before_the_next_commit(hub, api, t
         checkpoint(tmp_path, 3), step=3, deadline=clock() + 120)
     assert result.attempts == 3
     assert clock.sleeps == [7.0, 7.0]  # the Hub's wait, not the 1 s / 2 s backoff
+    assert result.elapsed_s == 14.0 and result.attempt_s == 0.0  # the waits are the push's time, not its attempt's
     # the checkpoint's commit after two 429s, then the resume record written once every file verified
     assert [r.status for r in hub.requests if "/commit/" in r.path] == [429, 429, 200, 200]
 
@@ -115,3 +116,33 @@ def test_an_unreachable_hub_is_named_in_the_hint(hub, api, tmp_path) -> None:
             checkpoint(tmp_path, 3), step=3, deadline=clock() + 20)
     assert "could not be reached" in (info.value.hint or ""), info.value.message
     assert time.monotonic() - started < 60
+
+
+@pytest.mark.hub
+def test_a_commit_that_never_answers_is_logged_as_no_progress_and_retried(hub, api, tmp_path, monkeypatch,
+                                                                          caplog) -> None:
+    from guard.secure import hubhttp
+
+    monkeypatch.setitem(hubhttp.REQUEST_TIMEOUTS_S, "read", 2.0)
+    repo_id = f"alice/run-{uuid.uuid4().hex[:8]}"
+    hub.inject(latency_s=600, count=1, path_contains="/commit/", methods=("POST",))
+    clock = FakeClock()
+    started = time.monotonic()
+    with caplog.at_level("WARNING", logger="guard.hub"):
+        result = Securer(repo_id, api=api, clock=clock, sleep=clock.sleep).push_checkpoint(
+            checkpoint(tmp_path, 3), step=3, deadline=clock() + 120)
+    assert result.attempts == 2
+    assert any("no progress for 2s on POST" in r.getMessage() for r in caplog.records), caplog.text
+    assert time.monotonic() - started < 30
+
+
+def test_the_throughput_learns_from_the_successful_attempt_alone() -> None:
+    from guard.secure.hub import PushResult
+    from guard.secure.worker import WorkResult
+
+    result = PushResult("hf://a/b", "0" * 40, ("model.safetensors",), 100_000_000, 290.0, 3, 7, attempt_s=10.0)
+    assert result.bytes_per_s == 10_000_000  # not 100 MB over the 290 s that include a 271 s Retry-After wait
+    work = WorkResult("push_checkpoint", True, {"attempt_s": 10.0, "size_bytes": 100_000_000}, None, None, None,
+                      290.0)
+    assert work.transfer_s == 10.0
+    assert WorkResult("push_checkpoint", True, {}, None, None, None, 290.0).transfer_s == 290.0

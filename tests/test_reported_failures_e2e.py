@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -154,3 +155,114 @@ def test_an_unresolvable_hub_endpoint_with_a_hub_destination_fails_preflight(tmp
                          str(JOBS / "echo_args.py")], env=env, cwd=tmp_path)
     assert skipped.fields().get("check") != "hub-auth", skipped.stdout + skipped.stderr[-2000:]
     assert "skipped by --skip-check: the Hub comes later" in skipped.stderr
+
+
+# -- the primary rank's losses only, from the first step ----------------------------------------------------------
+
+
+def test_the_sanity_pass_holds_rank_0s_losses_only_whatever_rank_reports_first(tmp_path: Path) -> None:
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    for attempt in range(3):  # rank 1 reports first on purpose each time; the primary rank is known beforehand
+        report = tmp_path / f"report{attempt}.json"
+        run = run_guard(["--no-preflight", "--report", str(report), "--", torchrun, "--standalone",
+                         "--nproc-per-node", "2", str(JOBS / "rank_losses.py")], cwd=tmp_path)
+        assert run.returncode == 0, run.stdout + run.stderr[-3000:]
+        sanity = json.loads(report.read_text())["sanity"]
+        assert len(sanity) == 5 and max(sanity) < 100, (attempt, sanity)
+
+
+# -- stall hints: inside torch.compile, and a job that says nothing ----------------------------------------------
+
+
+def test_a_stall_inside_torch_compile_says_so_with_what_to_do(tmp_path: Path) -> None:
+    run = run_guard(["--no-preflight", "--stall-timeout", "30s", "--grace", "3s", str(JOBS / "slow_compile.py")],
+                    cwd=tmp_path, timeout_s=180)
+    fields = run.fields()
+    assert (fields["status"], fields["reason"]) == ("FAIL", "stalled"), run.stdout + run.stderr[-3000:]
+    assert "inside torch.compile" in fields["hint"] and "TORCH_LOGS=recompiles" in fields["hint"]
+    assert "a collective, a DataLoader worker" not in fields["hint"]
+
+
+def test_a_silent_job_without_an_agent_is_told_about_block_buffering(tmp_path: Path) -> None:
+    code = "import time; print('working', flush=False); time.sleep(120)"
+    run = run_guard(["--no-preflight", "--stall-timeout", "4s", "--grace", "2s", "--", sys.executable, "-I", "-c",
+                     code], cwd=tmp_path, timeout_s=120)
+    fields = run.fields()
+    assert (fields["status"], fields["reason"]) == ("FAIL", "stalled"), run.stdout + run.stderr[-3000:]
+    assert "block-buffers" in fields["hint"] and "python -u" in fields["hint"]
+
+
+# -- step= is the last step the agent counted ----------------------------------------------------------------------
+
+
+def test_a_hang_between_two_loss_reads_says_the_last_step_counted(tmp_path: Path) -> None:
+    # sanity 5 steps, then a read every 10: the last report before the hang is step 15, the hang is at step 21
+    run = run_guard(["--no-preflight", "--stall-timeout", "40s", "--grace", "3s", str(JOBS / "hang_at_step.py"),
+                     "--steps", "21"], cwd=tmp_path, timeout_s=180)
+    fields = run.fields()
+    assert (fields["status"], fields["reason"], fields["step"]) == ("FAIL", "stalled", "21"), \
+        run.stdout + run.stderr[-3000:]
+
+
+# -- preflight: a push inside try/except is a warning, not a failure -------------------------------------------------
+
+
+def test_a_push_inside_try_except_is_a_warning_and_the_job_runs(tmp_path: Path) -> None:
+    env = {"HF_TOKEN": "", "HF_HOME": str(tmp_path / "hf")}
+    run = run_guard([str(JOBS / "push_in_try.py")], env=env, cwd=tmp_path)
+    fields = run.fields()
+    assert (fields["status"], fields["reason"], run.returncode) == ("PASS", "ok", 0), run.stdout + run.stderr[-3000:]
+    assert "could not push the model: offline" in run.stdout
+    assert "is inside try/except: a failure there is caught" in run.stderr
+
+
+# -- an ephemeral platform with no destination ---------------------------------------------------------------------
+
+HF_JOBS_ENV = {"JOB_ID": "6712ab0c", "CPU_CORES": "2", "MEMORY": "16Gi", "ACCELERATOR": "cpu-basic"}
+
+
+def test_a_trainer_on_hf_jobs_with_no_destination_fails_preflight_destination(tmp_path: Path) -> None:
+    job = [str(JOBS / "abort_after_training.py"), "--output-dir", str(tmp_path / "out")]
+    run = run_guard(["preflight", "--skip-check", "gpu=no GPU in the tests", *job], env=HF_JOBS_ENV, cwd=tmp_path)
+    fields = run.fields()
+    assert (fields["status"], fields["reason"], fields["check"], run.returncode) == \
+        ("FAIL", "preflight", "destination", 3), run.stdout + run.stderr[-3000:]
+    assert "--push-to hf://NS/NAME" in fields["hint"] and "hub_model_id" in fields["hint"]
+    kept = run_guard(["preflight", "--skip-check", "gpu=no GPU in the tests", "--skip-check",
+                      "destination=a scratch run", *job], env=HF_JOBS_ENV, cwd=tmp_path)
+    assert kept.fields().get("check") != "destination", kept.stdout + kept.stderr[-2000:]
+    local = run_guard(["preflight", "--skip-check", "gpu=no GPU in the tests", *job], cwd=tmp_path)
+    assert local.fields().get("check") != "destination", local.stdout + local.stderr[-2000:]
+
+
+# -- a stall hint quotes the stalled rank's stack, or says it has none ---------------------------------------------
+
+
+def test_a_stopped_rank_is_said_to_have_no_stack_and_rank_0s_is_not_quoted_as_its(tmp_path: Path) -> None:
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    proc = start_guard(["--no-preflight", "--grace", "8s", "--stall-timeout", "15s", "--", torchrun, "--standalone",
+                        "--nproc-per-node", "2", str(JOBS / "ddp_loop.py"), "--independent", "--step-s", "0.05",
+                        "--pid-dir", str(pids)], cwd=tmp_path)
+    stopped = None
+    try:
+        deadline = time.monotonic() + 90
+        seen = ""
+        while "sanity pass" not in seen and time.monotonic() < deadline and proc.poll() is None:
+            seen += proc.stderr.readline()
+        while len(list(pids.iterdir())) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(1.0)
+        stopped = int((pids / "rank1.pid").read_text())
+        os.kill(stopped, signal.SIGSTOP)
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        kill_quietly(proc)
+        if stopped is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(stopped, signal.SIGKILL)
+    fields = GuardRun(proc.returncode, stdout, stderr).fields()
+    assert (fields["reason"], fields["rank"]) == ("stalled", "1"), (seen + stderr)[-3000:]
+    assert "rank 1 gave no stack when asked" in fields["hint"]
+    assert "main thread waits in" not in fields["hint"]  # rank 0's stack is not rank 1's

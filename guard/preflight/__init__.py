@@ -46,6 +46,7 @@ from guard.preflight.data import (
     find_local_data,
     shard_bytes,
 )
+from guard.preflight.destination import check_destination
 from guard.preflight.env import check_env
 from guard.preflight.gpu import GpuInfo, check_gpus
 from guard.preflight.hfjobs import (
@@ -202,6 +203,7 @@ def run_preflight(
         rows["env"] = guarded("env", lambda: check_env(opts, job, environ=environ, hf_jobs=hf_jobs))
         rows["budget"] = guarded("budget", lambda: [check_budget(opts)])
         rows["storage"] = guarded("storage", lambda: _storage_rows(opts, job, environ, f_repos))
+        rows["destination"] = guarded("destination", lambda: check_destination(opts, job, facts))
         gpu_rows, gpus = f_gpu.result()
         rows["gpu"] = gpu_rows
         rows["trainer-config"] = guarded("trainer-config", lambda: check_trainer_config(

@@ -19,6 +19,7 @@ CHECK_NAMES: tuple[str, ...] = (
     "hub-repos",
     "gpu",
     "storage",
+    "destination",
     "data",
     "python",
     "budget",

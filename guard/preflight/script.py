@@ -100,6 +100,8 @@ class Mention:
         label = {"push": f"push_to_hub({self.what!r})" if self.what else "push_to_hub()",
                  "tracker": f"{self.what}.init()", "compile": "torch.compile()",
                  "import": f"import {self.what}"}.get(self.kind, self.what)
+        if self.condition.startswith("it raises nothing (try/except"):  # caught: the job goes on without it
+            return f"{label} in {script} line {self.line} is inside try/except: a failure there is caught"
         state = "off" if self.taken is False else "not set on the command line"
         return f"{label} in {script} line {self.line} runs only if {self.condition} ({state})"
 
@@ -130,6 +132,9 @@ class ScriptFacts:
             be taken (see the module docstring); they are in none of the fields above.
         pep723: the PEP 723 block, or None when there is none.
         syntax_error: the parse error, or None.
+        saves: what writes checkpoints or a model, as the messages name it (``a Trainer``, ``torch.save()``,
+            ``save_model()``, ``save_pretrained()``), in source order; a Trainer with ``save_strategy="no"`` and no
+            save call is not one.
     """
 
     path: Path
@@ -145,6 +150,7 @@ class ScriptFacts:
     mentions: tuple[Mention, ...] = ()
     pep723: Pep723Block | None = None
     syntax_error: str | None = None
+    saves: tuple[str, ...] = ()
 
 
 def read_pep723(source: str) -> Pep723Block | None:
@@ -248,6 +254,8 @@ def analyze_source(source: str, *, path: Path, overrides: Mapping[str, Any] | No
         imports=tuple(dict.fromkeys(_unconditional_imports(tree, conditions, visitor.mentions))),
         mentions=tuple(visitor.mentions),
         pep723=pep723,
+        saves=tuple(dict.fromkeys(([] if not visitor.trainer_eval or config.get("save_strategy") == "no"
+                                   else ["a Trainer"]) + visitor.saves)),
     )
 
 
@@ -411,6 +419,7 @@ class _Visitor(ast.NodeVisitor):
         self.losses: list[str] = []
         self.checkpointing_call = False
         self.compile_call = False
+        self.saves: list[str] = []  # "torch.save()", "save_model()", "save_pretrained()"
 
     # -- literals ------------------------------------------------------------------------------------------
     def literal(self, node: ast.AST | None) -> Any:
@@ -463,6 +472,23 @@ class _Visitor(ast.NodeVisitor):
     def visit_IfExp(self, node: ast.IfExp) -> None:
         self._branch(node.test, [node.body], [node.orelse])
 
+    def visit_Try(self, node: ast.Try) -> None:
+        """A ``try`` body whose errors a handler catches may fail without failing the job (a ``push_to_hub()`` in
+        ``try/except``: the script goes on offline): what it does there is a path that may not complete, like one
+        under an ``if`` not known to be true. Handlers, ``else`` and ``finally`` are visited as they are."""
+        if not node.handlers:
+            self.generic_visit(node)
+            return
+        caught = ", ".join(ast.unparse(h.type) if h.type is not None else "anything" for h in node.handlers)
+        self.guards.append((f"it raises nothing (try/except {caught})", None))
+        for stmt in node.body:
+            self.visit(stmt)
+        self.guards.pop()
+        for part in (*node.handlers, *node.orelse, *node.finalbody):
+            self.visit(part)
+
+    visit_TryStar = visit_Try
+
     def guarded(self, kind: str, what: str, node: ast.AST) -> bool:
         """Record a ``Mention`` when ``node`` is on a path that may not be taken; True when it was recorded."""
         if not self.guards:
@@ -507,6 +533,8 @@ class _Visitor(ast.NodeVisitor):
         elif name in _SAVE_CALLS:
             if text := self.text(self.arg(node, 0)):
                 self.written.add(text)
+            if (name == "save" and owner == "torch") or name in ("save_model", "save_pretrained"):
+                self.saves.append(f"{'torch.' if name == 'save' else ''}{name}()")
         elif name.endswith("TrainingArguments") or name in _TRL_CONFIGS:
             self._training_arguments(node)
         elif name.endswith("Trainer") and name[:1].isupper():

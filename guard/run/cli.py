@@ -87,6 +87,7 @@ def _split(argv: Sequence[str]) -> tuple[list[str], list[str], bool]:
     """Split ``argv`` into (guard options, job part, command form?) at ``--`` or at the first non-option."""
     takes_value = {o.flag for o in OPTIONS if not o.flag_only_bool and o.bare is None}
     optional = {o.flag: o.choices for o in OPTIONS if o.bare is not None}
+    switches = {o.flag for o in OPTIONS if o.flag_only_bool}
     i = 0
     while i < len(argv):
         token = argv[i]
@@ -98,6 +99,9 @@ def _split(argv: Sequence[str]) -> tuple[list[str], list[str], bool]:
             i += 1  # the option's value
         elif token in optional and i + 1 < len(argv) and argv[i + 1].strip().lower() in optional[token]:
             i += 1  # ``--resume on train.py``; ``--resume train.py`` leaves the script alone
+        elif token in switches and i + 1 < len(argv) and _misplaced_value(argv[i + 1]):
+            raise UsageError(f"{token} takes no value, and {argv[i + 1]!r} is no script here", option=token,
+                             hint=f"give {token} alone (it means on), before the script")
         elif token in optional and i + 1 < len(argv) and _misplaced_value(argv[i + 1]):
             option = next(o for o in OPTIONS if o.flag == token)
             assert option.parse is not None

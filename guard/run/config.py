@@ -24,6 +24,7 @@ from guard.errors import UsageError
 from guard.inside.settings import AgentSettings, agent_settings
 
 __all__ = [
+    "FINAL_PUSH_WINDOW_S",
     "OPTIONS",
     "AgentSettings",
     "Config",
@@ -40,6 +41,9 @@ __all__ = [
     "resolve",
     "webhook_secrets",
 ]
+
+#: ``--final-push-window``'s default: with no deadline, the final push and its retries end within 3 minutes.
+FINAL_PUSH_WINDOW_S = 180.0
 
 TRUE_VALUES = frozenset({"1", "true", "yes", "on"})
 FALSE_VALUES = frozenset({"0", "false", "no", "off", ""})
@@ -222,6 +226,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("output_dir", "where the job writes its checkpoints", None, _parse_text, "DIR"),
     Option("background_push", "with a destination, push each complete checkpoint as the job saves it: on, off",
            True, _parse_bool, "on|off"),
+    Option("final_push_window", "with no deadline, how long the final push (upload, verification and its retries) "
+           "may take after the job ended; an upload estimated to take longer gets 3x its estimate", FINAL_PUSH_WINDOW_S,
+           lambda t, option: parse_duration(t, option=option), "DURATION"),
     Option("push_interval", "the least time between two background pushes (the Hub's commit rate limits)", 600.0,
            lambda t, option: parse_duration(t, option=option), "DURATION"),
     Option("sanity_steps", "training steps whose loss must be finite", 5, _parse_count, "N"),

@@ -269,6 +269,10 @@ def job_result(state: RunState, ended: JobExit, config: Config, *, securer: Secu
     if outcome is not None:
         result = RunResult(outcome.status, outcome.reason, int(outcome.exit_code or 0), elapsed_s,
                            hint=outcome.hint, extra=dict(outcome.extra))
+        stuck = outcome.extra.get("rank")
+        if outcome.reason == "stalled" and stuck is not None and facts.hang_where is None:
+            result.hint = (f"rank {stuck} gave no stack when asked (a stopped process, or one stuck outside Python "
+                           f"code: py-spy dump --pid PID shows it); {result.hint}")
     elif ended.status_lost:
         result = RunResult("FAIL", "guard_error", EXIT_GUARD_ERROR, elapsed_s, extra={"job_exit": "unknown"}, hint=(
             "the job's exit status was lost (another process reaped it), so whether it succeeded is unknown: "
@@ -357,6 +361,8 @@ def job_result(state: RunState, ended: JobExit, config: Config, *, securer: Secu
     result.details.update(details)
     if securer is not None:
         securer.finish(result, step=progress.step)
+        if result.status == "PASS" and not config.values.get("push_to") and not result.extra.get("pushed"):
+            result.extra.pop("checkpoint", None)  # nothing was secured anywhere: a PASS names no checkpoint
         pushed = result.extra.get("pushed")
         if isinstance(pushed, str) and "@" in pushed and os.path.isabs(pushed.rsplit("@", 1)[1]):
             result.extra["pushed"] = pushed.rsplit("@", 1)[1]  # a folder destination: the folder written

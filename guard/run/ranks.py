@@ -2,9 +2,11 @@
 
 A plain policy object, driven by the caller's clock (no threads, no sleeping; tests use plain numbers):
 
-- The primary rank is the lowest rank seen so far (rank 0 once it has reported), not whichever rank's message
-  happened to arrive first. Only its steps feed the sanity pass, ``step`` and ``loss``; every rank is still
-  checked for non-finite losses by the caller.
+- The primary rank is this machine's first rank when the launcher's command says which it is
+  (``expected_primary``: rank 0 on node 0, ``node_rank x nproc-per-node`` elsewhere), from the first step on,
+  whatever order the ranks connect and report in; else (or when that rank never reports within
+  ``FALLBACK_STEPS`` steps of another's) the lowest rank seen so far. Only its steps feed the sanity pass,
+  ``step`` and ``loss``; every rank is still checked for non-finite losses by the caller.
 - Every rank's last step time is watched: a rank silent for ``stall_timeout_s`` while another rank stepped within
   that time is stalled (``FAIL reason=stalled rank=R``). When all ranks are silent together (a collective that
   waits for a dead peer, a long save), this watch says nothing: the job-wide stall watch (``timers.StallWatch``)
@@ -16,7 +18,11 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 
-__all__ = ["RankWatch", "configured_node_rank"]
+__all__ = ["FALLBACK_STEPS", "RankWatch", "configured_node_rank"]
+
+#: When the expected primary rank has not reported by the time another rank reports this many steps, the lowest
+#: rank seen stands instead (a launcher whose rank numbering the guard did not read right).
+FALLBACK_STEPS = 50
 
 
 class RankWatch:
@@ -24,21 +30,28 @@ class RankWatch:
 
     Args:
         stall_timeout_s: the ``--stall-timeout`` in seconds.
+        expected_primary: this machine's first rank as the launcher's command says it, or None (unknown).
 
     Attributes:
         last_step: rank -> (last step, monotonic seconds when it was reported), for every rank seen.
         done: ranks that ended their training (not watched for silence any more).
     """
 
-    def __init__(self, stall_timeout_s: float) -> None:
+    def __init__(self, stall_timeout_s: float, expected_primary: int | None = None) -> None:
         self.stall_timeout_s = stall_timeout_s
+        self.expected_primary = expected_primary
         self.last_step: dict[int, tuple[int, float]] = {}
         self.paused = False
         self.done: set[int] = set()
 
     @property
     def primary(self) -> int | None:
-        """The lowest rank seen (None before any rank reported a step)."""
+        """The expected primary rank (see the module's docstring), else the lowest rank seen (None before any rank
+        reported a step)."""
+        expected = self.expected_primary
+        if expected is not None and (expected in self.last_step or not self.last_step
+                                     or max(step for step, _ in self.last_step.values()) < FALLBACK_STEPS):
+            return expected
         return min(self.last_step) if self.last_step else None
 
     def on_step(self, rank: int, step: int | None, now: float) -> bool:

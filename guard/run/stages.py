@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from guard.contract import EXIT_PREFLIGHT, RunResult, signal_name
 from guard.core.masking import Masker
-from guard.run.config import Config, env_name, guard_options_in
+from guard.run.config import FINAL_PUSH_WINDOW_S, Config, env_name, guard_options_in
 from guard.run.platform import PlatformInfo, detect
 from guard.run.process import default_signals
 from guard.secure import budget
@@ -201,6 +201,12 @@ def _run_preflight(config: Config, deadline: budget.Deadline, platform: Platform
         report = _with_requeue_row(report, platform)
     log.info("preflight (%.1fs):\n%s", report.elapsed_s,
              "\n".join("[guard]   " + line for line in render_table(report).splitlines()))
+    if deadline.timeout_s and report.elapsed_s > deadline.timeout_s / 10:
+        left = deadline.remaining_s(time.time())
+        log.warning("preflight took %.0fs, %.0f%% of the %.0fs budget%s (a loaded machine makes its import checks "
+                    "slow): --skip-check python=REASON skips them", report.elapsed_s,
+                    100 * report.elapsed_s / deadline.timeout_s, deadline.timeout_s,
+                    f"; {left:.0f}s are left" if left is not None else "")
     return report
 
 
@@ -389,7 +395,8 @@ def run_job(config: Config, masker: Masker, started: float) -> RunResult:
     securing = Securing(deadline=deadline, estimator=estimator, securer=securer, securer_factory=factory,
                         output_dir=output_dir, grace_s=config.grace_s,
                         refresher=_slurm_refresher(config, platform), background=config.background_push,
-                        push_interval_s=config.push_interval)
+                        push_interval_s=config.push_interval,
+                        final_window_s=float(config.values.get("final_push_window") or FINAL_PUSH_WINDOW_S))
     if fetched is not None:
         securing.latest_reported = describe(fetched.path, step=fetched.step)
         if fetched.source == "destination" and securer is not None:  # the destination holds it, verified

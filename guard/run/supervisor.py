@@ -24,7 +24,7 @@ import selectors
 import signal
 import subprocess
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
@@ -56,6 +56,22 @@ DRAIN_AFTER_EXIT_S = 2.0  # after the job exits, how long its leftover processes
 SAMPLE_EVERY_S = 2.0  # job tree memory sampling
 REAP_EVERY_S = 2.0  # orphans are reaped on SIGCHLD (at most twice a second) and at least this often
 WRITE_RETRY_S = 0.01  # while output waits for a paused reader: how often the loop tries again
+
+
+def expected_primary(environ: Mapping[str, str], command: Sequence[str]) -> int | None:
+    """The rank whose steps stand for the job's, known before any agent connects: with a launcher command
+    (``torchrun``, ``accelerate launch``), this machine's first rank (``node_rank x procs per node``; rank 0 on node
+    0); None for any other command (the lowest rank seen then stands)."""
+    from guard.preflight.launch import parse_launch
+
+    launch = parse_launch(command)
+    if launch is None:
+        return None
+    node = configured_node_rank(environ, command) or 0
+    procs = launch.procs_per_node
+    if node == 0:
+        return 0
+    return node * procs if procs is not None else None
 
 
 def _int_or_none(value: Any) -> int | None:
@@ -113,7 +129,8 @@ class Supervisor:
                                  stall_timeout_s=config.stall_timeout_s, dry_run=bool(config.values["dry_run"]),
                                  max_skipped_steps=int(config.values.get("max_skipped_steps") or 0),
                                  loss_rise_factor=float(config.values.get("loss_rise_factor") or 0.0),
-                                 loss_rise_steps=int(config.values.get("loss_rise_steps") or 20))
+                                 loss_rise_steps=int(config.values.get("loss_rise_steps") or 20),
+                                 expected_primary=expected_primary(config.environ, config.command))
         self.settings_check = SettingsCheck(trainer_config_check)
         self.check_every = int(config.values["check_every"])
         self.escalation = Escalation(config.grace_s)
@@ -505,7 +522,8 @@ class Supervisor:
         elif kind == "progress":
             begun = message.get("begun")
             self.watchdog.on_stack_answer(rank, begun if isinstance(begun, int) else None,
-                                          str(message["where"]) if message.get("where") else None)
+                                          str(message["where"]) if message.get("where") else None,
+                                          step=_int_or_none(message.get("step")))
         elif kind == "replay":  # CUDA-graph replays: steps without a loss, progress all the same
             self.watchdog.on_replay(now, rank)
         elif kind == "watching":

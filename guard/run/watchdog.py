@@ -45,6 +45,8 @@ log = logging.getLogger("guard.supervisor")
 EXPLODE_FACTOR = 100.0  # a finite loss this many times its early level (the median of the first steps) exploded
 EARLY_STEPS = 5  # steps whose median is the loss's early level
 NAN_SETTLE_S = 2.0  # with several ranks, how long to wait for the others' reports before naming the first NaN
+#: Frames of torch.compile's machinery (a stall there is compilation, not a collective or I/O).
+_COMPILE_FRAMES = ("torch/_dynamo/", "torch/_inductor/", "_dynamo/", "_inductor/", "torch/_functorch/")
 STACKS_WAIT_S = 1.0  # after a stall: how long the agents have to print their stacks before the SIGTERM
 
 
@@ -92,11 +94,12 @@ class Watchdog:
         max_skipped_steps: ``--max-skipped-steps``; 0 turns that check off.
         loss_rise_factor: ``--loss-rise-factor`` (k); 0 turns the sustained-rise check off.
         loss_rise_steps: ``--loss-rise-steps`` (the window, in training steps; at least 1).
+        expected_primary: the rank whose steps stand for the job's, from the launcher's command, or None.
     """
 
     def __init__(self, state: RunState, now: float, *, sanity_steps: int, stall_timeout_s: float,
                  dry_run: bool = False, max_skipped_steps: int = 0, loss_rise_factor: float = 0.0,
-                 loss_rise_steps: int = 20) -> None:
+                 loss_rise_steps: int = 20, expected_primary: int | None = None) -> None:
         self.state = state
         self.loss_rise_factor = loss_rise_factor
         self.loss_rise_steps = max(1, loss_rise_steps)
@@ -106,17 +109,19 @@ class Watchdog:
         self.dry_run = dry_run
         self.max_skipped_steps = max_skipped_steps
         self.stall = StallWatch(stall_timeout_s, now)
-        self.ranks = RankWatch(stall_timeout_s)  # the primary rank, and every rank's last step time
+        self.ranks = RankWatch(stall_timeout_s, expected_primary)  # the primary rank, every rank's last step time
         self.primary_agent: int | None = None  # agents without a rank: the first one's steps stand
         self.early_losses: list[float] = []  # the first EARLY_STEPS finite losses (the explosion check's level)
         self.nan_reports: list[tuple[int, int, float, int]] = []  # (step, rank or -1, loss, n), non-finite
         self.nan_decide_at: float | None = None
         self.rank_begun: dict[int, int] = {}  # rank -> steps begun, from the answers to a stack dump
+        self.output_seen = False  # the job wrote at least one byte
 
     # -- events -------------------------------------------------------------------------------------------------
 
     def on_output(self, now: float) -> None:
         """The job printed something (progress only before its first step)."""
+        self.output_seen = True
         self.stall.output(now)
 
     def on_step(self, now: float, step: int | None, value: float, *, finite: bool = True, n: int = 1,
@@ -199,12 +204,23 @@ class Watchdog:
             "(gradients inf/NaN), so nothing was learned: prefer bf16 over fp16, lower the learning rate or add "
             "warmup, clip gradients, and look for a layer whose activations overflow fp16")))]
 
-    def on_stack_answer(self, rank: int | None, begun: int | None, where: str | None) -> None:
-        """A rank's answer to a stack dump (``progress``): how many steps it has begun and where its main thread
-        waits. Names the rank that holds up the rest, and where the job hangs, on a ``stalled`` outcome."""
+    def on_stack_answer(self, rank: int | None, begun: int | None, where: str | None,
+                        step: int | None = None) -> None:
+        """A rank's answer to a stack dump or a stop (``progress``): how many steps it has begun, the last step it
+        counted, and where its main thread waits. The primary rank's count moves ``step`` on (the steps since its
+        last report were checked on the device but not sent yet); names the rank that holds up the rest, and where
+        the job hangs, on a ``stalled`` outcome."""
+        progress = self.state.progress
+        primary = self.ranks.primary
+        if (step is not None and progress.step is not None and step > progress.step
+                and (rank is None or primary is None or rank == primary)):
+            progress.step = step
         outcome = self.state.outcome
         stalled = outcome is not None and outcome.reason == "stalled"
-        if where and rank in (None, 0) and stalled and self.state.facts.hang_where is None:
+        named = outcome.extra.get("rank") if outcome is not None else None
+        # the stalled rank's own stack (rank 0's, or a rankless process's, when no rank is named)
+        if where and stalled and self.state.facts.hang_where is None and (
+                rank == named if named is not None else rank in (None, 0)):
             self._name_hang(where)
         if rank is None or begun is None:
             return
@@ -261,10 +277,15 @@ class Watchdog:
         if stuck is not None:
             log.error("rank %d reported the fewest steps (%d); asking every rank how far it got",
                       stuck, self.ranks.last_step[stuck][0])
-        return Decision(Outcome("FAIL", "stalled", EXIT_STALLED, extra=extra, hint=(
-            f"{what} for {silent:.0f}s: look at the stacks above for where it waits (a collective, a "
-            "DataLoader worker, I/O); raise --stall-timeout if a step or the first output can take that long")),
-            stop=False, dump_stacks=True, stop_in_s=STACKS_WAIT_S)
+        hint = (f"{what} for {silent:.0f}s: look at the stacks above for where it waits (a collective, a "
+                "DataLoader worker, I/O); raise --stall-timeout if a step or the first output can take that long")
+        if not self.output_seen and not self.stall.first_step_seen and not self.state.facts.agents_seen:
+            hint = (f"{what} for {silent:.0f}s, and no agent inside the job (a program the guard cannot enter, or "
+                    "python -I/-S): a Python program writing to a pipe block-buffers its output, so it may be "
+                    "working and saying nothing: run it with python -u (or PYTHONUNBUFFERED=1, or print(..., "
+                    "flush=True)); raise --stall-timeout if its first output can take that long")
+        return Decision(Outcome("FAIL", "stalled", EXIT_STALLED, extra=extra, hint=hint),
+                        stop=False, dump_stacks=True, stop_in_s=STACKS_WAIT_S)
 
     # -- ranks --------------------------------------------------------------------------------------------------
 
@@ -398,6 +419,12 @@ class Watchdog:
             outcome.hint = (f"training ended at step {facts.train_end.get('step')} (Trainer.train() returned), "
                             f"then the job hung in {where}: that call never returned (a push, an upload, a "
                             "collective or a thread join after training); see the stacks above")
+        elif any(marker in where for marker in _COMPILE_FRAMES):
+            log.error("the job's main thread is inside torch.compile: %s", where)
+            outcome.hint = (f"the main thread is inside torch.compile ({where}): compiling a large model, or "
+                            "recompiling for every new input shape, can take longer than --stall-timeout; raise it "
+                            "for the first steps, mark the changing dimensions dynamic (torch.compile(dynamic=True) "
+                            "or torch._dynamo.mark_dynamic), and see why it recompiles with TORCH_LOGS=recompiles")
         else:
             log.error("the job's main thread waits in %s", where)
             outcome.hint = f"the main thread waits in {where}; {outcome.hint}"

@@ -152,6 +152,8 @@ class PushResult:
         elapsed_s: seconds the push took, upload and verification, all attempts (injected clock).
         attempts: attempts made (1 when the first one succeeded).
         step: the checkpoint's training step; None for the final model.
+        attempt_s: seconds of the attempt that succeeded alone (no failed attempt, no backoff or Retry-After wait):
+            what a throughput estimate may learn from; None when unknown.
     """
 
     destination: str
@@ -161,6 +163,7 @@ class PushResult:
     elapsed_s: float
     attempts: int
     step: int | None = None
+    attempt_s: float | None = None
 
     @property
     def pushed(self) -> str:
@@ -169,9 +172,10 @@ class PushResult:
 
     @property
     def bytes_per_s(self) -> float:
-        """Effective throughput: ``size_bytes / elapsed_s`` (files the Hub already had count too); 0.0 when
-        ``elapsed_s`` is 0."""
-        return self.size_bytes / self.elapsed_s if self.elapsed_s > 0 else 0.0
+        """Effective throughput of the attempt that succeeded: ``size_bytes / attempt_s`` (``elapsed_s`` when the
+        attempt's own time is unknown; files the Hub already had count too); 0.0 when that time is 0."""
+        took = self.attempt_s if self.attempt_s is not None else self.elapsed_s
+        return self.size_bytes / took if took > 0 else 0.0
 
 
 @dataclass(frozen=True)
@@ -505,6 +509,7 @@ class Securer:
         self._api, self._token = api, token
         self.token = token  # for worker processes (guard.secure.worker), sent on their stdin
         self._clock, self._sleep, self._log = clock, sleep, log
+        self.last_attempt_s: float | None = None  # the last successful attempt's own seconds
         self._backoff_s, self._max_backoff_s = backoff_s, max_backoff_s
         self._repo_ready = False
         self.last_copy: FolderCopy | None = None  # what the last folder-destination push wrote
@@ -683,7 +688,8 @@ class Securer:
             revision, attempts = self._with_retries(f"securing {what}", attempt, deadline, push=True)
         finally:
             PROGRESS.pop()
-        result = PushResult(str(self.destination), revision, tuple(files), size, self._clock() - start, attempts, step)
+        result = PushResult(str(self.destination), revision, tuple(files), size, self._clock() - start, attempts, step,
+                            attempt_s=self.last_attempt_s)
         self._log.info("secured %s at %s in %.1fs (%.1f MB/s)", what, result.pushed, result.elapsed_s,
                        result.bytes_per_s / 1e6)
         return result
@@ -716,8 +722,11 @@ class Securer:
                 raise fail("no time left before the deadline", kept_failing() if tried else
                            "a larger --margin leaves more time to secure it")
             try:
+                began = self._clock()
                 with bounded(lambda: deadline - self._clock()):
-                    return attempt(), len(tried) + 1
+                    value = attempt()
+                self.last_attempt_s = self._clock() - began
+                return value, len(tried) + 1
             except HubError:
                 raise
             except Exception as err:  # noqa: BLE001 - classified below; unknown errors are fatal

@@ -36,6 +36,8 @@ __all__ = [
 logger = logging.getLogger("guard.hub")
 
 #: Per-operation timeouts (seconds) for every Hub request made in this process when the caller gives none.
+#: Each socket operation's bound: ``read``/``write`` are also the no-progress bound of a call (connected, then no
+#: byte answered or sent for that long: the attempt is given up, logged, and retried while time remains).
 REQUEST_TIMEOUTS_S = {"connect": 10.0, "read": 60.0, "write": 60.0, "pool": 10.0}
 _RETRY_STATUSES = (408, 429, 500, 502, 503, 504)  # what huggingface_hub's http_backoff retries
 
@@ -165,7 +167,7 @@ def install_request_bounds() -> None:
             timeouts = dict(request.extensions.get("timeout") or {})
             for key, default_s in REQUEST_TIMEOUTS_S.items():
                 value = timeouts.get(key)
-                value = default_s if value is None else value
+                value = default_s if value is None else min(value, default_s)  # the bound caps a longer ask
                 timeouts[key] = value if left is None else max(min(value, left), 0.001)
             request.extensions["timeout"] = timeouts
             if left is None:
@@ -179,6 +181,13 @@ def install_request_bounds() -> None:
                 left = _remaining_s()
                 if left is not None and left <= 0:
                     raise DeadlineExceeded(f"deadline reached during {what}") from err
+                if isinstance(err, (httpx.ReadTimeout, httpx.WriteTimeout)):  # connected, then nothing moved
+                    kind = "read" if isinstance(err, httpx.ReadTimeout) else "write"
+                    bound_s = timeouts.get(kind) or REQUEST_TIMEOUTS_S[kind]
+                    logger.warning("no progress for %.0fs on %s (%s): giving this attempt up", bound_s, what,
+                                   "no answer" if kind == "read" else "nothing could be sent")
+                    raise TransientHubError(f"no progress for {bound_s:.0f}s on {what} ({type(err).__name__})",
+                                            cause="unreachable") from err
                 raise TransientHubError(f"{type(err).__name__} on {what}: {err}", cause="unreachable") from err
             if response.status_code in _RETRY_STATUSES:
                 with contextlib.suppress(Exception):
@@ -252,7 +261,8 @@ def failure_cause(description: str) -> str:
     if any(marker in description for marker in ("ConnectError", "ConnectTimeout", "Name or service not known",
                                                 "nodename nor servname", "Temporary failure in name resolution",
                                                 "RemoteProtocolError", "ReadTimeout", "ReadError",
-                                                "Connection refused", "WriteTimeout", "PoolTimeout")):
+                                                "Connection refused", "WriteTimeout", "PoolTimeout",
+                                                "no progress for")):
         return "unreachable"
     return "other"
 

@@ -114,7 +114,8 @@ def nothing_found_hint(*, output_dir: str | None, destination_given: bool) -> st
     """The hint when no checkpoint could be secured because none was recognisable (or none was saved).
 
     Never names a flag that was already given: ``--push-to`` only without a destination, ``--output-dir`` only
-    when no output folder is known.
+    when no output folder is known; an output folder holding no file at all means the job never reached a save
+    (its save format is not the cause then).
     """
     if not destination_given:
         return "no destination: pass --push-to DEST so that a checkpoint leaves the machine"
@@ -122,4 +123,8 @@ def nothing_found_hint(*, output_dir: str | None, destination_given: bool) -> st
                   "*.safetensors files)")
     if output_dir is None:
         return f"no output folder known: pass --output-dir DIR (where the job saves), or {recognised}"
+    folder = Path(output_dir)
+    if not folder.is_dir() or not any(path.is_file() for path in folder.rglob("*")):
+        return (f"the job saved nothing in {output_dir} before it ended (it never reached a save): save a checkpoint "
+                "more often (save_steps, or every N steps) so that one exists when the time runs out")
     return f"nothing in {output_dir} was recognisable as a complete checkpoint: {recognised} there"

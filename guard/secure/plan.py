@@ -115,13 +115,15 @@ class Plan:
         background: push complete checkpoints as they appear (``--background-push``).
         push_interval_s: the least time between two background push starts (``--push-interval``).
         final_output_dir: the job's output folder for the final model push, or None.
+        final_window_s: with no deadline, how long securing after a good end may take (``--final-push-window``,
+            default 180 s); an upload estimated to take longer gets 3x its estimate.
         unchanged: whether a checkpoint's files are still on disk as they were saved (default: their mtimes);
             injected by tests whose checkpoints are not on disk.
     """
 
     def __init__(self, *, clock: Callable[[], float], pusher: Pusher | None, estimator: MarginEstimator,
                  deadline_at: float | None = None, grace_s: float = 30.0, background: bool = True,
-                 push_interval_s: float = 600.0, final_output_dir: str | None = None,
+                 push_interval_s: float = 600.0, final_output_dir: str | None = None, final_window_s: float = 180.0,
                  unchanged: Callable[[CheckpointInfo], bool] = _unchanged_on_disk) -> None:
         self._clock = clock
         self._pusher = pusher
@@ -131,6 +133,7 @@ class Plan:
         self._background = background
         self._push_interval_s = push_interval_s
         self._final_output_dir = final_output_dir
+        self._final_window_s = final_window_s
         self._unchanged = unchanged
         self._state = State.WATCHING
         self._window_end = math.inf
@@ -463,8 +466,9 @@ class Plan:
         return self._estimator.secure_estimate_s(info.size_bytes)
 
     def _final_allowance_s(self) -> float:
-        """How long a push after a good end may take: 3x the estimate plus two minutes."""
-        return max(self._estimator.secure_estimate_s() * 3 + 120, 5.0)
+        """How long securing after a good end may take: ``final_window_s`` (``--final-push-window``), or 3x the
+        upload's estimate when that is more."""
+        return max(self._estimator.secure_estimate_s() * 3, self._final_window_s, 5.0)
 
     def _shortened(self, before: float, now: float) -> list[Action]:
         """``secure_by`` may have moved earlier: the running push, the wait for a save and the job's stop follow."""
@@ -627,8 +631,9 @@ class Plan:
         assert record is not None
         record.result = result
         if result.ok:
-            if result.elapsed_s > 0 and result.size_bytes > 0:
-                self._estimator.observe_push(result.size_bytes, result.elapsed_s)
+            took_s = getattr(result, "transfer_s", result.elapsed_s)  # the successful attempt alone, no waits
+            if took_s > 0 and result.size_bytes > 0:
+                self._estimator.observe_push(result.size_bytes, took_s)
             if record.kind == "final":
                 log.info("final model secured and verified: %s", result.pushed)
             elif self._is_suspect(record.info):

@@ -143,6 +143,7 @@ class Securing:
         securer_factory: builds a ``Securer`` from destination text (for the Trainer's ``hub_model_id``).
         output_dir: where the job writes checkpoints (``--output-dir``; else the Trainer's ``output_dir``).
         grace_s: ``--grace``. background: ``--background-push``. push_interval_s: ``--push-interval``.
+        final_window_s: ``--final-push-window`` (securing after a good end with no deadline).
         refresher: a ``guard.run.slurm.SlurmRefresher`` (any ``EndTimeSource``) or None.
         wall: epoch seconds; clock: monotonic seconds.
         pusher_factory: builds the plan's pusher from (destination text, token); default ``worker.Pusher``.
@@ -153,7 +154,7 @@ class Securing:
                  grace_s: float = 30.0, refresher: EndTimeSource | None = None,
                  wall: Callable[[], float] = time.time,
                  clock: Callable[[], float] = time.monotonic, background: bool = True,
-                 push_interval_s: float = 600.0,
+                 push_interval_s: float = 600.0, final_window_s: float = 180.0,
                  pusher_factory: Callable[[str, str | None], Pusher] | None = None) -> None:
         self.deadline = deadline
         self.estimator = estimator
@@ -166,7 +167,7 @@ class Securing:
             lambda dest, token: worker.Pusher(dest, token, clock=clock))
         self.plan = Plan(clock=clock, pusher=self._make_pusher(securer), estimator=estimator,
                          deadline_at=self._to_clock(deadline.deadline_s), grace_s=grace_s, background=background,
-                         push_interval_s=push_interval_s, final_output_dir=output_dir)
+                         push_interval_s=push_interval_s, final_output_dir=output_dir, final_window_s=final_window_s)
         self.latest_reported: checkpoints.CheckpointInfo | None = None
         self.last_step_at: float | None = None
         self.saved_ranks: dict[int | None, set[int]] = {}  # step -> ranks whose part of that save is done

@@ -130,6 +130,13 @@ class WorkResult:
     def attempts(self) -> int:
         return int(self._get("attempts") or 0)
 
+    @property
+    def transfer_s(self) -> float:
+        """Seconds of the push's successful attempt alone (``PushResult.attempt_s``: no failed attempt, no wait),
+        else ``elapsed_s``: what the throughput estimate learns from."""
+        value = self._get("attempt_s")
+        return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else self.elapsed_s
+
 
 def _plain(value: Any) -> Any:
     if is_dataclass(value) and not isinstance(value, type):

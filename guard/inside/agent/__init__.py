@@ -56,6 +56,15 @@ def _rank_info() -> dict[str, Any]:
     }
 
 
+class _Slot:
+    """A kept loss's place in ``LossWatch._buffer``."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+
 class LossWatch:
     """Turns losses into ``step`` messages: one by one in the sanity pass, then every ``check_every`` steps.
 
@@ -77,6 +86,8 @@ class LossWatch:
         self.step = 0
         self._kept: list[tuple[int, Any]] = []  # (step, detached tensor or float) since the last read
         self._bad_float = False
+        self._buffer: Any = None  # check_every float32 slots on the loss's device (see _copy)
+        self._slots = 0  # slots of the buffer taken in this window
         self.skipped: Any = None  # consecutive skipped optimizer steps: a device tensor (set by _torch), or None
 
     def observe(self, loss: Any, step: int | None, source: str) -> None:
@@ -92,29 +103,51 @@ class LossWatch:
             if not math.isfinite(loss):
                 self._bad_float = True
         else:
-            self._kept.append((self.step, loss.detach()))
+            self._kept.append((self.step, self._copy(loss)))
         if len(self._kept) >= self.check_every or self._bad_float:
             self.flush(source)
 
+    def _copy(self, loss: Any) -> Any:
+        """The step's scalar, copied now into a slot of a small buffer on its device (a device-side copy: no
+        host-device sync). The loss tensor itself may not survive until the window is read: under CUDA-graph trees
+        (``torch.compile(mode="reduce-overhead")``) the next replay overwrites it, and reading it then raises. A
+        ``_Slot`` (its index in ``self._buffer``), or the detached tensor when the copy cannot be made."""
+        slot = self._slots
+        try:
+            buffer = self._buffer
+            if buffer is None or buffer.device != loss.device or buffer.numel() < self.check_every:
+                torch = sys.modules["torch"]  # a plain tensor, whatever the loss's class
+                buffer = self._buffer = torch.empty(self.check_every, dtype=torch.float32, device=loss.device)
+            buffer[slot].copy_(loss.detach().reshape(()))
+            self._slots += 1
+            return _Slot(slot)
+        except Exception:  # an unusual tensor (a subclass, a meta tensor): keep it and read it later
+            return loss.detach()
+
     def _values(self) -> list[float]:
         items = [value for _, value in self._kept]
-        tensors = [value for value in items if not isinstance(value, float)]
+        slots = [value.index for value in items if isinstance(value, _Slot)]
+        read: list[float] = []
+        if slots and self._buffer is not None:  # one transfer for the whole window
+            read = [float(v) for v in self._buffer[: max(slots) + 1].tolist()]
+        tensors = [value for value in items if not isinstance(value, (float, _Slot))]
         if not tensors:
-            return [float(v) for v in items]
+            return [read[v.index] if isinstance(v, _Slot) else float(v) for v in items]
         torch = sys.modules.get("torch")
         if torch is not None and len(tensors) == len(items):
             try:  # one kernel and one transfer for the whole window
                 return [float(v) for v in torch.stack([t.float().reshape(()) for t in tensors]).tolist()]
             except (RuntimeError, TypeError, ValueError):  # different devices or shapes: one by one
                 pass
-        return [v if isinstance(v, float) else float(v.float().item()) for v in items]
+        return [read[v.index] if isinstance(v, _Slot) else v if isinstance(v, float) else float(v.float().item())
+                for v in items]
 
     def flush(self, source: str) -> None:
         if not self._kept:
             return
         values = self._values()
         steps = [step for step, _ in self._kept]
-        self._kept, self._bad_float = [], False
+        self._kept, self._bad_float, self._slots = [], False, 0
         bad = next((i for i, value in enumerate(values) if not math.isfinite(value)), None)
         if bad is not None:  # the first non-finite step of the window, with its value
             self._send(steps[bad], values[bad], False, 1, source)
@@ -257,6 +290,8 @@ class Agent:
                 self.relay.publish(message)
             elif kind == "stop":
                 self.stop_requested = True
+                # the last step counted (the steps since the last report were not sent): the VERDICT's step=
+                self.send({"t": "progress", "begun": self.begun, "step": self.watch.step})
             elif kind == "dump":
                 _dump_threads()
                 # How far this rank got: a rank blocked outside a collective has begun fewer steps than the
@@ -388,7 +423,10 @@ def _main_where() -> str | None:
     parts = [f"{f.name} ({_short(f.filename)}:{f.lineno})" for f in picked if f is not own]
     if own is not None:
         parts.append(f"{own.name} ({_short(own.filename)}:{own.lineno})")
-    return " <- ".join(parts)
+    where = " <- ".join(parts)
+    if any("torch/_dynamo/" in f.filename or "torch/_inductor/" in f.filename for f in stack):
+        where += " (inside torch.compile: torch/_dynamo/)"  # compiling, whatever library frame is innermost
+    return where
 
 
 def _dump_threads() -> None:

@@ -1,0 +1,46 @@
+"""The final push's window with no deadline: --final-push-window (default 3 minutes), 3x the upload's estimate when
+that is more, never past a deadline."""
+
+from __future__ import annotations
+
+import pytest
+from fakes import FakeClock, FakePusher
+
+from guard.run.config import FINAL_PUSH_WINDOW_S, OPTIONS
+from guard.secure.budget import MarginEstimator
+from guard.secure.plan import SAFETY_S, Plan, StartPush
+
+
+def make(clock: FakeClock, *, deadline_at: float | None, window_s: float | None = None) -> Plan:
+    estimator = MarginEstimator(overhead_s=1.0, default_size_bytes=1e6, log_changes=False)
+    plan = Plan(clock=clock, pusher=FakePusher(clock), estimator=estimator, deadline_at=deadline_at,
+                final_output_dir="/out")
+    if window_s is not None:
+        plan.final_window_s = window_s
+    return plan
+
+
+@pytest.mark.parametrize("window_s", [None, 20.0, 900.0])
+def test_the_final_push_with_no_deadline_ends_within_its_window(window_s: float | None) -> None:
+    clock = FakeClock(50.0)
+    plan = make(clock, deadline_at=None, window_s=window_s)
+    actions = plan.job_exit(ok=True)
+    start = next(a for a in actions if isinstance(a, StartPush))
+    expected = max(window_s if window_s is not None else FINAL_PUSH_WINDOW_S,
+                   3 * plan.estimator.secure_estimate_s())
+    assert start.deadline == pytest.approx(50.0 + expected)
+    assert plan.secure_by == pytest.approx(50.0 + expected)
+    if window_s == 20.0:
+        assert expected < 120  # no longer the old "3x the estimate plus two minutes"
+
+
+def test_a_deadline_still_bounds_the_final_push() -> None:
+    clock = FakeClock(50.0)
+    plan = make(clock, deadline_at=100.0, window_s=900.0)
+    plan.job_exit(ok=True)
+    assert plan.secure_by == pytest.approx(100.0 - SAFETY_S)
+
+
+def test_the_window_is_an_option_with_a_few_minutes_by_default() -> None:
+    option = next(o for o in OPTIONS if o.name == "final_push_window")
+    assert option.default == FINAL_PUSH_WINDOW_S == 180.0 and option.default_text() == "3m"
