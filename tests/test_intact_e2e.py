@@ -30,3 +30,36 @@ def test_a_checkpoint_rewritten_in_place_on_sigterm_never_replaces_the_secured_c
     match = re.search(r"resumes from step (\d+)", verdict)
     assert match is not None and int(match[1]) == secured["step"], verdict
     assert "secured=yes" in verdict and proc.returncode == 75
+
+
+def _leftovers(out: Path) -> None:
+    """What an earlier run left in the output folder: a Trainer-style checkpoint-46 and a loose model_step_30.pt,
+    written an hour ago."""
+    import json
+    import os
+    import time
+
+    old = out / "checkpoint-46"
+    old.mkdir(parents=True)
+    torch.save({"w": torch.zeros(4)}, old / "model.pt")
+    (old / "trainer_state.json").write_text(json.dumps({"global_step": 46}))
+    torch.save({"w": torch.ones(4)}, out / "model_step_30.pt")
+    an_hour_ago = time.time() - 3600
+    for path in (old / "model.pt", old / "trainer_state.json", out / "model_step_30.pt"):
+        os.utime(path, (an_hour_ago, an_hour_ago))
+
+
+def test_an_earlier_runs_checkpoints_are_left_alone(tmp_path: Path) -> None:
+    from conftest import run_guard
+
+    out, dest = tmp_path / "out", tmp_path / "dest"
+    _leftovers(out)
+    # a fresh run that saves nothing within its 20 s: nothing of its own to secure
+    run = run_guard([*FAST, "--timeout", "20s", "--margin", "8s", "--push-to", str(dest),
+                     str(JOBS / "nanogpt_like.py"), f"--out_dir={out}", "--eval_interval=100000"], cwd=tmp_path,
+                    timeout_s=90)
+    fields = run.fields()
+    assert fields.get("secured") == "no", run.stderr[-3000:]
+    assert "checkpoint-46" not in fields.get("checkpoint", "") and not (dest / "last-checkpoint").exists()
+    assert f"skipped checkpoint {out / 'checkpoint-46'}: found and left alone" in run.stderr
+    assert "found and left alone in" in run.stderr and "model_step_30.pt" in run.stderr

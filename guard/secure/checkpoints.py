@@ -286,9 +286,15 @@ def _folder_step(path: Path, name_step: int) -> tuple[int, str]:
     return name_step, "name"
 
 
+def _left_over(files: dict[str, tuple[int, float]], since_s: float | None) -> bool:
+    """Every file was last written before ``since_s`` (the job's start): a checkpoint of an earlier run."""
+    return since_s is not None and bool(files) and max(m for _, m in files.values()) < since_s
+
+
 def newest_complete(output_dir: str | os.PathLike[str], *, now_s: float, stable_for_s: float = 2.0,
                     stat: StatFn = os.stat, seen: set[tuple[str, str]] | None = None,
-                    reported: Collection[str] = (), loose: bool = True) -> CheckpointInfo | None:
+                    reported: Collection[str] = (), loose: bool = True, since_s: float | None = None,
+                    resumed: Collection[str] = ()) -> CheckpointInfo | None:
     """The newest complete checkpoint under ``output_dir`` (see the module docstring for what counts).
 
     Folders newer than the one returned that are skipped are logged with the reason (still being written, no state
@@ -307,6 +313,10 @@ def newest_complete(output_dir: str | os.PathLike[str], *, now_s: float, stable_
             symbolic links on both sides.
         loose: also consider loose model files at the top of ``output_dir`` when no folder is complete (pass
             False for a Trainer, whose root files are its final model).
+        since_s: the job's start, epoch seconds: a checkpoint whose files were all written before it is an earlier
+            run's and is left alone (logged once with ``seen``), unless it is one of ``resumed``. None: no such rule.
+        resumed: paths of the checkpoint this run resumed from (fetched, or the output folder's own): they count
+            although older than ``since_s``.
 
     Returns:
         The :class:`CheckpointInfo`, or None when there is none (or ``output_dir`` does not exist).
@@ -321,6 +331,7 @@ def newest_complete(output_dir: str | os.PathLike[str], *, now_s: float, stable_
     # the output folder may be reached through a symbolic link (``/scratch`` on a cluster, ``/var`` on macOS): the
     # two are compared resolved, so that a folder the job said it finished is never "still being written".
     said = {os.path.realpath(p) for p in reported}
+    kept = {os.path.realpath(p) for p in resumed}
     candidates = sorted(((int(m.group(1)), name) for name in names if (m := _FOLDER_RE.fullmatch(name))),
                         reverse=True)
     for step, name in candidates:
@@ -334,6 +345,8 @@ def newest_complete(output_dir: str | os.PathLike[str], *, now_s: float, stable_
             files, reason = {}, "marked suspect (saved after the first non-finite loss): never resumed or pushed"
         else:
             files, reason = _check(path, now_s, stable_for_s, stat, reported=told)
+        if reason is None and _left_over(files, since_s) and os.path.realpath(path) not in kept:
+            reason = "found and left alone: saved before this run started and not resumed from"
         if reason is None:
             found, source = _folder_step(path, step)
             info = _info(path, files, found, step_source=source, admitted_by="reported" if told else "settled")
@@ -343,7 +356,8 @@ def newest_complete(output_dir: str | os.PathLike[str], *, now_s: float, stable_
             log.info("skipped checkpoint %s: %s", path, reason)
             if seen is not None:
                 seen.add((str(path), reason))
-    return loose_files(base, now_s=now_s, stable_for_s=stable_for_s, stat=stat) if loose else None
+    return loose_files(base, now_s=now_s, stable_for_s=stable_for_s, stat=stat, since_s=since_s, resumed=kept,
+                       seen=seen) if loose else None
 
 
 def _is_scratch(name: str) -> bool:
@@ -357,9 +371,11 @@ def _is_model_file(name: str) -> bool:
 
 
 def loose_files(output_dir: str | os.PathLike[str], *, now_s: float, stable_for_s: float = 2.0,
-                stat: StatFn = os.stat) -> CheckpointInfo | None:
+                stat: StatFn = os.stat, since_s: float | None = None, resumed: Collection[str] = (),
+                seen: set[tuple[str, str]] | None = None) -> CheckpointInfo | None:
     """A stable set of model/optimizer files at the top of ``output_dir``, as one checkpoint (``root`` is the
-    folder; ``files`` the set), or None.
+    folder; ``files`` the set), or None. Files last written before ``since_s`` (an earlier run's, e.g. a leftover
+    ``model_step_30.pt``) are left alone and logged, unless one of ``resumed``.
 
     Files named with a step (``model_step_200.pt``) are grouped by it; the group with the highest step wins over
     the files without one when it is as new; the files without a step form one set, step unknown. A set counts
@@ -391,6 +407,18 @@ def loose_files(output_dir: str | os.PathLike[str], *, now_s: float, stable_for_
         return out
 
     first = look()
+    kept = {os.path.realpath(p) for p in resumed}
+    old = sorted(n for n, (_, m) in first.items() if since_s is not None and m < since_s
+                 and os.path.realpath(base / n) not in kept)
+    if old:
+        key = (str(base), "left alone: " + ", ".join(old))
+        if seen is None or key not in seen:
+            log.info("found and left alone in %s: %s (saved before this run started, not resumed from)", base,
+                     ", ".join(old))
+            if seen is not None:
+                seen.add(key)
+        names = [n for n in names if n not in old]
+        first = {n: e for n, e in first.items() if n not in old}
     if not first:
         return None
     groups: dict[int | None, dict[str, tuple[int, float]]] = {}

@@ -148,6 +148,8 @@ class Securing:
         self._seen: set[tuple[str, str]] = set()
         self._node_checked = False
         self._save_logged = False
+        self.started_s: float | None = None  # the job's start (epoch s): older checkpoints are an earlier run's
+        self.resumed_paths: set[str] = set()
         if deadline.deadline_s is not None:
             log.info("deadline: %s (%s from now; %s)", time.strftime("%Y-%m-%d %H:%M:%S %Z",
                      time.localtime(deadline.deadline_s)),
@@ -188,6 +190,9 @@ class Securing:
 
     def before_start(self) -> None:
         """Before the job starts: a complete checkpoint already in the output folder gives the margin a size."""
+        # this run's checkpoints: written from now on, or the one it resumed from (checkpoints.newest_complete)
+        self.started_s = self.wall()
+        self.resumed_paths = {str(self.latest_reported.path)} if self.latest_reported is not None else set()
         if not self.output_dir or self.latest_reported is not None:
             return
         try:
@@ -280,7 +285,8 @@ class Securing:
         """A complete checkpoint in the output folder the job did not report (``checkpoints.newest_complete``)."""
         try:
             found = checkpoints.newest_complete(self.output_dir or "", now_s=self.wall(), seen=self._seen,
-                                                reported=self.reported_paths, loose=not self.trainer_seen)
+                                                reported=self.reported_paths, loose=not self.trainer_seen,
+                                                since_s=self.started_s, resumed=self.resumed_paths)
         except OSError:
             return
         if found is not None and (self.latest_reported is None or (found.step or -1) > (self.latest_reported.step
