@@ -541,9 +541,10 @@ class Plan:
                  " in the background" if kind == "background" else "", deadline - now)
         handle = self.pusher.start("push_checkpoint", {"local_dir": str(info.folder), "step": info.step or 0,
                                                        "files": list(info.files),
-                                                       # a file rewritten since its save no longer holds that
-                                                       # step (after a NaN: the bad weights): refused
-                                                       "saved_by_s": info.newest_mtime_s}, deadline)
+                                                       # after a NaN, a file rewritten since its save holds
+                                                       # the bad weights: refuse it (see Securer.push_checkpoint)
+                                                       "saved_by_s": info.newest_mtime_s
+                                                       if self.bad_from_step is not None else None}, deadline)
         self.push = PushRecord(kind, info, handle, now)
         self.history.append(self.push)
         return [StartPush(kind, str(info.path), info.step, deadline)]
