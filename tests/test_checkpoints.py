@@ -118,6 +118,7 @@ def test_skips_a_folder_whose_sizes_change_between_passes(tmp_path):
 def test_accepts_the_guard_marker_instead_of_the_state_file(tmp_path):
     folder = tmp_path / "checkpoint-3"
     write(folder / "weights.pt", 100)
+    write(folder / "optimizer.pt", 100)  # a Trainer-style file: the save is finished only with its last file
     assert why_incomplete(folder, now_s=NOW) is not None
     write(folder / GUARD_MARKER_NAME, 10)
     assert why_incomplete(folder, now_s=NOW) is None
@@ -203,3 +204,21 @@ def test_an_earlier_runs_checkpoints_count_only_when_resumed_from(tmp_path, capl
     assert newest_complete(tmp_path, now_s=NOW).path == old  # without the rule: as before
     new = trainer_checkpoint(tmp_path, 10, mtime_s=NOW - 30)  # this run's, with a lower N: it wins
     assert newest_complete(tmp_path, now_s=NOW, since_s=started).path == new
+
+
+def test_a_plain_loops_checkpoint_folder_counts_once_settled_and_whole(tmp_path):
+    torch = pytest.importorskip("torch")
+    folder = tmp_path / "checkpoint-20"
+    folder.mkdir()
+    torch.save({"w": torch.zeros(3)}, folder / "model.pt")
+    (folder / "config.json").write_text("{}")
+    for name in ("model.pt", "config.json"):
+        os.utime(folder / name, (NOW - 60, NOW - 60))
+    assert why_incomplete(folder, now_s=NOW) is None
+    assert why_incomplete(folder, now_s=NOW - 59) is not None  # just written: not settled yet
+    data = (folder / "model.pt").read_bytes()
+    (folder / "model.pt").write_bytes(data[: len(data) // 2])
+    os.utime(folder / "model.pt", (NOW - 60, NOW - 60))
+    assert "not whole by format" in (why_incomplete(folder, now_s=NOW) or "")
+    (folder / "model.pt").unlink()
+    assert why_incomplete(folder, now_s=NOW) == "no model file"

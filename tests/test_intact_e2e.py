@@ -118,3 +118,22 @@ def test_a_job_that_does_not_load_the_resumed_checkpoint_is_told_so(tmp_path: Pa
     assert "starting fresh" in run.stdout
     assert "did not load the resumed checkpoint" in fields["hint"], fields
     assert int(fields["step"]) <= 30  # counted from what the job reports, not from the resumed step
+
+
+@pytest.mark.parametrize("tmp_rename", [False, True])
+def test_checkpoint_folders_of_a_plain_loop_are_found_and_secured_whole(tmp_path: Path, tmp_rename: bool) -> None:
+    # out/checkpoint-N/model.pt + trainer_state.json, one kept: the output folder is out (not the first save's own
+    # folder), the newest complete folder is secured with every file in it
+    from conftest import run_guard
+
+    out, dest = tmp_path / "out", tmp_path / "dest"
+    run = run_guard([*FAST, "--timeout", "40s", "--margin", "10s", "--push-to", str(dest),
+                     str(JOBS / "rotating_folders.py"), str(out), "--every", "60", "--step_s", "0.1",
+                     *(["--tmp"] if tmp_rename else [])], cwd=tmp_path,
+                    timeout_s=120)
+    assert run.returncode == 75, run.stderr[-3000:]
+    assert f"output folder: {out} (" in run.stderr
+    secured = dest / "last-checkpoint"
+    assert sorted(p.name for p in secured.iterdir()) == ["guard_manifest.json", "model.pt", "trainer_state.json"]
+    step = torch.load(secured / "model.pt")["step"]
+    assert step > 60, run.stderr[-3000:]  # not only the first save

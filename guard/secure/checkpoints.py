@@ -88,6 +88,12 @@ INCOMPLETE_SENTINEL_NAME = "checkpoint-is-incomplete.txt"
 #: Folder names whose N is a step: the Trainer's ``checkpoint-N``, accelerate's ``checkpoint_N`` and ``step_N``.
 _FOLDER_RE = re.compile(r"(?:checkpoint-|checkpoint_|step_)([0-9]+)")
 _ACCELERATE_RNG_RE = re.compile(r"random_states_[0-9]+\.pkl")
+#: Checkpoint folders of every known layout (``guard.secure.layout.CHECKPOINT_FOLDER_RE``, with tmp- names).
+_CHECKPOINT_LIKE_RE = re.compile(r"(?:tmp-)?(?:checkpoint-|checkpoint_|step_|global_step)[0-9]+")
+#: Files the Trainer writes before ``trainer_state.json`` and accelerate before ``random_states_N.pkl``: a folder
+#: holding one of them is complete only with that last file.
+_TRAINER_OR_ACCELERATE = re.compile(r"training_args\.bin|optimizer\.(?:pt|bin)|scheduler\.(?:pt|bin)|"
+                                    r"rng_state(?:_[0-9]+)?\.pth|scaler\.pt|sampler(?:_[0-9]+)?\.bin")
 #: Suffixes of model and optimizer files written by ``torch.save``, safetensors and the Trainer.
 MODEL_FILE_SUFFIXES = (".pt", ".pth", ".safetensors", ".bin")
 #: Files with a model suffix that are not model state (the Trainer's pickled ``TrainingArguments``).
@@ -226,8 +232,12 @@ def _check(path: Path, now_s: float, stable_for_s: float, stat: StatFn,
     if reported:
         return first, None  # the job said the save is done (Trainer on_save, checkpoint_saved): no mtime rule
     accelerate = not path.name.startswith("checkpoint-") and any(_ACCELERATE_RNG_RE.fullmatch(n) for n in first)
-    if TRAINER_STATE_NAME not in first and GUARD_MARKER_NAME not in first and not accelerate:
+    marked = TRAINER_STATE_NAME in first or GUARD_MARKER_NAME in first or accelerate
+    if not marked and any(_TRAINER_OR_ACCELERATE.fullmatch(n.rsplit("/", 1)[-1]) for n in first):
         return first, f"no {TRAINER_STATE_NAME} or {GUARD_MARKER_NAME} (save not finished)"
+    if not marked and not any(_is_model_file(n.rsplit("/", 1)[-1]) for n in first):
+        return first, "no model file"
+    # a folder of a plain loop (``checkpoint-20/model.pt``): complete once settled and whole by format (below)
     newest_name, (_, newest_mtime_s) = max(first.items(), key=lambda item: item[1][1])
     if newest_mtime_s > now_s - stable_for_s:
         return first, f"still being written ({newest_name} changed {max(0.0, now_s - newest_mtime_s):.1f}s ago)"
@@ -462,6 +472,10 @@ class SavedFiles:
         where = Path(os.path.abspath(path))
         if not _is_model_file(where.name) or any(_is_scratch(part) for part in where.parent.parts[-2:]):
             return None  # a save into a hidden or temporary folder is renamed into place later (or dropped)
+        if any(_CHECKPOINT_LIKE_RE.fullmatch(part) for part in where.parent.parts[-2:]):
+            # one file of a checkpoint folder (``checkpoint-20/model.pt``, accelerate's ``step_3/optimizer.bin``):
+            # the folder is secured whole once complete by its own rules (the scan), never this file alone
+            return None
         folder = where.parent
         last_step, names = self._by_folder.get(folder, (None, {}))
         if last_step != step:

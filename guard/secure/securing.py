@@ -338,8 +338,8 @@ class Securing:
         if not path:
             return
         where = Path(str(path))
-        if self.output_dir is None and layout.is_plausible_output_dir(where.parent):
-            self.output_dir = str(where.parent)
+        if self.output_dir is None and layout.is_plausible_output_dir(layout.output_dir_for_save(where)):
+            self.output_dir = str(layout.output_dir_for_save(where))
             self.plan.final_output_dir = self.plan.final_output_dir or self.output_dir
             log.info("output folder: %s (where the job saves with torch.save)", self.output_dir)
         if self.output_dir is None or not where.resolve().is_relative_to(Path(self.output_dir).resolve()):
