@@ -54,7 +54,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from guard.errors import SupervisorError
-from guard.secure.formats import check_files
+from guard.secure.formats import DISTCP_METADATA, check_files
 
 __all__ = [
     "GUARD_MARKER_NAME",
@@ -86,7 +86,9 @@ SUSPECT_SUFFIX = ".guard-suspect.json"  # beside a loose checkpoint file: ``FILE
 INCOMPLETE_SENTINEL_NAME = "checkpoint-is-incomplete.txt"
 
 #: Folder names whose N is a step: the Trainer's ``checkpoint-N``, accelerate's ``checkpoint_N`` and ``step_N``.
-_FOLDER_RE = re.compile(r"(?:checkpoint-|checkpoint_|step_)([0-9]+)")
+_FOLDER_RE = re.compile(r"(?:checkpoint-|checkpoint_|step_|global_step)([0-9]+)")
+#: DeepSpeed's ``save_checkpoint`` writes ``OUT/global_stepN/`` and then ``OUT/latest`` naming it.
+DEEPSPEED_LATEST_NAME = "latest"
 _ACCELERATE_RNG_RE = re.compile(r"random_states_[0-9]+\.pkl")
 #: Checkpoint folders of every known layout (``guard.secure.layout.CHECKPOINT_FOLDER_RE``, with tmp- names).
 _CHECKPOINT_LIKE_RE = re.compile(r"(?:tmp-)?(?:checkpoint-|checkpoint_|step_|global_step)[0-9]+")
@@ -232,7 +234,15 @@ def _check(path: Path, now_s: float, stable_for_s: float, stat: StatFn,
     if reported:
         return first, None  # the job said the save is done (Trainer on_save, checkpoint_saved): no mtime rule
     accelerate = not path.name.startswith("checkpoint-") and any(_ACCELERATE_RNG_RE.fullmatch(n) for n in first)
-    marked = TRAINER_STATE_NAME in first or GUARD_MARKER_NAME in first or accelerate
+    distcp = DISTCP_METADATA in first or any(n.endswith(".distcp") for n in first)
+    if distcp and DISTCP_METADATA not in first:
+        return first, f"no {DISTCP_METADATA} (a torch.distributed.checkpoint save writes it last)"
+    if path.name.startswith("global_step"):
+        why = _deepspeed_unfinished(path)
+        if why is not None:
+            return first, why
+    marked = (TRAINER_STATE_NAME in first or GUARD_MARKER_NAME in first or accelerate or distcp
+              or path.name.startswith("global_step"))
     if not marked and any(_TRAINER_OR_ACCELERATE.fullmatch(n.rsplit("/", 1)[-1]) for n in first):
         return first, f"no {TRAINER_STATE_NAME} or {GUARD_MARKER_NAME} (save not finished)"
     if not marked and not any(_is_model_file(n.rsplit("/", 1)[-1]) for n in first):
@@ -252,6 +262,19 @@ def _check(path: Path, now_s: float, stable_for_s: float, stat: StatFn,
     if problems:
         return first, f"not whole by format ({problems[0]})"
     return first, None
+
+
+def _deepspeed_unfinished(path: Path) -> str | None:
+    """Why DeepSpeed's ``global_stepN`` folder is not finished: the ``latest`` file beside it (written after every
+    rank's part, ``DeepSpeedEngine.save_checkpoint``) does not name it or a later step; None when it does."""
+    try:
+        latest = (path.parent / DEEPSPEED_LATEST_NAME).read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError):
+        return f"no {DEEPSPEED_LATEST_NAME} file beside it (DeepSpeed writes it once every rank saved)"
+    mine, named = _FOLDER_RE.fullmatch(path.name), _FOLDER_RE.fullmatch(latest)
+    if mine is None or named is None or int(named[1]) < int(mine[1]):
+        return f"{DEEPSPEED_LATEST_NAME} names {latest!r}, not this save or a later one (still being written)"
+    return None
 
 
 def _step_from_json(path: Path, name: str, key: str) -> int | None:
