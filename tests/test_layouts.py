@@ -76,3 +76,22 @@ def test_accelerate_folder_needs_its_rng_state_and_a_plain_folder_settles(tmp_pa
     torch.save({"w": torch.zeros(2)}, plain / "model.pt")
     assert why_incomplete(plain, now_s=LATER) is None
     assert why_incomplete(plain, now_s=os.stat(plain / "model.pt").st_mtime + 0.5) is not None  # not settled yet
+
+
+def test_a_half_written_accelerate_folder_is_moved_aside_before_the_job_starts(tmp_path: Path) -> None:
+    from guard.secure import resume
+
+    project = tmp_path / "checkpoints"
+    done = project / "checkpoint_1"
+    done.mkdir(parents=True)
+    for name in ("optimizer.bin", "pytorch_model.bin", "random_states_0.pkl"):
+        torch.save({"x": 1}, done / name)
+    half = project / "checkpoint_2"
+    half.mkdir()
+    torch.save({"x": 1}, half / "optimizer.bin")  # killed before random_states_0.pkl
+    plain = project / "step_9"
+    plain.mkdir()
+    (plain / "notes.txt").write_text("a loop's own folder")
+    moved = resume.move_aside_partials(project, newer_than=1)
+    assert moved == [project / "checkpoint_2.partial-guard"] and not half.exists() and plain.is_dir()
+    assert newest_complete(project, now_s=LATER).path == done  # type: ignore[union-attr]
