@@ -137,3 +137,18 @@ def test_checkpoint_folders_of_a_plain_loop_are_found_and_secured_whole(tmp_path
     assert sorted(p.name for p in secured.iterdir()) == ["guard_manifest.json", "model.pt", "trainer_state.json"]
     step = torch.load(secured / "model.pt")["step"]
     assert step > 60, run.stderr[-3000:]  # not only the first save
+
+
+def test_accelerate_automatic_naming_is_found_and_secured_whole(tmp_path: Path) -> None:
+    pytest.importorskip("accelerate")
+    from conftest import run_guard
+
+    out, dest = tmp_path / "project", tmp_path / "dest"
+    run = run_guard([*FAST, "--timeout", "60s", "--margin", "12s", "--push-to", str(dest),
+                     str(JOBS / "accelerate_auto.py"), str(out), "--every", "60", "--step_s", "0.05"], cwd=tmp_path,
+                    timeout_s=150)
+    assert run.returncode == 75, run.stderr[-3000:]
+    assert f"output folder: {out / 'checkpoints'} (" in run.stderr
+    names = {p.name for p in (dest / "last-checkpoint").iterdir()}
+    # the whole folder: the model accelerate writes with safetensors and the RNG state it writes last included
+    assert {"model.safetensors", "optimizer.bin", "scheduler.bin", "random_states_0.pkl"} <= names, names
