@@ -193,16 +193,19 @@ def test_describe_a_missing_path_is_an_error_with_a_hint(tmp_path):
 
 
 def test_an_earlier_runs_checkpoints_count_only_when_resumed_from(tmp_path, caplog):
+    import time as _time
+
     old = trainer_checkpoint(tmp_path, 46, mtime_s=NOW - 3600)
     write(tmp_path / "model_step_30.pt", 10, mtime_s=NOW - 3600)
-    started = NOW - 100
+    started = _time.time() + 0.01  # the job starts after the earlier run's files were written
+    _time.sleep(0.05)
     with caplog.at_level(logging.INFO, logger="guard.checkpoints"):
         assert newest_complete(tmp_path, now_s=NOW, since_s=started) is None
     assert f"skipped checkpoint {old}: found and left alone" in caplog.text
     assert "model_step_30.pt (saved before this run started" in caplog.text
     assert newest_complete(tmp_path, now_s=NOW, since_s=started, resumed=[str(old)]).path == old
     assert newest_complete(tmp_path, now_s=NOW).path == old  # without the rule: as before
-    new = trainer_checkpoint(tmp_path, 10, mtime_s=NOW - 30)  # this run's, with a lower N: it wins
+    new = trainer_checkpoint(tmp_path, 10, mtime_s=NOW - 3000)  # this run's (a back-dated mtime changes nothing)
     assert newest_complete(tmp_path, now_s=NOW, since_s=started).path == new
 
 

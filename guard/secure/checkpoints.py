@@ -319,9 +319,19 @@ def _folder_step(path: Path, name_step: int) -> tuple[int, str]:
     return name_step, "name"
 
 
-def _left_over(files: dict[str, tuple[int, float]], since_s: float | None) -> bool:
-    """Every file was last written before ``since_s`` (the job's start): a checkpoint of an earlier run."""
-    return since_s is not None and bool(files) and max(m for _, m in files.values()) < since_s
+def _changed_since(path: Path, since_s: float) -> bool:
+    """The file's inode changed at or after ``since_s`` (its ctime: written, renamed or touched, which a job's
+    ``os.utime`` cannot move back); True when it cannot be read (not taken for a leftover)."""
+    try:
+        return os.stat(path, follow_symlinks=False).st_ctime >= since_s
+    except OSError:
+        return True
+
+
+def _left_over(folder: Path, files: Iterable[str], since_s: float | None) -> bool:
+    """No file of the checkpoint changed since ``since_s`` (the job's start, epoch s): an earlier run's."""
+    names = list(files)
+    return since_s is not None and bool(names) and not any(_changed_since(folder / n, since_s) for n in names)
 
 
 def newest_complete(output_dir: str | os.PathLike[str], *, now_s: float, stable_for_s: float = 2.0,
@@ -346,8 +356,9 @@ def newest_complete(output_dir: str | os.PathLike[str], *, now_s: float, stable_
             symbolic links on both sides.
         loose: also consider loose model files at the top of ``output_dir`` when no folder is complete (pass
             False for a Trainer, whose root files are its final model).
-        since_s: the job's start, epoch seconds: a checkpoint whose files were all written before it is an earlier
-            run's and is left alone (logged once with ``seen``), unless it is one of ``resumed``. None: no such rule.
+        since_s: the job's start, epoch seconds: a checkpoint none of whose files changed since (their ctime,
+            which ``os.utime`` cannot move back) is an earlier run's and is left alone (logged once with ``seen``),
+            unless it is one of ``resumed``. None: no such rule.
         resumed: paths of the checkpoint this run resumed from (fetched, or the output folder's own): they count
             although older than ``since_s``.
 
@@ -378,7 +389,7 @@ def newest_complete(output_dir: str | os.PathLike[str], *, now_s: float, stable_
             files, reason = {}, "marked suspect (saved after the first non-finite loss): never resumed or pushed"
         else:
             files, reason = _check(path, now_s, stable_for_s, stat, reported=told)
-        if reason is None and _left_over(files, since_s) and os.path.realpath(path) not in kept:
+        if reason is None and _left_over(path, files, since_s) and os.path.realpath(path) not in kept:
             reason = "found and left alone: saved before this run started and not resumed from"
         if reason is None:
             found, source = _folder_step(path, step)
@@ -441,8 +452,7 @@ def loose_files(output_dir: str | os.PathLike[str], *, now_s: float, stable_for_
 
     first = look()
     kept = {os.path.realpath(p) for p in resumed}
-    old = sorted(n for n, (_, m) in first.items() if since_s is not None and m < since_s
-                 and os.path.realpath(base / n) not in kept)
+    old = sorted(n for n in first if _left_over(base, [n], since_s) and os.path.realpath(base / n) not in kept)
     if old:
         key = (str(base), "left alone: " + ", ".join(old))
         if seen is None or key not in seen:
