@@ -246,7 +246,10 @@ def _instrument(trainer: Any, agent: Agent, callback: Any) -> None:
             kwargs["resume_from_checkpoint"] = resume_path
         chosen = kwargs.get("resume_from_checkpoint", args[0] if args else None)
         if resume_path and isinstance(chosen, (str, os.PathLike)):
-            agent.resume_seen(os.fspath(chosen))  # the Trainer loads it (its weights may be safetensors only)
+            try:
+                agent.resume_seen(os.fspath(chosen))  # the Trainer loads it (its weights may be safetensors only)
+            except Exception as exc:  # never break the job
+                agent_module._warn_once(f"resume hook failed: {exc!r}")
         try:
             result = train_fn(*args, **kwargs)
         except Exception as exc:
