@@ -270,3 +270,24 @@ def test_a_save_into_a_hidden_or_temporary_folder_is_not_a_checkpoint_yet(tmp_pa
     for folder in (".partial-checkpoint-1", "tmp", "ckpt.tmp"):
         write(tmp_path / folder / "model.pt", 10)
         assert saved.add(tmp_path / folder / "model.pt", 1) is None
+
+
+def test_the_output_folder_of_a_save_is_the_parent_of_its_checkpoint_folder(tmp_path):
+    from guard.secure.layout import output_dir_for_save
+
+    out = tmp_path / "out"
+    assert output_dir_for_save(out / "checkpoint-20" / "model.pt") == out
+    assert output_dir_for_save(out / "tmp-checkpoint-20" / "model.pt") == out
+    assert output_dir_for_save(out / "checkpoints" / "checkpoint_3" / "optimizer.bin") == out / "checkpoints"
+    assert output_dir_for_save(out / "step_7" / "optimizer.bin") == out
+    assert output_dir_for_save(out / "global_step5" / "mp_rank_00_model_states.pt") == out
+    assert output_dir_for_save(out / "ckpt.pt") == out
+    assert output_dir_for_save(out / "run1" / "model.pt") == out / "run1"
+
+
+def test_a_flag_naming_a_file_gives_its_folder():
+    from guard.secure.layout import output_dir_from_args
+
+    assert output_dir_from_args(["--save", "model.pt"]) == (".", "--save")
+    assert output_dir_from_args(["--save=runs/wlm/model.pt"]) == ("runs/wlm", "--save")
+    assert output_dir_from_args(["--save", "ckpts"]) == ("ckpts", "--save")

@@ -118,6 +118,7 @@ def test_skips_a_folder_whose_sizes_change_between_passes(tmp_path):
 def test_accepts_the_guard_marker_instead_of_the_state_file(tmp_path):
     folder = tmp_path / "checkpoint-3"
     write(folder / "weights.pt", 100)
+    write(folder / "optimizer.pt", 100)  # a Trainer-style file: the save is finished only with its last file
     assert why_incomplete(folder, now_s=NOW) is not None
     write(folder / GUARD_MARKER_NAME, 10)
     assert why_incomplete(folder, now_s=NOW) is None
@@ -189,3 +190,38 @@ def test_describe_a_missing_path_is_an_error_with_a_hint(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(SupervisorError):
         describe(tmp_path / "empty")
+
+
+def test_an_earlier_runs_checkpoints_count_only_when_resumed_from(tmp_path, caplog):
+    import time as _time
+
+    old = trainer_checkpoint(tmp_path, 46, mtime_s=NOW - 3600)
+    write(tmp_path / "model_step_30.pt", 10, mtime_s=NOW - 3600)
+    started = _time.time() + 0.01  # the job starts after the earlier run's files were written
+    _time.sleep(0.05)
+    with caplog.at_level(logging.INFO, logger="guard.checkpoints"):
+        assert newest_complete(tmp_path, now_s=NOW, since_s=started) is None
+    assert f"skipped checkpoint {old}: found and left alone" in caplog.text
+    assert "model_step_30.pt (saved before this run started" in caplog.text
+    assert newest_complete(tmp_path, now_s=NOW, since_s=started, resumed=[str(old)]).path == old
+    assert newest_complete(tmp_path, now_s=NOW).path == old  # without the rule: as before
+    new = trainer_checkpoint(tmp_path, 10, mtime_s=NOW - 3000)  # this run's (a back-dated mtime changes nothing)
+    assert newest_complete(tmp_path, now_s=NOW, since_s=started).path == new
+
+
+def test_a_plain_loops_checkpoint_folder_counts_once_settled_and_whole(tmp_path):
+    torch = pytest.importorskip("torch")
+    folder = tmp_path / "checkpoint-20"
+    folder.mkdir()
+    torch.save({"w": torch.zeros(3)}, folder / "model.pt")
+    (folder / "config.json").write_text("{}")
+    for name in ("model.pt", "config.json"):
+        os.utime(folder / name, (NOW - 60, NOW - 60))
+    assert why_incomplete(folder, now_s=NOW) is None
+    assert why_incomplete(folder, now_s=NOW - 59) is not None  # just written: not settled yet
+    data = (folder / "model.pt").read_bytes()
+    (folder / "model.pt").write_bytes(data[: len(data) // 2])
+    os.utime(folder / "model.pt", (NOW - 60, NOW - 60))
+    assert "not whole by format" in (why_incomplete(folder, now_s=NOW) or "")
+    (folder / "model.pt").unlink()
+    assert why_incomplete(folder, now_s=NOW) == "no model file"

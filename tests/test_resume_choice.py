@@ -61,7 +61,8 @@ def test_an_older_local_checkpoint_loses_to_the_secured_one(tmp_path: Path) -> N
 def test_nothing_anywhere_starts_fresh_and_a_plain_loops_folders_are_left_alone(tmp_path: Path, caplog) -> None:
     out = tmp_path / "out"
     (out / "checkpoint-5").mkdir(parents=True)
-    (out / "checkpoint-5" / "model.pt").write_bytes(b"x")  # a loop's own folder, no Trainer files: not moved
+    # a loop's own folder, no Trainer files: not moved; its model.pt is cut short (no central directory): not used
+    (out / "checkpoint-5" / "model.pt").write_bytes(b"PK\x03\x04" + b"x" * 100)
     with caplog.at_level("INFO", logger="guard.resume"):
         assert resume.choose(out, Securer(str(tmp_path / "dest")), deadline=deadline(), abort=lambda: False) is None
     assert "starting fresh" in caplog.text

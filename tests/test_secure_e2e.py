@@ -48,6 +48,9 @@ def test_slow_trainer_with_a_40s_timeout_is_secured_on_the_hub(hub: HubServer, t
     remote = hub.repo_files("alice/slow-run")
     on_server = {path[len("last-checkpoint/"):]: hashlib.sha256(data).hexdigest()
                  for path, data in remote.items() if path.startswith("last-checkpoint/")}
+    manifest = json.loads(remote.pop("last-checkpoint/guard_manifest.json"))  # the record, written after verifying
+    assert {rel: entry["sha256"] for rel, entry in manifest["files"].items()} == sha256s(local)
+    on_server.pop("guard_manifest.json")
     assert on_server == sha256s(local)
     commit = fields["pushed"].rsplit("@", 1)[1]
     assert len(commit) == 40 and commit in [c.oid for c in hub.commits("alice/slow-run")]

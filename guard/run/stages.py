@@ -424,6 +424,12 @@ def run_job(config: Config, masker: Masker, started: float) -> RunResult:
     result = supervisor.run()
     if fetched is not None:
         result.extra["resumed_from"] = f"{fetched.path}@{fetched.revision}"
+        state = getattr(supervisor, "state", None)
+        if state is not None and "resume_loaded" not in state.facts.api_used:  # the agent never saw it loaded
+            result.details["resume_loaded"] = False
+            note = (f"the job did not load the resumed checkpoint {fetched.path} (it started from scratch; steps "
+                    "counted from 0): load it (guard.resume_path() names it)")
+            result.hint = f"{result.hint}; {note}" if result.hint else note
     if report is not None:
         result.details["preflight"] = report.to_json()
     if uv_env is not None:

@@ -54,7 +54,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from guard.errors import SupervisorError
-from guard.secure.formats import check_files
+from guard.secure.formats import DISTCP_METADATA, check_files
 
 __all__ = [
     "GUARD_MARKER_NAME",
@@ -86,8 +86,16 @@ SUSPECT_SUFFIX = ".guard-suspect.json"  # beside a loose checkpoint file: ``FILE
 INCOMPLETE_SENTINEL_NAME = "checkpoint-is-incomplete.txt"
 
 #: Folder names whose N is a step: the Trainer's ``checkpoint-N``, accelerate's ``checkpoint_N`` and ``step_N``.
-_FOLDER_RE = re.compile(r"(?:checkpoint-|checkpoint_|step_)([0-9]+)")
+_FOLDER_RE = re.compile(r"(?:checkpoint-|checkpoint_|step_|global_step)([0-9]+)")
+#: DeepSpeed's ``save_checkpoint`` writes ``OUT/global_stepN/`` and then ``OUT/latest`` naming it.
+DEEPSPEED_LATEST_NAME = "latest"
 _ACCELERATE_RNG_RE = re.compile(r"random_states_[0-9]+\.pkl")
+#: Checkpoint folders of every known layout (``guard.secure.layout.CHECKPOINT_FOLDER_RE``, with tmp- names).
+_CHECKPOINT_LIKE_RE = re.compile(r"(?:tmp-)?(?:checkpoint-|checkpoint_|step_|global_step)[0-9]+")
+#: Files the Trainer writes before ``trainer_state.json`` and accelerate before ``random_states_N.pkl``: a folder
+#: holding one of them is complete only with that last file.
+_TRAINER_OR_ACCELERATE = re.compile(r"training_args\.bin|optimizer\.(?:pt|bin)|scheduler\.(?:pt|bin)|"
+                                    r"rng_state(?:_[0-9]+)?\.pth|scaler\.pt|sampler(?:_[0-9]+)?\.bin")
 #: Suffixes of model and optimizer files written by ``torch.save``, safetensors and the Trainer.
 MODEL_FILE_SUFFIXES = (".pt", ".pth", ".safetensors", ".bin")
 #: Files with a model suffix that are not model state (the Trainer's pickled ``TrainingArguments``).
@@ -226,8 +234,20 @@ def _check(path: Path, now_s: float, stable_for_s: float, stat: StatFn,
     if reported:
         return first, None  # the job said the save is done (Trainer on_save, checkpoint_saved): no mtime rule
     accelerate = not path.name.startswith("checkpoint-") and any(_ACCELERATE_RNG_RE.fullmatch(n) for n in first)
-    if TRAINER_STATE_NAME not in first and GUARD_MARKER_NAME not in first and not accelerate:
+    distcp = DISTCP_METADATA in first or any(n.endswith(".distcp") for n in first)
+    if distcp and DISTCP_METADATA not in first:
+        return first, f"no {DISTCP_METADATA} (a torch.distributed.checkpoint save writes it last)"
+    if path.name.startswith("global_step"):
+        why = _deepspeed_unfinished(path)
+        if why is not None:
+            return first, why
+    marked = (TRAINER_STATE_NAME in first or GUARD_MARKER_NAME in first or accelerate or distcp
+              or path.name.startswith("global_step"))
+    if not marked and any(_TRAINER_OR_ACCELERATE.fullmatch(n.rsplit("/", 1)[-1]) for n in first):
         return first, f"no {TRAINER_STATE_NAME} or {GUARD_MARKER_NAME} (save not finished)"
+    if not marked and not any(_is_model_file(n.rsplit("/", 1)[-1]) for n in first):
+        return first, "no model file"
+    # a folder of a plain loop (``checkpoint-20/model.pt``): complete once settled and whole by format (below)
     newest_name, (_, newest_mtime_s) = max(first.items(), key=lambda item: item[1][1])
     if newest_mtime_s > now_s - stable_for_s:
         return first, f"still being written ({newest_name} changed {max(0.0, now_s - newest_mtime_s):.1f}s ago)"
@@ -242,6 +262,19 @@ def _check(path: Path, now_s: float, stable_for_s: float, stat: StatFn,
     if problems:
         return first, f"not whole by format ({problems[0]})"
     return first, None
+
+
+def _deepspeed_unfinished(path: Path) -> str | None:
+    """Why DeepSpeed's ``global_stepN`` folder is not finished: the ``latest`` file beside it (written after every
+    rank's part, ``DeepSpeedEngine.save_checkpoint``) does not name it or a later step; None when it does."""
+    try:
+        latest = (path.parent / DEEPSPEED_LATEST_NAME).read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError):
+        return f"no {DEEPSPEED_LATEST_NAME} file beside it (DeepSpeed writes it once every rank saved)"
+    mine, named = _FOLDER_RE.fullmatch(path.name), _FOLDER_RE.fullmatch(latest)
+    if mine is None or named is None or int(named[1]) < int(mine[1]):
+        return f"{DEEPSPEED_LATEST_NAME} names {latest!r}, not this save or a later one (still being written)"
+    return None
 
 
 def _step_from_json(path: Path, name: str, key: str) -> int | None:
@@ -286,9 +319,25 @@ def _folder_step(path: Path, name_step: int) -> tuple[int, str]:
     return name_step, "name"
 
 
+def _changed_since(path: Path, since_s: float) -> bool:
+    """The file's inode changed at or after ``since_s`` (its ctime: written, renamed or touched, which a job's
+    ``os.utime`` cannot move back); True when it cannot be read (not taken for a leftover)."""
+    try:
+        return os.stat(path, follow_symlinks=False).st_ctime >= since_s
+    except OSError:
+        return True
+
+
+def _left_over(folder: Path, files: Iterable[str], since_s: float | None) -> bool:
+    """No file of the checkpoint changed since ``since_s`` (the job's start, epoch s): an earlier run's."""
+    names = list(files)
+    return since_s is not None and bool(names) and not any(_changed_since(folder / n, since_s) for n in names)
+
+
 def newest_complete(output_dir: str | os.PathLike[str], *, now_s: float, stable_for_s: float = 2.0,
                     stat: StatFn = os.stat, seen: set[tuple[str, str]] | None = None,
-                    reported: Collection[str] = (), loose: bool = True) -> CheckpointInfo | None:
+                    reported: Collection[str] = (), loose: bool = True, since_s: float | None = None,
+                    resumed: Collection[str] = ()) -> CheckpointInfo | None:
     """The newest complete checkpoint under ``output_dir`` (see the module docstring for what counts).
 
     Folders newer than the one returned that are skipped are logged with the reason (still being written, no state
@@ -307,6 +356,11 @@ def newest_complete(output_dir: str | os.PathLike[str], *, now_s: float, stable_
             symbolic links on both sides.
         loose: also consider loose model files at the top of ``output_dir`` when no folder is complete (pass
             False for a Trainer, whose root files are its final model).
+        since_s: the job's start, epoch seconds: a checkpoint none of whose files changed since (their ctime,
+            which ``os.utime`` cannot move back) is an earlier run's and is left alone (logged once with ``seen``),
+            unless it is one of ``resumed``. None: no such rule.
+        resumed: paths of the checkpoint this run resumed from (fetched, or the output folder's own): they count
+            although older than ``since_s``.
 
     Returns:
         The :class:`CheckpointInfo`, or None when there is none (or ``output_dir`` does not exist).
@@ -321,6 +375,7 @@ def newest_complete(output_dir: str | os.PathLike[str], *, now_s: float, stable_
     # the output folder may be reached through a symbolic link (``/scratch`` on a cluster, ``/var`` on macOS): the
     # two are compared resolved, so that a folder the job said it finished is never "still being written".
     said = {os.path.realpath(p) for p in reported}
+    kept = {os.path.realpath(p) for p in resumed}
     candidates = sorted(((int(m.group(1)), name) for name in names if (m := _FOLDER_RE.fullmatch(name))),
                         reverse=True)
     for step, name in candidates:
@@ -334,6 +389,8 @@ def newest_complete(output_dir: str | os.PathLike[str], *, now_s: float, stable_
             files, reason = {}, "marked suspect (saved after the first non-finite loss): never resumed or pushed"
         else:
             files, reason = _check(path, now_s, stable_for_s, stat, reported=told)
+        if reason is None and _left_over(path, files, since_s) and os.path.realpath(path) not in kept:
+            reason = "found and left alone: saved before this run started and not resumed from"
         if reason is None:
             found, source = _folder_step(path, step)
             info = _info(path, files, found, step_source=source, admitted_by="reported" if told else "settled")
@@ -343,7 +400,8 @@ def newest_complete(output_dir: str | os.PathLike[str], *, now_s: float, stable_
             log.info("skipped checkpoint %s: %s", path, reason)
             if seen is not None:
                 seen.add((str(path), reason))
-    return loose_files(base, now_s=now_s, stable_for_s=stable_for_s, stat=stat) if loose else None
+    return loose_files(base, now_s=now_s, stable_for_s=stable_for_s, stat=stat, since_s=since_s, resumed=kept,
+                       seen=seen) if loose else None
 
 
 def _is_scratch(name: str) -> bool:
@@ -357,9 +415,11 @@ def _is_model_file(name: str) -> bool:
 
 
 def loose_files(output_dir: str | os.PathLike[str], *, now_s: float, stable_for_s: float = 2.0,
-                stat: StatFn = os.stat) -> CheckpointInfo | None:
+                stat: StatFn = os.stat, since_s: float | None = None, resumed: Collection[str] = (),
+                seen: set[tuple[str, str]] | None = None) -> CheckpointInfo | None:
     """A stable set of model/optimizer files at the top of ``output_dir``, as one checkpoint (``root`` is the
-    folder; ``files`` the set), or None.
+    folder; ``files`` the set), or None. Files last written before ``since_s`` (an earlier run's, e.g. a leftover
+    ``model_step_30.pt``) are left alone and logged, unless one of ``resumed``.
 
     Files named with a step (``model_step_200.pt``) are grouped by it; the group with the highest step wins over
     the files without one when it is as new; the files without a step form one set, step unknown. A set counts
@@ -391,6 +451,17 @@ def loose_files(output_dir: str | os.PathLike[str], *, now_s: float, stable_for_
         return out
 
     first = look()
+    kept = {os.path.realpath(p) for p in resumed}
+    old = sorted(n for n in first if _left_over(base, [n], since_s) and os.path.realpath(base / n) not in kept)
+    if old:
+        key = (str(base), "left alone: " + ", ".join(old))
+        if seen is None or key not in seen:
+            log.info("found and left alone in %s: %s (saved before this run started, not resumed from)", base,
+                     ", ".join(old))
+            if seen is not None:
+                seen.add(key)
+        names = [n for n in names if n not in old]
+        first = {n: e for n, e in first.items() if n not in old}
     if not first:
         return None
     groups: dict[int | None, dict[str, tuple[int, float]]] = {}
@@ -434,6 +505,10 @@ class SavedFiles:
         where = Path(os.path.abspath(path))
         if not _is_model_file(where.name) or any(_is_scratch(part) for part in where.parent.parts[-2:]):
             return None  # a save into a hidden or temporary folder is renamed into place later (or dropped)
+        if any(_CHECKPOINT_LIKE_RE.fullmatch(part) for part in where.parent.parts[-2:]):
+            # one file of a checkpoint folder (``checkpoint-20/model.pt``, accelerate's ``step_3/optimizer.bin``):
+            # the folder is secured whole once complete by its own rules (the scan), never this file alone
+            return None
         folder = where.parent
         last_step, names = self._by_folder.get(folder, (None, {}))
         if last_step != step:

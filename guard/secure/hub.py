@@ -180,11 +180,16 @@ class PushResult:
 
 @dataclass(frozen=True)
 class SecuredRecord:
-    """What the destination records as secured: ``revision`` (Hub commit id, or the ``last-checkpoint`` folder)
-    and ``step`` (None when not recorded)."""
+    """What the destination records as secured: ``revision`` (Hub commit id, or the ``last-checkpoint`` folder),
+    ``step`` (None when not recorded), and where the checkpoint came from (the manifest's, None when not
+    recorded): ``output_dir`` (the job's output folder, relative to its working folder when inside it) and
+    ``place`` (the checkpoint's path relative to it: ``"checkpoint-20"`` for a folder, ``"."`` for files that lay
+    at its top, e.g. ``ckpt.pt``)."""
 
     revision: str
     step: int | None
+    output_dir: str | None = None
+    place: str | None = None
 
 
 @dataclass(frozen=True)
@@ -326,6 +331,30 @@ def _manifest_files(secured: Path) -> dict[str, tuple[int, str]]:
         return {str(rel): (int(entry["size"]), str(entry["sha256"])) for rel, entry in recorded.items()}
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return {}
+
+
+#: Checkpoint folder names of the layouts the guard knows (their parent is the output folder).
+_CHECKPOINT_LIKE = re.compile(r"(?:tmp-)?(?:checkpoint-|checkpoint_|step_|global_step)[0-9]+")
+
+
+def _placement(folder: Path) -> dict[str, str]:
+    """Where a pushed checkpoint lies, for resume to put it back: ``{"output_dir": ..., "place": ...}``. A
+    checkpoint-like folder (``checkpoint-N``, ``checkpoint_N``, ``step_N``, ``global_stepN``) is placed by its name
+    in its parent; any other folder holds files that lay at the top of the output folder (``ckpt.pt``). The output
+    folder is written relative to the working folder when inside it, so that the next run (another machine, the
+    same checkout) finds it again."""
+    where = Path(os.path.abspath(folder))
+    output_dir, place = (where.parent, where.name) if _CHECKPOINT_LIKE.fullmatch(where.name) else (where, ".")
+    here = Path(os.getcwd())
+    text = os.path.relpath(output_dir, here) if output_dir.is_relative_to(here) else str(output_dir)
+    return {"output_dir": text, "place": place}
+
+
+def _placed(manifest: dict[str, Any]) -> tuple[str | None, str | None]:
+    """``(output_dir, place)`` from a manifest (see ``_placement``); None for what it does not record."""
+    out, place = manifest.get("output_dir"), manifest.get("place")
+    place_ok = isinstance(place, str) and (place == "." or _CHECKPOINT_LIKE.fullmatch(place) is not None)
+    return (out if isinstance(out, str) and out else None), (place if place_ok else None)
 
 
 def _against_manifest(fetched: Path, manifest: dict[str, Any], present: list[str]) -> list[str]:
@@ -626,7 +655,8 @@ class Securer:
                 return None
             manifest = _read_manifest(source)
             step = manifest.get("step")
-            return SecuredRecord(str(source), step if isinstance(step, int) else _step_from_trainer_state(source))
+            return SecuredRecord(str(source), step if isinstance(step, int) else _step_from_trainer_state(source),
+                                 *_placed(manifest))
         from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundError
 
         api, repo_id, repo_type = self._hub(), self.destination.repo_id, self.destination.repo_type
@@ -634,7 +664,8 @@ class Securer:
         try:
             for commit in api.list_repo_commits(repo_id, repo_type=repo_type):
                 if match := _GUARD_TITLE.fullmatch(commit.title.strip()):
-                    return SecuredRecord(commit.commit_id, int(match[1]))
+                    return SecuredRecord(commit.commit_id, int(match[1]),
+                                         *_placed(self._hub_manifest(commit.commit_id)))
             sha = api.repo_info(repo_id, repo_type=repo_type).sha
         except (RepositoryNotFoundError, RevisionNotFoundError):
             return None
@@ -643,6 +674,22 @@ class Securer:
         self._log.info("no commit at %s records a secured checkpoint (titled %r): using HEAD's %s/ if any",
                        self.destination, CHECKPOINT_COMMIT_TITLE.format(step="N"), CHECKPOINT_FOLDER)
         return SecuredRecord(sha, None)
+
+    def _hub_manifest(self, revision: str) -> dict[str, Any]:
+        """The record's manifest at ``revision`` (a small file), or ``{}`` (a record of an older guard)."""
+        from huggingface_hub.errors import EntryNotFoundError
+
+        api, repo_id = self._hub(), self.destination.repo_id
+        assert repo_id is not None
+        with tempfile.TemporaryDirectory(prefix=".guard-peek-") as tmp:
+            try:
+                path = api.hf_hub_download(repo_id, f"{CHECKPOINT_FOLDER}/{MANIFEST_NAME}", revision=revision,
+                                           repo_type=self.destination.repo_type, local_dir=tmp,
+                                           cache_dir=Path(tmp) / ".cache")
+                manifest = json.loads(Path(path).read_text())
+            except (EntryNotFoundError, OSError, ValueError):
+                return {}
+        return manifest if isinstance(manifest, dict) else {}
 
     def fetch_last_checkpoint(self, into_dir: str | os.PathLike[str], *, deadline: float,
                               revision: str | None = None) -> FetchedCheckpoint | None:
@@ -806,7 +853,7 @@ class Securer:
         _refuse_torn(message.removeprefix("guard: "), folder, files, "uploaded", str(self.destination))
         if record_step is None:
             return info.oid
-        manifest = {"step": record_step, "source": str(folder), "verified_commit": info.oid,
+        manifest = {"step": record_step, "source": str(folder), **_placement(folder), "verified_commit": info.oid,
                     "files": {op.path_in_repo[len(prefix):]: {"size": op.upload_info.size,
                                                                "sha256": op.upload_info.sha256.hex()}
                               for op in adds}}
@@ -898,23 +945,44 @@ class Securer:
                         step = int(match[1])
                         break
             files = [e.path[len(CHECKPOINT_FOLDER) + 1:] for e in entries]
-            return self._place(fetched, into, step, sha, files, sum(e.size for e in entries))
+            return self._place(fetched, into, step, sha, files, sum(e.size for e in entries),
+                               place=_placed(manifest)[1])
         finally:
             shutil.rmtree(staging, ignore_errors=True)
 
     def _place(self, fetched: Path, into: Path, step: int | None, revision: str, files: list[str],
-               size: int) -> FetchedCheckpoint:
+               size: int, place: str | None = None) -> FetchedCheckpoint:
+        """Put the verified ``fetched`` folder where the checkpoint came from: ``into/<place>`` for a checkpoint
+        folder (``checkpoint-<step>`` when not recorded), or its files at the top of ``into`` (``place`` ``"."``:
+        ``out/ckpt.pt`` for a loop that reloads its own file). What is there already is kept when identical, else
+        moved aside to a hidden ``.NAME.replaced-<time>-<pid>`` (never deleted)."""
         if step is None:
             raise HubError(f"cannot tell the step of {self.destination}/{CHECKPOINT_FOLDER}",
                            destination=str(self.destination),
                            hint="it has no trainer_state.json and was not pushed by the guard")
-        target = into / f"checkpoint-{step}"
+        stamp = f"replaced-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+        if place == ".":
+            for rel in sorted(files):
+                target = into / rel
+                if target.is_file() and _hash_file(target) == _hash_file(fetched / rel):
+                    continue
+                if target.exists() or target.is_symlink():
+                    aside = target.with_name(f".{target.name}.{stamp}")
+                    os.rename(target, aside)
+                    self._log.warning("%s differs from the secured checkpoint: moved it to %s", target, aside)
+                target.parent.mkdir(parents=True, exist_ok=True)
+                os.rename(fetched / rel, target)
+            _fsync_dir(into)
+            where = into / files[0] if len(files) == 1 else into
+            self._log.info("fetched %s/%s (step %d) back into %s", self.destination, CHECKPOINT_FOLDER, step, where)
+            return FetchedCheckpoint(where, step, revision, tuple(sorted(files)), size)
+        target = into / (place or f"checkpoint-{step}")
         if target.exists():
             mine = {rel: _hash_file(target / rel) for rel in _list_files(target)}
             if mine == {rel: _hash_file(fetched / rel) for rel in _list_files(fetched)}:
                 self._log.info("%s already holds the secured checkpoint (step %d): keeping it", target, step)
                 return FetchedCheckpoint(target, step, revision, tuple(sorted(files)), size)
-            aside = into / f".{target.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+            aside = into / f".{target.name}.{stamp}"
             os.rename(target, aside)  # a partial or different local copy: kept aside (hidden), not deleted
             self._log.warning("%s differs from the secured checkpoint: moved it to %s", target, aside)
         os.rename(fetched, target)
@@ -956,7 +1024,7 @@ class Securer:
                 raise Mismatch([f"{rel} changed while it was copied" for rel in changed])
             # the copy that would become the secured one, checked by format before anything is swapped
             _refuse_torn(f"checkpoint step {step}", staging, files, "copied", str(self.destination))
-            manifest = {"step": step, "source": str(folder),
+            manifest = {"step": step, "source": str(folder), **_placement(folder),
                         "files": {rel: {"size": size, "sha256": sha} for rel, (size, sha) in sums.items()}}
             with open(staging / MANIFEST_NAME, "w") as out:
                 json.dump(manifest, out, indent=1)
@@ -1070,6 +1138,6 @@ class Securer:
             if step is None and isinstance(manifest.get("step"), int):
                 step = manifest["step"]
             size_total = sum((fetched / rel).stat().st_size for rel in files)
-            return self._place(fetched, into, step, str(source), files, size_total)
+            return self._place(fetched, into, step, str(source), files, size_total, place=_placed(manifest)[1])
         finally:
             shutil.rmtree(staging, ignore_errors=True)

@@ -2,7 +2,10 @@
 
 - ``output_dir_from_args``: the output folder named in the job's own arguments, for when ``--output-dir`` is not
   given (``--output_dir`` of ``TrainingArguments``/``HfArgumentParser`` scripts, ``--output-dir``, nanoGPT's
-  ``--out_dir=``, Megatron's ``--save``), both ``--flag VALUE`` and ``--flag=VALUE``.
+  ``--out_dir=``, Megatron's ``--save``), both ``--flag VALUE`` and ``--flag=VALUE``; a value that names a file
+  (``--save model.pt``, pytorch/examples' word_language_model) gives the file's folder.
+- ``output_dir_for_save``: the output folder of a file the job saved: the parent of its checkpoint-like folder
+  (``out/checkpoint-20/model.pt`` -> ``out``), never the first save's own folder.
 - ``check_reported_path``: a path from ``guard.checkpoint_saved(path)`` is pushed only when it lies inside the
   output folder; never ``/``, the home folder, the working folder or a folder above it (``checkpoint_saved("")``
   would otherwise secure the working folder).
@@ -13,13 +16,14 @@
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Sequence
 from pathlib import Path
 
 from guard.errors import SupervisorError
 
-__all__ = ["OUTPUT_DIR_FLAGS", "check_reported_path", "is_plausible_output_dir", "nothing_found_hint",
-           "output_dir_from_args"]
+__all__ = ["CHECKPOINT_FOLDER_RE", "OUTPUT_DIR_FLAGS", "check_reported_path", "is_plausible_output_dir",
+           "nothing_found_hint", "output_dir_for_save", "output_dir_from_args"]
 
 #: The job arguments that name its output folder, in order of preference.
 OUTPUT_DIR_FLAGS = ("--output_dir", "--output-dir", "--out_dir", "--out-dir", "--save")
@@ -51,8 +55,30 @@ def output_dir_from_args(args: Sequence[str]) -> tuple[str, str] | None:
             found[flag] = value
     for flag in OUTPUT_DIR_FLAGS:
         if flag in found:
-            return found[flag], flag
+            value = found[flag]
+            if value.rstrip("/").endswith(_FILE_SUFFIXES):  # ``--save model.pt`` names a file: its folder
+                value = os.path.dirname(value.rstrip("/")) or "."
+            return value, flag
     return None
+
+
+#: Names that are a file, not a folder, when a flag names them (``--save model.pt``, word_language_model's).
+_FILE_SUFFIXES = (".pt", ".pth", ".bin", ".safetensors", ".ckpt", ".pkl")
+#: A checkpoint folder of the layouts the guard knows; the folder above it is the output folder: the Trainer's
+#: ``checkpoint-N`` (and ``tmp-checkpoint-N`` before its rename), accelerate's ``checkpoint_N`` (automatic naming,
+#: under ``project_dir/checkpoints``) and ``step_N``, DeepSpeed's ``global_stepN``.
+CHECKPOINT_FOLDER_RE = re.compile(r"(?:tmp-)?(?:checkpoint-|checkpoint_|step_|global_step)[0-9]+")
+
+
+def output_dir_for_save(path: str | os.PathLike[str]) -> Path:
+    """The output folder a saved file belongs to: the parent of the checkpoint-like folder that holds it (two
+    levels up at most: ``out/checkpoint-20/model.pt`` -> ``out``, ``out/global_step5/mp_rank_00/x.pt`` -> ``out``),
+    else the file's own folder (``out/ckpt.pt`` -> ``out``)."""
+    where = Path(os.path.abspath(path))
+    for folder in (where.parent, where.parent.parent):
+        if CHECKPOINT_FOLDER_RE.fullmatch(folder.name):
+            return folder.parent
+    return where.parent
 
 
 def _forbidden(path: Path, cwd: Path) -> str | None:

@@ -6,7 +6,12 @@
   writing now) wins when its step is at least the secured one's: nothing is downloaded then.
 - A partial ``checkpoint-N`` folder newer than the chosen one, which a Trainer would pick up itself
   (``get_last_checkpoint`` takes the highest N), is moved aside as ``checkpoint-N.partial-guard`` and named in the
-  log; only folders the Trainer wrote (its files, or the JIT sentinel) are moved, never a plain loop's own folders.
+  log; so is a partial accelerate ``checkpoint_N``/``step_N`` folder (``load_state()`` with automatic naming takes
+  the newest); only folders the Trainer or accelerate wrote are moved, never a plain loop's own folders.
+- The fetched checkpoint goes back where it came from (its record's ``output_dir`` and ``place``: ``out/ckpt.pt``
+  for a loop that reloads its own file, ``out/checkpoint-N`` for a folder), so a loop that resumes the usual way
+  (``if os.path.exists("out/ckpt.pt")``) does resume; the record's output folder is used when the caller knows
+  none (``FALLBACK_FOLDER``).
 - The peek and the fetch run in a worker process (``guard.secure.worker.run_bounded``), killed at the deadline or
   at once on a signal (``abort``).
 """
@@ -25,12 +30,20 @@ from typing import Any
 from guard.errors import HubError
 from guard.secure import checkpoints
 
-__all__ = ["PARTIAL_SUFFIX", "FetchTimedOut", "Interrupted", "ResumeFrom", "choose", "move_aside_partials"]
+__all__ = ["FALLBACK_FOLDER", "PARTIAL_SUFFIX", "FetchTimedOut", "Interrupted", "ResumeFrom", "choose",
+           "move_aside_partials"]
 
 log = logging.getLogger("guard.resume")
 
 PARTIAL_SUFFIX = ".partial-guard"
-_TRAINER_CHECKPOINT_RE = re.compile(r"checkpoint-([0-9]+)")
+#: The folder the caller names when the job's output folder is not known before it starts (``guard.run.stages``):
+#: the secured record's own output folder is used instead when it has one.
+FALLBACK_FOLDER = "guard-resume"
+#: Folders a job would pick up itself: the Trainer's ``checkpoint-N`` (``get_last_checkpoint``), accelerate's
+#: ``checkpoint_N`` (``load_state()`` with automatic naming takes the newest) and ``step_N``.
+_TRAINER_CHECKPOINT_RE = re.compile(r"(?:checkpoint-|checkpoint_|step_)([0-9]+)")
+#: Files ``Accelerator.save_state`` writes before ``random_states_N.pkl`` (accelerate ``checkpointing.py``).
+_ACCELERATE_FILES = ("optimizer.bin", "scheduler.bin", "pytorch_model.bin", "model.safetensors", "sampler.bin")
 #: Files ``Trainer._save_checkpoint`` writes before ``trainer_state.json`` (transformers 5.24 ``trainer.py``).
 _TRAINER_FILES = ("training_args.bin", "optimizer.pt", "scheduler.pt", "rng_state.pth", "scaler.pt")
 
@@ -63,13 +76,17 @@ def _trainer_written(folder: Path) -> bool:
         names = set(os.listdir(folder))
     except OSError:
         return False
-    return (checkpoints.INCOMPLETE_SENTINEL_NAME in names or any(n in names for n in _TRAINER_FILES)
-            or any(n.startswith("rng_state") for n in names))
+    if folder.name.startswith("checkpoint-"):
+        return (checkpoints.INCOMPLETE_SENTINEL_NAME in names or any(n in names for n in _TRAINER_FILES)
+                or any(n.startswith("rng_state") for n in names))
+    return any(n in names for n in _ACCELERATE_FILES) or any(n.startswith(("optimizer_", "sampler_")) for n in names)
 
 
 def move_aside_partials(folder: str | os.PathLike[str], *, newer_than: int | None) -> list[Path]:
-    """Move every partial Trainer ``checkpoint-N`` folder with N above ``newer_than`` (all when None) aside as
-    ``checkpoint-N.partial-guard`` (a number is added when that exists); returns the new paths."""
+    """Move every partial ``checkpoint-N`` folder the Trainer wrote, and every partial ``checkpoint_N``/``step_N``
+    folder accelerate's ``save_state`` wrote (its files without the ``random_states_N.pkl`` it writes last), with N
+    above ``newer_than`` (all when None), aside as ``NAME.partial-guard`` (a number is added when that exists);
+    returns the new paths. A plain loop's own folders are never moved."""
     base = Path(folder)
     moved: list[Path] = []
     try:
@@ -141,9 +158,12 @@ def choose(folder: str | os.PathLike[str], securer: Any, *, deadline: float, abo
 
         run = run_bounded
     base = Path(folder)
+    record = _bounded(run, "peek_last_checkpoint", {}, deadline, abort, securer)
+    if os.fspath(folder) == FALLBACK_FOLDER and record is not None and record.get("output_dir"):
+        base = Path(str(record["output_dir"]))
+        log.info("output folder: %s (where the secured checkpoint came from, as its record says)", base)
     base.mkdir(parents=True, exist_ok=True)
     local = checkpoints.newest_complete(base, now_s=time.time(), stable_for_s=0.0)
-    record = _bounded(run, "peek_last_checkpoint", {}, deadline, abort, securer)
     chosen: ResumeFrom | None = None
     if local is not None and (record is None or (local.step is not None and record.get("step") is not None
                                                  and local.step >= record["step"])):

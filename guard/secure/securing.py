@@ -182,6 +182,8 @@ class Securing:
         self._save_logged = False
         self._training_seen = False
         self._signalled = False  # a signal was forwarded to the job: its end is no finished training
+        self.started_s: float | None = None  # the job's start (epoch s): older checkpoints are an earlier run's
+        self.resumed_paths: set[str] = set()
         if deadline.deadline_s is not None:
             log.info("deadline: %s (%s from now; %s)", time.strftime("%Y-%m-%d %H:%M:%S %Z",
                      time.localtime(deadline.deadline_s)),
@@ -232,6 +234,9 @@ class Securing:
 
     def before_start(self) -> None:
         """Before the job starts: a complete checkpoint already in the output folder gives the margin a size."""
+        # this run's checkpoints: written from now on, or the one it resumed from (checkpoints.newest_complete)
+        self.started_s = self.wall()
+        self.resumed_paths = {str(self.latest_reported.path)} if self.latest_reported is not None else set()
         if not self.output_dir or self.latest_reported is not None:
             return
         try:
@@ -333,7 +338,8 @@ class Securing:
         """A complete checkpoint in the output folder the job did not report (``checkpoints.newest_complete``)."""
         try:
             found = checkpoints.newest_complete(self.output_dir or "", now_s=self.wall(), seen=self._seen,
-                                                reported=self.reported_paths, loose=not self.trainer_seen)
+                                                reported=self.reported_paths, loose=not self.trainer_seen,
+                                                since_s=self.started_s, resumed=self.resumed_paths)
         except OSError:
             return
         if found is not None and (self.latest_reported is None or (found.step or -1) > (self.latest_reported.step
@@ -385,8 +391,8 @@ class Securing:
         if not path:
             return
         where = Path(str(path))
-        if self.output_dir is None and layout.is_plausible_output_dir(where.parent):
-            self.output_dir = str(where.parent)
+        if self.output_dir is None and layout.is_plausible_output_dir(layout.output_dir_for_save(where)):
+            self.output_dir = str(layout.output_dir_for_save(where))
             self._feed(sup, OutputDirKnown(self.output_dir))
             log.info("output folder: %s (where the job saves with torch.save)", self.output_dir)
         if self.output_dir is None or not where.resolve().is_relative_to(Path(self.output_dir).resolve()):

@@ -190,7 +190,7 @@ class Agent:
         self.api_used: set[str] = set()  # guard.should_checkpoint / checkpoint_saved / should_stop calls seen
         self.served_stop = False  # should_checkpoint() answered True to a request with stop (deadline, signal)
         self.watch = LossWatch(self, settings.sanity_steps, settings.check_every)
-        self.watch.step = settings.resume_step  # a resumed plain loop counts on from the checkpoint's step
+        self.resumed = False  # the job loaded the checkpoint the guard resumed it from (resume_seen)
         self._sock: socket.socket | None = None
         self._lock = threading.Lock()
         self._acked = threading.Event()
@@ -361,6 +361,21 @@ class Agent:
         if name not in self.api_used:
             self.api_used.add(name)
             self.send({"t": "api", "name": name})
+
+    def resume_seen(self, path: str) -> None:
+        """The job loaded ``path`` (``torch.load``, which accelerate's ``load_state`` and the Trainer's
+        ``resume_from_checkpoint`` use too): when it is the checkpoint the guard resumed from, or a file in it, the
+        step count goes on from that checkpoint's step (once) and the supervisor is told (``resume_loaded``). A
+        job that never loads it counts from 0, and its VERDICT says it did not load the resumed checkpoint."""
+        resume = self.settings.resume_path
+        if self.resumed or not resume:
+            return
+        where, top = os.path.realpath(path), os.path.realpath(resume)
+        if where != top and not where.startswith(top.rstrip(os.sep) + os.sep):
+            return
+        self.resumed = True
+        self.watch.step += self.settings.resume_step
+        self.note_api("resume_loaded")
 
     def file_saved(self, path: str, save_s: float) -> None:
         """``torch.save`` wrote ``path`` (complete: the call returned); not reported under a Trainer (its callback

@@ -17,9 +17,11 @@ The loss the user means, not the tensor ``.backward()`` runs on:
   gradients held inf/NaN (its ``found_inf_per_device``, the same tensors ``update`` consumes); ``LossWatch`` reads
   the count along with the losses, and the supervisor fails the run when the loss scale keeps collapsing.
 
-``torch.save`` is wrapped too: when it returns, a save to a named file is complete, and the agent reports the
-file with the step it has counted (``file_saved``). That is how the guard sees the checkpoints of a loop that
-never calls the guard's API (nanoGPT's ``ckpt.pt``), with their step, without reading them.
+``torch.save`` is wrapped too: when it returns, a save to a named file (a path, or an open file object, mapped to
+its path) is complete, and the agent reports the file with the step it has counted (``file_saved``). That is how
+the guard sees the checkpoints of a loop that never calls the guard's API (nanoGPT's ``ckpt.pt``), with their step,
+without reading them. ``torch.load`` is wrapped to see the job load the checkpoint the guard resumed it from
+(``Agent.resume_seen``): only then does the step count go on from that checkpoint's step.
 
 Whether the job trains at all: the first optimizer built (``torch.optim.Optimizer.__init__``, which every optimizer
 calls) and the first optimizer step (torch's global ``register_optimizer_step_post_hook``) are told once each
@@ -265,14 +267,56 @@ def _wrap_save(torch: Any, agent_module: Any) -> None:
     def save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> Any:
         started = time.monotonic()
         result = original(obj, f, *args, **kwargs)
-        if isinstance(f, (str, os.PathLike)):
-            agent = agent_module.get()
-            if agent is not None:
-                try:
-                    agent.file_saved(os.fspath(f), time.monotonic() - started)
-                except Exception as exc:  # never break the job
-                    agent_module._warn_once(f"save hook failed: {exc!r}")
+        agent = agent_module.get()
+        path = _path_of(f, flush=True)
+        if agent is not None and path is not None:
+            try:
+                agent.file_saved(path, time.monotonic() - started)
+            except Exception as exc:  # never break the job
+                agent_module._warn_once(f"save hook failed: {exc!r}")
         return result
 
     save.__guard_wrapped__ = True  # type: ignore[attr-defined]
     torch.save = save
+    _wrap_load(torch, agent_module)
+
+
+def _path_of(f: Any, *, flush: bool = False) -> str | None:
+    """The file a ``torch.save``/``torch.load`` argument names: a path, or an open file object's ``name`` (what
+    ``open(path, "wb")`` gives: ``torch.save(model, f)`` as pytorch/examples' word_language_model does); None for
+    an in-memory buffer. ``flush``: the file object's buffer is flushed first, so that the file on disk holds the
+    whole save when the guard looks at it (the job closes it later)."""
+    if isinstance(f, (str, os.PathLike)):
+        return os.fspath(f)
+    name = getattr(f, "name", None)
+    if not isinstance(name, str) or not name or name.startswith("<"):
+        return None  # BytesIO, a pipe, a file opened from a descriptor (its name is an int)
+    if flush:
+        try:
+            f.flush()
+        except Exception:  # a closed or read-only object: what is on disk is what there is
+            pass
+    return name
+
+
+def _wrap_load(torch: Any, agent_module: Any) -> None:
+    """``torch.load`` tells the agent what the job loads: the checkpoint the guard resumed it from, or not."""
+    original = getattr(torch, "load", None)
+    if original is None or getattr(original, "__guard_wrapped__", False):
+        return
+
+    @functools.wraps(original)
+    def load(f: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(f, *args, **kwargs)
+        agent = agent_module.get()
+        if agent is not None and agent.settings.resume_path:
+            try:
+                path = _path_of(f)
+                if path is not None:
+                    agent.resume_seen(path)
+            except Exception as exc:  # never break the job
+                agent_module._warn_once(f"load hook failed: {exc!r}")
+        return result
+
+    load.__guard_wrapped__ = True  # type: ignore[attr-defined]
+    torch.load = load

@@ -244,6 +244,12 @@ def _instrument(trainer: Any, agent: Agent, callback: Any) -> None:
     def train(*args: Any, **kwargs: Any) -> Any:
         if resume_path and not args and kwargs.get("resume_from_checkpoint") in (None, False):
             kwargs["resume_from_checkpoint"] = resume_path
+        chosen = kwargs.get("resume_from_checkpoint", args[0] if args else None)
+        if resume_path and isinstance(chosen, (str, os.PathLike)):
+            try:
+                agent.resume_seen(os.fspath(chosen))  # the Trainer loads it (its weights may be safetensors only)
+            except Exception as exc:  # never break the job
+                agent_module._warn_once(f"resume hook failed: {exc!r}")
         try:
             result = train_fn(*args, **kwargs)
         except Exception as exc:
