@@ -366,3 +366,60 @@ def test_guard_options_in_the_jobs_arguments() -> None:
     assert guard_options_in(["--steps", "3", "--timeout", "1h", "--push-to=./x", "--timeout", "2h"]) == [
         "--timeout", "--push-to"]
     assert guard_options_in(["--steps", "3", "--", "--timeout"]) == []
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Typed settings
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_settings_are_typed_frozen_and_grouped_by_component(script: Path) -> None:
+    import dataclasses
+
+    from guard.run.config import PreflightSettings, RunSettings, SecureSettings, WatchSettings
+
+    config = build_config(["--sanity-steps", "3", "--grace", "45s", "--timeout", "2h", "--dry-run", "--require-env",
+                           "WANDB_API_KEY", "--min-free-disk", "2GB", str(script), "--lr", "1"],
+                          {"GUARD_STARTED_AT": "1800000000", "GUARD_OUTPUT_DIR": "out", "GUARD_HEARTBEAT": "1m"})
+    settings = config.settings
+    assert isinstance(settings, RunSettings)
+    assert settings.watch == WatchSettings(sanity_steps=3, check_every=10, stall_timeout_s=1800.0, dry_run=True,
+                                           max_skipped_steps=50, grace_s=45.0)
+    assert isinstance(settings.secure, SecureSettings) and isinstance(settings.preflight, PreflightSettings)
+    assert settings.secure.timeout_s == 7200.0 and settings.secure.timeout_option == "--timeout"
+    assert settings.secure.started_at == "1800000000" and settings.secure.started_at_option == "GUARD_STARTED_AT"
+    assert settings.secure.output_dir == "out" and not settings.secure.output_dir_from_flag
+    assert settings.secure.grace_s == settings.watch.grace_s == 45.0
+    assert settings.preflight.require_env == ("WANDB_API_KEY",) and settings.preflight.min_free_disk_bytes == 2 * 10**9
+    assert settings.observe.heartbeat_s == 60.0 and settings.observe.trackio is None
+    assert settings.job.script == script and settings.job.script_args == ("--lr", "1")
+    assert config.settings is settings  # built once
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        settings.watch.sanity_steps = 9  # type: ignore[misc]
+
+
+def test_replacing_the_command_rebuilds_the_settings(script: Path) -> None:
+    import dataclasses
+
+    config = build_config([str(script)], {})
+    changed = dataclasses.replace(config, command=("/env/bin/python", str(script)))
+    assert changed.settings.job.command == ("/env/bin/python", str(script))
+    assert config.settings.job.command != changed.settings.job.command
+
+
+def test_no_code_reads_the_option_values_by_name() -> None:
+    # Components read their typed part (config.settings.<part>), never the string-keyed table.
+    import ast
+
+    root = Path(__file__).resolve().parent.parent / "guard"
+    found = []
+    for path in root.rglob("*.py"):
+        if path.name == "config.py" and path.parent.name == "run":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr == "values" and isinstance(node.value, (ast.Name,
+                                                                                                    ast.Attribute)):
+                name = node.value.id if isinstance(node.value, ast.Name) else node.value.attr
+                if name == "config":
+                    found.append(f"{path.relative_to(root)}:{node.lineno}")
+    assert found == []

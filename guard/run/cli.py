@@ -332,7 +332,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     config: Config | None = None
     try:
         config = build_config(args, environ, subcommand=subcommand)
-        report = config.values["report"]
+        report = config.settings.report
         _log_config(config)
         runner = _preflight_only if subcommand == "preflight" else _run
         result = runner(config, masker, started)

@@ -28,7 +28,13 @@ __all__ = [
     "OPTIONS",
     "AgentSettings",
     "Config",
+    "JobSettings",
+    "ObserveSettings",
     "Option",
+    "PreflightSettings",
+    "RunSettings",
+    "SecureSettings",
+    "WatchSettings",
     "agent_settings",
     "alert_webhook_url",
     "debug_enabled",
@@ -39,6 +45,7 @@ __all__ = [
     "parse_duration",
     "parse_size",
     "resolve",
+    "run_settings",
     "webhook_secrets",
 ]
 
@@ -296,12 +303,17 @@ OPTIONS: tuple[Option, ...] = (
 class Config:
     """The resolved options of one guard run (frozen).
 
+    Components read ``settings`` (typed, built once here; each gets its own part: ``settings.watch`` the loop,
+    ``settings.secure`` the budget and securing, ``settings.preflight`` the checks ...); ``values`` is the option
+    table's view, for the config log (``describe``).
+
     Attributes:
         values: option name -> parsed value (durations in seconds, sizes in bytes, repeatable options as tuples).
         sources: option name -> ``"flag"``, ``"env"`` or ``"default"``.
         script: the job's script (script form), or None.
         command: the job's command: ``[python, script, *args]`` in script form, or the command after ``--``.
         script_args: arguments after the script.
+        settings: the typed settings (``RunSettings``).
     """
 
     values: Mapping[str, Any]
@@ -311,6 +323,11 @@ class Config:
     script_args: tuple[str, ...] = ()
     subcommand: str = "run"
     environ: Mapping[str, str] = field(default_factory=dict, repr=False)
+    settings: RunSettings = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "settings", run_settings(self.values, self.sources, command=self.command,
+                                                          script=self.script, script_args=self.script_args))
 
     def __getattr__(self, name: str) -> Any:
         values = object.__getattribute__(self, "values")
@@ -355,6 +372,168 @@ class Config:
                 text = str(value)
             rows.append((opt.flag, text, self.sources[opt.name]))
         return rows
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Typed settings, built once per Config: each component gets its own part, never the string-keyed values
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class WatchSettings:
+    """What the supervisor's loop and its watchdog need.
+
+    Attributes:
+        sanity_steps: ``--sanity-steps``: training steps whose loss must be finite.
+        check_every: ``--check-every``: after the sanity pass, the loss is read every N steps.
+        stall_timeout_s: ``--stall-timeout`` in seconds (0: off).
+        dry_run: ``--dry-run``: stop the job once the sanity steps pass.
+        max_skipped_steps: ``--max-skipped-steps`` (0: off).
+        grace_s: ``--grace`` in seconds: SIGTERM -> SIGKILL.
+        loss_rise_factor: ``--loss-rise-factor`` (k; 0: off). loss_rise_steps: ``--loss-rise-steps`` (the window).
+    """
+
+    sanity_steps: int
+    check_every: int
+    stall_timeout_s: float
+    dry_run: bool
+    max_skipped_steps: int
+    grace_s: float
+    loss_rise_factor: float
+    loss_rise_steps: int
+
+
+@dataclass(frozen=True)
+class SecureSettings:
+    """What the time budget, the resume and securing need.
+
+    Attributes:
+        timeout_s: ``--timeout`` in seconds, or None; ``timeout_option``: the flag or variable it came from.
+        started_at: ``--started-at`` text, or None; ``started_at_option`` likewise.
+        margin_s: ``--margin`` in seconds, or None (auto).
+        grace_s: ``--grace`` in seconds.
+        push_to: ``--push-to`` text, or None.
+        output_dir: ``--output-dir``, or None; ``output_dir_from_flag``: given as the flag (not the variable).
+        background_push: ``--background-push``.
+        push_interval_s: ``--push-interval`` in seconds.
+        resume: ``--resume`` mode (``on``, ``off``, ``if-valid``, ``auto``).
+        requeue: ``--requeue``.
+        final_push_window_s: ``--final-push-window`` in seconds (securing after a good end with no deadline).
+    """
+
+    timeout_s: float | None
+    timeout_option: str
+    started_at: str | None
+    started_at_option: str
+    margin_s: float | None
+    grace_s: float
+    push_to: str | None
+    output_dir: str | None
+    output_dir_from_flag: bool
+    background_push: bool
+    push_interval_s: float
+    resume: str
+    requeue: bool
+    final_push_window_s: float
+
+
+@dataclass(frozen=True)
+class PreflightSettings:
+    """What preflight checks against (the ``--require-*`` options and their kin)."""
+
+    no_preflight: bool
+    require_env: tuple[str, ...]
+    require_model: tuple[str, ...]
+    require_dataset: tuple[str, ...]
+    require_gpus: int | None
+    gpu_type: str | None
+    min_free_disk_bytes: int | None
+    expected_duration_s: float | None
+    skip_check: tuple[tuple[str, str], ...]
+    require_shards: tuple[tuple[str, int | None], ...]
+    launch_smoke: str
+    launch_smoke_timeout_s: float
+
+
+@dataclass(frozen=True)
+class ObserveSettings:
+    """The heartbeat, trackio and the alerts: ``heartbeat_s`` (0: off), ``trackio`` (a project name, or None),
+    ``alert_webhook`` (``--alert-webhook`` URL, or None), ``alert_level`` (the lowest level sent),
+    ``alert_throughput_drop`` (a fraction of the median steps/s; 0: off), ``alert_throughput_window_s``."""
+
+    heartbeat_s: float
+    trackio: str | None
+    alert_webhook: str | None
+    alert_level: str
+    alert_throughput_drop: float
+    alert_throughput_window_s: float
+
+
+@dataclass(frozen=True)
+class JobSettings:
+    """The job: ``command`` (its argv), ``script`` and ``script_args`` (script form), ``uv`` (``--uv`` mode)."""
+
+    command: tuple[str, ...]
+    script: Path | None
+    script_args: tuple[str, ...]
+    uv: str
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """Every option of one run, typed and grouped by the component that reads it (built once per ``Config``)."""
+
+    watch: WatchSettings
+    secure: SecureSettings
+    preflight: PreflightSettings
+    observe: ObserveSettings
+    job: JobSettings
+    report: str | None
+
+
+def _option_label(name: str, sources: Mapping[str, str]) -> str:
+    opt = next(o for o in OPTIONS if o.name == name)
+    return opt.flag if sources.get(name) == "flag" else env_name(name)
+
+
+def run_settings(values: Mapping[str, Any], sources: Mapping[str, str], *, command: Sequence[str] = (),
+                 script: Path | None = None, script_args: Sequence[str] = ()) -> RunSettings:
+    """Build the typed settings from resolved ``values`` (see ``resolve``); the one place that reads them."""
+    def opt_float(name: str) -> float | None:
+        value = values.get(name)
+        return None if value is None else float(value)
+
+    grace_s = float(values["grace"])
+    watch = WatchSettings(sanity_steps=int(values["sanity_steps"]), check_every=int(values["check_every"]),
+                          stall_timeout_s=float(values["stall_timeout"]), dry_run=bool(values["dry_run"]),
+                          max_skipped_steps=int(values.get("max_skipped_steps") or 0), grace_s=grace_s,
+                          loss_rise_factor=float(values.get("loss_rise_factor") or 0.0),
+                          loss_rise_steps=int(values.get("loss_rise_steps") or 20))
+    secure = SecureSettings(
+        timeout_s=opt_float("timeout"), timeout_option=_option_label("timeout", sources),
+        started_at=values.get("started_at"), started_at_option=_option_label("started_at", sources),
+        margin_s=opt_float("margin"), grace_s=grace_s, push_to=values.get("push_to") or None,
+        output_dir=values.get("output_dir") or None, output_dir_from_flag=sources.get("output_dir") == "flag",
+        background_push=bool(values["background_push"]), push_interval_s=float(values["push_interval"]),
+        resume=str(values["resume"]), requeue=bool(values["requeue"]),
+        final_push_window_s=float(values.get("final_push_window") or FINAL_PUSH_WINDOW_S))
+    min_free = values.get("min_free_disk")
+    preflight = PreflightSettings(
+        no_preflight=bool(values["no_preflight"]), require_env=tuple(values["require_env"]),
+        require_model=tuple(values["require_model"]), require_dataset=tuple(values["require_dataset"]),
+        require_gpus=values.get("require_gpus"), gpu_type=values.get("gpu_type"),
+        min_free_disk_bytes=None if min_free is None else int(min_free),
+        expected_duration_s=opt_float("expected_duration"), skip_check=tuple(values["skip_check"]),
+        require_shards=tuple(values["require_shards"]), launch_smoke=str(values["launch_smoke"]),
+        launch_smoke_timeout_s=float(values["launch_smoke_timeout"]))
+    observe = ObserveSettings(heartbeat_s=float(values["heartbeat"]), trackio=values.get("trackio") or None,
+                              alert_webhook=values.get("alert_webhook") or None,
+                              alert_level=str(values.get("alert_level") or "info"),
+                              alert_throughput_drop=float(values.get("alert_throughput_drop") or 0.0),
+                              alert_throughput_window_s=float(values.get("alert_throughput_window") or 300.0))
+    job = JobSettings(command=tuple(command), script=script, script_args=tuple(script_args), uv=str(values["uv"]))
+    return RunSettings(watch=watch, secure=secure, preflight=preflight, observe=observe, job=job,
+                       report=values.get("report") or None)
 
 
 def resolve(flags: Mapping[str, Any], environ: Mapping[str, str]) -> tuple[dict[str, Any], dict[str, str]]:
@@ -422,11 +601,12 @@ def log_level(environ: Mapping[str, str] | None = None) -> str:
     return env.get("GUARD_LOG_LEVEL", "INFO").strip().upper() or "INFO"
 
 
-def alert_webhook_url(values: Mapping[str, Any], environ: Mapping[str, str]) -> tuple[str | None, str]:
-    """The webhook the alerts go to and where it came from: ``--alert-webhook``/``GUARD_ALERT_WEBHOOK`` (resolved
-    into ``values``), else ``TRACKIO_WEBHOOK_URL`` (the variable trackio itself reads), else ``(None, "")``."""
-    if values.get("alert_webhook"):
-        return str(values["alert_webhook"]), "--alert-webhook"
+def alert_webhook_url(option_url: str | None, environ: Mapping[str, str]) -> tuple[str | None, str]:
+    """The webhook the alerts go to and where it came from: ``--alert-webhook``/``GUARD_ALERT_WEBHOOK``
+    (``option_url``, ``ObserveSettings.alert_webhook``), else ``TRACKIO_WEBHOOK_URL`` (the variable trackio itself
+    reads), else ``(None, "")``."""
+    if option_url:
+        return option_url, "--alert-webhook"
     fallback = environ.get("TRACKIO_WEBHOOK_URL", "").strip()
     return (fallback, "TRACKIO_WEBHOOK_URL") if fallback else (None, "")
 

@@ -194,7 +194,7 @@ def _output_folder(facts: JobFacts, config: Config, securer: Securing | None) ->
     """The job's output folder (the guard's ``--output-dir``, the Trainer's ``output_dir``), else its working
     directory."""
     for folder in (securer.output_dir if securer is not None else None,
-                   (facts.trainer_config or {}).get("output_dir"), config.values.get("output_dir")):
+                   (facts.trainer_config or {}).get("output_dir"), config.settings.secure.output_dir):
         if folder:
             return str(folder)
     return os.getcwd()
@@ -253,7 +253,7 @@ def job_result(state: RunState, ended: JobExit, config: Config, *, securer: Secu
         details["trainer_config"] = facts.trainer_config
     if facts.trainer_push is not None:
         details["trainer_push"] = facts.trainer_push
-    sanity_steps = int(config.values["sanity_steps"])
+    sanity_steps = config.settings.watch.sanity_steps
     if not progress.sanity:
         details["sanity_status"] = "no_loss_seen"
     elif progress.sanity_done:
@@ -361,7 +361,7 @@ def job_result(state: RunState, ended: JobExit, config: Config, *, securer: Secu
     result.details.update(details)
     if securer is not None:
         securer.finish(result, step=progress.step)
-        if result.status == "PASS" and not config.values.get("push_to") and not result.extra.get("pushed"):
+        if result.status == "PASS" and not config.settings.secure.push_to and not result.extra.get("pushed"):
             result.extra.pop("checkpoint", None)  # nothing was secured anywhere: a PASS names no checkpoint
         pushed = result.extra.get("pushed")
         if isinstance(pushed, str) and "@" in pushed and os.path.isabs(pushed.rsplit("@", 1)[1]):

@@ -137,6 +137,7 @@ class JobProcess:
                 log.warning("the job's exit status is lost (pid %d was reaped elsewhere)", self.pid)
                 self.status_lost = True
                 self.returncode = self.proc.returncode = EXIT_STATUS_LOST
+                self.children.discard(self.pid)
                 return self.returncode
             if pid == self.pid:
                 self.returncode = os.waitstatus_to_exitcode(status)

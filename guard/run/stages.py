@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from guard.contract import EXIT_PREFLIGHT, RunResult, signal_name
 from guard.core.masking import Masker
-from guard.run.config import FINAL_PUSH_WINDOW_S, Config, env_name, guard_options_in
+from guard.run.config import Config, env_name, guard_options_in
 from guard.run.platform import PlatformInfo, detect
 from guard.run.process import default_signals
 from guard.secure import budget
@@ -103,14 +103,14 @@ def resolve_budget(config: Config, platform: PlatformInfo) -> budget.Deadline:
         UsageError: a malformed ``--started-at``.
         BudgetError: malformed scheduler variables.
     """
+    settings = config.settings.secure
     started_at_s = None
     started_source = "--started-at"
-    if config.started_at is not None:
-        option = "--started-at" if config.sources["started_at"] == "flag" else env_name("started_at")
-        started_at_s = budget.parse_started_at(config.started_at, option=option)
-        started_source = option
-    timeout_s = config.timeout_s
-    timeout_source = "--timeout" if config.sources["timeout"] == "flag" else env_name("timeout")
+    if settings.started_at is not None:
+        started_at_s = budget.parse_started_at(settings.started_at, option=settings.started_at_option)
+        started_source = settings.started_at_option
+    timeout_s = settings.timeout_s
+    timeout_source = settings.timeout_option
     if timeout_s is None:
         from guard.preflight.hfjobs import TABLE, read_hf_jobs_file
 
@@ -152,7 +152,7 @@ def _uv_environment(config: Config) -> tuple[UvPlan, UvEnvironment | None]:
     """
     from guard.run import uvenv
 
-    plan = uvenv.plan_uv(config.uv, config.script, config.environ)
+    plan = uvenv.plan_uv(config.settings.job.uv, config.script, config.environ)
     log.info("uv: %s", plan.why)
     if not plan.use or config.script is None:
         return plan, None
@@ -169,26 +169,27 @@ def _preflight_options(config: Config, deadline: budget.Deadline, platform: Plat
                        uv_env: UvEnvironment | None = None) -> PreflightOptions:
     from guard.preflight import PreflightOptions
 
+    checks, secure = config.settings.preflight, config.settings.secure
     return PreflightOptions(
-        script=config.script, script_args=config.script_args, require_env=config.require_env,
-        require_models=config.require_model, require_datasets=config.require_dataset,
-        require_gpus=config.require_gpus, gpu_type=config.gpu_type, min_free_disk_bytes=config.min_free_disk,
-        expected_duration_s=config.expected_duration, timeout_s=deadline.timeout_s,
+        script=config.script, script_args=config.script_args, require_env=checks.require_env,
+        require_models=checks.require_model, require_datasets=checks.require_dataset,
+        require_gpus=checks.require_gpus, gpu_type=checks.gpu_type, min_free_disk_bytes=checks.min_free_disk_bytes,
+        expected_duration_s=checks.expected_duration_s, timeout_s=deadline.timeout_s,
         timeout_source=deadline.source if deadline.timeout_s is not None else None,
-        output_dir=Path(config.output_dir) if config.output_dir else None, push_to=config.push_to,
-        skip_checks=dict(config.skip_check), platform=platform.name,
+        output_dir=Path(secure.output_dir) if secure.output_dir else None, push_to=secure.push_to,
+        skip_checks=dict(checks.skip_check), platform=platform.name,
         python_executable=uv_env.python if uv_env is not None else None,
         uv_environment=uv_env.prefix if uv_env is not None else None,
         uv_error=uv_env.error if uv_env is not None else None,
-        command=() if config.script else tuple(config.command), require_shards=tuple(config.require_shards),
-        launch_smoke=config.launch_smoke, launch_smoke_timeout_s=float(config.launch_smoke_timeout),
+        command=() if config.script else tuple(config.command), require_shards=checks.require_shards,
+        launch_smoke=checks.launch_smoke, launch_smoke_timeout_s=checks.launch_smoke_timeout_s,
     )
 
 
 def _run_preflight(config: Config, deadline: budget.Deadline, platform: PlatformInfo,
                    uv_env: UvEnvironment | None = None) -> PreflightReport | None:
     """Run the checks, log the table; returns the report (None with ``--no-preflight``)."""
-    if config.no_preflight:
+    if config.settings.preflight.no_preflight:
         log.warning("preflight skipped (--no-preflight): no check ran")
         return None
     from guard.preflight import render_table, run_preflight
@@ -197,7 +198,7 @@ def _run_preflight(config: Config, deadline: budget.Deadline, platform: Platform
     log.info("preflight: running the checks (each network call at most %.0fs, side by side)",
              options.network_timeout_s)
     report = run_preflight(options, environ=config.environ)
-    if config.requeue:
+    if config.settings.secure.requeue:
         report = _with_requeue_row(report, platform)
     log.info("preflight (%.1fs):\n%s", report.elapsed_s,
              "\n".join("[guard]   " + line for line in render_table(report).splitlines()))
@@ -237,7 +238,7 @@ def requeue(config: Config, result: RunResult, *, runner: Any = None) -> None:
     import subprocess
 
     job_id = config.environ.get("SLURM_JOB_ID")
-    if not config.requeue or result.exit_code != 75 or not job_id:
+    if not config.settings.secure.requeue or result.exit_code != 75 or not job_id:
         return
     run = runner or subprocess.run
     try:
@@ -310,7 +311,7 @@ def _resume(config: Config, securer: Securer | None, report: PreflightReport | N
     from guard.errors import GuardError, PreflightError
     from guard.secure import resume
 
-    mode = config.resume
+    mode = config.settings.secure.resume
     if mode == "auto":
         restarts = config.environ.get("SLURM_RESTART_COUNT", "0")
         mode = "on" if platform.name == "slurm" and restarts.isdigit() and int(restarts) > 0 else "off"
@@ -341,9 +342,9 @@ def output_folder(config: Config) -> tuple[str | None, str]:
     else None (a Trainer's ``output_dir`` or the folder of the job's ``torch.save`` calls fill it in later)."""
     from guard.secure.layout import output_dir_from_args
 
-    if config.output_dir:
-        return str(config.output_dir), ("--output-dir" if config.sources.get("output_dir") == "flag"
-                                        else env_name("output_dir"))
+    secure = config.settings.secure
+    if secure.output_dir:
+        return secure.output_dir, ("--output-dir" if secure.output_dir_from_flag else env_name("output_dir"))
     args = config.script_args if config.script else config.command
     found = output_dir_from_args(args)
     if found is not None:
@@ -366,7 +367,7 @@ def run_job(config: Config, masker: Masker, started: float) -> RunResult:
     with EarlySignals() as early:
         deadline = resolve_budget(config, platform)
         factory = _securer_factory(config.environ)
-        securer = factory(config.push_to) if config.push_to else None
+        securer = factory(config.settings.secure.push_to) if config.settings.secure.push_to else None
         _, uv_env = _uv_environment(config)
         finished, report = _unless_signalled(lambda: _run_preflight(config, deadline, platform, uv_env), early)
         if finished and uv_env is not None and uv_env.error and report is None:  # --no-preflight: cannot run it
@@ -386,17 +387,17 @@ def run_job(config: Config, masker: Masker, started: float) -> RunResult:
                          extra={"signal": signal_name(signum)})
 
     floor_s, max_margin_s = budget.margin_bounds(deadline)  # caps by the budget, whatever its source
-    estimator = budget.MarginEstimator(fixed_margin_s=config.margin_s, log_changes=deadline.deadline_s is not None,
+    secure = config.settings.secure
+    estimator = budget.MarginEstimator(fixed_margin_s=secure.margin_s, log_changes=deadline.deadline_s is not None,
                                        floor_s=floor_s, max_margin_s=max_margin_s)
     if fetched is not None:  # a verified checkpoint: the size for the margin, and a fallback to secure
         from guard.secure.checkpoints import describe
 
         estimator.observe_size(fetched.size_bytes)
     securing = Securing(deadline=deadline, estimator=estimator, securer=securer, securer_factory=factory,
-                        output_dir=output_dir, grace_s=config.grace_s,
-                        refresher=_slurm_refresher(config, platform), background=config.background_push,
-                        push_interval_s=config.push_interval,
-                        final_window_s=float(config.values.get("final_push_window") or FINAL_PUSH_WINDOW_S))
+                        output_dir=output_dir, grace_s=secure.grace_s,
+                        refresher=_slurm_refresher(config, platform), background=secure.background_push,
+                        push_interval_s=secure.push_interval_s, final_window_s=secure.final_push_window_s)
     if fetched is not None:
         securing.latest_reported = describe(fetched.path, step=fetched.step)
         if fetched.source == "destination" and securer is not None:  # the destination holds it, verified
@@ -463,17 +464,18 @@ def _heartbeat(config: Config, masker: Masker, securing: Securing) -> Heartbeat:
     from guard.observe.tracking import TrackioSink
     from guard.run.config import alert_webhook_url
 
-    url, _source = alert_webhook_url(config.values, config.environ)
+    url, _source = alert_webhook_url(config.settings.observe.alert_webhook, config.environ)
     project = config.trackio or ("jobguard" if url else None)
     tracker = None
     if project:
         tracker = TrackioSink(project, run_name=f"jobguard-{time.strftime('%Y%m%d-%H%M%S')}",
-                              mask=masker.mask_text, webhook_url=url, webhook_min_level=config.alert_level)
+                              mask=masker.mask_text, webhook_url=url, webhook_min_level=config.settings.observe.alert_level)
     heartbeat = Heartbeat(config.heartbeat, deadline_s=lambda: securing.deadline.deadline_s,
                           margin_s=securing.estimator.margin_s, gpus=GpuSampler(environ=config.environ),
                           tracker=tracker, helpers=HELPERS)
     heartbeat.alerts = Alerts(lambda: heartbeat.tracker,
-                              throughput=ThroughputWatch(config.alert_throughput_drop, config.alert_throughput_window),
+                              throughput=ThroughputWatch(config.settings.observe.alert_throughput_drop,
+                                                         config.settings.observe.alert_throughput_window_s),
                               webhook=WebhookWatch(url, masker.mask_text).install() if url else None)
     return heartbeat
 
@@ -485,11 +487,11 @@ def _verdict_alert(config: Config, masker: Masker, result: RunResult) -> RunResu
     from guard.observe.tracking import TrackioSink
     from guard.run.config import alert_webhook_url
 
-    url, _source = alert_webhook_url(config.values, config.environ)
+    url, _source = alert_webhook_url(config.settings.observe.alert_webhook, config.environ)
     if url:
         watch = WebhookWatch(url, masker.mask_text).install()
         sink = TrackioSink(config.trackio or "jobguard", run_name=f"jobguard-{time.strftime('%Y%m%d-%H%M%S')}",
-                           mask=masker.mask_text, webhook_url=url, webhook_min_level=config.alert_level)
+                           mask=masker.mask_text, webhook_url=url, webhook_min_level=config.settings.observe.alert_level)
         sink.finish(result)
         sink.close(timeout_s=5.0)
         wait_for_webhooks(WEBHOOK_WAIT_S)
@@ -501,8 +503,8 @@ def _require_trackio(config: Config) -> None:
     """``--alert-webhook`` (or ``GUARD_ALERT_WEBHOOK``) without trackio: ``FAIL preflight`` naming the extra."""
     from guard.observe.alerts import require_trackio
 
-    if config.values.get("alert_webhook"):
-        require_trackio(config.alert_webhook, "--alert-webhook" if config.sources.get("alert_webhook") == "flag"
+    if config.settings.observe.alert_webhook:
+        require_trackio(config.settings.observe.alert_webhook, "--alert-webhook" if config.sources.get("alert_webhook") == "flag"
                         else "GUARD_ALERT_WEBHOOK")
 
 

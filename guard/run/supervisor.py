@@ -125,15 +125,15 @@ class Supervisor:
         self.out_fd, self.err_fd = out_fd, err_fd
         self.started = clock()
         self.state = RunState()
-        self.watchdog = Watchdog(self.state, self.started, sanity_steps=int(config.values["sanity_steps"]),
-                                 stall_timeout_s=config.stall_timeout_s, dry_run=bool(config.values["dry_run"]),
-                                 max_skipped_steps=int(config.values.get("max_skipped_steps") or 0),
-                                 loss_rise_factor=float(config.values.get("loss_rise_factor") or 0.0),
-                                 loss_rise_steps=int(config.values.get("loss_rise_steps") or 20),
+        self.settings = watch = config.settings.watch  # the loop's part of the settings
+        self.watchdog = Watchdog(self.state, self.started, sanity_steps=watch.sanity_steps,
+                                 stall_timeout_s=watch.stall_timeout_s, dry_run=watch.dry_run,
+                                 max_skipped_steps=watch.max_skipped_steps,
+                                 loss_rise_factor=watch.loss_rise_factor, loss_rise_steps=watch.loss_rise_steps,
                                  expected_primary=expected_primary(config.environ, config.command))
         self.settings_check = SettingsCheck(trainer_config_check)
-        self.check_every = int(config.values["check_every"])
-        self.escalation = Escalation(config.grace_s)
+        self.check_every = watch.check_every
+        self.escalation = Escalation(watch.grace_s)
         self._sel = selectors.DefaultSelector()
         self.output = JobOutput(self._sel, masker, out_fd)
         self.channel = AgentChannel(self._sel)
@@ -231,12 +231,12 @@ class Supervisor:
         site_dir = str(Path(__file__).resolve().parent.parent / "inside" / "_site")
         env["PYTHONPATH"] = os.pathsep.join(p for p in (site_dir, env.get("PYTHONPATH", "")) if p)
         env[protocol.ENV_SOCKET] = sock_path
-        env[protocol.ENV_SANITY_STEPS] = str(self.config.values["sanity_steps"])
+        env[protocol.ENV_SANITY_STEPS] = str(self.settings.sanity_steps)
         env[protocol.ENV_CHECK_EVERY] = str(self.check_every)
         # Not PYTHONUNBUFFERED: the agent flushes a Python job's stdout every 0.1 s instead (see guard.inside.agent).
         # torchrun waits TORCH_ELASTIC_SHUTDOWN_TIMEOUT (default 30 s) between its SIGTERM and SIGKILL to the
         # workers (torch/distributed/run.py, --shutdown-timeout): fit it to --grace.
-        env.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(max(1, int(self.config.grace_s))))
+        env.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(max(1, int(self.settings.grace_s))))
         return env
 
     def _teardown(self) -> None:
@@ -266,7 +266,7 @@ class Supervisor:
             if job.alive():
                 log.info("stopping what the job left running")
                 job.signal_all(signal.SIGTERM)
-                self._wait_gone(job, min(self.config.grace_s, 5.0), 0.05)
+                self._wait_gone(job, min(self.settings.grace_s, 5.0), 0.05)
             if job.alive():
                 job.signal_all(signal.SIGKILL)
                 self._wait_gone(job, 5.0, 0.02)
@@ -374,7 +374,7 @@ class Supervisor:
                 self._stop_job(now)
         if self.escalation.kill_due(now):
             log.warning("the job did not end within %.0fs of SIGTERM (%s): SIGKILL", self.escalation.grace_s,
-                        "--grace" if self.escalation.grace_s == self.config.grace_s else "the time left")
+                        "--grace" if self.escalation.grace_s == self.settings.grace_s else "the time left")
             job.signal_all(signal.SIGKILL)
         drained = self.exited_at is not None and now >= self.exited_at + DRAIN_AFTER_EXIT_S
         if drained and job.alive() and not self.escalation.started and not self._securing():
@@ -645,7 +645,7 @@ class Supervisor:
                 continue
             if self.state.outcome is None:
                 log.warning("%s received: forwarding it to the job; SIGKILL in %.0fs if it keeps running", name,
-                            self.config.grace_s)
+                            self.settings.grace_s)
                 self._decide(Outcome("INTERRUPTED", "signal", 128 + signum, extra={"signal": name},
                                      hint="the job was stopped by a signal sent to the guard; rerun it"), stop=False)
                 self.signal_job(signum)
