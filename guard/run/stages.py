@@ -464,18 +464,19 @@ def _heartbeat(config: Config, masker: Masker, securing: Securing) -> Heartbeat:
     from guard.observe.tracking import TrackioSink
     from guard.run.config import alert_webhook_url
 
-    url, _source = alert_webhook_url(config.settings.observe.alert_webhook, config.environ)
-    project = config.trackio or ("jobguard" if url else None)
+    observe = config.settings.observe
+    url, _source = alert_webhook_url(observe.alert_webhook, config.environ)
+    project = observe.trackio or ("jobguard" if url else None)
     tracker = None
     if project:
         tracker = TrackioSink(project, run_name=f"jobguard-{time.strftime('%Y%m%d-%H%M%S')}",
-                              mask=masker.mask_text, webhook_url=url, webhook_min_level=config.settings.observe.alert_level)
-    heartbeat = Heartbeat(config.heartbeat, deadline_s=lambda: securing.deadline.deadline_s,
+                              mask=masker.mask_text, webhook_url=url, webhook_min_level=observe.alert_level)
+    heartbeat = Heartbeat(observe.heartbeat_s, deadline_s=lambda: securing.deadline.deadline_s,
                           margin_s=securing.estimator.margin_s, gpus=GpuSampler(environ=config.environ),
                           tracker=tracker, helpers=HELPERS)
     heartbeat.alerts = Alerts(lambda: heartbeat.tracker,
-                              throughput=ThroughputWatch(config.settings.observe.alert_throughput_drop,
-                                                         config.settings.observe.alert_throughput_window_s),
+                              throughput=ThroughputWatch(observe.alert_throughput_drop,
+                                                         observe.alert_throughput_window_s),
                               webhook=WebhookWatch(url, masker.mask_text).install() if url else None)
     return heartbeat
 
@@ -487,11 +488,12 @@ def _verdict_alert(config: Config, masker: Masker, result: RunResult) -> RunResu
     from guard.observe.tracking import TrackioSink
     from guard.run.config import alert_webhook_url
 
-    url, _source = alert_webhook_url(config.settings.observe.alert_webhook, config.environ)
+    observe = config.settings.observe
+    url, _source = alert_webhook_url(observe.alert_webhook, config.environ)
     if url:
         watch = WebhookWatch(url, masker.mask_text).install()
-        sink = TrackioSink(config.trackio or "jobguard", run_name=f"jobguard-{time.strftime('%Y%m%d-%H%M%S')}",
-                           mask=masker.mask_text, webhook_url=url, webhook_min_level=config.settings.observe.alert_level)
+        sink = TrackioSink(observe.trackio or "jobguard", run_name=f"jobguard-{time.strftime('%Y%m%d-%H%M%S')}",
+                           mask=masker.mask_text, webhook_url=url, webhook_min_level=observe.alert_level)
         sink.finish(result)
         sink.close(timeout_s=5.0)
         wait_for_webhooks(WEBHOOK_WAIT_S)
@@ -503,9 +505,9 @@ def _require_trackio(config: Config) -> None:
     """``--alert-webhook`` (or ``GUARD_ALERT_WEBHOOK``) without trackio: ``FAIL preflight`` naming the extra."""
     from guard.observe.alerts import require_trackio
 
-    if config.settings.observe.alert_webhook:
-        require_trackio(config.settings.observe.alert_webhook, "--alert-webhook" if config.sources.get("alert_webhook") == "flag"
-                        else "GUARD_ALERT_WEBHOOK")
+    url = config.settings.observe.alert_webhook
+    if url:
+        require_trackio(url, "--alert-webhook" if config.sources.get("alert_webhook") == "flag" else "GUARD_ALERT_WEBHOOK")
 
 
 def preflight_only(config: Config, masker: Masker, started: float) -> RunResult:
