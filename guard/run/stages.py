@@ -507,7 +507,8 @@ def _require_trackio(config: Config) -> None:
 
     url = config.settings.observe.alert_webhook
     if url:
-        require_trackio(url, "--alert-webhook" if config.sources.get("alert_webhook") == "flag" else "GUARD_ALERT_WEBHOOK")
+        given_as = "--alert-webhook" if config.sources.get("alert_webhook") == "flag" else "GUARD_ALERT_WEBHOOK"
+        require_trackio(url, given_as)
 
 
 def preflight_only(config: Config, masker: Masker, started: float) -> RunResult:
