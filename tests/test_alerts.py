@@ -205,10 +205,11 @@ def test_the_alert_options() -> None:
     assert values["alert_throughput_window"] == 300.0
     defaults, _ = resolve({}, {})
     assert defaults["alert_level"] == "info" and defaults["alert_throughput_drop"] == 0.5
-    assert alert_webhook_url(defaults, {"TRACKIO_WEBHOOK_URL": "https://t.example/x"}) == (
+    assert alert_webhook_url(defaults["alert_webhook"], {"TRACKIO_WEBHOOK_URL": "https://t.example/x"}) == (
         "https://t.example/x", "TRACKIO_WEBHOOK_URL")
-    assert alert_webhook_url(values, {"TRACKIO_WEBHOOK_URL": "https://t.example/x"})[1] == "--alert-webhook"
-    assert alert_webhook_url(defaults, {}) == (None, "")
+    assert alert_webhook_url(values["alert_webhook"], {"TRACKIO_WEBHOOK_URL": "https://t.example/x"})[1] == \
+        "--alert-webhook"
+    assert alert_webhook_url(defaults["alert_webhook"], {}) == (None, "")
     with pytest.raises(UsageError, match="accepted: info, warn, error"):
         resolve({"alert_level": "loud"}, {})
     with pytest.raises(UsageError, match="fraction"):

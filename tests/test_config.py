@@ -384,7 +384,8 @@ def test_settings_are_typed_frozen_and_grouped_by_component(script: Path) -> Non
     settings = config.settings
     assert isinstance(settings, RunSettings)
     assert settings.watch == WatchSettings(sanity_steps=3, check_every=10, stall_timeout_s=1800.0, dry_run=True,
-                                           max_skipped_steps=50, grace_s=45.0)
+                                           max_skipped_steps=50, grace_s=45.0, loss_rise_factor=10.0,
+                                           loss_rise_steps=20)
     assert isinstance(settings.secure, SecureSettings) and isinstance(settings.preflight, PreflightSettings)
     assert settings.secure.timeout_s == 7200.0 and settings.secure.timeout_option == "--timeout"
     assert settings.secure.started_at == "1800000000" and settings.secure.started_at_option == "GUARD_STARTED_AT"

@@ -560,7 +560,8 @@ def test_checkpoint_saved_marks_a_plain_folder_complete(tmp_path, monkeypatch) -
     folder = tmp_path / "checkpoint-12"
     folder.mkdir()
     (folder / "model.pt").write_bytes(b"weights")
-    assert newest_complete(tmp_path, now_s=1e12) is None  # no state file: not complete
+    now_s = (folder / "model.pt").stat().st_mtime  # just written: not settled, and no completion file
+    assert newest_complete(tmp_path, now_s=now_s) is None
     _mark_complete(str(folder), 12)
-    found = newest_complete(tmp_path, now_s=1e12)
+    found = newest_complete(tmp_path, now_s=now_s)
     assert found is not None and found.step == 12

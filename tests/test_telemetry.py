@@ -430,7 +430,7 @@ def test_heartbeat_figures_a_person_reads_and_the_alerts_it_carries() -> None:
     snapshot = SimpleNamespace(trigger=None, state=SimpleNamespace(name="WATCHING"), history=(secured,),
                                secured=secured, has_pusher=True)  # what Plan.report() gives
     plan = SimpleNamespace(report=lambda: snapshot)
-    hb.observe(clock.now, SimpleNamespace(exploded=None), plan)
+    hb.observe(clock.now, SimpleNamespace(exploded=None, rose=None), plan)
     clock.now = 10.0
     line = hb.tick(clock.now, Snapshot(tree_rss_bytes=GIB))
     assert line is not None and " secured=step15 " in line
