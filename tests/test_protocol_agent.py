@@ -563,5 +563,6 @@ def test_checkpoint_saved_marks_a_plain_folder_complete(tmp_path, monkeypatch) -
     now_s = (folder / "model.pt").stat().st_mtime  # just written: not settled, and no completion file
     assert newest_complete(tmp_path, now_s=now_s) is None
     _mark_complete(str(folder), 12)
-    found = newest_complete(tmp_path, now_s=now_s)
+    found = newest_complete(tmp_path, now_s=now_s + 3600)  # its completion file written, then settled
+    assert (folder / "guard_checkpoint.json").exists()
     assert found is not None and found.step == 12
