@@ -3,6 +3,15 @@
 Prints the first counterexample hypothesis finds for each invariant. Not collected by pytest: run it by hand,
 
     PYTHONPATH=$PWD:tests python tests/plan_old_check.py [COMMIT [TRIES]]
+
+Against afd27c5 (2026-12-01) every invariant fails; the first counterexample of each:
+
+    [bound] secure_by 88.5 is past the deadline 60.0 less 1.5s          (a signal less than --grace before it)
+    [finished] the job finished its training but the VERDICT would be TIMEOUT
+    [in_time] securing still runs at 59.5, the kill is at 60.0
+    [kill_bound] secure_by 58.5 is past the earliest kill 2.0 less 1.5s  (a deadline moved earlier while securing)
+    [secured] secured names /out/checkpoint-0 (step 0), saved after the non-finite step 0
+    [supersede] a push that would end at 1.1 (in time for 3.5) was killed for one that ends at 21.0
 """
 
 from __future__ import annotations
