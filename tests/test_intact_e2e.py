@@ -152,3 +152,17 @@ def test_accelerate_automatic_naming_is_found_and_secured_whole(tmp_path: Path) 
     names = {p.name for p in (dest / "last-checkpoint").iterdir()}
     # the whole folder: the model accelerate writes with safetensors and the RNG state it writes last included
     assert {"model.safetensors", "optimizer.bin", "scheduler.bin", "random_states_0.pkl"} <= names, names
+
+
+def test_a_save_to_an_open_file_object_is_secured(tmp_path: Path) -> None:
+    # word_language_model: --save model.pt names a file (not a folder), torch.save(model, f) to an open file
+    from conftest import run_guard
+
+    dest = tmp_path / "dest"
+    run = run_guard([*FAST, "--timeout", "40s", "--margin", "10s", "--push-to", str(dest),
+                     str(JOBS / "save_to_file_object.py"), "--save", "model.pt"], cwd=tmp_path, timeout_s=120)
+    assert run.returncode == 75, run.stderr[-3000:]
+    assert run.fields()["secured"] == "yes"
+    secured = torch.load(dest / "last-checkpoint" / "model.pt", weights_only=False)
+    assert isinstance(secured, torch.nn.Module)
+    assert "inside the .pt file" not in run.stdout and "model.pt/" not in run.stderr
