@@ -559,7 +559,9 @@ def test_checkpoint_saved_marks_a_plain_folder_complete(tmp_path, monkeypatch) -
     folder = tmp_path / "checkpoint-12"
     folder.mkdir()
     (folder / "model.pt").write_bytes(b"weights")
-    assert newest_complete(tmp_path, now_s=1e12) is None  # no state file: not complete
+    just_written_s = (folder / "model.pt").stat().st_mtime
+    # no state file, just written: not settled (a plain folder counts once settled and whole, or once marked)
+    assert newest_complete(tmp_path, now_s=just_written_s) is None
     _mark_complete(str(folder), 12)
     found = newest_complete(tmp_path, now_s=1e12)
     assert found is not None and found.step == 12
