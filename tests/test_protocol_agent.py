@@ -20,8 +20,8 @@ import pytest
 
 import guard
 from guard import protocol
-from guard.inside import agent as agent_module
 from guard.inside.agent import Agent, LossWatch
+from guard.inside.agent import _core as agent_module
 from guard.inside.settings import AgentSettings
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -484,6 +484,7 @@ def test_public_api_with_a_supervisor(server: Server, agents: list[Agent], monke
     wait_until(guard.should_checkpoint, "the checkpoint request")
     guard.report(step=2, loss=2.0)  # pending: one step since the last send
     guard.checkpoint_saved(tmp_path / "ckpt")  # this script reads should_stop(): it is not ended here
+    assert recv(conn) == {"t": "api", "name": "stop_served"}  # the loop got the stop: its end is no finished run
     assert recv(conn) == {"t": "api", "name": "checkpoint_saved"}
     assert recv(conn) == {"t": "step", "step": 2, "loss": 2.0, "finite": True, "n": 1, "source": "report"}
     saved = recv(conn)
@@ -559,9 +560,9 @@ def test_checkpoint_saved_marks_a_plain_folder_complete(tmp_path, monkeypatch) -
     folder = tmp_path / "checkpoint-12"
     folder.mkdir()
     (folder / "model.pt").write_bytes(b"weights")
-    just_written_s = (folder / "model.pt").stat().st_mtime
-    # no state file, just written: not settled (a plain folder counts once settled and whole, or once marked)
-    assert newest_complete(tmp_path, now_s=just_written_s) is None
+    now_s = (folder / "model.pt").stat().st_mtime  # just written: not settled, and no completion file
+    assert newest_complete(tmp_path, now_s=now_s) is None
     _mark_complete(str(folder), 12)
-    found = newest_complete(tmp_path, now_s=1e12)
+    found = newest_complete(tmp_path, now_s=now_s + 3600)  # its completion file written, then settled
+    assert (folder / "guard_checkpoint.json").exists()
     assert found is not None and found.step == 12
