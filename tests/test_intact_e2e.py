@@ -8,7 +8,7 @@ import signal
 from pathlib import Path
 
 import pytest
-from conftest import JOBS, signal_when, start_guard
+from conftest import JOBS, run_guard, signal_when, start_guard
 
 torch = pytest.importorskip("torch")
 pytestmark = [pytest.mark.slow]
@@ -166,3 +166,15 @@ def test_a_save_to_an_open_file_object_is_secured(tmp_path: Path) -> None:
     secured = torch.load(dest / "last-checkpoint" / "model.pt", weights_only=False)
     assert isinstance(secured, torch.nn.Module)
     assert "inside the .pt file" not in run.stdout and "model.pt/" not in run.stderr
+
+
+@pytest.mark.slow
+def test_a_pass_with_a_destination_and_nothing_saved_says_nothing_was_secured(tmp_path: Path) -> None:
+    # A loop that trains and saves nothing, with --push-to: PASS stays PASS, but the VERDICT's hint says that nothing
+    # was kept (the old code ended "PASS reason=ok" with no word, and no dest/ was ever written).
+    run = run_guard(["--push-to", "./dest", str(JOBS / "plain_loop.py"), "--steps", "10"], cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-2000:]
+    fields = run.fields()
+    assert fields["status"] == "PASS" and "pushed" not in fields and "secured" not in fields
+    assert fields["hint"].startswith("nothing was secured to ./dest: the job saved nothing recognisable")
+    assert not (tmp_path / "dest").exists()

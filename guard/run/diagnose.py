@@ -363,6 +363,13 @@ def job_result(state: RunState, ended: JobExit, config: Config, *, securer: Secu
         securer.finish(result, step=progress.step)
         if result.status == "PASS" and not config.settings.secure.push_to and not result.extra.get("pushed"):
             result.extra.pop("checkpoint", None)  # nothing was secured anywhere: a PASS names no checkpoint
+        if result.status == "PASS" and config.settings.secure.push_to and not result.extra.get("pushed"):
+            where = securer.output_dir or "no output folder known"
+            hint = (f"nothing was secured to {config.settings.secure.push_to}: the job saved nothing recognisable "
+                    f"as a checkpoint or final model ({where}); save checkpoint-N folders or *.pt/*.safetensors "
+                    "files, call guard.checkpoint_saved(path) after a save, or pass --output-dir DIR")
+            log.warning("%s", hint)
+            result.extra.setdefault("hint", hint)  # PASS stays PASS: training went well, its result is not kept
         pushed = result.extra.get("pushed")
         if isinstance(pushed, str) and "@" in pushed and os.path.isabs(pushed.rsplit("@", 1)[1]):
             result.extra["pushed"] = pushed.rsplit("@", 1)[1]  # a folder destination: the folder written

@@ -190,9 +190,9 @@ class Securing:
                      budget.format_duration_s(round(deadline.deadline_s - wall())), deadline.source)
             estimator.margin_s()  # logs the starting margin
         if self.plan.has_pusher:
-            every = budget.format_duration_s(push_interval_s)
-            log.info("background securing: %s", f"on, at most one push every {every}" if background
-                     else "off (--background-push off)")
+            every = (f"at most one push every {budget.format_duration_s(push_interval_s)}" if push_interval_s > 0
+                     else "every complete save")
+            log.info("background securing: %s", f"on, {every}" if background else "off (--background-push off)")
 
     # -- helpers ----------------------------------------------------------------------------------------------
 
