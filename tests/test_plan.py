@@ -569,3 +569,21 @@ def test_every_state_accepts_a_taint_and_every_table_handler_exists() -> None:
     for state in State:
         assert (state, Tainted) in TRANSITIONS and (state, JobExited) in TRANSITIONS
     assert (State.DONE, SignalReceived) not in TRANSITIONS
+
+
+def test_a_job_that_cannot_be_asked_has_its_next_save_secured_after_a_failed_push(clock: FakeClock) -> None:
+    # nanoGPT's shape in the final stretch: ckpt.pt rewritten in place every few seconds; one push reads the file
+    # while it is cut short (fails by format). The next save is still secured: a failed push does not end securing.
+    pusher = FakePusher(clock)
+    plan = make(clock, pusher, deadline_at=300.0)
+    seen(plan, ckpt(10))
+    run_until(plan, clock, 5.0)
+    assert secured_step(plan) == 10
+    plan.on(DeadlineNear(can_save=False))
+    pusher.fail_next = True
+    seen(plan, ckpt(20))
+    run_until(plan, clock, 10.0)
+    assert secured_step(plan) == 10 and plan.state is State.AWAITING_SAVE  # the failed push: waits for the next
+    seen(plan, ckpt(30))
+    run_until(plan, clock, 15.0)
+    assert secured_step(plan) == 30

@@ -599,8 +599,9 @@ class Plan:
                  " in the background" if kind == "background" else "", deadline - now)
         handle = self._pusher.start("push_checkpoint", {
             "local_dir": str(info.folder), "step": info.step or 0, "files": list(info.files),
-            # a file rewritten since its save no longer holds that step (after a NaN: the bad weights): refused
-            "saved_by_s": info.newest_mtime_s}, deadline)
+            # after a NaN, a file rewritten since its save holds the bad weights: refuse it (Securer.push_checkpoint);
+            # otherwise a rewrite is a newer save of the same training, whole by format (checked by the push)
+            "saved_by_s": info.newest_mtime_s if self._bad_from_step is not None else None}, deadline)
         self._push = PushRecord(kind, info, handle, now)
         self._history.append(self._push)
         return [StartPush(kind, str(info.path), info.step, deadline, estimate_s)]
@@ -660,7 +661,9 @@ class Plan:
             if now < self.secure_by and self._unsecured(self._newest) \
                     and (result.ok or self._newest is not record.info):
                 return self._secure_newest(now)  # a newer one appeared meanwhile (also after a failed push)
-            if not (result.ok and self._follow(now)):
+            # a job that cannot be asked runs on and saves again: after a push that ended (or failed: a file cut
+            # short while it was being rewritten), its next save is secured, until secure_by
+            if not self._follow(now):
                 self._state = State.DONE
             return []
         if self._state is State.WATCHING and self._queued is not None \
