@@ -120,8 +120,9 @@ def make_checkpoint(root: Path, step: int, *, trainer_state: bool = True,
     folder = root / f"checkpoint-{step}"
     folder.mkdir(parents=True)
     (folder / "config.json").write_text(json.dumps({"hidden_size": 8, "step": step}))
+    # opaque bytes: a random .pt starting with 0x80 would be read as a pickle cut short (format check), 1 in 256
     (folder / "model.safetensors").write_bytes(os.urandom(96 * 1024))
-    (folder / "optimizer.pt").write_bytes(os.urandom(48 * 1024))
+    (folder / "optimizer.pt").write_bytes(b"\0" + os.urandom(48 * 1024 - 1))
     (folder / "sub").mkdir()
     (folder / "sub" / "rng_state.txt").write_text(f"rng {step}")
     if trainer_state:
@@ -438,7 +439,7 @@ def test_folder_push_links_unchanged_files_from_the_previous_copy(tmp_path, monk
     target = dest / "last-checkpoint"
     inodes = {rel: (target / rel).stat().st_ino for rel in local_files(ckpt)}
     # The next save: the optimizer state changed, every other file is byte for byte the same (same size too).
-    (ckpt / "optimizer.pt").write_bytes(os.urandom(48 * 1024))
+    (ckpt / "optimizer.pt").write_bytes(b"\0" + os.urandom(48 * 1024 - 1))
     (ckpt / "trainer_state.json").write_text(json.dumps({"global_step": 1, "epoch": 0.6}))
     result = securer.push_checkpoint(ckpt, step=2, deadline=time.monotonic() + 60)
     copied = local_files(target)

@@ -126,8 +126,8 @@ def kind_of(path: str | os.PathLike[str]) -> str | None:
         return "safetensors"
     if head.startswith(_ZIP_MAGIC):
         return "torch-zip"
-    if head[:1] == b"\x80" or where.suffix == ".pkl":
-        return "pickle"
+    if (head[:1] == b"\x80" and where.suffix != ".safetensors") or where.suffix == ".pkl":
+        return "pickle"  # (a .safetensors file is never a pickle, whatever its first byte)
     if where.suffix == ".json":
         return "json"
     return None
