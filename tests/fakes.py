@@ -20,6 +20,19 @@ class FakeClock:
         self.now += seconds
 
 
+class SleepClock(FakeClock):
+    """Monotonic seconds that move only when ``sleep`` is called (records every wait): a push's retries and
+    ``Retry-After`` waits, without waiting."""
+
+    def __init__(self, now: float = 1000.0) -> None:
+        super().__init__(now)
+        self.sleeps: list[float] = []
+
+    def sleep(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+        self.now += seconds
+
+
 @dataclass(frozen=True)
 class FakeResult:
     op: str

@@ -14,6 +14,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from fakes import SleepClock
 
 from guard.errors import HubError, PushFailedError, UsageError
 from guard.secure import hub as guard_hub
@@ -22,21 +23,6 @@ from tests.hubserver import TOKENS, HubServer, client_constants
 
 pytest.importorskip("huggingface_hub")
 from huggingface_hub import CommitOperationAdd, HfApi
-
-
-class FakeClock:
-    """Monotonic seconds that move only when ``sleep`` is called (records every wait)."""
-
-    def __init__(self) -> None:
-        self.now, self.sleeps = 1000.0, []
-
-    def __call__(self) -> float:
-        return self.now
-
-    def sleep(self, seconds: float) -> None:
-        self.sleeps.append(seconds)
-        self.now += seconds
-
 
 # -- destinations (no server) ---------------------------------------------------------------------------------
 
@@ -184,7 +170,7 @@ def test_second_push_replaces_last_checkpoint_in_one_commit(hub, api, repo_id, t
 def test_server_errors_are_retried_with_backoff(hub, api, repo_id, tmp_path):
     ckpt = make_checkpoint(tmp_path, 3)
     hub.inject(status=500, count=2, path_contains="/commit/")
-    clock = FakeClock()
+    clock = SleepClock()
     securer = Securer(repo_id, api=api, clock=clock, sleep=clock.sleep)
     hub.requests.clear()
     result = securer.push_checkpoint(ckpt, step=3, deadline=clock() + 120)
@@ -198,7 +184,7 @@ def test_server_errors_are_retried_with_backoff(hub, api, repo_id, tmp_path):
 @pytest.mark.hub
 def test_server_down_fails_within_the_deadline(hub, api, repo_id, tmp_path):
     ckpt = make_checkpoint(tmp_path, 3)
-    clock = FakeClock()
+    clock = SleepClock()
     deadline = clock() + 20
     hub.set_down(True)
     with pytest.raises(PushFailedError) as info:
@@ -233,7 +219,7 @@ def test_latency_beyond_the_deadline_fails_instead_of_hanging(hub, api, repo_id,
 @pytest.mark.hub
 def test_deadline_already_passed_sends_nothing(hub, api, repo_id, tmp_path):
     ckpt = make_checkpoint(tmp_path, 3)
-    clock = FakeClock()
+    clock = SleepClock()
     hub.requests.clear()
     with pytest.raises(PushFailedError) as info:
         Securer(repo_id, api=api, clock=clock, sleep=clock.sleep).push_checkpoint(ckpt, step=3, deadline=clock())
@@ -242,7 +228,7 @@ def test_deadline_already_passed_sends_nothing(hub, api, repo_id, tmp_path):
 
 @pytest.mark.hub
 def test_read_only_token_fails_at_once(hub, hub_url_api_read, repo_id, tmp_path):
-    clock = FakeClock()
+    clock = SleepClock()
     with pytest.raises(PushFailedError) as info:
         Securer("alice/existing-model", api=hub_url_api_read, clock=clock, sleep=clock.sleep).push_checkpoint(
             make_checkpoint(tmp_path, 1), step=1, deadline=clock() + 60)
@@ -259,7 +245,7 @@ def hub_url_api_read(hub):
 def test_verify_catches_files_the_hub_did_not_keep(hub, api, repo_id, tmp_path):
     api.create_repo(repo_id, private=True)
     api.upload_file(repo_id=repo_id, path_in_repo=".gitignore", path_or_fileobj=b"*.pt\n")
-    clock = FakeClock()
+    clock = SleepClock()
     with pytest.raises(PushFailedError) as info:
         Securer(repo_id, api=api, clock=clock, sleep=clock.sleep).push_checkpoint(
             make_checkpoint(tmp_path, 4), step=4, deadline=clock() + 60)
@@ -286,7 +272,7 @@ class TamperingApi(HfApi):
 @pytest.mark.hub
 def test_verify_compares_regular_files_by_git_sha1_and_retries_once(hub, repo_id, tmp_path):
     ckpt = make_checkpoint(tmp_path, 5)
-    clock = FakeClock()
+    clock = SleepClock()
     api = TamperingApi(endpoint=hub.url, token=TOKENS["write"], times=1)
     result = Securer(repo_id, api=api, clock=clock, sleep=clock.sleep).push_checkpoint(
         ckpt, step=5, deadline=clock() + 60)

@@ -10,6 +10,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from fakes import SleepClock
 
 from guard.errors import PushFailedError
 from guard.secure.hub import Securer
@@ -18,20 +19,6 @@ from tests.hubserver import TOKENS, HubServer, client_constants
 
 pytest.importorskip("huggingface_hub")
 from huggingface_hub import HfApi
-
-
-class FakeClock:
-    """Monotonic seconds that move only when ``sleep`` is called (records every wait)."""
-
-    def __init__(self) -> None:
-        self.now, self.sleeps = 1000.0, []
-
-    def __call__(self) -> float:
-        return self.now
-
-    def sleep(self, seconds: float) -> None:
-        self.sleeps.append(seconds)
-        self.now += seconds
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +66,7 @@ def test_causes_and_their_hints() -> None:
 def test_a_429_with_retry_after_is_waited_out_before_the_next_commit(hub, api, tmp_path) -> None:
     repo_id = f"alice/run-{uuid.uuid4().hex[:8]}"
     hub.inject(status=429, count=2, path_contains="/commit/", headers={"Retry-After": "7"})
-    clock = FakeClock()
+    clock = SleepClock()
     hub.requests.clear()
     result = Securer(repo_id, api=api, clock=clock, sleep=clock.sleep).push_checkpoint(
         checkpoint(tmp_path, 3), step=3, deadline=clock() + 120)
@@ -94,7 +81,7 @@ def test_a_429_with_retry_after_is_waited_out_before_the_next_commit(hub, api, t
 def test_a_retry_after_longer_than_the_time_left_stops_at_once_and_names_the_rate_limit(hub, api, tmp_path) -> None:
     repo_id = f"alice/run-{uuid.uuid4().hex[:8]}"
     hub.inject(status=429, count=None, path_contains="/commit/", headers={"Retry-After": "271"})
-    clock = FakeClock()
+    clock = SleepClock()
     hub.requests.clear()
     with pytest.raises(PushFailedError) as info:
         Securer(repo_id, api=api, clock=clock, sleep=clock.sleep).push_checkpoint(
@@ -109,7 +96,7 @@ def test_a_retry_after_longer_than_the_time_left_stops_at_once_and_names_the_rat
 def test_an_unreachable_hub_is_named_in_the_hint(hub, api, tmp_path) -> None:
     repo_id = f"alice/run-{uuid.uuid4().hex[:8]}"
     hub.set_down(True)
-    clock = FakeClock()
+    clock = SleepClock()
     started = time.monotonic()
     with pytest.raises(PushFailedError) as info:
         Securer(repo_id, api=api, clock=clock, sleep=clock.sleep).push_checkpoint(
@@ -126,7 +113,7 @@ def test_a_commit_that_never_answers_is_logged_as_no_progress_and_retried(hub, a
     monkeypatch.setitem(hubhttp.REQUEST_TIMEOUTS_S, "read", 2.0)
     repo_id = f"alice/run-{uuid.uuid4().hex[:8]}"
     hub.inject(latency_s=600, count=1, path_contains="/commit/", methods=("POST",))
-    clock = FakeClock()
+    clock = SleepClock()
     started = time.monotonic()
     with caplog.at_level("WARNING", logger="guard.hub"):
         result = Securer(repo_id, api=api, clock=clock, sleep=clock.sleep).push_checkpoint(
