@@ -12,13 +12,13 @@ import pytest
 from guard.core.state import JobFacts, Outcome, RunState
 from guard.run import diagnose
 from guard.run.cli import build_config
-from guard.run.config import Config
+from guard.run.config import RunSettings
 from guard.run.diagnose import JobExit, cause_hint, incomplete_reason, job_result
 from guard.run.process import CgroupMemory, Survivor
 
 
-def config(*args: str) -> Config:
-    return build_config(["--no-preflight", "--sanity-steps", "3", "--", "true", *args], dict(os.environ))
+def config(*args: str) -> RunSettings:
+    return build_config(["--no-preflight", "--sanity-steps", "3", "--", "true", *args], dict(os.environ)).settings
 
 
 def trained(steps: int = 5, loss: float = 1.5) -> RunState:
@@ -87,7 +87,7 @@ def test_a_usage_error_on_a_guard_option_after_the_script(tmp_path: Path) -> Non
     script = tmp_path / "train.py"
     script.write_text("pass\n")
     in_script_form = build_config(["--no-preflight", str(script), "--grace", "5s"], dict(os.environ))
-    result = job_result(RunState(), JobExit(2), in_script_form)
+    result = job_result(RunState(), JobExit(2), in_script_form.settings)
     assert result.reason == "crash" and "guard options go before the script" in (result.hint or "")
 
 

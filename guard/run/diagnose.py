@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from guard.contract import EXIT_GUARD_ERROR, EXIT_INCOMPLETE, RunResult, signal_name
 from guard.core.state import JobFacts, RunState, died_after_training, incomplete_reason
-from guard.run.config import Config, guard_options_in
+from guard.run.config import RunSettings, guard_options_in
 from guard.run.output import add_worker_deaths
 from guard.run.process import CgroupMemory, Survivor, cgroup_memory
 
@@ -190,11 +190,11 @@ def _trainer_output(facts: JobFacts) -> str | None:
     return str(folder) if folder else None
 
 
-def _output_folder(facts: JobFacts, config: Config, securer: Securing | None) -> str:
+def _output_folder(facts: JobFacts, settings: RunSettings, securer: Securing | None) -> str:
     """The job's output folder (the guard's ``--output-dir``, the Trainer's ``output_dir``), else its working
     directory."""
     for folder in (securer.output_dir if securer is not None else None,
-                   (facts.trainer_config or {}).get("output_dir"), config.settings.secure.output_dir):
+                   (facts.trainer_config or {}).get("output_dir"), settings.secure.output_dir):
         if folder:
             return str(folder)
     return os.getcwd()
@@ -226,13 +226,15 @@ def cause_hint(facts: JobFacts, code: int, *, output_folder: str | None = None) 
             "Python): its last output lines say why")
 
 
-def job_result(state: RunState, ended: JobExit, config: Config, *, securer: Securing | None = None) -> RunResult:
+def job_result(state: RunState, ended: JobExit, settings: RunSettings, *,
+               securer: Securing | None = None) -> RunResult:
     """Build the run's result from what the loop saw.
 
     Args:
         state: the run's state (progress, the job's facts, the guard's outcome).
         ended: how the job's processes ended.
-        config: the guard's options (``--sanity-steps``, the job's arguments, ``--output-dir``).
+        settings: the run's typed settings (``Config.settings``): ``watch.sanity_steps``, ``job.script_args``,
+            ``secure.output_dir`` and ``secure.push_to``.
         securer: the securing flow, which fills the checkpoint fields and the exit code of a deadline or signal.
     """
     progress, facts, code = state.progress, state.facts, ended.returncode
@@ -253,7 +255,7 @@ def job_result(state: RunState, ended: JobExit, config: Config, *, securer: Secu
         details["trainer_config"] = facts.trainer_config
     if facts.trainer_push is not None:
         details["trainer_push"] = facts.trainer_push
-    sanity_steps = config.settings.watch.sanity_steps
+    sanity_steps = settings.watch.sanity_steps
     if not progress.sanity:
         details["sanity_status"] = "no_loss_seen"
     elif progress.sanity_done:
@@ -305,7 +307,7 @@ def job_result(state: RunState, ended: JobExit, config: Config, *, securer: Secu
             result = RunResult("FAIL", "oom", code, elapsed_s, hint=(
                 f"out of host memory ({why}): lower DataLoader num_workers or prefetch_factor, stream or shard "
                 "the dataset, or ask the platform for more memory"))
-        elif code == 2 and not facts.last_exception and (misplaced := guard_options_in(config.script_args)):
+        elif code == 2 and not facts.last_exception and (misplaced := guard_options_in(settings.job.script_args)):
             # argparse's exit status for a usage error: the job refused an option meant for the guard
             result = RunResult("FAIL", "crash", code, elapsed_s, hint=(
                 f"the job exited with code 2 (a usage error) and its arguments hold {', '.join(misplaced)}, a guard "
@@ -319,7 +321,7 @@ def job_result(state: RunState, ended: JobExit, config: Config, *, securer: Secu
                 "rerun; its traceback is in the log, in the lines of that rank"))
         else:
             result = RunResult("FAIL", "crash", code, elapsed_s, hint=cause_hint(
-                facts, code, output_folder=_output_folder(facts, config, securer)))
+                facts, code, output_folder=_output_folder(facts, settings, securer)))
     else:
         signum = -(code if code is not None else -signal.SIGKILL)
         oom, why = _host_oom(ended, near_limit=signum == signal.SIGKILL)
@@ -361,11 +363,11 @@ def job_result(state: RunState, ended: JobExit, config: Config, *, securer: Secu
     result.details.update(details)
     if securer is not None:
         securer.finish(result, step=progress.step)
-        if result.status == "PASS" and not config.settings.secure.push_to and not result.extra.get("pushed"):
+        if result.status == "PASS" and not settings.secure.push_to and not result.extra.get("pushed"):
             result.extra.pop("checkpoint", None)  # nothing was secured anywhere: a PASS names no checkpoint
-        if result.status == "PASS" and config.settings.secure.push_to and not result.extra.get("pushed"):
+        if result.status == "PASS" and settings.secure.push_to and not result.extra.get("pushed"):
             where = securer.output_dir or "no output folder known"
-            hint = (f"nothing was secured to {config.settings.secure.push_to}: the job saved nothing recognisable "
+            hint = (f"nothing was secured to {settings.secure.push_to}: the job saved nothing recognisable "
                     f"as a checkpoint or final model ({where}); save checkpoint-N folders or *.pt/*.safetensors "
                     "files, call guard.checkpoint_saved(path) after a save, or pass --output-dir DIR")
             log.warning("%s", hint)

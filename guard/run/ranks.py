@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 
-__all__ = ["FALLBACK_STEPS", "RankWatch", "configured_node_rank"]
+__all__ = ["FALLBACK_STEPS", "RankWatch", "configured_node_rank", "expected_primary"]
 
 #: When the expected primary rank has not reported by the time another rank reports this many steps, the lowest
 #: rank seen stands instead (a launcher whose rank numbering the guard did not read right).
@@ -119,3 +119,19 @@ def configured_node_rank(environ: Mapping[str, str], command: Sequence[str]) -> 
         if value.isdigit():
             return int(value)
     return None
+
+
+def expected_primary(environ: Mapping[str, str], command: Sequence[str]) -> int | None:
+    """The rank whose steps stand for the job's, known before any agent connects: with a launcher command
+    (``torchrun``, ``accelerate launch``), this machine's first rank (``node_rank x procs per node``; rank 0 on node
+    0); None for any other command (the lowest rank seen then stands)."""
+    from guard.preflight.launch import parse_launch
+
+    launch = parse_launch(command)
+    if launch is None:
+        return None
+    node = configured_node_rank(environ, command) or 0
+    procs = launch.procs_per_node
+    if node == 0:
+        return 0
+    return node * procs if procs is not None else None

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from guard.contract import EXIT_NON_FINITE, EXIT_PREFLIGHT, EXIT_STALLED
 from guard.core.state import Outcome, RunState
+from guard.run.config import WatchSettings
 from guard.run.ranks import RankWatch
 from guard.run.timers import StallWatch
 
@@ -96,6 +97,15 @@ class Watchdog:
         loss_rise_steps: ``--loss-rise-steps`` (the window, in training steps; at least 1).
         expected_primary: the rank whose steps stand for the job's, from the launcher's command, or None.
     """
+
+    @classmethod
+    def from_settings(cls, state: RunState, now: float, settings: WatchSettings, *,
+                      expected_primary: int | None = None) -> Watchdog:
+        """A watchdog on the loop's part of the settings (``RunSettings.watch``); ``now``: monotonic seconds."""
+        return cls(state, now, sanity_steps=settings.sanity_steps, stall_timeout_s=settings.stall_timeout_s,
+                   dry_run=settings.dry_run, max_skipped_steps=settings.max_skipped_steps,
+                   loss_rise_factor=settings.loss_rise_factor, loss_rise_steps=settings.loss_rise_steps,
+                   expected_primary=expected_primary)
 
     def __init__(self, state: RunState, now: float, *, sanity_steps: int, stall_timeout_s: float,
                  dry_run: bool = False, max_skipped_steps: int = 0, loss_rise_factor: float = 0.0,
