@@ -12,6 +12,9 @@ from guard.errors import PreflightError, UsageError
 from guard.run.cli import build_config
 from guard.run.config import (
     OPTIONS,
+    Config,
+    RunSettings,
+    WatchSettings,
     agent_settings,
     debug_enabled,
     env_name,
@@ -260,8 +263,8 @@ def test_double_dash_after_the_script_belongs_to_the_job(script: Path) -> None:
 def test_env_and_sources_reach_the_config(script: Path) -> None:
     config = build_config(["--stall-timeout", "10m", str(script)], {"GUARD_STALL_TIMEOUT": "1h",
                                                                       "GUARD_GRACE": "1m"})
-    assert (config.stall_timeout_s, config.sources["stall_timeout"]) == (600.0, "flag")
-    assert (config.grace_s, config.sources["grace"]) == (60.0, "env")
+    assert (config.settings.watch.stall_timeout_s, config.sources["stall_timeout"]) == (600.0, "flag")
+    assert (config.settings.watch.grace_s, config.sources["grace"]) == (60.0, "env")
     assert config.sources["timeout"] == "default"
     rows = {flag: (value, source) for flag, value, source in config.describe()}
     assert rows["--stall-timeout"] == ("10m", "flag")
@@ -312,18 +315,18 @@ def test_a_folder_is_a_usage_error_and_a_broken_script_a_preflight_failure(tmp_p
 
 
 def test_bare_resume_means_on_and_leaves_the_script_alone(script: Path) -> None:
-    assert build_config(["--resume", str(script)], {}).resume == "on"
-    assert build_config(["--resume", "--push-to", "./x", str(script)], {}).resume == "on"
+    assert build_config(["--resume", str(script)], {}).settings.secure.resume == "on"
+    assert build_config(["--resume", "--push-to", "./x", str(script)], {}).settings.secure.resume == "on"
     config = build_config(["--resume", "if-valid", str(script), "--resume"], {})
-    assert (config.resume, config.script, config.script_args) == ("if-valid", script, ("--resume",))
-    assert build_config(["--resume=off", str(script)], {}).resume == "off"
+    assert (config.settings.secure.resume, config.script, config.script_args) == ("if-valid", script, ("--resume",))
+    assert build_config(["--resume=off", str(script)], {}).settings.secure.resume == "off"
 
 
 def test_stall_timeout_zero_is_off(script: Path) -> None:
     from guard.run.timers import StallWatch
 
     config = build_config(["--stall-timeout", "0", str(script)], {})
-    watch = StallWatch(config.stall_timeout_s, 0.0)
+    watch = StallWatch(config.settings.watch.stall_timeout_s, 0.0)
     assert watch.due_at() == float("inf") and not watch.expired(1e9)
 
 
@@ -355,9 +358,8 @@ def test_push_to_an_existing_folder_without_dot_slash_is_a_usage_error(script: P
     with pytest.raises(UsageError, match="is a folder here") as caught:
         build_config(["--push-to", "checkpoints/run1", str(script)], {})
     assert "did you mean ./checkpoints/run1" in (caught.value.hint or "")
-    assert build_config(["--push-to", "./checkpoints/run1", str(script)], {}).push_to == "./checkpoints/run1"
-    assert build_config(["--push-to", "hf://checkpoints/run1", str(script)], {}).push_to == "hf://checkpoints/run1"
-    assert build_config(["--push-to", "acme/run2", str(script)], {}).push_to == "acme/run2"  # no such folder
+    for given in ("./checkpoints/run1", "hf://checkpoints/run1", "acme/run2"):  # acme/run2: no such folder
+        assert build_config(["--push-to", given, str(script)], {}).settings.secure.push_to == given
 
 
 def test_guard_options_in_the_jobs_arguments() -> None:
@@ -424,3 +426,55 @@ def test_no_code_reads_the_option_values_by_name() -> None:
                 if name == "config":
                     found.append(f"{path.relative_to(root)}:{node.lineno}")
     assert found == []
+
+
+def test_the_config_forwards_no_option_as_an_attribute(script: Path) -> None:
+    # No __getattr__ and no property over ``values``: an option is read through its typed part only.
+    import dataclasses
+
+    assert "__getattr__" not in vars(Config) and not hasattr(Config, "__getattr__")
+    config = build_config(["--grace", "5s", str(script)], {})
+    for name in ("grace", "grace_s", "push_to", "resume", "timeout_s", "stall_timeout_s"):
+        with pytest.raises(AttributeError):
+            getattr(config, name)
+    public = {name for name in vars(Config) if not name.startswith("_")}
+    assert public - {f.name for f in dataclasses.fields(Config)} == {"describe"}
+    assert config.settings.watch.grace_s == 5.0
+
+
+def test_only_the_top_of_the_run_sees_the_whole_config() -> None:
+    # The CLI, the stages and the loop hold the Config; every component below gets its typed part.
+    import ast
+
+    root = Path(__file__).resolve().parent.parent / "guard"
+    takers = set()
+    for path in root.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module == "guard.run.config" \
+                    and any(alias.name == "Config" for alias in node.names):
+                takers.add(str(path.relative_to(root)))
+    assert takers == {"run/cli.py", "run/stages.py", "run/supervisor.py"}
+
+
+def test_the_loop_hands_each_component_its_settings_part() -> None:
+    import inspect
+    import os
+    import typing
+
+    from guard.core.masking import Masker
+    from guard.run import diagnose, joblink, supervisor, watchdog
+
+    def annotation(function: typing.Callable[..., object], name: str) -> object:
+        return inspect.signature(function).parameters[name].annotation  # a string (postponed annotations)
+
+    assert annotation(joblink.LoopLink.__init__, "settings") == WatchSettings.__name__
+    assert annotation(watchdog.Watchdog.from_settings, "settings") == WatchSettings.__name__
+    assert annotation(diagnose.job_result, "settings") == RunSettings.__name__
+    assert "config" not in inspect.signature(diagnose.job_result).parameters
+    config = build_config(["--no-preflight", "--check-every", "3", "--", "true"], dict(os.environ))
+    sup = supervisor.Supervisor(config, masker=Masker())
+    try:
+        assert sup.settings is sup.link.settings is config.settings.watch
+        assert sup.link.check_every == 3 and sup.watchdog.sanity_steps == config.settings.watch.sanity_steps
+    finally:
+        sup._sel.close()

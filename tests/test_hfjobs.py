@@ -137,9 +137,9 @@ def test_a_gpu_flavor_without_a_gpu_fails_the_gpu_check(tmp_path: Path) -> None:
 
 
 def test_uv_option_parses() -> None:
-    assert build_config(["--uv", "on", "--", "true"], {}).uv == "on"
-    assert build_config(["--", "true"], {"GUARD_UV": "off"}).uv == "off"
-    assert build_config(["--", "true"], {}).uv == "auto"
+    assert build_config(["--uv", "on", "--", "true"], {}).settings.job.uv == "on"
+    assert build_config(["--", "true"], {"GUARD_UV": "off"}).settings.job.uv == "off"
+    assert build_config(["--", "true"], {}).settings.job.uv == "auto"
     with pytest.raises(UsageError, match="--uv: 'maybe'; accepted: auto, on, off"):
         build_config(["--uv", "maybe", "--", "true"], {})
 

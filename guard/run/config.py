@@ -305,7 +305,8 @@ class Config:
 
     Components read ``settings`` (typed, built once here; each gets its own part: ``settings.watch`` the loop,
     ``settings.secure`` the budget and securing, ``settings.preflight`` the checks ...); ``values`` is the option
-    table's view, for the config log (``describe``).
+    table's view, for the config log (``describe``). Options are not attributes (``config.grace`` raises
+    ``AttributeError``): a component reads its typed part, e.g. ``config.settings.watch.grace_s``.
 
     Attributes:
         values: option name -> parsed value (durations in seconds, sizes in bytes, repeatable options as tuples).
@@ -313,6 +314,8 @@ class Config:
         script: the job's script (script form), or None.
         command: the job's command: ``[python, script, *args]`` in script form, or the command after ``--``.
         script_args: arguments after the script.
+        subcommand: ``run`` (default), ``preflight``.
+        environ: the environment the options were resolved from (and the job's, before the guard's additions).
         settings: the typed settings (``RunSettings``).
     """
 
@@ -328,30 +331,6 @@ class Config:
     def __post_init__(self) -> None:
         object.__setattr__(self, "settings", run_settings(self.values, self.sources, command=self.command,
                                                           script=self.script, script_args=self.script_args))
-
-    def __getattr__(self, name: str) -> Any:
-        values = object.__getattribute__(self, "values")
-        if name in values:
-            return values[name]
-        raise AttributeError(name)
-
-    @property
-    def grace_s(self) -> float:
-        return float(self.values["grace"])
-
-    @property
-    def stall_timeout_s(self) -> float:
-        return float(self.values["stall_timeout"])
-
-    @property
-    def timeout_s(self) -> float | None:
-        value = self.values["timeout"]
-        return None if value is None else float(value)
-
-    @property
-    def margin_s(self) -> float | None:
-        value = self.values["margin"]
-        return None if value is None else float(value)
 
     def describe(self) -> list[tuple[str, str, str]]:
         """Rows ``(option, value, source)`` for the config log; secrets are masked by the caller's masker."""
