@@ -2,9 +2,9 @@
 
 One thread, one ``select`` loop over: the job's stdout and stderr pipes (``guard.run.pipes``), the agent socket
 (new connections and messages, ``guard.run.channel``), a self-pipe that signal handlers and the helper thread write
-to (``signal.set_wakeup_fd``; the handlers only append to a list), and timers. The loop decides nothing itself:
-``guard.run.dispatch.Dispatch`` hands the job's events to the policies and ``guard.run.executor.Executor``
-carries out what they return.
+to (``guard.run.wakeup``: ``signal.set_wakeup_fd``; the handlers only append to a list), and timers. The loop
+decides nothing itself: ``guard.run.dispatch.Dispatch`` hands the job's events to the policies and
+``guard.run.executor.Executor`` carries out what they return.
 
 - ``guard.run.watchdog.Watchdog``: steps, losses, the sanity pass, non-finite losses, stalls, dry run;
 - ``guard.secure.securing.Securing``: the deadline, signals and the checkpoints to secure (through the
@@ -27,12 +27,10 @@ import subprocess
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from guard import protocol
 from guard.contract import RunResult, signal_name
-from guard.core.helpers import HELPERS, Wakeup
 from guard.core.masking import Masker
 from guard.core.state import Outcome, RunState
 from guard.run.channel import AgentChannel
@@ -41,9 +39,10 @@ from guard.run.dispatch import Dispatch
 from guard.run.executor import Executor
 from guard.run.joblink import LoopLink
 from guard.run.pipes import JobOutput
-from guard.run.process import JobProcess, Spawner, cgroup_memory, default_signals, set_subreaper
+from guard.run.process import JobProcess, Spawner, cgroup_memory, set_subreaper
 from guard.run.ranks import configured_node_rank, expected_primary
 from guard.run.timers import Escalation
+from guard.run.wakeup import LoopSignals
 from guard.run.watchdog import SettingsCheck, Watchdog
 from guard.secure.worker import reap_killed
 
@@ -83,7 +82,8 @@ class Supervisor:
         watchdog: the policy of steps, losses and stalls.
         link: what securing sees of the loop (``LoopLink``: the job, the agents, the stop timers).
         executor: carries out decisions (``Executor``). dispatch: the job's events to the policies (``Dispatch``).
-        signals: signals received and not handled yet (the handlers append, the loop pops).
+        wakeup: the signal handlers and the self-pipe (``LoopSignals``); signals: its list of signals received and
+            not handled yet (the handlers append, the loop pops).
     """
 
     def __init__(
@@ -123,15 +123,11 @@ class Supervisor:
         self.dispatch = Dispatch(self.link, self.executor, clock=clock, masker=masker,
                                  settings_check=SettingsCheck(trainer_config_check), read_agents=self._read_agents,
                                  securer=securer, heartbeat=heartbeat)
-        self.signals: list[int] = []
+        self.wakeup = LoopSignals()
+        self.signals = self.wakeup.signals  # the handlers append, the loop pops
         self.exited_at: float | None = None
         self.next_sample = self.started
-        self._child_exited = False  # SIGCHLD seen: orphans may need reaping
         self._next_reap = self.started
-        self._wakeup_notify: Wakeup | None = None
-        self._wakeup_r = self._wakeup_w = -1
-        self._old_handlers: dict[int, Callable[[int, FrameType | None], Any] | int | None] = {}
-        self._old_wakeup = -1
         self.cgroup_start = cgroup_memory()
 
     @property
@@ -162,7 +158,7 @@ class Supervisor:
         Raises:
             SupervisorError: the job could not be started (the command does not exist, ...).
         """
-        self._install_signals()
+        self.wakeup.install()
         try:
             self._start()
             self._loop()
@@ -179,32 +175,12 @@ class Supervisor:
             close_with_verdict(self.heartbeat, result, deadline_s)
         return result
 
-    def _install_signals(self) -> None:
-        self._wakeup_r, self._wakeup_w = os.pipe()
-        os.set_blocking(self._wakeup_r, False)
-        os.set_blocking(self._wakeup_w, False)
-        try:
-            self._old_wakeup = signal.set_wakeup_fd(self._wakeup_w, warn_on_full_buffer=False)
-        except ValueError:  # not the main thread: no signal handling (documented)
-            self._old_wakeup = -2
-            return
-        for signum in (*default_signals(), signal.SIGCHLD):
-            self._old_handlers[signum] = signal.signal(signum, self._on_signal)
-        self._wakeup_notify = Wakeup(self._wakeup_w)  # a helper call finished: the loop turns at once
-        HELPERS.notify = self._wakeup_notify
-
-    def _on_signal(self, signum: int, frame: FrameType | None) -> None:  # only sets a flag; the loop acts
-        if signum == signal.SIGCHLD:
-            self._child_exited = True
-        else:
-            self.signals.append(signum)
-
     def _start(self) -> None:
         from guard.errors import SupervisorError
 
         set_subreaper()
         sock_path = self.channel.open()
-        self._sel.register(self._wakeup_r, selectors.EVENT_READ, "wakeup")
+        self._sel.register(self.wakeup.read_fd, selectors.EVENT_READ, "wakeup")
         env = self._job_env(sock_path)
         job = self.link.job = JobProcess(self.config.command, env, spawner=self.spawner or subprocess.Popen)
         if self.securer is not None:
@@ -236,18 +212,8 @@ class Supervisor:
         self.executor.thaw()
         self.link.kill_leftovers(self.clock)
         self.channel.close()
-        if self._wakeup_notify is not None:
-            self._wakeup_notify.close()
-            if HELPERS.notify is self._wakeup_notify:
-                HELPERS.notify = None
         self.output.close()
-        if self._old_wakeup != -2:
-            signal.set_wakeup_fd(self._old_wakeup)
-            for signum, handler in self._old_handlers.items():
-                signal.signal(signum, handler)
-        for fd in (self._wakeup_r, self._wakeup_w):
-            if fd >= 0:
-                os.close(fd)
+        self.wakeup.close()
         self._sel.close()
 
     # ------------------------------------------------------------------------------------------------------------
@@ -277,9 +243,9 @@ class Supervisor:
                 self.exited_at = now
                 self._on_job_exit(now)
                 busy = True
-            if ((self._child_exited or job.zombies_pending) and now >= self._next_reap) \
+            if ((self.wakeup.child_exited or job.zombies_pending) and now >= self._next_reap) \
                     or now >= self._next_reap + REAP_EVERY_S:
-                self._child_exited = False
+                self.wakeup.child_exited = False
                 self._next_reap = now + 0.5
                 job.reap_orphans()
                 reap_killed()  # securing workers killed earlier (a kill never waits for the child to die)
@@ -297,11 +263,7 @@ class Supervisor:
             for conn, message in self.channel.receive(fd):
                 self.dispatch.on_message(fd, conn, message)
         elif kind == "wakeup":
-            try:
-                while os.read(self._wakeup_r, 512):
-                    pass
-            except OSError:  # BlockingIOError included: drained
-                pass
+            self.wakeup.drain()
 
     def _read_agents(self) -> None:
         """New agents and their messages already waiting, read now: bounded, never blocks (timeout 0)."""
