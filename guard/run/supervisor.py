@@ -190,6 +190,10 @@ class Supervisor:
         self._wakeup_r, self._wakeup_w = os.pipe()
         os.set_blocking(self._wakeup_r, False)
         os.set_blocking(self._wakeup_w, False)
+        # a helper call finished (securing's file system calls included, guard.core.helpers.wake_loop): the loop
+        # turns at once, on any thread
+        self._wakeup_notify = Wakeup(self._wakeup_w)
+        HELPERS.notify = self._wakeup_notify
         try:
             self._old_wakeup = signal.set_wakeup_fd(self._wakeup_w, warn_on_full_buffer=False)
         except ValueError:  # not the main thread: no signal handling (documented)
@@ -197,8 +201,6 @@ class Supervisor:
             return
         for signum in (*default_signals(), signal.SIGCHLD):
             self._old_handlers[signum] = signal.signal(signum, self._on_signal)
-        self._wakeup_notify = Wakeup(self._wakeup_w)  # a helper call finished: the loop turns at once
-        HELPERS.notify = self._wakeup_notify
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:  # only sets a flag; the loop acts
         if signum == signal.SIGCHLD:
