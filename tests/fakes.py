@@ -223,15 +223,19 @@ class InlineFs:
 class GatedStat:
     """An ``os.stat`` for securing's scans (the ``stat=`` seam) that blocks, like ``stat()`` on a hung NFS or Lustre
     hard mount, for every path under ``under`` until ``release()``; ``entered`` is set once a call blocks there and
-    ``blocked`` counts such calls."""
+    ``blocked`` counts such calls. A call from ``loop`` (default: the thread that made it, the test's, which drives
+    the loop's hooks) fails at once instead: the loop never stats."""
 
-    def __init__(self, under: Path) -> None:
+    def __init__(self, under: Path, *, loop: threading.Thread | None = None) -> None:
         self.under = str(under)
+        self.loop = loop or threading.current_thread()
         self.gate = threading.Event()
         self.entered = threading.Event()
         self.blocked = 0
 
     def __call__(self, path: str) -> os.stat_result:
+        if str(path).startswith(self.under) and threading.current_thread() is self.loop:
+            raise AssertionError(f"stat({path}) on the loop's thread")
         if str(path).startswith(self.under) and not self.gate.is_set():
             self.blocked += 1
             self.entered.set()
