@@ -204,10 +204,8 @@ def test_a_rewritten_loose_file_is_not_taken_for_the_older_save(tmp_path: Path) 
 FILE_SETTLE = securing_module.FILE_SETTLE_S + 0.1
 
 
-def test_the_supervisor_loop_turns_on_while_a_scan_is_stuck(tmp_path: Path, gate: GatedStat,
-                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    """The real Supervisor (fake clock, fake spawner, the test's agent): the scan is stuck in stat(); the deadline's
-    request reaches the agent, a signal is handled, the job's end and the VERDICT come."""
+def supervised(tmp_path: Path, gate: GatedStat, monkeypatch: pytest.MonkeyPatch, *options: str) -> Any:
+    """The real Supervisor (fake clock, fake spawner, the test's agent) around a Securing whose stat is ``gate``."""
     from test_supervisor import Harness
 
     from guard.run import supervisor as supervisor_module
@@ -223,7 +221,29 @@ def test_the_supervisor_loop_turns_on_while_a_scan_is_stuck(tmp_path: Path, gate
                         securer=SimpleNamespace(destination="alice/run", token=None),  # type: ignore[arg-type]
                         output_dir=str(out), clock=clock, wall=lambda: wall_start + (clock.now - 1000.0),
                         pusher_factory=lambda dest, token: pusher, fs=Helpers(wake_loop, name="test-fs"), stat=gate)
-    run = Harness(tmp_path, "--timeout", "100s", "--grace", "5s", securer=securing, clock=clock)
+    run = Harness(tmp_path, "--timeout", "100s", "--grace", "5s", *options, securer=securing, clock=clock)
+    run.pusher, run.out = pusher, out
+    return run
+
+
+def finished(run: Any) -> RunResult:
+    """Move the fake clock on until the supervisor ends (securing's bounds end it: the folder never answers)."""
+    done = threading.Event()
+    threading.Thread(target=lambda: (run._thread.join(WAIT_S), done.set()), daemon=True).start()
+    end = time.monotonic() + WAIT_S
+    while not done.is_set():
+        assert time.monotonic() < end, "the supervisor did not end"
+        run.advance(1.0)
+        time.sleep(0.05)
+    result: RunResult = run.finish()
+    return result
+
+
+def test_the_supervisor_loop_turns_on_while_a_scan_is_stuck(tmp_path: Path, gate: GatedStat,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The scan is stuck in stat(): the deadline's request reaches the agent, a signal is handled, the job's end
+    and the VERDICT come."""
+    run = supervised(tmp_path, gate, monkeypatch)
     try:
         agent = run.agent(rank=0, world_size=1)
         agent.send("api", name="should_checkpoint")
@@ -232,22 +252,36 @@ def test_the_supervisor_loop_turns_on_while_a_scan_is_stuck(tmp_path: Path, gate
         assert gate.entered.wait(WAIT_S), "the scan is stuck in stat()"
         run.advance(71.0)  # past deadline - margin
         assert agent.receive("checkpoint")["stop"] is True
-        agent.send("checkpoint_saved", path=str(out / "checkpoint-3"), step=3, save_s=0.1)  # queued behind it
+        agent.send("checkpoint_saved", path=str(run.out / "checkpoint-3"), step=3, save_s=0.1)  # queued behind it
         run.sup.signals.append(signal.SIGTERM)  # what the handler does
         run.wait_until(lambda: run.sup.escalation.started or bool(run.sup.stop_at), "the job's stop")
         run.job.exit(143)  # stopped by the guard's SIGTERM
         run.wait_until(lambda: run.sup.exited_at is not None, "the job's exit")
-        done = threading.Event()
-        threading.Thread(target=lambda: (run._thread.join(WAIT_S), done.set()), daemon=True).start()
-        end = time.monotonic() + WAIT_S
-        while not done.is_set():  # the clock moves on: securing's bound ends it (the folder never answers)
-            assert time.monotonic() < end, "the supervisor did not end"
-            run.advance(1.0)
-            time.sleep(0.05)
-        result = run.finish()
+        result = finished(run)
         assert (result.status, result.reason) == ("TIMEOUT", "deadline")
         assert result.extra["secured"] == "no"
-        assert gate.blocked == 1 and pusher.started == []
+        assert gate.blocked == 1 and run.pusher.started == []
+    finally:
+        gate.release()
+        run.job.cleanup()
+
+
+def test_a_stall_is_decided_while_a_scan_is_stuck(tmp_path: Path, gate: GatedStat,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stall watch, its stack dump (on the other helper thread) and the stop go on while the scan is stuck."""
+    run = supervised(tmp_path, gate, monkeypatch, "--stall-timeout", "60s")
+    try:
+        agent = run.agent(rank=0, world_size=1)
+        agent.send("step", step=1, loss=2.0, finite=True, source="trainer", n=1)
+        run.wait_until(lambda: run.sup.state.progress.step == 1, "the first step")
+        assert gate.entered.wait(WAIT_S), "the scan is stuck in stat()"
+        run.advance(61.0)
+        assert agent.receive("dump") == {"t": "dump"}
+        run.advance(1.0)  # the agents had their moment to print stacks
+        assert agent.receive("stop") == {"t": "stop"}
+        result = finished(run)
+        assert (result.status, result.reason, result.exit_code) == ("FAIL", "stalled", 5)
+        assert gate.blocked == 1
     finally:
         gate.release()
         run.job.cleanup()
