@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import os
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
+from guard.core.helpers import Pending
 from guard.secure.checkpoints import CheckpointInfo
+
+T = TypeVar("T")
 
 
 class FakeClock:
@@ -194,3 +200,47 @@ class FakeLink:
     def exit(self, code: int) -> None:
         """The job exited with ``code``."""
         self.running, self.alive, self.exit_code = False, False, code
+
+
+class InlineFs:
+    """A ``guard.core.helpers.Submitter`` that runs each call at once, on the caller's thread: securing's file
+    system calls (``guard.secure.scans``) answered before ``submit`` returns, for tests of what securing does with
+    the answers. ``calls`` counts them."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def submit(self, func: Callable[..., T], *args: Any, **kwargs: Any) -> Pending[T]:
+        self.calls += 1
+        pending: Pending[T] = Pending(getattr(func, "__qualname__", repr(func)))
+        try:
+            pending._finish(func(*args, **kwargs), None)
+        except Exception as exc:  # kept in the Pending, as the helper thread does
+            pending._finish(None, exc)
+        return pending
+
+
+class GatedStat:
+    """An ``os.stat`` for securing's scans (the ``stat=`` seam) that blocks, like ``stat()`` on a hung NFS or Lustre
+    hard mount, for every path under ``under`` until ``release()``; ``entered`` is set once a call blocks there and
+    ``blocked`` counts such calls. A call from ``loop`` (default: the thread that made it, the test's, which drives
+    the loop's hooks) fails at once instead: the loop never stats."""
+
+    def __init__(self, under: Path, *, loop: threading.Thread | None = None) -> None:
+        self.under = str(under)
+        self.loop = loop or threading.current_thread()
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+        self.blocked = 0
+
+    def __call__(self, path: str) -> os.stat_result:
+        if str(path).startswith(self.under) and threading.current_thread() is self.loop:
+            raise AssertionError(f"stat({path}) on the loop's thread")
+        if str(path).startswith(self.under) and not self.gate.is_set():
+            self.blocked += 1
+            self.entered.set()
+            self.gate.wait()
+        return os.stat(path)
+
+    def release(self) -> None:
+        self.gate.set()

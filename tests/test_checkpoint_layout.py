@@ -194,8 +194,10 @@ def test_the_supervisor_scan_honours_what_the_job_said(tmp_path, caplog):
     os.symlink(real, tmp_path / "link")
     output_dir = str(tmp_path / "link" / "out")
     sup = SimpleNamespace(node_rank=None, training_ranks=lambda: {0}, outcome=None, job=None)
+    from fakes import InlineFs
+
     securing = Securing(deadline=Deadline(now, None, None, "none"), estimator=MarginEstimator(log_changes=False),
-                        output_dir=output_dir)
+                        output_dir=output_dir, fs=InlineFs())
     securing.trainer_seen = True
     with caplog.at_level(logging.INFO):
         securing.on_checkpoint_saved(sup, {"t": "checkpoint_saved", "path": f"{output_dir}/checkpoint-20",

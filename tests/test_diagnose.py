@@ -139,3 +139,34 @@ def test_survivors_node_and_the_jobs_own_verdict() -> None:
 def test_a_crash_without_a_traceback_does_not_point_at_one() -> None:
     hint = cause_hint(JobFacts(), 3)
     assert "without a Python traceback" in hint and "traceback shows" not in hint
+
+
+def test_a_final_model_listing_that_never_returns_delays_the_verdict_never_withholds_it(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """After the loop, on the way to the VERDICT: the output folder's listing stuck (a hung mount) is waited for
+    ``FS_BOUND_S`` at most, then taken as no final model."""
+    import threading
+
+    from guard.secure import hub
+
+    gate = threading.Event()
+    asked: list[str] = []
+
+    def stuck(folder: str | None) -> bool:
+        asked.append(str(folder))
+        gate.wait()
+        return True
+
+    monkeypatch.setattr(hub, "holds_final_model", stuck)
+    monkeypatch.setattr(diagnose, "FS_BOUND_S", 0.05)
+    state = trained(steps=100)
+    state.facts.train_end = {"step": 100, "max_steps": 100, "stopped": True}  # trained to its end, then SIGABRT
+    state.facts.trainer_config = {"output_dir": str(tmp_path / "out")}
+    try:
+        result = job_result(state, JobExit(-signal.SIGABRT), config())
+    finally:
+        gate.set()
+    assert asked == [str(tmp_path / "out")]
+    assert (result.status, result.reason) == ("FAIL", "killed")  # not taken for a PASS with a final model
+    monkeypatch.setattr(hub, "holds_final_model", lambda folder: True)
+    assert job_result(state, JobExit(-signal.SIGABRT), config()).status == "PASS"

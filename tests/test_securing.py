@@ -11,7 +11,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from fakes import FakeClock, FakeLink, FakePusher
+from fakes import FakeClock, FakeLink, FakePusher, InlineFs
 
 from guard.contract import RunResult
 from guard.core.state import Outcome
@@ -41,7 +41,8 @@ class Rig:
                                                                               log_changes=False),
                                  securer=securer, output_dir=str(self.out), clock=self.clock,  # type: ignore[arg-type]
                                  wall=lambda: self.wall_start + (self.clock.now - 1000.0), grace_s=30.0,
-                                 background=background, pusher_factory=lambda dest, token: self.pusher)
+                                 background=background, pusher_factory=lambda dest, token: self.pusher,
+                                 fs=InlineFs())  # the file system calls answered at once (test_scan_port.py: not)
         self.link = FakeLink(**link)
 
     def saved(self, step: int, *, rank: int | None = 0, zero: bool = True) -> None:

@@ -1,10 +1,11 @@
-"""One worker thread for the guard's blocking helper calls, so that nothing on the supervisor's loop blocks.
+"""Worker threads for the guard's blocking helper calls, so that nothing on the supervisor's loop blocks.
 
 ``scontrol show job`` (up to 5 s), ``py-spy dump`` (up to 8 x 5 s) and NVML queries can each take seconds; the
 loop hands them to ``Helpers.submit`` and polls the returned ``Pending`` on a later turn (``done()``, then
-``result()``). Calls run one at a time, in order. When a call finishes, ``notify`` (if set) is called from the
-worker thread: the supervisor writes a byte to its wake-up pipe there, so the loop turns at once. A failing call
-keeps its exception in ``Pending.error``; the worker thread never dies of it.
+``result()``). Calls run one at a time, in order, on ``HELPERS``' thread; the output folder's file system calls
+have their own thread (``FS_HELPERS``). When a call finishes, ``notify`` (if set) is called from the worker thread:
+the supervisor writes a byte to its wake-up pipe there, so the loop turns at once. A failing call keeps its
+exception in ``Pending.error``; the worker thread never dies of it.
 """
 
 from __future__ import annotations
@@ -13,9 +14,9 @@ import logging
 import queue
 import threading
 from collections.abc import Callable
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
-__all__ = ["HELPERS", "Helpers", "Pending", "Wakeup"]
+__all__ = ["FS_HELPERS", "HELPERS", "Helpers", "Pending", "Submitter", "Wakeup", "call_bounded", "wake_loop"]
 
 log = logging.getLogger("guard.helpers")
 
@@ -48,15 +49,23 @@ class Pending(Generic[T]):
         self._done.set()
 
 
+class Submitter(Protocol):
+    """What queues a call and returns its ``Pending`` at once (``Helpers``; tests offer one that runs it inline)."""
+
+    def submit(self, func: Callable[..., T], *args: Any, **kwargs: Any) -> Pending[T]: ...
+
+
 class Helpers:
     """Runs helper calls on one daemon thread, started on the first ``submit``.
 
     Args:
         notify: called (from the worker thread) after each call finishes; must not block.
+        name: the thread's name (default ``guard-helpers``).
     """
 
-    def __init__(self, notify: Callable[[], None] | None = None) -> None:
+    def __init__(self, notify: Callable[[], None] | None = None, *, name: str = "guard-helpers") -> None:
         self.notify = notify
+        self.name = name
         self._queue: queue.Queue[tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any], Pending[Any]]] = \
             queue.Queue()
         self._thread: threading.Thread | None = None
@@ -68,7 +77,7 @@ class Helpers:
         self._queue.put((func, args, kwargs, pending))
         with self._lock:
             if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._work, name="guard-helpers", daemon=True)
+                self._thread = threading.Thread(target=self._work, name=self.name, daemon=True)
                 self._thread.start()
         return pending
 
@@ -99,6 +108,19 @@ class Helpers:
 HELPERS = Helpers()
 
 
+def wake_loop() -> None:
+    """Wake the supervisor's loop through ``HELPERS.notify`` (its wake-up pipe) when one is set; never blocks."""
+    notify = HELPERS.notify
+    if notify is not None:
+        notify()
+
+
+#: The thread for the output folder's file system calls (securing's scans, stats and listings: see
+#: ``guard.secure.scans``): its own, so that a scan stuck in ``stat()`` on a hung mount holds up no py-spy,
+#: ``scontrol`` or NVML call; a finished call wakes the loop like ``HELPERS``' do.
+FS_HELPERS = Helpers(wake_loop, name="guard-fs")
+
+
 class Wakeup:
     """A ``notify`` for ``Helpers`` that writes one byte to a non-blocking wake-up pipe, until ``close``.
 
@@ -123,3 +145,27 @@ class Wakeup:
     def close(self) -> None:
         with self._lock:
             self._fd = -1
+
+
+def call_bounded(func: Callable[..., T], *args: Any, timeout_s: float, default: T) -> T:
+    """``func(*args)`` on a daemon thread of its own, waited for at most ``timeout_s`` seconds; ``default`` when it
+    has not returned by then (it is left running: a ``stat()`` on a hung mount never returns) or when it raised.
+
+    For the few file system calls made after the loop, on the way to the VERDICT (``guard.run.diagnose``): the
+    VERDICT is late by ``timeout_s`` at most, never missing. Not for the loop, which never waits.
+    """
+    pending: Pending[T] = Pending(getattr(func, "__qualname__", repr(func)))
+
+    def work() -> None:
+        try:
+            pending._finish(func(*args), None)
+        except Exception as exc:  # noqa: BLE001 - the default stands for a failed call
+            pending._finish(None, exc)
+
+    threading.Thread(target=work, name="guard-bounded", daemon=True).start()
+    if not pending.wait(timeout_s):
+        log.warning("%s did not return within %.0fs (a hung file system?): going on without it", pending.name,
+                    timeout_s)
+        return default
+    value = pending.result()
+    return default if pending.error is not None or value is None else value

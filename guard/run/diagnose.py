@@ -6,6 +6,10 @@ the job's exit code, or ``oom`` when the job printed a CUDA out-of-memory error 
 rose during the run (the kernel killed one of its processes, e.g. one torchrun worker, and the launcher exited
 non-zero); a death by signal is ``killed`` (128 + n), or ``oom`` when the counter rose, or when it was a SIGKILL and
 the job's memory was near the cgroup's limit.
+
+This runs after the loop, on the way to the VERDICT: its few file system calls (the final model's listing, the
+ranks' error files, the free space of the output folder) are bounded (``core.helpers.call_bounded``,
+``FS_BOUND_S`` each), so that a hung mount delays the VERDICT, never withholds it.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from guard.contract import EXIT_GUARD_ERROR, EXIT_INCOMPLETE, RunResult, signal_name
+from guard.core.helpers import call_bounded
 from guard.core.state import JobFacts, RunState, died_after_training, incomplete_reason
 from guard.run.config import RunSettings, guard_options_in
 from guard.run.output import add_worker_deaths
@@ -33,6 +38,7 @@ __all__ = ["JobExit", "cause_hint", "died_after_training", "incomplete_reason", 
 log = logging.getLogger("guard.supervisor")
 
 OOM_NEAR_LIMIT = 0.9
+FS_BOUND_S = 5.0  # how long one file system call on the way to the VERDICT may take (a hung mount: skipped)
 
 NO_LOSS_HINT = (
     "no training loss was seen, so the sanity pass did not run: a transformers Trainer is seen automatically, "
@@ -149,7 +155,8 @@ def rank_failure(facts: JobFacts) -> tuple[int, str] | None:
     (``TORCHELASTIC_ERROR_FILE``), else the first rank whose agent reported an uncaught exception, else the first
     ``[rankN]:`` traceback in the output. None when no rank said."""
     written = [(stamp, rank, text) for rank, path in facts.error_files.items()
-               if (found := _error_file_message(path)) is not None for text, stamp in [found]]
+               if (found := call_bounded(_error_file_message, path, timeout_s=FS_BOUND_S, default=None)) is not None
+               for text, stamp in [found]]
     if written:
         _, rank, text = min(written)
         return rank, text
@@ -165,9 +172,8 @@ _DISK_FULL = ("No space left on device", "ENOSPC", "Errno 28", "unexpected pos",
 
 
 def _free_text(folder: str) -> str:
-    try:
-        usage = shutil.disk_usage(folder)
-    except OSError:
+    usage = call_bounded(shutil.disk_usage, folder, timeout_s=FS_BOUND_S, default=None)
+    if usage is None:
         return f"{folder} (free space unknown)"
     return f"{_size(usage.free)} free of {_size(usage.total)} in {folder}"
 
@@ -182,7 +188,7 @@ def _size(size_bytes: float) -> str:
 def _holds_final_model(folder: str | None) -> bool:
     from guard.secure.hub import holds_final_model  # lazily: huggingface_hub only when needed
 
-    return holds_final_model(folder)
+    return call_bounded(holds_final_model, folder, timeout_s=FS_BOUND_S, default=False)
 
 
 def _trainer_output(facts: JobFacts) -> str | None:

@@ -45,6 +45,10 @@ class LoopSignals:
         self.read_fd, self._write_fd = os.pipe()
         os.set_blocking(self.read_fd, False)
         os.set_blocking(self._write_fd, False)
+        # a helper call finished (securing's file system calls included, guard.core.helpers.wake_loop): the loop
+        # turns at once, on any thread
+        self._notify = Wakeup(self._write_fd)
+        HELPERS.notify = self._notify
         try:
             self._old_wakeup = signal.set_wakeup_fd(self._write_fd, warn_on_full_buffer=False)
         except ValueError:  # not the main thread: no signal handling (documented)
@@ -52,8 +56,6 @@ class LoopSignals:
             return
         for signum in (*default_signals(), signal.SIGCHLD):
             self._old_handlers[signum] = signal.signal(signum, self._on_signal)
-        self._notify = Wakeup(self._write_fd)  # a helper call finished: the loop turns at once
-        HELPERS.notify = self._notify
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:  # only records; the loop acts
         if signum == signal.SIGCHLD:

@@ -561,13 +561,15 @@ def describe(path: str | os.PathLike[str], *, step: int | None = None, stat: Sta
     return _info(where, files, found, step_source=source, admitted_by="reported")
 
 
-def rewritten_after(folder: Path, files: Iterable[str], saved_s: float) -> tuple[str, float] | None:
+def rewritten_after(folder: Path, files: Iterable[str], saved_s: float,
+                    stat: StatFn = os.stat) -> tuple[str, float] | None:
     """The first of ``files`` (relative to ``folder``) modified after ``saved_s`` (epoch seconds, the newest mtime
     when the checkpoint was seen complete), with how many seconds later; None when none was. A missing file counts
-    as rewritten (``inf`` seconds): a checkpoint saved in place (``ckpt.pt``) no longer holds the older step."""
+    as rewritten (``inf`` seconds): a checkpoint saved in place (``ckpt.pt``) no longer holds the older step.
+    ``stat``: ``os.stat``-like callable (tests inject one)."""
     for rel in files:
         try:
-            mtime_s = (folder / rel).stat().st_mtime
+            mtime_s = stat(str(folder / rel)).st_mtime
         except OSError:
             return rel, math.inf
         if mtime_s > saved_s + 1e-3:  # mtime resolution and float rounding

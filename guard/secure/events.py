@@ -107,9 +107,14 @@ class SignalReceived:
 
 @dataclass(frozen=True)
 class Failure:
-    """The run failed (``non_finite_loss``, ``stalled``, ``crash``, ``oom``, ``killed``, ``incomplete``)."""
+    """The run failed (``non_finite_loss``, ``stalled``, ``crash``, ``oom``, ``killed``, ``incomplete``).
+
+    ``at``: when it failed (clock seconds), when fed later (after a scan of the output folder); None: now. The
+    ``--grace`` window counts from it.
+    """
 
     reason: str
+    at: float | None = None
 
 
 @dataclass(frozen=True)

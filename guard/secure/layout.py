@@ -22,8 +22,8 @@ from pathlib import Path
 
 from guard.errors import SupervisorError
 
-__all__ = ["CHECKPOINT_FOLDER_RE", "OUTPUT_DIR_FLAGS", "check_reported_path", "is_plausible_output_dir",
-           "nothing_found_hint", "output_dir_for_save", "output_dir_from_args"]
+__all__ = ["CHECKPOINT_FOLDER_RE", "OUTPUT_DIR_FLAGS", "check_reported_path", "holds_any_file",
+           "is_plausible_output_dir", "nothing_found_hint", "output_dir_for_save", "output_dir_from_args"]
 
 #: The job arguments that name its output folder, in order of preference.
 OUTPUT_DIR_FLAGS = ("--output_dir", "--output-dir", "--out_dir", "--out-dir", "--save")
@@ -136,12 +136,19 @@ def check_reported_path(path: str | os.PathLike[str] | None, *, output_dir: str 
     return where
 
 
-def nothing_found_hint(*, output_dir: str | None, destination_given: bool) -> str:
+def holds_any_file(folder: str | os.PathLike[str]) -> bool:
+    """Whether ``folder`` is a folder holding a file anywhere below it (walks it: not for the loop)."""
+    where = Path(folder)
+    return where.is_dir() and any(path.is_file() for path in where.rglob("*"))
+
+
+def nothing_found_hint(*, output_dir: str | None, destination_given: bool, holds_files: bool | None = None) -> str:
     """The hint when no checkpoint could be secured because none was recognisable (or none was saved).
 
     Never names a flag that was already given: ``--push-to`` only without a destination, ``--output-dir`` only
     when no output folder is known; an output folder holding no file at all means the job never reached a save
-    (its save format is not the cause then).
+    (its save format is not the cause then). ``holds_files``: whether the output folder holds any file, as looked
+    at earlier off the loop (``holds_any_file``); None looks now.
     """
     if not destination_given:
         return "no destination: pass --push-to DEST so that a checkpoint leaves the machine"
@@ -149,8 +156,7 @@ def nothing_found_hint(*, output_dir: str | None, destination_given: bool) -> st
                   "*.safetensors files)")
     if output_dir is None:
         return f"no output folder known: pass --output-dir DIR (where the job saves), or {recognised}"
-    folder = Path(output_dir)
-    if not folder.is_dir() or not any(path.is_file() for path in folder.rglob("*")):
+    if not (holds_any_file(output_dir) if holds_files is None else holds_files):
         return (f"the job saved nothing in {output_dir} before it ended (it never reached a save): save a checkpoint "
                 "more often (save_steps, or every N steps) so that one exists when the time runs out")
     return f"nothing in {output_dir} was recognisable as a complete checkpoint: {recognised} there"

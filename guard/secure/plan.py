@@ -335,7 +335,7 @@ class Plan:
         the deadline)."""
         self._trigger = "failure"
         self._failure_reason = event.reason
-        self._window_end = min(self._window_end, now + self._grace_s)
+        self._window_end = min(self._window_end, (now if event.at is None else min(now, event.at)) + self._grace_s)
         self._state = State.SECURING
         return self._secure_newest(now)
 

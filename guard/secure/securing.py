@@ -4,9 +4,13 @@ actions the plan returns.
 The supervisor calls these hooks from its one loop (``tick``, ``on_signal``, ``on_checkpoint_saved``,
 ``on_decided``, ``on_taint``, ``on_job_exit`` ...); each turns what happened into ``guard.secure.events`` events
 for ``Plan.on`` and carries out the answer. None blocks: pushes run in worker processes (``guard.secure.worker``)
-that the plan polls and kills at ``secure_by``. Nothing here reads or writes the plan's state: ``finish`` fills
-the VERDICT's ``checkpoint=``, ``pushed=``, ``secured=`` and the exit code of a deadline or signal from
-``Plan.report()`` through ``guard.secure.outcome.checkpoint_fields`` (``CONTRACT.md``, "Secured checkpoints").
+that the plan polls and kills at ``secure_by``; every file system call (the output folder's scans, the description
+of a reported save, the files ``torch.save`` wrote, the rewrite checks, the final model's listing, the suspect
+markers) runs on the file system thread (``guard.secure.scans``), its answer handled on a later turn. At most one
+scan is in flight; a failure and the job's end wait for a fresh scan ``FS_WAIT_S`` at most, then go on without it.
+Nothing here reads or writes the plan's state: ``finish`` fills the VERDICT's ``checkpoint=``, ``pushed=``,
+``secured=`` and the exit code of a deadline or signal from ``Plan.report()`` through
+``guard.secure.outcome.checkpoint_fields`` (``CONTRACT.md``, "Secured checkpoints").
 """
 
 from __future__ import annotations
@@ -16,13 +20,15 @@ import math
 import signal
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from guard.contract import RunResult, signal_name
+from guard.core.helpers import FS_HELPERS, Submitter
 from guard.core.state import Message, Outcome, RunState, died_after_training, incomplete_reason
 from guard.errors import GuardError
-from guard.secure import budget, checkpoints, layout, worker
+from guard.secure import budget, checkpoints, layout, scans, worker
 from guard.secure.events import (
     Action,
     AlreadySecured,
@@ -52,7 +58,7 @@ from guard.secure.plan import Plan, State
 if TYPE_CHECKING:
     from guard.secure.hub import Securer
 
-__all__ = ["FAILURE_REASONS", "EndTimeSource", "JobLink", "Securing"]
+__all__ = ["FAILURE_REASONS", "FS_WAIT_S", "EndTimeSource", "JobLink", "Securing"]
 
 log = logging.getLogger("guard.secure")
 
@@ -60,6 +66,8 @@ log = logging.getLogger("guard.secure")
 FAILURE_REASONS = ("non_finite_loss", "stalled", "crash", "oom", "killed", "incomplete")
 SCAN_EVERY_S = 5.0  # how often the output folder is looked at for complete checkpoints
 FILE_SETTLE_S = 1.0  # a torch.save'd file counts as a whole checkpoint after this long without another file
+FS_WAIT_S = 5.0  # how long a failure or the job's end waits for a fresh scan of the output folder (a hung mount)
+KNOWN_CHECKED = 16  # how many of the newest checkpoints fed to the plan each scan checks for a rewrite
 
 
 class EndTimeSource(Protocol):
@@ -132,6 +140,16 @@ class JobLink(Protocol):
         """Run the timers (``tick``) on the loop's next turn."""
 
 
+@dataclass
+class _Hold:
+    """A hook's work that waits for the answer of scan number ``after``, or until ``until`` (clock seconds)."""
+
+    after: int
+    until: float
+    what: str
+    then: Callable[[JobLink | None, float], None]
+
+
 class Securing:
     """Hooks for the supervisor's loop around one ``Plan``; each hook gets the loop as a :class:`JobLink`.
 
@@ -147,6 +165,9 @@ class Securing:
         refresher: a ``guard.run.slurm.SlurmRefresher`` (any ``EndTimeSource``) or None.
         wall: epoch seconds; clock: monotonic seconds.
         pusher_factory: builds the plan's pusher from (destination text, token); default ``worker.Pusher``.
+        fs: where the file system calls run (default ``FS_HELPERS``' thread; tests pass one that runs them inline).
+        stat: ``os.stat``-like callable for the scans and the saves' descriptions (default ``os.stat``): the seam
+            through which tests make a scan block.
     """
 
     def __init__(self, *, deadline: budget.Deadline, estimator: budget.MarginEstimator, securer: Securer | None = None,
@@ -155,7 +176,8 @@ class Securing:
                  wall: Callable[[], float] = time.time,
                  clock: Callable[[], float] = time.monotonic, background: bool = True,
                  push_interval_s: float = 600.0, final_window_s: float = 180.0,
-                 pusher_factory: Callable[[str, str | None], Pusher] | None = None) -> None:
+                 pusher_factory: Callable[[str, str | None], Pusher] | None = None,
+                 fs: Submitter | None = None, stat: checkpoints.StatFn | None = None) -> None:
         self.deadline = deadline
         self.estimator = estimator
         self.securer = securer
@@ -165,19 +187,29 @@ class Securing:
         self.wall, self.clock = wall, clock
         self._pusher_factory: Callable[[str, str | None], Pusher] = pusher_factory or (
             lambda dest, token: worker.Pusher(dest, token, clock=clock))
+        self.disk = scans.Disk(stat) if stat is not None else scans.Disk()  # owned by the file system thread
+        self.port = scans.Port(fs if fs is not None else FS_HELPERS)
+        self._link: JobLink | None = None  # the loop, as the last hook got it (for answers handed back)
+        self._fed: list[checkpoints.CheckpointInfo] = []  # checkpoints fed to the plan, oldest first
+        self._unchanged: dict[tuple[str, int | None, float], bool] = {}  # the last scan's rewrite checks
+        self._scan_in_flight = False
+        self._rescan: bool | None = None  # a scan is wanted once the one in flight returns (True: a final one)
+        self._scans_asked = self._scans_done = 0
+        self._holds: list[_Hold] = []
+        self._pumping = False
+        self._final_model: bool | None = None  # the output folder holds final model files (the exit's scan)
+        self._holds_files: bool | None = None  # it holds any file (the exit's scan), for the VERDICT's hint
         self.plan = Plan(clock=clock, pusher=self._make_pusher(securer), estimator=estimator,
                          deadline_at=self._to_clock(deadline.deadline_s), grace_s=grace_s, background=background,
-                         push_interval_s=push_interval_s, final_output_dir=output_dir, final_window_s=final_window_s)
+                         push_interval_s=push_interval_s, final_output_dir=output_dir, final_window_s=final_window_s,
+                         unchanged=self._still_unchanged)
         self.latest_reported: checkpoints.CheckpointInfo | None = None
         self.last_step_at: float | None = None
         self.saved_ranks: dict[int | None, set[int]] = {}  # step -> ranks whose part of that save is done
-        self.reported_paths: set[str] = set()  # folders the job said it finished: no mtime rule for them
-        self.saved_files = checkpoints.SavedFiles()  # torch.save calls the agent saw return
         self.trainer_seen = False
         self.pending_file: tuple[checkpoints.CheckpointInfo, float] | None = None  # a save that may still grow
         self.follower = False
         self.next_scan = -math.inf
-        self._seen: set[tuple[str, str]] = set()
         self._node_checked = False
         self._save_logged = False
         self._training_seen = False
@@ -207,6 +239,95 @@ class Securing:
         if actions:
             self._carry_out(sup, actions, self.clock() if now is None else now)
 
+    def _seen_checkpoint(self, sup: JobLink | None, info: checkpoints.CheckpointInfo, now: float | None = None) -> None:
+        """``CheckpointSeen(info)`` to the plan; ``info`` is checked for a rewrite by the scans from now on."""
+        self._fed.append(info)
+        del self._fed[:-KNOWN_CHECKED]
+        self._feed(sup, CheckpointSeen(info), now)
+
+    def _still_unchanged(self, info: checkpoints.CheckpointInfo) -> bool:
+        """The plan's ``unchanged``, answered on the loop without a stat: False when a checkpoint fed later shares
+        a file with ``info`` and is newer (``ckpt.pt`` saved again in place), else the last scan's rewrite check
+        (``checkpoints.rewritten_after``, on the file system thread), else True (not checked yet: a push of a
+        rewritten file after a non-finite loss is refused by the push itself)."""
+        files = {(info.folder, rel) for rel in info.files}
+        for later in self._fed:
+            if later.newest_mtime_s > info.newest_mtime_s + 1e-3 and files & {(later.folder, r) for r in later.files}:
+                return False
+        return self._unchanged.get(scans.key(info), True)
+
+    # -- the file system thread's answers -------------------------------------------------------------------
+
+    def _pump(self, sup: JobLink | None, now: float) -> None:
+        """Hand back the file system calls that finished (in order), then the holds whose scan answered or whose
+        wait is over. Never waits."""
+        if sup is not None:
+            self._link = sup
+        if self._pumping:
+            return  # an answer's own events: the loop outside goes on draining
+        self._pumping = True
+        try:
+            self.port.drain()
+            self._release(self._link, now)
+        finally:
+            self._pumping = False
+
+    def _request_scan(self, *, final: bool = False) -> int:
+        """Scan the output folder on the file system thread unless a scan is in flight (then one follows it);
+        returns the number of the scan whose answer is fresh (``_scans_done`` reaches it)."""
+        if not self.output_dir:
+            return self._scans_done
+        if self._scan_in_flight:
+            self._rescan = bool(self._rescan) or final
+            return self._scans_asked + 1
+        self._scans_asked += 1
+        number = self._scans_asked
+        self._scan_in_flight = True
+        asked = scans.ScanAsked(self.output_dir, self.wall(), loose=not self.trainer_seen, since_s=self.started_s,
+                                resumed=frozenset(self.resumed_paths), known=tuple(self._fed), final=final)
+        self.port.submit(self.disk.scan, asked, apply=lambda value, error: self._scanned(number, value, error))
+        return number
+
+    def _scanned(self, number: int, value: object, error: BaseException | None) -> None:
+        """A scan's answer (on the loop): a complete checkpoint the job did not report becomes ``CheckpointSeen``."""
+        self._scan_in_flight = False
+        self._scans_done = number
+        if error is not None and not isinstance(error, OSError):
+            log.warning("the scan of %s failed: %r", self.output_dir, error)
+        if isinstance(value, scans.ScanFound):
+            self._unchanged.update(value.unchanged)
+            if value.final_model is not None:
+                self._final_model = value.final_model
+            if value.holds_files is not None:
+                self._holds_files = value.holds_files
+            found = value.found
+            if found is not None and (self.latest_reported is None or (found.step or -1) > (self.latest_reported.step
+                                                                                          or -1)):
+                self.estimator.observe_size(found.size_bytes)
+                self._seen_checkpoint(self._link, found)
+        if self._rescan is not None:
+            final, self._rescan = self._rescan, None
+            self._request_scan(final=final)
+
+    def _hold(self, sup: JobLink, what: str, then: Callable[[JobLink | None, float], None], now: float, *,
+              final: bool = False) -> None:
+        """Run ``then`` once a scan started from now answered, or ``FS_WAIT_S`` from now (before ``secure_by``)."""
+        after = self._request_scan(final=final)
+        self._holds.append(_Hold(after, min(now + FS_WAIT_S, max(now, self.plan.secure_by)), what, then))
+        self._pump(sup, now)
+
+    def _release(self, sup: JobLink | None, now: float) -> None:
+        while self._holds:
+            hold = self._holds[0]
+            answered = self._scans_done >= hold.after
+            if not answered and now < hold.until:
+                return
+            self._holds.pop(0)
+            if not answered:
+                log.warning("the output folder %s did not answer within %.0fs (a hung file system?): %s without "
+                            "its scan", self.output_dir, FS_WAIT_S, hold.what)
+            hold.then(sup, now)
+
     def already_secured(self, info: checkpoints.CheckpointInfo, *, destination: str, revision: str) -> None:
         """The destination already holds ``info`` (the checkpoint a resumed run was fetched from)."""
         self._feed(None, AlreadySecured(info, destination, revision))
@@ -215,8 +336,9 @@ class Securing:
         return None if epoch_s is None else self.clock() + (epoch_s - self.wall())
 
     def busy(self) -> bool:
-        """Securing has started and is not finished (the supervisor keeps running until it is)."""
-        return self.plan.busy
+        """Securing has started and is not finished, or a failure or the job's end waits for a scan (the supervisor
+        keeps running until neither)."""
+        return self.plan.busy or bool(self._holds)
 
     def due_at(self, now: float) -> float:
         """The next time ``tick`` has work (monotonic seconds)."""
@@ -227,6 +349,8 @@ class Securing:
             due.append(now + 60.0)
         if self._scanning():
             due.append(self.next_scan)
+        if self._holds:
+            due.append(self._holds[0].until)
         return min(due)
 
     def _scanning(self) -> bool:
@@ -239,12 +363,12 @@ class Securing:
         self.resumed_paths = {str(self.latest_reported.path)} if self.latest_reported is not None else set()
         if not self.output_dir or self.latest_reported is not None:
             return
-        try:
-            found = checkpoints.newest_complete(self.output_dir, now_s=self.wall())
-        except OSError:
-            return
-        if found is not None:
-            self.estimator.observe_size(found.size_bytes)
+
+        def sized(size_bytes: object, error: BaseException | None) -> None:
+            if isinstance(size_bytes, int):
+                self.estimator.observe_size(size_bytes)
+
+        self.port.submit(self.disk.size_of_newest, self.output_dir, self.wall(), apply=sized)
 
     def _can_save(self, sup: JobLink) -> bool:
         """The job can answer a checkpoint request: a Trainer, or a script that reported a save itself or called
@@ -271,7 +395,7 @@ class Securing:
     def _carry_out(self, sup: JobLink | None, actions: list[Action], now: float) -> None:
         for action in actions:
             if isinstance(action, MarkSuspect):
-                checkpoints.mark_suspect(action.path, step=action.step, first_non_finite_step=action.first_bad_step)
+                self.port.submit(scans.Disk.mark_suspect, action.path, action.step, action.first_bad_step)
                 continue
             if sup is None:
                 continue
@@ -308,6 +432,7 @@ class Securing:
     # -- hooks ------------------------------------------------------------------------------------------------
 
     def tick(self, sup: JobLink, now: float) -> None:
+        self._pump(sup, now)
         self._check_node(sup)
         if self.refresher is not None and self.plan.state is State.WATCHING:
             end_s = self.refresher.maybe_refresh(self.wall())
@@ -321,7 +446,10 @@ class Securing:
         self._settle(sup, now)
         if self._scanning() and now >= self.next_scan:
             self.next_scan = now + SCAN_EVERY_S
-            self._scan(sup)
+            if self._scan_in_flight:  # never a second one: the first may be stuck in stat() on a hung mount
+                log.debug("the scan of %s has not returned yet: none started", self.output_dir)
+            else:
+                self._scan(sup)
         if sup.state.progress.step is not None:
             self._training_started(sup, now)  # a step was seen: the deadline's request follows the margin
         if sup.job_running() and sup.state.outcome is None and self.plan.deadline_due(now):
@@ -335,17 +463,10 @@ class Securing:
             self._feed(sup, TrainingStarted(), now)
 
     def _scan(self, sup: JobLink) -> None:
-        """A complete checkpoint in the output folder the job did not report (``checkpoints.newest_complete``)."""
-        try:
-            found = checkpoints.newest_complete(self.output_dir or "", now_s=self.wall(), seen=self._seen,
-                                                reported=self.reported_paths, loose=not self.trainer_seen,
-                                                since_s=self.started_s, resumed=self.resumed_paths)
-        except OSError:
-            return
-        if found is not None and (self.latest_reported is None or (found.step or -1) > (self.latest_reported.step
-                                                                                      or -1)):
-            self.estimator.observe_size(found.size_bytes)
-            self._feed(sup, CheckpointSeen(found))
+        """Look for a complete checkpoint in the output folder the job did not report
+        (``checkpoints.newest_complete``, on the file system thread); its answer is handled when it comes."""
+        self._request_scan()
+        self._pump(sup, self.clock())
 
     def on_signal(self, sup: JobLink, signum: int, now: float) -> bool:
         """Feed a termination signal to the plan; False lets the supervisor handle it (no destination, or done)."""
@@ -390,14 +511,21 @@ class Securing:
         path = message.get("path")
         if not path:
             return
-        where = Path(str(path))
-        if self.output_dir is None and layout.is_plausible_output_dir(layout.output_dir_for_save(where)):
-            self.output_dir = str(layout.output_dir_for_save(where))
+        self.port.submit(self.disk.file_saved, str(path), message.get("step"), self.output_dir,
+                         apply=lambda seen, error: self._file_seen(message, seen, error))
+        self._pump(sup, self.clock())
+
+    def _file_seen(self, message: Message, seen: object, error: BaseException | None) -> None:
+        """``on_file_saved``'s answer from the file system thread (``scans.Disk.file_saved``)."""
+        sup = self._link
+        if not isinstance(seen, scans.FileSeen):
+            log.debug("cannot look at the saved file %s: %r", message.get("path"), error)
+            return
+        if seen.output_dir is not None and self.output_dir is None:
+            self.output_dir = seen.output_dir
             self._feed(sup, OutputDirKnown(self.output_dir))
             log.info("output folder: %s (where the job saves with torch.save)", self.output_dir)
-        if self.output_dir is None or not where.resolve().is_relative_to(Path(self.output_dir).resolve()):
-            return
-        info = self.saved_files.add(where, message.get("step"))
+        info = seen.info
         if info is None:
             return
         if message.get("save_s"):
@@ -409,7 +537,8 @@ class Securing:
         # A loop may save model.pt, then optim.pt: the set is taken once the job trains on (a later step) or a
         # moment passes without another file (see _settle).
         self.pending_file = (info, self.clock())
-        sup.wake()
+        if sup is not None:
+            sup.wake()
 
     def _settle(self, sup: JobLink, now: float, *, force: bool = False) -> None:
         if self.pending_file is None:
@@ -423,24 +552,34 @@ class Securing:
         self.latest_reported = info
         log.info("the job saved %s (step %s, %.1f MB)", info.path, info.step, info.size_bytes / 1e6)
         self._check_node(sup)
-        self._feed(sup, CheckpointSeen(info), now)
+        self._seen_checkpoint(sup, info, now)
 
     def on_checkpoint_saved(self, sup: JobLink, message: Message) -> None:
-        """The job reported a finished save (``checkpoint_saved``, with the sender's ``rank``)."""
-        try:
-            path = str(layout.check_reported_path(message.get("path"), output_dir=self.output_dir))
-        except GuardError as exc:
-            log.warning("%s (hint: %s)", exc.message, exc.hint)
+        """The job reported a finished save (``checkpoint_saved``, with the sender's ``rank``): its path is checked
+        and described on the file system thread (``scans.Disk.reported``), the answer handled when it comes."""
+        self.port.submit(self.disk.reported, dict(message), self.output_dir,
+                         apply=lambda seen, error: self._reported(message, seen, error))
+        self._pump(sup, self.clock())
+
+    def _reported(self, message: Message, seen: object, error: BaseException | None) -> None:
+        """``on_checkpoint_saved``'s answer from the file system thread."""
+        sup = self._link
+        if not isinstance(seen, scans.ReportSeen):
+            log.warning("cannot look at the checkpoint the job reported (%s): %r", message.get("path"), error)
             return
-        self.reported_paths.add(path)
+        if seen.path is None:
+            refused = seen.refused
+            if refused is not None:
+                log.warning("%s (hint: %s)", refused.message, refused.hint)
+            return
         rank = message.get("rank")
         if rank is not None:
             self.saved_ranks.setdefault(message.get("step"), set()).add(int(rank))
         if message.get("zero", True):
-            try:
-                saved = checkpoints.describe(path, step=message.get("step"))
-            except GuardError as exc:
-                log.warning("%s", exc.message)
+            saved = seen.info
+            if saved is None:
+                if seen.describe_error is not None:
+                    log.warning("%s", seen.describe_error.message)
                 return
             if message.get("save_s"):
                 self.estimator.observe_save(float(message["save_s"]), saved.size_bytes)
@@ -456,13 +595,15 @@ class Securing:
         if latest is None:
             return
         info = latest
-        missing = sup.training_ranks() - self.saved_ranks.get(info.step, set())
-        if missing and len(sup.training_ranks()) > 1:  # the push waits for every rank's part of the save
+        ranks = sup.training_ranks() if sup is not None else set()
+        missing = ranks - self.saved_ranks.get(info.step, set())
+        if missing and len(ranks) > 1:  # the push waits for every rank's part of the save
             log.info("checkpoint %s: waiting for rank(s) %s to finish their part", info.step,
                      ",".join(map(str, sorted(missing))))
             return
-        self._check_node(sup)
-        self._feed(sup, CheckpointSeen(info))
+        if sup is not None:
+            self._check_node(sup)
+        self._seen_checkpoint(sup, info)
 
     def push_running(self) -> bool:
         """A push that ends the run (securing a failure, a deadline, a signal) is under way."""
@@ -472,13 +613,26 @@ class Securing:
         """The supervisor decided a failure (non-finite loss, stall ...): secure what was saved before it."""
         if outcome.reason not in FAILURE_REASONS:
             return
-        self._settle(sup, self.clock(), force=True)
-        if self.output_dir:
-            self._scan(sup)
+        now = self.clock()
+        self._pump(sup, now)
+        self._settle(sup, now, force=True)
         bad = sup.state.progress.step if outcome.reason == "non_finite_loss" else None
         if bad is not None:
             self._feed(sup, Tainted(bad))
-        self._feed(sup, Failure(outcome.reason))
+        reason = outcome.reason
+
+        def fail(link: JobLink | None, at: float) -> None:
+            if link is not None:
+                self._settle(link, at, force=True)
+            self._feed(link, Failure(reason, at=now), at)
+
+        if reason == "non_finite_loss" and self._fed:
+            # at once, with the checkpoints known: the supervisor pauses the job while that push runs (a job told
+            # to stop may save the non-finite weights over it); the fresh scan's answer follows as CheckpointSeen
+            fail(sup, now)
+            self._scan(sup)
+        else:  # the newest checkpoint may be one saved since the last scan: wait for a fresh one (bounded)
+            self._hold(sup, f"securing after the failure ({reason}) goes on", fail, now)
 
     def on_taint(self, sup: JobLink, step: int) -> None:
         """A non-finite loss from ``step`` on, heard after another outcome was decided (a deadline, a signal): the
@@ -502,16 +656,23 @@ class Securing:
 
     def on_job_exit(self, sup: JobLink, now: float) -> None:
         """The job's main process exited: a failure secures what it saved, a finished training pushes the final
-        model (a PASS, even after the deadline's request)."""
+        model (a PASS, even after the deadline's request). With an output folder, after a final scan of it (the
+        newest checkpoint, the final model files) on the file system thread, ``FS_WAIT_S`` at most."""
+        self._pump(sup, now)
+        self._settle(sup, now, force=True)
+        if self.output_dir:
+            self._hold(sup, "the job's end is handled", self._job_exited, now, final=True)
+        else:
+            self._job_exited(sup, now)
+
+    def _job_exited(self, link: JobLink | None, now: float) -> None:
+        sup = link if link is not None else self._link
+        assert sup is not None
         self._settle(sup, now, force=True)
         code = sup.job_exit_code()
         outcome = sup.state.outcome
-        if self.output_dir and self.plan.state is not State.DONE:
-            self._scan(sup)
-        from guard.secure.hub import holds_final_model  # lazily: the hub module is needed only at the end
-
-        completed = died_after_training(sup.state.facts, code,
-                                        lambda: holds_final_model(self.output_dir)) is not None
+        final_model = bool(self._final_model)  # the exit's scan; unknown (no answer): none
+        completed = died_after_training(sup.state.facts, code, lambda: final_model) is not None
         if self.plan.state is State.WATCHING and outcome is None and code is not None and code != 0 \
                 and not completed:
             self._feed(sup, Failure("crash" if code > 0 else "killed"), now)
@@ -527,7 +688,7 @@ class Securing:
         self._check_node(sup)
         if ok and sup.node_rank not in (None, 0) and self.securer is not None:
             log.info("node %d: the guard of node 0 pushes the final model", sup.node_rank)
-        has_final_model = not (ok and self.output_dir) or holds_final_model(self.output_dir)
+        has_final_model = not (ok and self.output_dir) or final_model
         self._feed(sup, JobExited(ok=(ok and outcome is None) or complete, complete=complete,
                                   has_final_model=has_final_model), now)
 
@@ -543,8 +704,11 @@ class Securing:
         """
         self._feed(None, RunOver())
         report = self.plan.report()
+        # the exit's scan said whether the output folder holds any file; not looked at here (a hung mount): when it
+        # did not answer, the hint names what the guard recognises
         nothing = layout.nothing_found_hint(output_dir=self.output_dir,
-                                            destination_given=self.securer is not None or report.trigger == "signal")
+                                            destination_given=self.securer is not None or report.trigger == "signal",
+                                            holds_files=self._holds_files is not False)
         fields = checkpoint_fields(report, Verdict(result.status, result.reason, result.exit_code, result.hint,
                                                    result.extra.get("signal")),
                                    step=step, nothing_found_hint=nothing, follower=self.follower)

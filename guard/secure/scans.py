@@ -1,0 +1,202 @@
+"""Securing's file system work, off the supervisor's loop: the output folder's scans, the description of each
+save, the final model's listing, the suspect markers.
+
+On a hung NFS or Lustre hard mount a ``stat()`` never returns. None of these calls runs on the loop: securing
+submits them to the file system thread (``guard.core.helpers.FS_HELPERS``) through a :class:`Port`, and their
+results come back on a later loop turn, in the order they were submitted, as calls on the loop's side
+(``Port.drain``), from which securing feeds the plan its events (``CheckpointSeen``, ...). A scan that never
+returns holds up only the calls queued behind it on that thread; the deadline, signals, stalls and the VERDICT
+go on (``Securing`` waits for a scan's answer a bounded time at most, ``FS_WAIT_S``).
+
+:class:`Disk` is the state the file system thread owns (which folders the job said it finished, the files it
+saved with ``torch.save``, which (folder, reason) pairs were logged): it is read and written on that thread only.
+Its ``stat`` is the seam through which tests make a scan block (an ``os.stat`` that waits for an event).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from guard.core.helpers import Pending, Submitter
+from guard.errors import GuardError
+from guard.secure import checkpoints, layout
+from guard.secure.checkpoints import CheckpointInfo, StatFn
+
+__all__ = ["Disk", "FileSeen", "Port", "ReportSeen", "ScanAsked", "ScanFound"]
+
+log = logging.getLogger("guard.secure")
+
+Apply = Callable[[Any, BaseException | None], None]
+
+
+class Port:
+    """Calls submitted to a file system thread, their results handed back on the loop in submission order.
+
+    Args:
+        helpers: where the calls run (``FS_HELPERS``; a test may pass a ``Submitter`` that runs them inline).
+    """
+
+    def __init__(self, helpers: Submitter) -> None:
+        self._helpers = helpers
+        self._queue: deque[tuple[Pending[Any], Apply]] = deque()
+
+    def submit(self, func: Callable[..., Any], *args: Any, apply: Apply | None = None) -> None:
+        """Queue ``func(*args)`` on the thread; returns at once. ``apply(value, error)`` runs on the loop once the
+        call and every call submitted before it are done (``drain``)."""
+        self._queue.append((self._helpers.submit(func, *args), apply or (lambda value, error: None)))
+
+    def drain(self) -> int:
+        """On the loop: hand back every finished call at the head of the queue (a call still running holds back
+        the ones behind it, so that results arrive in order); returns how many were handed back. Never waits."""
+        count = 0
+        while self._queue and self._queue[0][0].done():
+            pending, apply = self._queue.popleft()
+            count += 1
+            apply(pending.result(), pending.error)
+        return count
+
+    @property
+    def in_flight(self) -> int:
+        """Calls submitted and not handed back yet."""
+        return len(self._queue)
+
+
+@dataclass(frozen=True)
+class ScanAsked:
+    """One scan of the output folder (``checkpoints.newest_complete``), with what it needs from the loop.
+
+    Attributes:
+        output_dir: the folder. now_s: the wall clock at submission, epoch seconds.
+        loose: also consider loose model files (no Trainer seen). since_s: the job's start (epoch s), or None.
+        resumed: the checkpoint this run resumed from (counts although older). known: checkpoints fed to the plan,
+            whose files are checked for a rewrite since (``checkpoints.rewritten_after``).
+        final: also list the final model files (``hub.holds_final_model``) and whether the folder holds any file
+            (the VERDICT's hint): the scan after the job's exit.
+    """
+
+    output_dir: str
+    now_s: float
+    loose: bool = True
+    since_s: float | None = None
+    resumed: frozenset[str] = frozenset()
+    known: tuple[CheckpointInfo, ...] = ()
+    final: bool = False
+
+
+@dataclass(frozen=True)
+class ScanFound:
+    """What one scan found.
+
+    Attributes:
+        found: the newest complete checkpoint, or None. unchanged: for each of ``ScanAsked.known`` (by
+        :func:`key`), whether its files are still as they were saved. final_model: the output folder holds final
+        model files (None: not asked). holds_files: it holds any file at all (None: not asked).
+    """
+
+    found: CheckpointInfo | None
+    unchanged: dict[tuple[str, int | None, float], bool] = field(default_factory=dict)
+    final_model: bool | None = None
+    holds_files: bool | None = None
+
+
+@dataclass(frozen=True)
+class ReportSeen:
+    """A ``checkpoint_saved`` message, checked and described on the thread: ``path`` None when refused
+    (``refused`` says why); ``info`` None when not described (``describe_error`` says why, or ``zero`` was
+    False)."""
+
+    path: str | None
+    refused: GuardError | None = None
+    info: CheckpointInfo | None = None
+    describe_error: GuardError | None = None
+
+
+@dataclass(frozen=True)
+class FileSeen:
+    """A ``file_saved`` message, looked at on the thread: the output folder it names when none was known
+    (``output_dir``), and the checkpoint its save belongs to (``info``, None when none)."""
+
+    output_dir: str | None = None
+    info: CheckpointInfo | None = None
+
+
+def key(info: CheckpointInfo) -> tuple[str, int | None, float]:
+    """A checkpoint's identity for ``ScanFound.unchanged``: its path, step and newest mtime."""
+    return str(info.path), info.step, info.newest_mtime_s
+
+
+class Disk:
+    """The file system thread's side of securing; every method runs on that thread (or inline in tests).
+
+    Args:
+        stat: ``os.stat``-like callable for the scans, the saves' descriptions and the rewrite checks (the seam
+            tests use to make a scan block); default ``os.stat``.
+    """
+
+    def __init__(self, stat: StatFn = os.stat) -> None:
+        self.stat = stat
+        self.reported_paths: set[str] = set()  # folders the job said it finished: no mtime rule for them
+        self.saved_files = checkpoints.SavedFiles()  # torch.save calls the agent saw return
+        self.seen: set[tuple[str, str]] = set()  # (folder, reason) pairs already logged
+
+    def scan(self, asked: ScanAsked) -> ScanFound:
+        """Scan the output folder (``checkpoints.newest_complete``); raises OSError as it does."""
+        found = checkpoints.newest_complete(asked.output_dir, now_s=asked.now_s, stat=self.stat, seen=self.seen,
+                                            reported=set(self.reported_paths), loose=asked.loose,
+                                            since_s=asked.since_s, resumed=asked.resumed)
+        unchanged = {key(info): checkpoints.rewritten_after(info.folder, info.files, info.newest_mtime_s,
+                                                            stat=self.stat) is None for info in asked.known}
+        final_model = holds_files = None
+        if asked.final:
+            from guard.secure.hub import holds_final_model  # lazily: the hub module is needed only at the end
+
+            final_model = holds_final_model(asked.output_dir)
+            holds_files = layout.holds_any_file(asked.output_dir)
+        return ScanFound(found, unchanged, final_model, holds_files)
+
+    def size_of_newest(self, output_dir: str, now_s: float) -> int | None:
+        """Before the job starts: the size of the newest complete checkpoint already there, or None."""
+        try:
+            found = checkpoints.newest_complete(output_dir, now_s=now_s, stat=self.stat)
+        except OSError:
+            return None
+        return found.size_bytes if found is not None else None
+
+    def reported(self, message: dict[str, Any], output_dir: str | None) -> ReportSeen:
+        """Check the path of a ``checkpoint_saved`` message (``layout.check_reported_path``) and, from rank 0
+        (``zero``), describe it (``checkpoints.describe``)."""
+        try:
+            path = str(layout.check_reported_path(message.get("path"), output_dir=output_dir))
+        except GuardError as exc:
+            return ReportSeen(None, refused=exc)
+        self.reported_paths.add(path)
+        if not message.get("zero", True):
+            return ReportSeen(path)
+        try:
+            return ReportSeen(path, info=checkpoints.describe(path, step=message.get("step"), stat=self.stat))
+        except GuardError as exc:
+            return ReportSeen(path, describe_error=exc)
+
+    def file_saved(self, path: str, step: int | None, output_dir: str | None) -> FileSeen:
+        """A file ``torch.save`` wrote: the output folder it names when ``output_dir`` is None (a plausible one,
+        ``layout.is_plausible_output_dir``), and its checkpoint (``checkpoints.SavedFiles``) when it lies in the
+        output folder."""
+        where = Path(path)
+        named = None
+        if output_dir is None and layout.is_plausible_output_dir(layout.output_dir_for_save(where)):
+            named = output_dir = str(layout.output_dir_for_save(where))
+        if output_dir is None or not where.resolve().is_relative_to(Path(output_dir).resolve()):
+            return FileSeen(named)
+        return FileSeen(named, self.saved_files.add(where, step, stat=self.stat))
+
+    @staticmethod
+    def mark_suspect(path: str, step: int | None, first_bad_step: int) -> None:
+        """Write the suspect marker of a checkpoint (``checkpoints.mark_suspect``: logged, never raised)."""
+        checkpoints.mark_suspect(path, step=step, first_non_finite_step=first_bad_step)
+
