@@ -254,7 +254,7 @@ def test_the_supervisor_loop_turns_on_while_a_scan_is_stuck(tmp_path: Path, gate
         assert agent.receive("checkpoint")["stop"] is True
         agent.send("checkpoint_saved", path=str(run.out / "checkpoint-3"), step=3, save_s=0.1)  # queued behind it
         run.sup.signals.append(signal.SIGTERM)  # what the handler does
-        run.wait_until(lambda: run.sup.escalation.started or bool(run.sup.stop_at), "the job's stop")
+        run.wait_until(lambda: run.sup.escalation.started or run.sup.link.stop_at is not None, "the job's stop")
         run.job.exit(143)  # stopped by the guard's SIGTERM
         run.wait_until(lambda: run.sup.exited_at is not None, "the job's exit")
         result = finished(run)
