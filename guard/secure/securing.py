@@ -80,7 +80,7 @@ class EndTimeSource(Protocol):
 
 
 class JobLink(Protocol):
-    """What securing needs from the supervisor's loop (``guard.run.supervisor.Supervisor`` offers it; tests offer
+    """What securing needs from the supervisor's loop (``guard.run.joblink.LoopLink`` offers it; tests offer
     a fake).
 
     Attributes:
