@@ -41,6 +41,7 @@ from collections.abc import Callable
 from typing import Any
 
 from guard.secure.budget import MarginEstimator
+from guard.secure.cadence import PUSH_TIME_FACTOR, background_interval_s
 from guard.secure.checkpoints import CheckpointInfo, rewritten_after
 from guard.secure.events import (
     Action,
@@ -113,7 +114,11 @@ class Plan:
         deadline_at: the platform's deadline in clock seconds, or None.
         grace_s: ``--grace`` (seconds from a signal to the platform's SIGKILL).
         background: push complete checkpoints as they appear (``--background-push``).
-        push_interval_s: the least time between two background push starts (``--push-interval``).
+        push_interval_s: the least time between two background push starts (``--push-interval``), or None:
+            derived from the destination (``destination_kind``) and the last measured push time
+            (``cadence.background_interval_s``, recomputed after every push that ended well).
+        destination_kind: ``"folder"`` or ``"hub"`` (``hub.Destination.kind``), or None until a destination is
+            known (``DestinationKnown``; then taken as the Hub, the only destination found later).
         final_output_dir: the job's output folder for the final model push, or None.
         final_window_s: with no deadline, how long securing after a good end may take (``--final-push-window``,
             default 180 s); an upload estimated to take longer gets 3x its estimate.
@@ -123,15 +128,18 @@ class Plan:
 
     def __init__(self, *, clock: Callable[[], float], pusher: Pusher | None, estimator: MarginEstimator,
                  deadline_at: float | None = None, grace_s: float = 30.0, background: bool = True,
-                 push_interval_s: float = 600.0, final_output_dir: str | None = None, final_window_s: float = 180.0,
-                 unchanged: Callable[[CheckpointInfo], bool] = _unchanged_on_disk) -> None:
+                 push_interval_s: float | None = 600.0, final_output_dir: str | None = None,
+                 final_window_s: float = 180.0, unchanged: Callable[[CheckpointInfo], bool] = _unchanged_on_disk,
+                 destination_kind: str | None = None) -> None:
         self._clock = clock
         self._pusher = pusher
         self._estimator = estimator
         self._deadline_at = deadline_at
         self._grace_s = grace_s
         self._background = background
-        self._push_interval_s = push_interval_s
+        self._fixed_interval_s = push_interval_s
+        self._destination_kind = destination_kind
+        self._measured_push_s: float | None = None  # the last push that ended well (its upload and verification)
         self._final_output_dir = final_output_dir
         self._final_window_s = final_window_s
         self._unchanged = unchanged
@@ -209,8 +217,15 @@ class Plan:
             if self._deadline_at is not None:
                 due.append(self._deadline_request_at())
             if self._queued is not None and self._push is None:
-                due.append(self._last_start + self._push_interval_s)
+                due.append(self._last_start + self._interval_s())
         return min(due)
+
+    def _interval_s(self) -> float:
+        """The least time between two background push starts: ``--push-interval``, else from the destination and
+        the last measured push (``cadence.background_interval_s``)."""
+        if self._fixed_interval_s is not None:
+            return self._fixed_interval_s
+        return background_interval_s(self._destination_kind or "hub", measured_push_s=self._measured_push_s)
 
     def deadline_due(self, now: float) -> bool:
         """The deadline's request is due (send ``DeadlineNear``)."""
@@ -259,6 +274,8 @@ class Plan:
 
     def _on_destination(self, event: DestinationKnown, now: float) -> list[Action]:
         self._pusher = event.pusher
+        if event.kind is not None:
+            self._destination_kind = event.kind
         return []
 
     def _on_output_dir(self, event: OutputDirKnown, now: float) -> list[Action]:
@@ -284,7 +301,7 @@ class Plan:
         if self._state is State.WATCHING:
             if not self._background:
                 return []
-            if self._push is not None or now < self._last_start + self._push_interval_s:
+            if self._push is not None or now < self._last_start + self._interval_s():
                 self._queued = info  # a newer one replaces a queued one
                 return []
             return self._start("background", info, self._background_deadline(now), now)
@@ -434,7 +451,7 @@ class Plan:
             self._state = State.SECURING
             actions += self._secure_newest(now)
         if (self._state is State.WATCHING and self._queued is not None and self._push is None
-                and now >= self._last_start + self._push_interval_s):
+                and now >= self._last_start + self._interval_s()):
             info, self._queued = self._queued, None
             actions += self._start("background", info, self._background_deadline(now), now)
         if self.busy and now >= self.secure_by:
@@ -461,6 +478,15 @@ class Plan:
         log.warning("checkpoint %s (step %s) was %s the first non-finite loss (step %d): suspect, not pushed",
                     info.path, info.step, why, self._bad_from_step)
         return [MarkSuspect(str(info.path), info.step, self._bad_from_step)]
+
+    def _measured(self, took_s: float) -> None:
+        """A push took ``took_s`` seconds: a derived interval follows it (logged when it changes)."""
+        before = self._interval_s()
+        self._measured_push_s = took_s
+        after = self._interval_s()
+        if after != before:
+            log.info("background push interval now %.0fs (the last push took %.1fs; at least %.0fx that, and the "
+                     "destination's commit rate limit)", after, took_s, PUSH_TIME_FACTOR)
 
     def _estimate_s(self, info: CheckpointInfo) -> float:
         return self._estimator.secure_estimate_s(info.size_bytes)
@@ -635,6 +661,8 @@ class Plan:
             took_s = getattr(result, "transfer_s", result.elapsed_s)  # the successful attempt alone, no waits
             if took_s > 0 and result.size_bytes > 0:
                 self._estimator.observe_push(result.size_bytes, took_s)
+            if took_s > 0 and record.kind != "final":
+                self._measured(float(took_s))
             if record.kind == "final":
                 log.info("final model secured and verified: %s", result.pushed)
             elif self._is_suspect(record.info):
@@ -667,7 +695,7 @@ class Plan:
                 self._state = State.DONE
             return []
         if self._state is State.WATCHING and self._queued is not None \
-                and now >= self._last_start + self._push_interval_s:
+                and now >= self._last_start + self._interval_s():
             info, self._queued = self._queued, None
             return self._start("background", info, self._background_deadline(now), now)
         return []
