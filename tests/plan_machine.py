@@ -101,7 +101,8 @@ class PlanMachine(RuleBasedStateMachine):
 
     driver_factory: Callable[..., Any] = NewDriver
     #: the invariants checked (all by default); a run against an older plan checks one at a time
-    checks: frozenset[str] = frozenset({"bound", "in_time", "secured", "supersede", "finished", "kill_bound"})
+    checks: frozenset[str] = frozenset({"bound", "in_time", "secured", "supersede", "finished", "kill_bound",
+                                        "stalled"})
 
     def __init__(self) -> None:
         super().__init__()
@@ -138,10 +139,18 @@ class PlanMachine(RuleBasedStateMachine):
             killed = self.pusher.killed[-1]
             new = self.pusher.started[-1]
             bound = self.driver.secure_by
-            if killed.started + killed.duration_s <= bound and new.started + new.duration_s > bound:
+            if not killed.stalled and killed.started + killed.duration_s <= bound \
+                    and new.started + new.duration_s > bound:
                 self._violate("supersede", f"a push that would end at {killed.started + killed.duration_s:.1f} "
                               f"(in time for {bound:.1f}) was killed for one that ends at "
                               f"{new.started + new.duration_s:.1f}")
+        for kill in kills:
+            if kill.why == "stalled" and not any(s.step is not None and kill.step is not None and s.step > kill.step
+                                                 for s in starts):
+                self._violate("stalled", f"the stalled push of step {kill.step} was killed with no newer push "
+                              f"started ({starts})")
+            if kill.why == "stalled" and not self.pusher.killed[-1].stalled:
+                self._violate("stalled", f"the push of step {kill.step} was killed as stalled but made progress")
 
     def _violate(self, kind: str, text: str) -> None:
         if kind in self.checks:
@@ -203,6 +212,11 @@ class PlanMachine(RuleBasedStateMachine):
     @rule()
     def push_fails(self) -> None:
         self.pusher.fail_next = True
+
+    @rule()
+    def push_stalls(self) -> None:
+        """The next push moves no byte and never ends on its own (a commit the Hub never answers)."""
+        self.pusher.stall_next = True
 
     @precondition(lambda self: self.job_running)
     @rule(complete=st.booleans(), crash=st.booleans())

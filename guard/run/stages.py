@@ -400,7 +400,8 @@ def run_job(config: Config, masker: Masker, started: float) -> RunResult:
     securing = Securing(deadline=deadline, estimator=estimator, securer=securer, securer_factory=factory,
                         output_dir=output_dir, grace_s=secure.grace_s,
                         refresher=_slurm_refresher(config, platform), background=secure.background_push,
-                        push_interval_s=push_interval_s, final_window_s=secure.final_push_window_s)
+                        push_interval_s=push_interval_s, final_window_s=secure.final_push_window_s,
+                        push_stall_s=secure.push_stall_s)
     if fetched is not None:
         securing.latest_reported = describe(fetched.path, step=fetched.step)
         if fetched.source == "destination" and securer is not None:  # the destination holds it, verified

@@ -42,9 +42,13 @@ __all__ = [
 
 
 class PushHandle(Protocol):
-    """A running push (``guard.secure.worker``'s handle): ``poll()`` is its result once over, else None."""
+    """A running push (``guard.secure.worker``'s handle): ``poll()`` is its result once over, else None;
+    ``progress_at``: when (clock seconds) it last moved a byte, as of the last ``poll()``."""
 
     deadline: float
+
+    @property
+    def progress_at(self) -> float: ...
 
     def poll(self) -> Any: ...
 
@@ -209,7 +213,8 @@ class StartPush:
 
 @dataclass(frozen=True)
 class KillPush:
-    """The running push was killed (``why``: ``deadline``, ``superseded``, ``suspect``, ``final``, ``killed``)."""
+    """The running push was killed (``why``: ``deadline``, ``superseded``, ``stalled`` (no progress, a newer
+    checkpoint replaces it), ``suspect``, ``final``, ``killed``)."""
 
     why: str
     path: str | None = None

@@ -48,7 +48,7 @@ from guard.secure.events import (
     TrainingStarted,
 )
 from guard.secure.outcome import Verdict, checkpoint_fields
-from guard.secure.plan import Plan, State
+from guard.secure.plan import PUSH_STALL_S, Plan, State
 
 if TYPE_CHECKING:
     from guard.secure.hub import Securer
@@ -146,6 +146,8 @@ class Securing:
         grace_s: ``--grace``. background: ``--background-push``. push_interval_s: ``--push-interval``, or None:
             from the destination and the measured push time (``cadence.background_interval_s``).
         final_window_s: ``--final-push-window`` (securing after a good end with no deadline).
+        push_stall_s: ``--push-stall``: a push with no progress for this long is replaced by a newer checkpoint's
+            (``plan.PUSH_STALL_S`` by default; 0: off).
         refresher: a ``guard.run.slurm.SlurmRefresher`` (any ``EndTimeSource``) or None.
         wall: epoch seconds; clock: monotonic seconds.
         pusher_factory: builds the plan's pusher from (destination text, token); default ``worker.Pusher``.
@@ -157,7 +159,8 @@ class Securing:
                  wall: Callable[[], float] = time.time,
                  clock: Callable[[], float] = time.monotonic, background: bool = True,
                  push_interval_s: float | None = 600.0, final_window_s: float = 180.0,
-                 pusher_factory: Callable[[str, str | None], Pusher] | None = None) -> None:
+                 pusher_factory: Callable[[str, str | None], Pusher] | None = None,
+                 push_stall_s: float = PUSH_STALL_S) -> None:
         self.deadline = deadline
         self.estimator = estimator
         self.securer = securer
@@ -170,7 +173,7 @@ class Securing:
         self.plan = Plan(clock=clock, pusher=self._make_pusher(securer), estimator=estimator,
                          deadline_at=self._to_clock(deadline.deadline_s), grace_s=grace_s, background=background,
                          push_interval_s=push_interval_s, final_output_dir=output_dir, final_window_s=final_window_s,
-                         destination_kind=self._kind(securer))
+                         destination_kind=self._kind(securer), stall_s=push_stall_s)
         self.latest_reported: checkpoints.CheckpointInfo | None = None
         self.last_step_at: float | None = None
         self.saved_ranks: dict[int | None, set[int]] = {}  # step -> ranks whose part of that save is done
