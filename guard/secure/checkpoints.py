@@ -54,7 +54,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from guard.errors import SupervisorError
-from guard.secure.formats import DISTCP_METADATA, check_files
+from guard.secure.formats import DISTCP_METADATA, check_files, recorded_step
 
 __all__ = [
     "GUARD_MARKER_NAME",
@@ -125,6 +125,9 @@ class CheckpointInfo:
             ``checkpoint_saved`` or the agent's step count at the save: the guard's own step unit, comparable with
             the VERDICT's ``step``), ``"marker"``, ``"name"`` (N of the folder or file name: the job's unit, which
             may differ, e.g. with gradient accumulation), or None (unknown).
+        recorded: the step the checkpoint records itself when ``step`` is the guard's count or unknown: ``(key,
+            value)`` from a ``torch.save``d dict's top level (``formats.recorded_step``: nanoGPT's 0-based
+            ``iter_num``...), for the hints, which speak of the step the job resumes from; else None.
     """
 
     path: Path
@@ -135,6 +138,7 @@ class CheckpointInfo:
     root: Path | None = None
     step_source: str | None = None
     admitted_by: str | None = None
+    recorded: tuple[str, int] | None = None
 
     @property
     def folder(self) -> Path:
@@ -288,9 +292,16 @@ def _step_from_json(path: Path, name: str, key: str) -> int | None:
 
 def _info(path: Path, files: dict[str, tuple[int, float]], step: int | None, *, root: Path | None = None,
           step_source: str | None = None, admitted_by: str | None = None) -> CheckpointInfo:
+    source = step_source if step is not None else None
+    recorded = None
+    if source in (None, "reported"):  # the guard's own count, or none: what does the checkpoint say?
+        base = root if root is not None else (path if path.is_dir() else path.parent)
+        for rel in sorted(files):
+            if rel.endswith((".pt", ".pth", ".ckpt")) and (recorded := recorded_step(base / rel)):
+                break
     return CheckpointInfo(path=path, step=step, size_bytes=sum(size for size, _ in files.values()),
                           files=tuple(sorted(files)), newest_mtime_s=max(m for _, m in files.values()), root=root,
-                          step_source=step_source if step is not None else None, admitted_by=admitted_by)
+                          step_source=source, admitted_by=admitted_by, recorded=recorded)
 
 
 _admitted_logged: set[tuple[str, float]] = set()
