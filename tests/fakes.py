@@ -70,11 +70,18 @@ class FakeHandle:
     duration_s: float
     fail: bool = False
     stalled: bool = False
+    stalled_at: float | None = None  # when a running push stopped moving bytes (None: from its start)
     result: FakeResult | None = None
 
     @property
     def progress_at(self) -> float:
-        return self.started if self.stalled else self.pusher.clock()
+        if not self.stalled:
+            return self.pusher.clock()
+        return self.started if self.stalled_at is None else self.stalled_at
+
+    def stall(self) -> None:
+        """From now on it moves no byte and never ends on its own."""
+        self.stalled, self.stalled_at = True, self.pusher.clock()
 
     def poll(self) -> FakeResult | None:
         if self.result is not None:

@@ -48,7 +48,7 @@ class NewDriver:
     def __init__(self, clock: FakeClock, pusher: FakePusher, estimator: MarginEstimator, deadline_at: float | None,
                  grace_s: float) -> None:
         self.plan = Plan(clock=clock, pusher=pusher, estimator=estimator, deadline_at=deadline_at, grace_s=grace_s,
-                         push_interval_s=5.0, final_output_dir="/out", unchanged=lambda info: True)
+                         push_interval_s=5.0, final_output_dir="/out", unchanged=lambda info: True, stall_s=5.0)
 
     def checkpoint(self, info: Any) -> list[Any]:
         return self.plan.on(CheckpointSeen(info))
@@ -133,7 +133,8 @@ class PlanMachine(RuleBasedStateMachine):
         for action in actions:
             if isinstance(action, Decide) and self.decided is None:
                 self.decided = action.status
-        kills = [a for a in actions if isinstance(a, KillPush) and a.why not in ("deadline", "killed")]
+        # a suspect push is killed whatever its timing (a taint): not a supersede
+        kills = [a for a in actions if isinstance(a, KillPush) and a.why not in ("deadline", "killed", "suspect")]
         starts = [a for a in actions if isinstance(a, StartPush)]
         if kills and starts:
             killed = self.pusher.killed[-1]
@@ -215,8 +216,13 @@ class PlanMachine(RuleBasedStateMachine):
 
     @rule()
     def push_stalls(self) -> None:
-        """The next push moves no byte and never ends on its own (a commit the Hub never answers)."""
-        self.pusher.stall_next = True
+        """The running push (else the next one) moves no byte from now on and never ends on its own (a commit the
+        Hub never answers)."""
+        running = [h for h in self.pusher.started if h.result is None]
+        if running:
+            running[-1].stall()
+        else:
+            self.pusher.stall_next = True
 
     @precondition(lambda self: self.job_running)
     @rule(complete=st.booleans(), crash=st.booleans())
