@@ -65,7 +65,8 @@ class FakeResult:
 
 @dataclass
 class FakeHandle:
-    """Ends ``duration_s`` after its start (ok unless ``fail``), or is killed at ``deadline`` like the worker."""
+    """Ends ``duration_s`` after its start (ok unless ``fail``), or is killed at ``deadline`` like the worker; a
+    ``stalled`` one moves no byte and never ends on its own (a commit the Hub never answers)."""
 
     pusher: FakePusher
     op: str
@@ -74,13 +75,25 @@ class FakeHandle:
     started: float
     duration_s: float
     fail: bool = False
+    stalled: bool = False
+    stalled_at: float | None = None  # when a running push stopped moving bytes (None: from its start)
     result: FakeResult | None = None
+
+    @property
+    def progress_at(self) -> float:
+        if not self.stalled:
+            return self.pusher.clock()
+        return self.started if self.stalled_at is None else self.stalled_at
+
+    def stall(self) -> None:
+        """From now on it moves no byte and never ends on its own."""
+        self.stalled, self.stalled_at = True, self.pusher.clock()
 
     def poll(self) -> FakeResult | None:
         if self.result is not None:
             return self.result
         now = self.pusher.clock()
-        if now >= self.started + self.duration_s:
+        if now >= self.started + self.duration_s and not self.stalled:
             size = self.pusher.size_of(self.args)
             self.result = (FakeResult(self.op, False, error="push failed: HTTP 403", error_type="PushFailedError",
                                       elapsed_s=now - self.started) if self.fail else
@@ -108,6 +121,7 @@ class FakePusher:
     rate: Any = lambda now: 10e6
     overhead_s: float = 1.0
     fail_next: bool = False
+    stall_next: bool = False
     started: list[FakeHandle] = field(default_factory=list)
     ended: list[FakeHandle] = field(default_factory=list)
     killed: list[FakeHandle] = field(default_factory=list)
@@ -118,8 +132,9 @@ class FakePusher:
     def start(self, op: str, args: dict[str, Any], deadline: float) -> FakeHandle:
         now = self.clock()
         duration = self.overhead_s + self.size_of(args) / max(self.rate(now), 1.0)
-        handle = FakeHandle(self, op, dict(args), deadline, now, duration, fail=self.fail_next)
-        self.fail_next = False
+        handle = FakeHandle(self, op, dict(args), deadline, now, duration, fail=self.fail_next,
+                            stalled=self.stall_next)
+        self.fail_next = self.stall_next = False
         self.started.append(handle)
         return handle
 

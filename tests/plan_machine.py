@@ -48,7 +48,7 @@ class NewDriver:
     def __init__(self, clock: FakeClock, pusher: FakePusher, estimator: MarginEstimator, deadline_at: float | None,
                  grace_s: float) -> None:
         self.plan = Plan(clock=clock, pusher=pusher, estimator=estimator, deadline_at=deadline_at, grace_s=grace_s,
-                         push_interval_s=5.0, final_output_dir="/out", unchanged=lambda info: True)
+                         push_interval_s=5.0, final_output_dir="/out", unchanged=lambda info: True, stall_s=5.0)
 
     def checkpoint(self, info: Any) -> list[Any]:
         return self.plan.on(CheckpointSeen(info))
@@ -101,7 +101,8 @@ class PlanMachine(RuleBasedStateMachine):
 
     driver_factory: Callable[..., Any] = NewDriver
     #: the invariants checked (all by default); a run against an older plan checks one at a time
-    checks: frozenset[str] = frozenset({"bound", "in_time", "secured", "supersede", "finished", "kill_bound"})
+    checks: frozenset[str] = frozenset({"bound", "in_time", "secured", "supersede", "finished", "kill_bound",
+                                        "stalled"})
 
     def __init__(self) -> None:
         super().__init__()
@@ -132,16 +133,25 @@ class PlanMachine(RuleBasedStateMachine):
         for action in actions:
             if isinstance(action, Decide) and self.decided is None:
                 self.decided = action.status
-        kills = [a for a in actions if isinstance(a, KillPush) and a.why not in ("deadline", "killed")]
+        # a suspect push is killed whatever its timing (a taint): not a supersede
+        kills = [a for a in actions if isinstance(a, KillPush) and a.why not in ("deadline", "killed", "suspect")]
         starts = [a for a in actions if isinstance(a, StartPush)]
         if kills and starts:
             killed = self.pusher.killed[-1]
             new = self.pusher.started[-1]
             bound = self.driver.secure_by
-            if killed.started + killed.duration_s <= bound and new.started + new.duration_s > bound:
+            if not killed.stalled and killed.started + killed.duration_s <= bound \
+                    and new.started + new.duration_s > bound:
                 self._violate("supersede", f"a push that would end at {killed.started + killed.duration_s:.1f} "
                               f"(in time for {bound:.1f}) was killed for one that ends at "
                               f"{new.started + new.duration_s:.1f}")
+        for kill in kills:
+            if kill.why == "stalled" and not any(s.step is not None and kill.step is not None and s.step > kill.step
+                                                 for s in starts):
+                self._violate("stalled", f"the stalled push of step {kill.step} was killed with no newer push "
+                              f"started ({starts})")
+            if kill.why == "stalled" and not self.pusher.killed[-1].stalled:
+                self._violate("stalled", f"the push of step {kill.step} was killed as stalled but made progress")
 
     def _violate(self, kind: str, text: str) -> None:
         if kind in self.checks:
@@ -203,6 +213,16 @@ class PlanMachine(RuleBasedStateMachine):
     @rule()
     def push_fails(self) -> None:
         self.pusher.fail_next = True
+
+    @rule()
+    def push_stalls(self) -> None:
+        """The running push (else the next one) moves no byte from now on and never ends on its own (a commit the
+        Hub never answers)."""
+        running = [h for h in self.pusher.started if h.result is None]
+        if running:
+            running[-1].stall()
+        else:
+            self.pusher.stall_next = True
 
     @precondition(lambda self: self.job_running)
     @rule(complete=st.booleans(), crash=st.booleans())

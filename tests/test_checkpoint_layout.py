@@ -293,3 +293,22 @@ def test_a_flag_naming_a_file_gives_its_folder():
     assert output_dir_from_args(["--save", "model.pt"]) == (".", "--save")
     assert output_dir_from_args(["--save=runs/wlm/model.pt"]) == ("runs/wlm", "--save")
     assert output_dir_from_args(["--save", "ckpts"]) == ("ckpts", "--save")
+
+
+def test_the_resume_checkpoint_just_fetched_is_never_still_being_written(tmp_path, caplog):
+    """The fetch placed checkpoint-20 a moment before the job started: the first scan takes it as it is."""
+    import time
+
+    folder = tmp_path / "out" / "checkpoint-20"
+    now = time.time()
+    write(folder / "model.safetensors", 10, mtime_s=now - 0.3)
+    write(folder / TRAINER_STATE_NAME, 2, mtime_s=now - 0.2)
+    started = time.time() + 0.01  # the job starts after the fetch
+    with caplog.at_level(logging.INFO):
+        info = newest_complete(tmp_path / "out", now_s=started + 0.5, since_s=started, resumed=[str(folder)])
+    assert info is not None and info.step == 20 and info.admitted_by == "resumed"
+    assert "still being written" not in caplog.text and "skipped" not in caplog.text
+    # rewritten by the job since it started: the settle rule again
+    time.sleep(0.02)
+    write(folder / "model.safetensors", 10, mtime_s=time.time())
+    assert newest_complete(tmp_path / "out", now_s=time.time(), since_s=started, resumed=[str(folder)]) is None

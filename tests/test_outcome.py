@@ -87,3 +87,31 @@ def test_secured_never_names_a_suspect_save() -> None:
                                nothing_found_hint="")
     assert fields.extra.get("checkpoint") is None and fields.extra["secured"] == "no"
     assert fields.details["suspect_checkpoint"] == "/out/checkpoint-9"
+
+
+def test_the_hint_speaks_of_the_step_the_checkpoint_records() -> None:
+    # nanoGPT's ckpt.pt records a 0-based iter_num; the guard counts steps from 1 (issue 21)
+    info = replace(ckpt(100), recorded=("iter_num", 99))
+    secured = replace(push(100), info=info)
+    fields = checkpoint_fields(report(trigger="deadline", secured=secured, newest=info), TIMEOUT, step=100,
+                               nothing_found_hint="nothing found")
+    assert "resumes from step 99 (its iter_num; step 100 of the guard's count)" in (fields.verdict.hint or "")
+    crash = checkpoint_fields(report(trigger="failure", failure_reason="crash", secured=secured, newest=info), CRASH,
+                              step=103, nothing_found_hint="nothing found")
+    assert "secured before the failure: step 99 (its iter_num" in (crash.verdict.hint or "")
+
+
+def test_a_torch_save_dict_tells_its_own_step(tmp_path) -> None:
+    import torch
+
+    from guard.secure.checkpoints import describe
+    from guard.secure.formats import recorded_step
+
+    path = tmp_path / "ckpt.pt"
+    torch.save({"model": torch.nn.Linear(2, 1).state_dict(), "iter_num": 99, "best_val_loss": 1.5}, path)
+    assert recorded_step(path) == ("iter_num", 99)
+    assert describe(path, step=100).recorded == ("iter_num", 99)
+    torch.save({"model": {}}, path)
+    assert recorded_step(path) is None
+    (tmp_path / "raw.pt").write_bytes(b"PK\x03\x04 not a zip")
+    assert recorded_step(tmp_path / "raw.pt") is None

@@ -95,6 +95,24 @@ def test_a_secret_split_in_three_parts_at_every_pair_of_offsets() -> None:
             assert out == b"x *** y\n", (first, second)
 
 
+def _encoded(secret: bytes) -> list[bytes]:
+    import base64
+
+    return [secret.hex().encode(), secret.hex().upper().encode(), base64.b64encode(secret),
+            base64.urlsafe_b64encode(b"u:" + secret)[3:]]
+
+
+@pytest.mark.parametrize("form", range(4), ids=["hex", "HEX", "base64", "base64-url-inside"])
+def test_a_secrets_hex_or_base64_split_across_reads_is_masked_at_every_offset(form: int) -> None:
+    # an HTTP debug log's header written in two reads, a timer flush between them (issue 21)
+    encoded = _encoded(SECRET.encode())[form]
+    line = b"Authorization: Basic " + encoded + b"\n"
+    for cut in range(len(line) + 1):
+        out = run(make(), line[:cut], line[cut:])
+        assert out.startswith(b"Authorization: Basic ") and b"***" in out, cut
+        assert encoded[4:12] not in out and encoded[-8:] not in out, (cut, out)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The job's own VERDICT lines
 # ---------------------------------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from guard.secure.events import (
     CheckpointSeen,
     DeadlineNear,
     Decide,
+    DestinationKnown,
     Failure,
     ForwardSignal,
     JobExited,
@@ -587,3 +588,89 @@ def test_a_job_that_cannot_be_asked_has_its_next_save_secured_after_a_failed_pus
     seen(plan, ckpt(30))
     run_until(plan, clock, 15.0)
     assert secured_step(plan) == 30
+
+
+def test_the_hub_interval_follows_the_measured_push_time(clock: FakeClock) -> None:
+    # without --push-interval: 225 s (the Hub's commit rate limit, guard.secure.cadence), widened to 3x the last
+    # measured push once a push took longer than 75 s
+    pusher = FakePusher(clock, rate=lambda now: 0.01e6, overhead_s=1.0)  # 1 MB: 101 s
+    estimator = MarginEstimator(fixed_margin_s=100.0, log_changes=False)
+    plan = Plan(clock=clock, pusher=pusher, estimator=estimator, deadline_at=None, push_interval_s=None,
+                destination_kind="hub", final_output_dir="/out", unchanged=lambda info: True)
+    seen(plan, ckpt(10))
+    run_until(plan, clock, 150.0)
+    assert secured_step(plan) == 10
+    seen(plan, ckpt(20))
+    run_until(plan, clock, 290.0)
+    assert len(pusher.started) == 1  # 225 s after the first start would have been 225: now 3 x 101 s = 303 s
+    run_until(plan, clock, 304.0)
+    assert [h.args["step"] for h in pusher.started] == [10, 20]
+
+
+def test_a_destination_found_later_gets_the_derived_interval(clock: FakeClock) -> None:
+    pusher = FakePusher(clock)
+    estimator = MarginEstimator(fixed_margin_s=100.0, log_changes=False)
+    plan = Plan(clock=clock, pusher=None, estimator=estimator, deadline_at=None, push_interval_s=None,
+                unchanged=lambda info: True)
+    plan.on(DestinationKnown(pusher, kind="folder"))  # a folder: every complete save
+    seen(plan, ckpt(10))
+    run_until(plan, clock, 5.0)
+    seen(plan, ckpt(20))
+    run_until(plan, clock, 10.0)
+    assert [h.args["step"] for h in pusher.started] == [10, 20]
+
+
+def test_a_background_push_with_no_progress_is_logged_and_replaced_by_a_newer_checkpoint(
+        clock: FakeClock, caplog: pytest.LogCaptureFixture) -> None:
+    # huggingface_hub #1502: a hung background push held every newer one back, with no log line
+    pusher = FakePusher(clock)
+    plan = make(clock, pusher, deadline_at=None, interval_s=0.0)
+    pusher.stall_next = True
+    with caplog.at_level(logging.WARNING, logger="guard.secure"):
+        seen(plan, ckpt(10))
+        run_until(plan, clock, 10.0)
+        seen(plan, ckpt(20))  # queued behind the stalled push
+        run_until(plan, clock, 29.0)
+        assert len(pusher.started) == 1 and not pusher.killed
+        actions = run_until(plan, clock, 31.0)
+    assert "push of step 10 (/out/checkpoint-10) made no progress for 30s" in caplog.text
+    assert KillPush("stalled", "/out/checkpoint-10", 10) in actions
+    assert [h.args["step"] for h in pusher.started] == [10, 20]
+    run_until(plan, clock, 40.0)
+    assert secured_step(plan) == 20
+
+
+def test_a_stalled_push_with_nothing_newer_is_logged_once_and_goes_on(clock: FakeClock,
+                                                                      caplog: pytest.LogCaptureFixture) -> None:
+    pusher = FakePusher(clock)
+    estimator = MarginEstimator(fixed_margin_s=100.0, log_changes=False)
+    plan = Plan(clock=clock, pusher=pusher, estimator=estimator, deadline_at=None, push_interval_s=0.0,
+                stall_s=5.0, unchanged=lambda info: True)
+    pusher.stall_next = True
+    with caplog.at_level(logging.WARNING, logger="guard.secure"):
+        seen(plan, ckpt(10))
+        run_until(plan, clock, 20.0)
+    assert caplog.text.count("made no progress") == 1 and not pusher.killed
+    pusher.stall_next = True  # the replacement stalls too: the bound doubles (10 s), so the Hub gets its chance
+    seen(plan, ckpt(20))
+    run_until(plan, clock, 20.5)
+    assert [h.args["step"] for h in pusher.started] == [10, 20]
+    seen(plan, ckpt(30))
+    run_until(plan, clock, 29.0)
+    assert len(pusher.started) == 2
+    run_until(plan, clock, 31.0)
+    assert [h.args["step"] for h in pusher.started] == [10, 20, 30]
+
+
+def test_a_stalled_securing_push_is_replaced_by_the_newer_save(clock: FakeClock) -> None:
+    pusher = FakePusher(clock)
+    plan = make(clock, pusher, deadline_at=None, grace_s=600.0)
+    pusher.stall_next = True
+    seen(plan, ckpt(10))
+    plan.on(Failure("stalled"))  # securing: the running push of step 10 now ends the run
+    clock.advance(1.0)
+    seen(plan, ckpt(20))  # both fit by the estimates: the running one would go first
+    assert len(pusher.started) == 1
+    run_until(plan, clock, 35.0)
+    assert [h.args["step"] for h in pusher.started] == [10, 20]
+    assert secured_step(plan) == 20

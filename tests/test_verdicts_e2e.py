@@ -195,6 +195,17 @@ def test_the_loss_given_to_accelerate_backward_is_reported() -> None:
     assert run.fields()["loss"] == _last_printed_loss(run.stdout)  # not divided by the 4 accumulation steps
 
 
+def test_the_loss_given_to_a_deepspeed_engine_backward_is_reported() -> None:
+    # DeepSpeedEngine.backward divides by the 4 accumulation steps and multiplies by the fp16 loss scale (2**16)
+    run = run_guard([str(JOBS / "deepspeed_loop.py"), "--steps", "12"])
+    assert run.returncode == 0, run.stderr[-3000:]
+    fields = run.fields()
+    assert fields["step"] == "12"
+    assert fields["loss"] == _last_printed_loss(run.stdout)  # not 16384x it
+    first = [float(v) for v in run.stderr.split("losses are finite: ")[1].split("\n")[0].split()]
+    assert first[0] < 100, first  # the sanity pass saw the real loss too
+
+
 def test_a_loss_scale_that_keeps_collapsing_is_non_finite_loss_with_an_fp16_hint() -> None:
     run = run_guard(["--max-skipped-steps", "20", str(JOBS / "amp_loop.py"), "--steps", "400", "--collapse",
                      "--step-s", "0.01"])

@@ -234,3 +234,54 @@ def test_the_request_file_is_private_and_the_token_is_not_in_it(tmp_path: Path) 
 def test_unknown_operation_is_refused() -> None:
     with pytest.raises(ValueError, match="unknown worker operation"):
         worker.start("rm_rf", {}, time.monotonic() + 1, destination="/tmp/x")
+
+
+def _child(code: str) -> worker.Handle:
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, start_new_session=True)
+    return worker.Handle(proc, "push_checkpoint", deadline=float("inf"), clock=_Ticks())
+
+
+class _Ticks:
+    """A clock that moves one second per reading: progress_at says which poll saw the progress."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        self.now += 1.0
+        return self.now
+
+
+def _poll_until(handle: worker.Handle, done: object, limit_s: float = 60.0) -> None:
+    end = time.monotonic() + limit_s
+    while time.monotonic() < end:
+        handle.poll()
+        if callable(done) and done():
+            return
+        time.sleep(0.05)
+    raise AssertionError("the condition did not come")
+
+
+def test_a_worker_that_moves_no_byte_shows_no_progress_and_one_that_moves_bytes_does(
+        caplog: pytest.LogCaptureFixture) -> None:
+    # /proc/<pid>/io: bytes read and written by the child, less its own lines to the guard
+    idle = _child("import sys, time; print('ready', flush=True); time.sleep(60)")
+    busy = _child("import os, sys, time\nprint('ready', flush=True)\nwhile True:\n"
+                  "    open(os.devnull, 'wb').write(b'x' * 200_000); time.sleep(0.05)")
+    try:
+        with caplog.at_level("INFO", logger="guard.secure.worker"):
+            _poll_until(idle, lambda: caplog.text.count("worker: ready") >= 1)
+            _poll_until(busy, lambda: caplog.text.count("worker: ready") >= 2)
+        idle_mark, busy_mark = idle.progress_at, busy.progress_at
+        for _ in range(10):
+            idle.poll()
+            time.sleep(0.05)
+        assert idle.progress_at == idle_mark  # asleep: nothing moved, whatever the polls
+        _poll_until(busy, lambda: busy.progress_at > busy_mark)
+    finally:
+        idle.kill()
+        busy.kill()

@@ -10,11 +10,15 @@ matches are masked as their union.
 
 The job's output arrives in arbitrary chunks, so a secret may be split across two reads. ``Masker.safe_len``
 tells how much of an unfinished line can be written now: everything except a tail that could be the start of
-a secret. The output pump holds that tail until the rest of the line arrives.
+a secret, in any of its forms, hex and base64 included (an HTTP debug log's ``Authorization`` header written in two
+reads). The output pump holds that tail until the rest of the line arrives; what it holds is only ever a proper
+beginning of one of the forms, so a line that ends in, say, a digit that begins a secret's hex waits for its next
+read or a newline.
 
 Cost: no table of prefixes is built (it grew with the square of a secret's length: an 8 KB PEM value took
 ~30 MB). ``mask`` is one substring search per secret form (C speed), and ``safe_len`` looks only at the last
-``len(secret) - 1`` bytes, searching them for each secret's first 8 bytes; memory is the secrets themselves.
+``len(secret) - 1`` bytes, searching them for each secret's first 8 bytes, then searches the ``2 * len(secret)``
+bytes around the cut for a whole form it would split; memory is the secrets themselves.
 """
 
 from __future__ import annotations
@@ -98,8 +102,8 @@ def _encoded_forms(value: str) -> set[bytes]:
 
 
 def _binary_forms(value: str) -> set[bytes]:
-    """The value's hex (both cases) and base64 forms: masked in whole lines (an HTTP debug log's header), not held
-    back at the end of an unfinished line (any short tail could begin one)."""
+    """The value's hex (both cases) and base64 forms (an HTTP debug log's header), masked and held back at the end
+    of an unfinished line like the others."""
     raw = value.encode("utf-8", "surrogateescape")
     forms = {raw.hex(), raw.hex().upper(), *_base64_forms(raw)}
     return {form.encode() for form in forms if len(form) >= MIN_SECRET_LEN}
@@ -125,8 +129,8 @@ class Masker:
             if len(value) >= MIN_SECRET_LEN:
                 forms |= _encoded_forms(value)
                 binary |= _binary_forms(value)
-        self._held = sorted(forms, key=len, reverse=True)  # the forms safe_len holds back
         self._secrets = sorted(forms | binary, key=len, reverse=True)
+        self._held = self._secrets  # every form is held back by safe_len (a split hex or base64 too)
         self._max_len = len(self._held[0]) if self._held else 0
 
     @classmethod
@@ -179,7 +183,26 @@ class Masker:
         tail = _HF_TAIL.search(data[-64:]) if data else None
         if tail is not None:
             keep = max(keep, len(data[-64:]) - tail.start())
-        return len(data) - keep
+        return self._not_inside(data, len(data) - keep)
+
+    def _not_inside(self, data: bytes, cut: int) -> int:
+        """``cut`` moved back to the start of any whole form that it would split (a held tail that begins one
+        form, say the hex of a value ending in ``7``, may start inside another that is complete before it)."""
+        moved = True
+        while moved and 0 < cut < len(data):
+            moved = False
+            for secret in self._secrets:
+                window = data[max(0, cut - len(secret) + 1):cut + len(secret) - 1]
+                offset = max(0, cut - len(secret) + 1)
+                at = window.find(secret)
+                while at != -1:
+                    if offset + at < cut < offset + at + len(secret):
+                        cut, moved = offset + at, True
+                        break
+                    at = window.find(secret, at + 1)
+                if moved:
+                    break
+        return cut
 
 
 def _prefix_tail(tail: bytes, secret: bytes) -> int:

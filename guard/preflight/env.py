@@ -10,6 +10,7 @@ makes a missing variable a warning, never a failure.
 
 from __future__ import annotations
 
+import logging
 import netrc
 from collections.abc import Mapping
 from pathlib import Path
@@ -23,6 +24,7 @@ from guard.preflight.hfjobs import TABLE, HfJobsTable
 __all__ = ["check_env"]
 
 NAME = "env"
+log = logging.getLogger("guard.preflight")
 
 
 def _set(environ: Mapping[str, str], name: str) -> bool:
@@ -63,21 +65,21 @@ def _wandb_key(environ: Mapping[str, str]) -> str | None:
 
 
 def _mention_rows(job: JobView, environ: Mapping[str, str]) -> list[CheckResult]:
-    """Warnings for a push or tracker on a path that may not be taken, when its credential is missing."""
-    rows: list[CheckResult] = []
+    """A push or tracker on a path that may not be taken (an upstream script's ``if training_args.push_to_hub:``),
+    its credential missing: logged at DEBUG, never a warning (nothing to act on unless the user turns it on, and
+    then the path is taken and the credential is checked as required). Returns no rows."""
     pushes = [m for m in job.mentions if m.kind == "push"]
     if pushes and job.hub_target is None and hf_token(environ)[0] is None:
-        rows.append(CheckResult(NAME, "warn", f"HF_TOKEN not set: {pushes[0].describe(job.script_name)}",
-                                "only if you turn it on (e.g. --push_to_hub): pass a write token (-s HF_TOKEN)"))
+        log.debug("env: HF_TOKEN not set: %s (only if you turn it on, e.g. --push_to_hub: pass a write token)",
+                  pushes[0].describe(job.script_name))
     for tracker in sorted({m.what for m in job.mentions if m.kind == "tracker"} - job.trackers):
         first = next(m for m in job.mentions if m.kind == "tracker" and m.what == tracker)
         if tracker == "wandb" and not wandb_off(environ) and _wandb_key(environ) is None:
-            rows.append(CheckResult(NAME, "warn", f"WANDB_API_KEY not set: {first.describe(job.script_name)}",
-                                    "only if you turn it on: pass WANDB_API_KEY, or set WANDB_MODE=offline"))
+            log.debug("env: WANDB_API_KEY not set: %s (only if you turn it on)", first.describe(job.script_name))
         elif tracker == "mlflow" and not _set(environ, "MLFLOW_TRACKING_URI"):
-            rows.append(CheckResult(NAME, "warn", f"MLFLOW_TRACKING_URI not set: {first.describe(job.script_name)}",
-                                    "only if you turn it on: export MLFLOW_TRACKING_URI=..."))
-    return rows
+            log.debug("env: MLFLOW_TRACKING_URI not set: %s (only if you turn it on)",
+                      first.describe(job.script_name))
+    return []
 
 
 def _tracker_origin(job: JobView, tracker: str) -> str:
@@ -129,9 +131,8 @@ def check_env(opts: PreflightOptions, job: JobView, *, environ: Mapping[str, str
                     if key == "secrets" else f"hf jobs uv run sets it from the table; elsewhere export {name}=...")
             if on_hf:
                 rows.append(CheckResult(NAME, "fail", f"{name} {state} ({why})", hint))
-            else:
-                rows.append(CheckResult(NAME, "warn", f"{name} {state} ({why}; not on HF Jobs, so not required)",
-                                        hint))
+            else:  # the script's HF Jobs metadata; not required off HF Jobs: nothing to act on here
+                log.debug("env: %s %s (%s; not on HF Jobs, so not required): %s", name, state, why, hint)
     if job.hub_target is not None:
         why = f"pushing to the Hub: {job.hub_target.origin}"
         token, where = hf_token(environ)

@@ -10,6 +10,7 @@ Sources: HF Jobs' default timeout is 30 minutes ("Jobs have a default timeout (3
 from __future__ import annotations
 
 import importlib.util
+import logging
 import re
 import socket
 import sys
@@ -31,6 +32,7 @@ __all__ = ["EXPECTED_FACTOR", "check_budget", "check_distributed", "check_option
 
 #: ``--expected-duration D`` fails when the timeout is under ``EXPECTED_FACTOR`` x D.
 EXPECTED_FACTOR = 1.3
+log = logging.getLogger("guard.preflight")
 
 _PLATFORM_DEFAULT = {
     "hf_jobs": "HF Jobs stops a job after its default timeout of 30 minutes unless hf jobs run got --timeout",
@@ -171,9 +173,9 @@ def check_tracking(
     rows: list[CheckResult] = []
     imported = {m.what for m in job.mentions if m.kind == "import"}  # the python row already warns for these
     for mention in {m.what: m for m in reversed(maybe)}.values():
-        if mention.what not in imported and _installed(mention.what) is None:
-            rows.append(CheckResult(name, "warn", f"{mention.what} not installed: {mention.describe(job.script_name)}",
-                                    f"only if you turn it on: pip install {mention.what}"))
+        if mention.what not in imported and _installed(mention.what) is None:  # on a path not taken: nothing to do
+            log.debug("tracking: %s not installed: %s (only if you turn it on: pip install %s)", mention.what,
+                      mention.describe(job.script_name), mention.what)
     wandb_mode = (environ.get("WANDB_MODE") or "").strip().lower()
     for tracker in sorted(job.trackers | ({"trackio"} if job.trackio_space_id else set())):
         version = _installed(tracker)
@@ -222,9 +224,11 @@ def check_tracking(
 
 
 def check_optional_imports(job: JobView, *, stdlib: frozenset[str] | None = None) -> list[CheckResult]:
-    """Modules the script imports only under an ``if`` that may not be taken: not installed is a warning.
+    """Modules the script imports only under an ``if`` that may not be taken (an upstream script's optional
+    integrations): not installed is logged at DEBUG, never a warning (there is nothing to do unless the user turns
+    that path on, and then the import is taken and the python check's import row fails). Returns no rows.
 
-    Found with ``importlib.util.find_spec`` (the module is not run). An installed one adds no row.
+    Found with ``importlib.util.find_spec`` (the module is not run).
     """
 
     skip = stdlib if stdlib is not None else frozenset(getattr(sys, "stdlib_module_names", ())) | frozenset(
@@ -240,9 +244,8 @@ def check_optional_imports(job: JobView, *, stdlib: frozenset[str] | None = None
         except (ImportError, ValueError):
             missing = True
         if missing:
-            rows.append(CheckResult("python", "warn",
-                                    f"{mention.what} not installed: {mention.describe(job.script_name)}",
-                                    f"only if you turn it on: pip install {mention.what}"))
+            log.debug("python: %s not installed: %s (only if you turn it on: pip install %s)", mention.what,
+                      mention.describe(job.script_name), mention.what)
     return rows
 
 

@@ -8,6 +8,7 @@ importing process).
 from __future__ import annotations
 
 import json
+import logging
 import platform
 import subprocess
 import sys
@@ -22,6 +23,8 @@ from guard.preflight._models import CheckResult
 from guard.preflight.script import Pep723Block, ScriptFacts
 
 __all__ = ["IMPORT_TIMEOUT_S", "IMPORT_WORKERS", "check_imports", "check_pep723", "key_imports", "uv_error_hint"]
+
+log = logging.getLogger("guard.preflight")
 
 NAME = "python"
 
@@ -150,9 +153,9 @@ def check_pep723(facts: ScriptFacts | None, *, uv_environment: str | None = None
         else:
             listed = ", ".join(satisfied) if satisfied else "no dependencies"
             rows.append(CheckResult(NAME, "pass", f"PEP 723: {listed}"))
-    if unpinned:
-        rows.append(CheckResult(NAME, "warn", f"PEP 723: unpinned: {', '.join(unpinned)}",
-                                "pin versions (e.g. name==1.2.3) so a rerun gets the same code"))
+    if unpinned:  # the script's own metadata (an upstream example's): nothing its user does about it here
+        log.debug("python: PEP 723: unpinned: %s (pin versions, e.g. name==1.2.3, so a rerun gets the same code)",
+                  ", ".join(unpinned))
     return rows
 
 

@@ -22,6 +22,7 @@ from typing import Any
 from guard.core.durations import format_duration_s, parse_duration, parse_size
 from guard.errors import UsageError
 from guard.inside.settings import AgentSettings, agent_settings
+from guard.secure.plan import PUSH_STALL_S
 
 __all__ = [
     "FINAL_PUSH_WINDOW_S",
@@ -238,6 +239,9 @@ OPTIONS: tuple[Option, ...] = (
            lambda t, option: parse_duration(t, option=option), "DURATION"),
     Option("push_interval", "the least time between two background pushes (the Hub's commit rate limits)", 600.0,
            lambda t, option: parse_duration(t, option=option), "DURATION"),
+    Option("push_stall", "a push that moved no byte for this long is logged and, when a newer complete checkpoint "
+           "exists, replaced by its push (0: off)", PUSH_STALL_S, lambda t, option: parse_duration(t, option=option),
+           "DURATION"),
     Option("sanity_steps", "training steps whose loss must be finite", 5, _parse_count, "N"),
     Option("dry_run", "stop the job once the sanity steps pass", False, _parse_bool, flag_only_bool=True),
     Option("stall_timeout", "no training step (before the first: no output) for this long is a hang (0: off)", 1800.0,
@@ -395,6 +399,7 @@ class SecureSettings:
         output_dir: ``--output-dir``, or None; ``output_dir_from_flag``: given as the flag (not the variable).
         background_push: ``--background-push``.
         push_interval_s: ``--push-interval`` in seconds.
+        push_stall_s: ``--push-stall`` in seconds (0: off; ``guard.secure.plan.PUSH_STALL_S`` by default).
         resume: ``--resume`` mode (``on``, ``off``, ``if-valid``, ``auto``).
         requeue: ``--requeue``.
         final_push_window_s: ``--final-push-window`` in seconds (securing after a good end with no deadline).
@@ -414,6 +419,7 @@ class SecureSettings:
     resume: str
     requeue: bool
     final_push_window_s: float
+    push_stall_s: float = PUSH_STALL_S
 
 
 @dataclass(frozen=True)
@@ -495,7 +501,8 @@ def run_settings(values: Mapping[str, Any], sources: Mapping[str, str], *, comma
         output_dir=values.get("output_dir") or None, output_dir_from_flag=sources.get("output_dir") == "flag",
         background_push=bool(values["background_push"]), push_interval_s=float(values["push_interval"]),
         resume=str(values["resume"]), requeue=bool(values["requeue"]),
-        final_push_window_s=float(values.get("final_push_window") or FINAL_PUSH_WINDOW_S))
+        final_push_window_s=float(values.get("final_push_window") or FINAL_PUSH_WINDOW_S),
+        push_stall_s=float(values.get("push_stall", PUSH_STALL_S)))
     min_free = values.get("min_free_disk")
     preflight = PreflightSettings(
         no_preflight=bool(values["no_preflight"]), require_env=tuple(values["require_env"]),

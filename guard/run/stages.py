@@ -394,16 +394,14 @@ def run_job(config: Config, masker: Masker, started: float) -> RunResult:
         from guard.secure.checkpoints import describe
 
         estimator.observe_size(fetched.size_bytes)
-    push_interval_s = secure.push_interval_s
-    kind = getattr(getattr(securer, "destination", None), "kind", None)
-    if kind in ("folder", "hub") and config.sources.get("push_interval") == "default":
-        from guard.secure.cadence import background_interval_s  # folder: every complete save; Hub: its rate limit
-
-        push_interval_s = background_interval_s(str(kind))
+    # without --push-interval: from the destination (folder: every complete save; the Hub: its commit rate limit
+    # and the measured push time, guard.secure.cadence), also for a destination the Trainer names later
+    push_interval_s = None if config.sources.get("push_interval") == "default" else secure.push_interval_s
     securing = Securing(deadline=deadline, estimator=estimator, securer=securer, securer_factory=factory,
                         output_dir=output_dir, grace_s=secure.grace_s,
                         refresher=_slurm_refresher(config, platform), background=secure.background_push,
-                        push_interval_s=push_interval_s, final_window_s=secure.final_push_window_s)
+                        push_interval_s=push_interval_s, final_window_s=secure.final_push_window_s,
+                        push_stall_s=secure.push_stall_s)
     if fetched is not None:
         securing.latest_reported = describe(fetched.path, step=fetched.step)
         if fetched.source == "destination" and securer is not None:  # the destination holds it, verified

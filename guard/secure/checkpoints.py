@@ -54,7 +54,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from guard.errors import SupervisorError
-from guard.secure.formats import DISTCP_METADATA, check_files
+from guard.secure.formats import DISTCP_METADATA, check_files, recorded_step
 
 __all__ = [
     "GUARD_MARKER_NAME",
@@ -125,6 +125,9 @@ class CheckpointInfo:
             ``checkpoint_saved`` or the agent's step count at the save: the guard's own step unit, comparable with
             the VERDICT's ``step``), ``"marker"``, ``"name"`` (N of the folder or file name: the job's unit, which
             may differ, e.g. with gradient accumulation), or None (unknown).
+        recorded: the step the checkpoint records itself when ``step`` is the guard's count or unknown: ``(key,
+            value)`` from a ``torch.save``d dict's top level (``formats.recorded_step``: nanoGPT's 0-based
+            ``iter_num``...), for the hints, which speak of the step the job resumes from; else None.
     """
 
     path: Path
@@ -135,6 +138,7 @@ class CheckpointInfo:
     root: Path | None = None
     step_source: str | None = None
     admitted_by: str | None = None
+    recorded: tuple[str, int] | None = None
 
     @property
     def folder(self) -> Path:
@@ -288,9 +292,16 @@ def _step_from_json(path: Path, name: str, key: str) -> int | None:
 
 def _info(path: Path, files: dict[str, tuple[int, float]], step: int | None, *, root: Path | None = None,
           step_source: str | None = None, admitted_by: str | None = None) -> CheckpointInfo:
+    source = step_source if step is not None else None
+    recorded = None
+    if source in (None, "reported"):  # the guard's own count, or none: what does the checkpoint say?
+        base = root if root is not None else (path if path.is_dir() else path.parent)
+        for rel in sorted(files):
+            if rel.endswith((".pt", ".pth", ".ckpt")) and (recorded := recorded_step(base / rel)):
+                break
     return CheckpointInfo(path=path, step=step, size_bytes=sum(size for size, _ in files.values()),
                           files=tuple(sorted(files)), newest_mtime_s=max(m for _, m in files.values()), root=root,
-                          step_source=step_source if step is not None else None, admitted_by=admitted_by)
+                          step_source=source, admitted_by=admitted_by, recorded=recorded)
 
 
 _admitted_logged: set[tuple[str, float]] = set()
@@ -304,6 +315,9 @@ def _log_admitted(info: CheckpointInfo, stable_for_s: float) -> None:
     _admitted_logged.add(key)
     if info.admitted_by == "reported":
         log.info("checkpoint %s counts: the job said its save is done", info.path)
+    elif info.admitted_by == "resumed":
+        log.info("checkpoint %s counts: the checkpoint this run resumed from (fetched or inspected whole before the "
+                 "job started)", info.path)
     else:
         log.info("checkpoint %s counts: written by other means, unchanged for %.1fs and every file whole by "
                  "format", info.path, stable_for_s)
@@ -317,6 +331,18 @@ def _folder_step(path: Path, name_step: int) -> tuple[int, str]:
     if found is not None:
         return found, "marker"
     return name_step, "name"
+
+
+def _placed_before(path: Path, since_s: float | None, stat: StatFn) -> bool:
+    """Every file of the folder ``path`` is older than ``since_s`` (the job's start): placed there before it (the
+    resume fetch), not rewritten by the job since. False without ``since_s`` or files."""
+    if since_s is None:
+        return False
+    try:
+        files = _walk(path, stat)
+    except OSError:
+        return False
+    return _left_over(path, files, since_s)
 
 
 def _changed_since(path: Path, since_s: float) -> bool:
@@ -360,7 +386,9 @@ def newest_complete(output_dir: str | os.PathLike[str], *, now_s: float, stable_
             which ``os.utime`` cannot move back) is an earlier run's and is left alone (logged once with ``seen``),
             unless it is one of ``resumed``. None: no such rule.
         resumed: paths of the checkpoint this run resumed from (fetched, or the output folder's own): they count
-            although older than ``since_s``.
+            although older than ``since_s``, and, while none of their files changed since ``since_s``, without the
+            mtime rule (a fetch wrote them just before the job started, verified against its record: never "still
+            being written"; a file the job rewrites since follows the rule again).
 
     Returns:
         The :class:`CheckpointInfo`, or None when there is none (or ``output_dir`` does not exist).
@@ -383,17 +411,19 @@ def newest_complete(output_dir: str | os.PathLike[str], *, now_s: float, stable_
         if not path.is_dir() or path.is_symlink():
             continue
         told = os.path.realpath(path) in said
+        fetched = not told and os.path.realpath(path) in kept and _placed_before(path, since_s, stat)
         files: dict[str, tuple[int, float]]
         reason: str | None
         if is_marked_suspect(path):
             files, reason = {}, "marked suspect (saved after the first non-finite loss): never resumed or pushed"
         else:
-            files, reason = _check(path, now_s, stable_for_s, stat, reported=told)
+            files, reason = _check(path, now_s, stable_for_s, stat, reported=told or fetched)
         if reason is None and _left_over(path, files, since_s) and os.path.realpath(path) not in kept:
             reason = "found and left alone: saved before this run started and not resumed from"
         if reason is None:
             found, source = _folder_step(path, step)
-            info = _info(path, files, found, step_source=source, admitted_by="reported" if told else "settled")
+            info = _info(path, files, found, step_source=source,
+                         admitted_by="reported" if told else "resumed" if fetched else "settled")
             _log_admitted(info, stable_for_s)
             return info
         if seen is None or (str(path), reason) not in seen:

@@ -42,9 +42,13 @@ __all__ = [
 
 
 class PushHandle(Protocol):
-    """A running push (``guard.secure.worker``'s handle): ``poll()`` is its result once over, else None."""
+    """A running push (``guard.secure.worker``'s handle): ``poll()`` is its result once over, else None;
+    ``progress_at``: when (clock seconds) it last moved a byte, as of the last ``poll()``."""
 
     deadline: float
+
+    @property
+    def progress_at(self) -> float: ...
 
     def poll(self) -> Any: ...
 
@@ -137,9 +141,11 @@ class JobExited:
 
 @dataclass(frozen=True)
 class DestinationKnown:
-    """Where checkpoints go is now known (a pusher), or this guard must not push (None: another node's guard)."""
+    """Where checkpoints go is now known (a pusher), or this guard must not push (None: another node's guard).
+    ``kind``: ``"folder"`` or ``"hub"`` (``hub.Destination.kind``), for the derived push interval; None: unchanged."""
 
     pusher: Pusher | None
+    kind: str | None = None
 
 
 @dataclass(frozen=True)
@@ -212,7 +218,8 @@ class StartPush:
 
 @dataclass(frozen=True)
 class KillPush:
-    """The running push was killed (``why``: ``deadline``, ``superseded``, ``suspect``, ``final``, ``killed``)."""
+    """The running push was killed (``why``: ``deadline``, ``superseded``, ``stalled`` (no progress, a newer
+    checkpoint replaces it), ``suspect``, ``final``, ``killed``)."""
 
     why: str
     path: str | None = None

@@ -40,7 +40,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import IO, Any
 
-__all__ = ["DISTCP_METADATA", "MODEL_SUFFIXES", "check_file", "check_files", "kind_of"]
+__all__ = ["DISTCP_METADATA", "MODEL_SUFFIXES", "RECORDED_STEP_KEYS", "check_file", "check_files", "kind_of",
+           "recorded_step"]
 
 log = logging.getLogger("guard.formats")
 
@@ -138,6 +139,39 @@ def _safetensors_head(path: Path) -> bool:
     with open(path, "rb") as file:
         head = file.read(9)
     return len(head) == 9 and struct.unpack("<Q", head[:8])[0] <= _SAFETENSORS_MAX_HEADER and head[8:] == b"{"
+
+
+#: Top-level keys of a ``torch.save``d dict that record the job's own step, in the order they are looked for: nanoGPT's
+#: ``iter_num`` (karpathy/nanoGPT ``train.py``: 0-based, saved before that iteration runs), ``global_step``
+#: (Lightning, many loops), ``step``, ``iteration``.
+RECORDED_STEP_KEYS = ("iter_num", "global_step", "step", "iteration")
+_DATA_PKL_LIMIT = 64 << 20  # a data.pkl larger than this (a dict of many small Python objects) is not read
+
+
+def recorded_step(path: str | os.PathLike[str]) -> tuple[str, int] | None:
+    """The step a ``torch.save``d dict records itself: ``(key, value)`` for the first of ``RECORDED_STEP_KEYS`` that
+    its top level holds as a non-negative int, else None (another format, no such key, unreadable). Reads only the
+    zip's ``data.pkl`` record, with the stub unpickler (no tensor bytes, no code of the file run); never raises."""
+    try:
+        where = Path(path)
+        if kind_of(where) != "torch-zip":
+            return None
+        with zipfile.ZipFile(where) as archive:
+            record = next((r for r in archive.infolist()
+                           if r.filename == "data.pkl" or r.filename.endswith("/data.pkl")), None)
+            if record is None or record.file_size > _DATA_PKL_LIMIT:
+                return None
+            with archive.open(record) as handle:
+                obj = _StubUnpickler(handle).load()
+    except Exception:  # noqa: BLE001 - a file of any content: never an error here
+        return None
+    if not isinstance(obj, dict):
+        return None
+    for key in RECORDED_STEP_KEYS:
+        value = obj.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+            return key, value
+    return None
 
 
 def _check_zip(path: Path, size_bytes: int) -> str | None:

@@ -13,9 +13,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from guard.contract import EXIT_PUSH_FAILED, EXIT_SECURED, EXIT_TIMEOUT_UNSECURED, signal_name
+from guard.secure.checkpoints import CheckpointInfo
 from guard.secure.report import PlanReport, PushView
 
-__all__ = ["Fields", "Verdict", "checkpoint_fields"]
+__all__ = ["Fields", "Verdict", "checkpoint_fields", "resume_step_text"]
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,20 @@ class Fields:
 
 def _view(push: PushView) -> dict[str, Any]:
     return {"kind": push.kind, "step": push.step, "ok": push.ok, "error": push.error}
+
+
+def resume_step_text(info: CheckpointInfo | None, step: int | None) -> str:
+    """``"step N"`` for the hints: the step the checkpoint records itself when it records one
+    (``CheckpointInfo.recorded``: nanoGPT's 0-based ``iter_num`` in ``ckpt.pt``), with the guard's own count beside it
+    when they differ (``"step 99 (its iter_num; step 100 of the guard's count)"``); else the guard's ``step``
+    (``global_step`` of ``trainer_state.json`` for a Trainer); ``"step ?"`` when neither is known."""
+    recorded = info.recorded if info is not None else None
+    if recorded is None:
+        return f"step {step if step is not None else '?'}"
+    key, value = recorded
+    if step is None or step == value:
+        return f"step {value} (its {key})"
+    return f"step {value} (its {key}; step {step} of the guard's count)"
 
 
 def checkpoint_fields(report: PlanReport, verdict: Verdict, *, step: int | None, nothing_found_hint: str,
@@ -143,7 +158,7 @@ def checkpoint_fields(report: PlanReport, verdict: Verdict, *, step: int | None,
             hint = (hint or "") + (f" (the save of {report.suspect.path}{later} after the first non-finite loss was "
                                    "not pushed)")
         if secured is not None:
-            step_text = f"step {secured.step}" if secured.step is not None else "it"
+            step_text = resume_step_text(secured.info, secured.step) if secured.step is not None else "it"
             hint = (hint or "") + (f"; secured before the failure: {step_text}, resume with --resume on --push-to "
                                    f"{secured.destination}")
         return Fields(Verdict(status, reason, code, hint, sig), extra, details)
@@ -160,7 +175,7 @@ def checkpoint_fields(report: PlanReport, verdict: Verdict, *, step: int | None,
             hint = (nothing_found_hint if newest is None and report.has_pusher else
                     "no checkpoint was secured within --grace: save more often or raise --grace")
     if secured is not None:
-        hint = (f"the next run resumes from step {secured.step if secured.step is not None else '?'}{lost}: "
+        hint = (f"the next run resumes from {resume_step_text(secured.info, secured.step)}{lost}: "
                 f"jobguard --resume on --push-to {secured.destination} ...")
     elif follower:
         hint = "the guard of node 0 secures the checkpoint of every rank: see its VERDICT"

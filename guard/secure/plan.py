@@ -30,6 +30,15 @@ never secured; a running push of one is killed, a secured one is replaced by the
 **One supersede rule** (:meth:`Plan._supersede`): a running push is killed for a newer checkpoint only when the
 newer one is estimated to finish before ``secure_by``; when both fit one after the other, the running one finishes
 first.
+
+**A push that makes no progress** (:meth:`Plan._check_stalled`): a push whose worker moved no byte for ``stall_s``
+(``--push-stall``, default ``PUSH_STALL_S``; its handle's ``progress_at``) is logged once (``push of step N made no
+progress for X s``) and, as soon as a newer complete checkpoint exists (and, while securing, is estimated to finish
+before ``secure_by``), killed and replaced by the newer one's push, without waiting for the push interval (the
+stalled commit never answered). A hung background push thus never holds every newer one back until its deadline
+(``huggingface_hub`` issue #1502: a hung push blocked every newer one for 40 s, with no log line). Each push killed
+this way doubles the bound for the next (a Hub that is slow to answer every commit still gets one through); a push
+that ends well resets it.
 """
 
 from __future__ import annotations
@@ -41,6 +50,7 @@ from collections.abc import Callable
 from typing import Any
 
 from guard.secure.budget import MarginEstimator
+from guard.secure.cadence import PUSH_TIME_FACTOR, background_interval_s
 from guard.secure.checkpoints import CheckpointInfo, rewritten_after
 from guard.secure.events import (
     Action,
@@ -77,6 +87,10 @@ log = logging.getLogger("guard.secure")
 SAFETY_S = 1.5  # securing is over this long before the kill (the deadline, or the end of --grace)
 STOP_BEFORE_S = 2.0  # the job is stopped (SIGTERM) this long before secure_by if it still runs
 LATE_REQUEST_S = 15.0  # before the first training step, the deadline's request waits until this long before it
+#: A push that moved no byte for this long is stalled (``--push-stall``): logged, and replaced by a newer checkpoint's
+#: push when there is one. Under the workers' per-request read bound (``hubhttp.REQUEST_TIMEOUTS_S``, 60 s), over
+#: the few seconds the Hub takes to answer a commit.
+PUSH_STALL_S = 30.0
 
 
 def bound_s(deadline_at: float | None, window_end: float) -> float:
@@ -113,25 +127,37 @@ class Plan:
         deadline_at: the platform's deadline in clock seconds, or None.
         grace_s: ``--grace`` (seconds from a signal to the platform's SIGKILL).
         background: push complete checkpoints as they appear (``--background-push``).
-        push_interval_s: the least time between two background push starts (``--push-interval``).
+        push_interval_s: the least time between two background push starts (``--push-interval``), or None:
+            derived from the destination (``destination_kind``) and the last measured push time
+            (``cadence.background_interval_s``, recomputed after every push that ended well).
+        destination_kind: ``"folder"`` or ``"hub"`` (``hub.Destination.kind``), or None until a destination is
+            known (``DestinationKnown``; then taken as the Hub, the only destination found later).
         final_output_dir: the job's output folder for the final model push, or None.
         final_window_s: with no deadline, how long securing after a good end may take (``--final-push-window``,
             default 180 s); an upload estimated to take longer gets 3x its estimate.
         unchanged: whether a checkpoint's files are still on disk as they were saved (default: their mtimes);
             injected by tests whose checkpoints are not on disk.
+        stall_s: a push with no progress for this long (seconds, ``--push-stall``, default ``PUSH_STALL_S``; 0 or
+            less: off) is logged and replaced by a newer complete checkpoint's push (the module docstring).
     """
 
     def __init__(self, *, clock: Callable[[], float], pusher: Pusher | None, estimator: MarginEstimator,
                  deadline_at: float | None = None, grace_s: float = 30.0, background: bool = True,
-                 push_interval_s: float = 600.0, final_output_dir: str | None = None, final_window_s: float = 180.0,
-                 unchanged: Callable[[CheckpointInfo], bool] = _unchanged_on_disk) -> None:
+                 push_interval_s: float | None = 600.0, final_output_dir: str | None = None,
+                 final_window_s: float = 180.0, unchanged: Callable[[CheckpointInfo], bool] = _unchanged_on_disk,
+                 destination_kind: str | None = None, stall_s: float = PUSH_STALL_S) -> None:
         self._clock = clock
         self._pusher = pusher
         self._estimator = estimator
         self._deadline_at = deadline_at
         self._grace_s = grace_s
         self._background = background
-        self._push_interval_s = push_interval_s
+        self._fixed_interval_s = push_interval_s
+        self._destination_kind = destination_kind
+        self._measured_push_s: float | None = None  # the last push that ended well (its upload and verification)
+        self._stall_s = stall_s if stall_s > 0 else math.inf
+        self._stall_bound_s = self._stall_s  # doubled by each push killed for no progress, reset by a good end
+        self._stall_logged: PushRecord | None = None
         self._final_output_dir = final_output_dir
         self._final_window_s = final_window_s
         self._unchanged = unchanged
@@ -209,8 +235,15 @@ class Plan:
             if self._deadline_at is not None:
                 due.append(self._deadline_request_at())
             if self._queued is not None and self._push is None:
-                due.append(self._last_start + self._push_interval_s)
+                due.append(self._last_start + self._interval_s())
         return min(due)
+
+    def _interval_s(self) -> float:
+        """The least time between two background push starts: ``--push-interval``, else from the destination and
+        the last measured push (``cadence.background_interval_s``)."""
+        if self._fixed_interval_s is not None:
+            return self._fixed_interval_s
+        return background_interval_s(self._destination_kind or "hub", measured_push_s=self._measured_push_s)
 
     def deadline_due(self, now: float) -> bool:
         """The deadline's request is due (send ``DeadlineNear``)."""
@@ -259,6 +292,8 @@ class Plan:
 
     def _on_destination(self, event: DestinationKnown, now: float) -> list[Action]:
         self._pusher = event.pusher
+        if event.kind is not None:
+            self._destination_kind = event.kind
         return []
 
     def _on_output_dir(self, event: OutputDirKnown, now: float) -> list[Action]:
@@ -284,7 +319,7 @@ class Plan:
         if self._state is State.WATCHING:
             if not self._background:
                 return []
-            if self._push is not None or now < self._last_start + self._push_interval_s:
+            if self._push is not None or now < self._last_start + self._interval_s():
                 self._queued = info  # a newer one replaces a queued one
                 return []
             return self._start("background", info, self._background_deadline(now), now)
@@ -428,13 +463,14 @@ class Plan:
                 actions += self._push_ended(result, now)
             elif record.info is not None:  # a push running longer than the rate allows lowers it now
                 self._estimator.observe_push_progress(record.info.size_bytes, now - record.started)
+                actions += self._check_stalled(record, now)
         if self._wait_save_until is not None and now >= self._wait_save_until and self._state is State.AWAITING_SAVE:
             log.warning("the job did not save a checkpoint in time: securing the newest complete one")
             self._wait_save_until = None
             self._state = State.SECURING
             actions += self._secure_newest(now)
         if (self._state is State.WATCHING and self._queued is not None and self._push is None
-                and now >= self._last_start + self._push_interval_s):
+                and now >= self._last_start + self._interval_s()):
             info, self._queued = self._queued, None
             actions += self._start("background", info, self._background_deadline(now), now)
         if self.busy and now >= self.secure_by:
@@ -461,6 +497,42 @@ class Plan:
         log.warning("checkpoint %s (step %s) was %s the first non-finite loss (step %d): suspect, not pushed",
                     info.path, info.step, why, self._bad_from_step)
         return [MarkSuspect(str(info.path), info.step, self._bad_from_step)]
+
+    def _measured(self, took_s: float) -> None:
+        """A push took ``took_s`` seconds: a derived interval follows it (logged when it changes)."""
+        before = self._interval_s()
+        self._measured_push_s = took_s
+        after = self._interval_s()
+        if after != before:
+            log.info("background push interval now %.0fs (the last push took %.1fs; at least %.0fx that, and the "
+                     "destination's commit rate limit)", after, took_s, PUSH_TIME_FACTOR)
+
+    def _check_stalled(self, record: PushRecord, now: float) -> list[Action]:
+        """A running checkpoint push that made no progress for the stall bound: logged once; killed and replaced
+        by the newest complete checkpoint when that is newer (and, while securing, fits before ``secure_by``)."""
+        assert record.info is not None
+        idle_s = now - max(record.started, record.handle.progress_at)
+        if idle_s < self._stall_bound_s or self._state not in (State.WATCHING, State.SECURING):
+            return []
+        if self._stall_logged is not record:
+            self._stall_logged = record
+            log.warning("push of step %s (%s) made no progress for %.0fs", record.info.step, record.info.path,
+                        idle_s)
+        newer = self._queued if self._queued is not None else self._newest
+        if newer is None or _same(newer, record.info) or _step(newer) < _step(record.info) \
+                or self._is_suspect(newer) or not self._unsecured(newer):
+            return []
+        if self._state is State.SECURING and self._estimate_s(newer) > self.secure_by - now:
+            return []
+        log.warning("push of step %s stalled: pushing the newer checkpoint %s (step %s) instead", record.info.step,
+                    newer.path, newer.step)
+        self._stall_bound_s *= 2
+        kind = record.kind
+        actions = self._kill("stalled")
+        if kind == "background" and self._state is State.WATCHING:
+            self._queued = None
+            return actions + self._start("background", newer, self._background_deadline(now), now)
+        return actions + self._start("securing", newer, self.secure_by, now)
 
     def _estimate_s(self, info: CheckpointInfo) -> float:
         return self._estimator.secure_estimate_s(info.size_bytes)
@@ -635,6 +707,9 @@ class Plan:
             took_s = getattr(result, "transfer_s", result.elapsed_s)  # the successful attempt alone, no waits
             if took_s > 0 and result.size_bytes > 0:
                 self._estimator.observe_push(result.size_bytes, took_s)
+            if took_s > 0 and record.kind != "final":
+                self._measured(float(took_s))
+            self._stall_bound_s = self._stall_s
             if record.kind == "final":
                 log.info("final model secured and verified: %s", result.pushed)
             elif self._is_suspect(record.info):
@@ -667,7 +742,7 @@ class Plan:
                 self._state = State.DONE
             return []
         if self._state is State.WATCHING and self._queued is not None \
-                and now >= self._last_start + self._push_interval_s:
+                and now >= self._last_start + self._interval_s():
             info, self._queued = self._queued, None
             return self._start("background", info, self._background_deadline(now), now)
         return []

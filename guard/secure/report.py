@@ -52,6 +52,7 @@ class EndedHandle:
     def __init__(self, result: PriorPush) -> None:
         self.result = result
         self.deadline = 0.0
+        self.progress_at = 0.0
 
     def poll(self) -> PriorPush:
         return self.result

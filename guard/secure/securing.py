@@ -29,6 +29,7 @@ from guard.core.helpers import FS_HELPERS, Submitter
 from guard.core.state import Message, Outcome, RunState, died_after_training, incomplete_reason
 from guard.errors import GuardError
 from guard.secure import budget, checkpoints, layout, scans, worker
+from guard.secure.cadence import PUSH_TIME_FACTOR, background_interval_s
 from guard.secure.events import (
     Action,
     AlreadySecured,
@@ -53,7 +54,7 @@ from guard.secure.events import (
     TrainingStarted,
 )
 from guard.secure.outcome import Verdict, checkpoint_fields
-from guard.secure.plan import Plan, State
+from guard.secure.plan import PUSH_STALL_S, Plan, State
 
 if TYPE_CHECKING:
     from guard.secure.hub import Securer
@@ -160,8 +161,11 @@ class Securing:
             use), or None (no destination yet: the Trainer's ``hub_model_id`` may provide one).
         securer_factory: builds a ``Securer`` from destination text (for the Trainer's ``hub_model_id``).
         output_dir: where the job writes checkpoints (``--output-dir``; else the Trainer's ``output_dir``).
-        grace_s: ``--grace``. background: ``--background-push``. push_interval_s: ``--push-interval``.
+        grace_s: ``--grace``. background: ``--background-push``. push_interval_s: ``--push-interval``, or None:
+            from the destination and the measured push time (``cadence.background_interval_s``).
         final_window_s: ``--final-push-window`` (securing after a good end with no deadline).
+        push_stall_s: ``--push-stall``: a push with no progress for this long is replaced by a newer checkpoint's
+            (``plan.PUSH_STALL_S`` by default; 0: off).
         refresher: a ``guard.run.slurm.SlurmRefresher`` (any ``EndTimeSource``) or None.
         wall: epoch seconds; clock: monotonic seconds.
         pusher_factory: builds the plan's pusher from (destination text, token); default ``worker.Pusher``.
@@ -175,8 +179,9 @@ class Securing:
                  grace_s: float = 30.0, refresher: EndTimeSource | None = None,
                  wall: Callable[[], float] = time.time,
                  clock: Callable[[], float] = time.monotonic, background: bool = True,
-                 push_interval_s: float = 600.0, final_window_s: float = 180.0,
+                 push_interval_s: float | None = 600.0, final_window_s: float = 180.0,
                  pusher_factory: Callable[[str, str | None], Pusher] | None = None,
+                 push_stall_s: float = PUSH_STALL_S,
                  fs: Submitter | None = None, stat: checkpoints.StatFn | None = None) -> None:
         self.deadline = deadline
         self.estimator = estimator
@@ -202,7 +207,8 @@ class Securing:
         self.plan = Plan(clock=clock, pusher=self._make_pusher(securer), estimator=estimator,
                          deadline_at=self._to_clock(deadline.deadline_s), grace_s=grace_s, background=background,
                          push_interval_s=push_interval_s, final_output_dir=output_dir, final_window_s=final_window_s,
-                         unchanged=self._still_unchanged)
+                         unchanged=self._still_unchanged,
+                         destination_kind=self._kind(securer), stall_s=push_stall_s)
         self.latest_reported: checkpoints.CheckpointInfo | None = None
         self.last_step_at: float | None = None
         self.saved_ranks: dict[int | None, set[int]] = {}  # step -> ranks whose part of that save is done
@@ -222,11 +228,22 @@ class Securing:
                      budget.format_duration_s(round(deadline.deadline_s - wall())), deadline.source)
             estimator.margin_s()  # logs the starting margin
         if self.plan.has_pusher:
-            every = (f"at most one push every {budget.format_duration_s(push_interval_s)}" if push_interval_s > 0
-                     else "every complete save")
+            if push_interval_s is None and self._kind(securer) == "hub":
+                every = (f"at most one push every {budget.format_duration_s(background_interval_s('hub'))}, longer "
+                         f"when a push takes more than 1/{PUSH_TIME_FACTOR:.0f} of that (the Hub's commit rate limit)")
+            elif push_interval_s:
+                every = f"at most one push every {budget.format_duration_s(push_interval_s)}"
+            else:
+                every = "every complete save"
             log.info("background securing: %s", f"on, {every}" if background else "off (--background-push off)")
 
     # -- helpers ----------------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _kind(securer: Securer | None) -> str | None:
+        """``"folder"`` or ``"hub"``: where ``securer`` pushes, or None."""
+        kind = getattr(getattr(securer, "destination", None), "kind", None)
+        return kind if isinstance(kind, str) else None
 
     def _make_pusher(self, securer: Securer | None) -> Pusher | None:
         if securer is None:
@@ -493,7 +510,7 @@ class Securing:
         if self.securer is None and config.get("push_to_hub") and config.get("hub_model_id") and self.securer_factory:
             try:
                 self.securer = self.securer_factory(str(config["hub_model_id"]))
-                self._feed(None, DestinationKnown(self._make_pusher(self.securer)))
+                self._feed(None, DestinationKnown(self._make_pusher(self.securer), kind=self._kind(self.securer)))
                 log.info("destination from the Trainer: %s (push_to_hub, hub_model_id)", self.securer.destination)
             except GuardError as exc:
                 log.warning("cannot use the Trainer's hub_model_id as a destination: %s", exc.message)

@@ -14,6 +14,15 @@ write into an empty pipe (which never waits), so it is never on disk nor on a co
 records to stderr (one JSON object a line, re-logged by the parent through the guard's masking handler) and its
 result as one ``RESULT`` line on stdout. It dies with the guard (``PR_SET_PDEATHSIG``, Linux ``prctl(2)``).
 
+Progress: ``Handle.progress_at`` is when the worker last moved a byte, sampled on each ``poll``: the bytes it read
+and wrote through system calls (``rchar + wchar`` of ``/proc/<pid>/io``, Linux ``proc(5)``: files, sockets and
+pipes, of every thread, so Xet's Rust transfers count too), less what it wrote to the guard (its log and result
+lines, drained here), once they grew by ``PROGRESS_MIN_BYTES`` since the last progress: a client that only retries
+moves a few hundred bytes a try (measured: hf_xet against storage that never answers, 781 bytes a retry, its log
+file and its request), which is no progress. A push waiting on a commit that is never answered moves none; the plan
+logs it and replaces it by a newer checkpoint's push (``plan.PUSH_STALL_S``). Where ``/proc/<pid>/io`` cannot be
+read, every poll counts as progress (a push is never taken for stalled).
+
 A kill never waits: SIGKILL goes to the group and every descendant, the result is there at once, and the dead child
 is reaped later, by ``Handle.poll`` or ``reap_killed`` (a worker stuck in the kernel, ``D`` on a hung filesystem,
 dies only when the kernel lets it; the loop goes on meanwhile).
@@ -54,6 +63,8 @@ OPS = ("push_checkpoint", "push_final", "fetch_last_checkpoint", "peek_last_chec
 #: The child stops its own retries this long before the deadline, so that it can still report why.
 CHILD_EARLIER_S = 0.5
 POLL_S = 0.1  # how often run_bounded polls
+#: Bytes a worker must move (read or write) for it to count as progress: over the few hundred bytes of a retry.
+PROGRESS_MIN_BYTES = 64 * 1024
 _RESULT = "RESULT "
 #: Killed workers not reaped yet (``reap_killed``).
 _KILLED: set[Handle] = set()
@@ -174,6 +185,9 @@ class Handle:
         self.request_dir: str | None = None  # the request file's private folder, removed once the child ended
         self._buffers: dict[int, bytes] = {}
         self._payload: dict[str, Any] | None = None
+        self._drained_bytes = 0  # what the child wrote to its pipes and this side read
+        self._moved_bytes: int | None = None  # the bytes it had moved (less the drained ones) at its last progress
+        self.progress_at = self.started
         for pipe in (proc.stdout, proc.stderr):
             if pipe is not None:
                 os.set_blocking(pipe.fileno(), False)
@@ -202,6 +216,7 @@ class Handle:
                     chunk = b""
                 if not chunk:
                     break
+                self._drained_bytes += len(chunk)
                 self._buffers[fd] += chunk
             data = self._buffers[fd]
             *lines, rest = data.split(b"\n")
@@ -236,6 +251,7 @@ class Handle:
             return self.result
         self._drain()
         if self.proc.poll() is None:
+            self._sample_progress()
             if self.clock() >= self.deadline:
                 log.warning("%s still running at its deadline: killing it", self.op.replace("_", " "))
                 return self.kill("deadline")
@@ -253,6 +269,17 @@ class Handle:
             self.result = WorkResult(self.op, bool(payload.get("ok")), payload.get("data"), payload.get("error"),
                                      payload.get("hint"), payload.get("error_type"), elapsed_s)
         return self.result
+
+    def _sample_progress(self) -> None:
+        """``progress_at`` is now when the worker moved a byte since the last sample (the module docstring)."""
+        moved = _io_bytes(self.proc.pid)
+        if moved is None:
+            self.progress_at = self.clock()
+            return
+        moved -= self._drained_bytes
+        if self._moved_bytes is None or moved >= self._moved_bytes + PROGRESS_MIN_BYTES:
+            self._moved_bytes = moved
+            self.progress_at = self.clock()
 
     def kill(self, why: str = "killed") -> WorkResult:
         """SIGKILL the worker's process group and every descendant (``psutil``); returns the killed result at once.
@@ -297,6 +324,21 @@ class Handle:
             if pipe is not None:
                 with contextlib.suppress(OSError):
                     pipe.close()
+
+
+def _io_bytes(pid: int) -> int | None:
+    """``rchar + wchar`` of ``/proc/<pid>/io`` (bytes read and written through system calls, Linux ``proc(5)``), or
+    None where it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/io", "rb") as handle:
+            text = handle.read().decode("ascii", "replace")
+    except OSError:
+        return None
+    fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+    try:
+        return int(fields["rchar"]) + int(fields["wchar"])
+    except (KeyError, ValueError):
+        return None
 
 
 def _kill_tree(proc: subprocess.Popen[bytes]) -> None:

@@ -211,7 +211,8 @@ class Agent:
 
     @property
     def user_loss(self) -> Any:
-        """The loss this thread gave to accelerate's ``Accelerator.backward``, while that runs; else None."""
+        """The loss this thread gave to accelerate's ``Accelerator.backward`` or DeepSpeed's
+        ``DeepSpeedEngine.backward``, while that runs; else None."""
         return getattr(self._loss_state, "user_loss", None)
 
     @user_loss.setter
@@ -533,7 +534,7 @@ def install() -> None:
 
     hooks = {"torch": _torch.patch, "transformers.trainer": _transformers.patch,
              "transformers.training_args": _transformers.patch_arguments,
-             "accelerate.accelerator": _torch.patch_accelerate,
+             "accelerate.accelerator": _torch.patch_accelerate, "deepspeed.runtime.engine": _torch.patch_deepspeed,
              "torch.optim.optimizer": _torch.patch_optimizer, "torch.utils.data.dataloader": _torch.patch_dataloader}
     for name, hook in list(hooks.items()):
         if name in sys.modules:  # already imported (rare: the agent was installed late)

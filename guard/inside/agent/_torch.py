@@ -13,6 +13,11 @@ The loss the user means, not the tensor ``.backward()`` runs on:
   to remember which tensor it returned for which loss; the backward hook then watches the unscaled loss.
 - ``accelerator.backward(loss)`` (``accelerate``): it divides the loss by the gradient accumulation steps before
   its backward (``Accelerator.backward``, accelerate 1.x); the wrapper remembers the loss it was given.
+- ``engine.backward(loss)`` (DeepSpeed, ``deepspeed.runtime.engine.DeepSpeedEngine.backward``): it divides the loss
+  by ``gradient_accumulation_steps()`` (``_scale_loss_by_gas``) and, with fp16, its optimizer multiplies it by the
+  loss scale (``FP16_Optimizer.backward``: ``loss.float() * cur_scale``; the loss scaler's ``loss_scale``) before the
+  backward (microsoft/DeepSpeed ``deepspeed/runtime/engine.py``, ``deepspeed/runtime/fp16/``); the wrapper remembers
+  the loss it was given, as for accelerate. Nested (accelerate driving DeepSpeed), the outermost call's loss counts.
 - ``GradScaler.update`` is wrapped to count, on the device, the consecutive optimizer steps skipped because the
   gradients held inf/NaN (its ``found_inf_per_device``, the same tensors ``update`` consumes); ``LossWatch`` reads
   the count along with the losses, and the supervisor fails the run when the loss scale keeps collapsing.
@@ -45,7 +50,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["patch", "patch_accelerate", "patch_dataloader", "patch_optimizer"]
+__all__ = ["patch", "patch_accelerate", "patch_dataloader", "patch_deepspeed", "patch_optimizer"]
 
 
 def _capture_probe(torch: Any) -> Callable[[], bool]:
@@ -85,7 +90,7 @@ def patch(torch: Any) -> None:
         if agent is not None and agent.backward_hook and self.numel() == 1:
             try:
                 loss = self
-                if agent.user_loss is not None:  # inside accelerator.backward(loss)
+                if agent.user_loss is not None:  # inside accelerator.backward(loss) / engine.backward(loss)
                     loss = agent.user_loss
                 elif agent.scaled is not None and agent.scaled[0] is self:  # scaler.scale(loss).backward()
                     loss = agent.scaled[1]
@@ -236,21 +241,32 @@ def _patch_scaler(torch: Any, agent_module: Any) -> None:
 
 def patch_accelerate(module: Any) -> None:
     """Wrap ``accelerate.accelerator.Accelerator.backward`` to remember the loss it was given (idempotent)."""
+    _remember_loss(module.Accelerator)
+
+
+def patch_deepspeed(module: Any) -> None:
+    """Wrap ``deepspeed.runtime.engine.DeepSpeedEngine.backward`` to remember the loss it was given, before its
+    division by the gradient accumulation steps and its fp16 loss scale (idempotent)."""
+    _remember_loss(module.DeepSpeedEngine)
+
+
+def _remember_loss(cls: Any) -> None:
+    """Wrap ``cls.backward(self, loss, ...)``: while it runs, the ``.backward()`` hook reports ``loss`` (the user's),
+    not the tensor the library runs its backward on. The outermost call wins when two nest."""
     from . import _core as agent_module
 
-    cls = module.Accelerator
     original = cls.backward
     if getattr(original, "__guard_wrapped__", False):
         return
 
     @functools.wraps(original)
-    def backward(self: Any, loss: Any, **kwargs: Any) -> Any:
+    def backward(self: Any, loss: Any, *args: Any, **kwargs: Any) -> Any:
         agent = agent_module.get()
-        if agent is None:
-            return original(self, loss, **kwargs)
+        if agent is None or agent.user_loss is not None:
+            return original(self, loss, *args, **kwargs)
         agent.user_loss = loss
         try:
-            return original(self, loss, **kwargs)
+            return original(self, loss, *args, **kwargs)
         finally:
             agent.user_loss = None
 
