@@ -343,3 +343,13 @@ def test_the_root_of_a_chain_and_of_a_dataloader_worker_error_is_kept() -> None:
              b"RuntimeError: unable to allocate shared memory(shm) for file </torch_1_2_0>\n")
     assert flt.events.last_exception == "RuntimeError: Caught RuntimeError in DataLoader worker process 0."
     assert flt.events.root_exception.startswith("RuntimeError: unable to allocate shared memory")
+
+
+def test_has_keyword_is_a_search_of_every_keyword() -> None:
+    from guard.run.output import _KEYWORDS, has_keyword
+
+    rng = random.Random(3)
+    words = [*_KEYWORDS, b"LOS", b"Trace", b"Err", b"Except", b"Inter", b"VERDICT", b"oss", b"line 1 ", b"\n"]
+    for _ in range(3000):
+        data = b"".join(rng.choice(words) for _ in range(rng.randint(0, 4)))
+        assert has_keyword(data) == any(k in data for k in _KEYWORDS), data
