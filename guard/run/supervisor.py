@@ -38,7 +38,7 @@ from guard.run.channel import AgentChannel, AgentConn
 from guard.run.config import Config
 from guard.run.pipes import JobOutput
 from guard.run.process import JobProcess, Spawner, cgroup_memory, default_signals, set_subreaper
-from guard.run.ranks import configured_node_rank
+from guard.run.ranks import configured_node_rank, parse_launch
 from guard.run.timers import Escalation
 from guard.run.watchdog import Decision, SettingsCheck, Watchdog
 from guard.secure.worker import reap_killed
@@ -62,8 +62,6 @@ def expected_primary(environ: Mapping[str, str], command: Sequence[str]) -> int 
     """The rank whose steps stand for the job's, known before any agent connects: with a launcher command
     (``torchrun``, ``accelerate launch``), this machine's first rank (``node_rank x procs per node``; rank 0 on node
     0); None for any other command (the lowest rank seen then stands)."""
-    from guard.preflight.launch import parse_launch
-
     launch = parse_launch(command)
     if launch is None:
         return None

@@ -508,7 +508,10 @@ class Securing:
         outcome = sup.state.outcome
         if self.output_dir and self.plan.state is not State.DONE:
             self._scan(sup)
-        from guard.secure.hub import holds_final_model  # lazily: the hub module is needed only at the end
+        def holds_final_model(folder: str | None) -> bool:
+            from guard.secure.hub import holds_final_model  # lazily: only when a final model is looked for
+
+            return holds_final_model(folder)
 
         completed = died_after_training(sup.state.facts, code,
                                         lambda: holds_final_model(self.output_dir)) is not None
