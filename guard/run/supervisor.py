@@ -54,6 +54,9 @@ log = logging.getLogger("guard.supervisor")
 
 DRAIN_AFTER_EXIT_S = 2.0  # after the job exits, how long its leftover processes may keep its pipes open
 SAMPLE_EVERY_S = 2.0  # job tree memory sampling
+#: The first sample, after the job started: not while the job's interpreter starts (psutil's import and its scan of
+#: /proc took the CPU the job's start needed: time to the first line +0.02-0.1 s on 2 busy cores).
+FIRST_SAMPLE_S = 0.5
 REAP_EVERY_S = 2.0  # orphans are reaped on SIGCHLD (at most twice a second) and at least this often
 WRITE_RETRY_S = 0.01  # while output waits for a paused reader: how often the loop tries again
 
@@ -139,7 +142,7 @@ class Supervisor:
         self.signals: list[int] = []
         self.job: JobProcess | None = None
         self.exited_at: float | None = None
-        self.next_sample = self.started
+        self.next_sample = self.started + FIRST_SAMPLE_S
         self.stop_at: float | None = None  # a scheduled SIGTERM (the job may end on its own before)
         self.frozen = False  # SIGSTOPped while a failure's checkpoint is secured; SIGCONT + stop when that is over
         self.stop_grace_s: float | None = None
