@@ -165,6 +165,24 @@ class OutputEvents:
     last_lines: dict[str, str] = field(default_factory=dict)
 
 
+#: ``OutputEvents.last_lines`` keeps this many bytes of a line's end.
+LAST_LINE_CHARS = 300
+
+
+def _last_line(head: bytes, out: bytes) -> bytes:
+    """The last non-empty line of ``head + out`` (split at ``\n`` and ``\r``, stripped), or its end: the same
+    ``[-LAST_LINE_CHARS:]`` as from the whole text, read from the last 8 KiB of a big chunk only (no copy of it)."""
+    if len(out) > 8192:
+        window = out[-8192:]
+        stripped = window.rstrip()
+        cut = max(stripped.rfind(b"\n"), stripped.rfind(b"\r"))
+        last = stripped[cut + 1:].strip()
+        if cut >= 0 or len(last) >= LAST_LINE_CHARS:
+            return last  # the line starts inside the window, or its kept end does
+    whole = (head + out).rstrip()
+    return whole.rsplit(b"\n", 1)[-1].rsplit(b"\r", 1)[-1].strip()
+
+
 def add_worker_deaths(deaths: dict[int, str | None], text: str) -> None:
     """Add the DataLoader workers ``text`` says died (``WORKER_DIED``) to ``deaths`` (pid -> signal or None); a
     signal named once is kept when a later message of the same worker names none."""
@@ -244,8 +262,8 @@ class StreamFilter:
         if self._in_traceback or has_keyword(out) or (head and has_keyword(head)):
             out = self._inspect(out, line_complete)
         if line_complete:
-            if self.label and (last := (head + out).rstrip().rsplit(b"\n", 1)[-1].rsplit(b"\r", 1)[-1].strip()):
-                self.events.last_lines[self.label] = last[-300:].decode("utf-8", "replace")
+            if self.label and (last := _last_line(head, out)):
+                self.events.last_lines[self.label] = last[-LAST_LINE_CHARS:].decode("utf-8", "replace")
             self._at_line_start = out.endswith((b"\n", b"\r"))
             self._line_head = b""
         else:
