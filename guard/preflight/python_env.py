@@ -240,7 +240,9 @@ def check_imports(
     """Try the job's key imports, each in its own child process (``sys.executable -c ...``), side by side.
 
     One child per module keeps the wall time near the slowest single import (torch) instead of the sum, and a
-    module that kills its interpreter cannot hide the others' results. At most ``IMPORT_WORKERS`` run at once.
+    module that kills its interpreter cannot hide the others' results. At most ``IMPORT_WORKERS`` run at once. A
+    ``FOUND_ONLY`` framework that the script imports unconditionally is found, not imported (the job imports it at
+    its start: importing it here too doubled a torch job's start-up).
 
     Args:
         facts: the script's facts (its imports and PEP 723 block).
