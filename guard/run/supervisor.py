@@ -313,12 +313,14 @@ class Supervisor:
                 self._next_reap = now + 0.5
                 job.reap_orphans()
                 reap_killed()  # securing workers killed earlier (a kill never waits for the child to die)
-            if busy or self._recheck or now >= due or self.output.partial_since:
+            if busy or self._recheck or now >= due:
                 self._recheck = False
                 self._timers(now)
                 due = self._next_due(now)
                 if self._done(now):
                     return
+            elif self.output.partial_since:  # an unfinished line is written when it is due, like any timer: the
+                due = min(due, self.output.due_at())  # timers do not run at every read that ends mid-line
 
     def _on_ready(self, fd: int, kind: str) -> None:
         if kind == "listen":
