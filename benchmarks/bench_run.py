@@ -3,19 +3,24 @@
 1. ``step``: per-step overhead of the in-job agent on a tiny CPU training loop (~10 ms steps,
    ``jobs/train_loop.py``): the loop's own time under ``python -m guard`` over plain ``python``. The job times only
    its loop and prints it, so start-up does not count. Runs alternate (plain, guard, guard, plain, ...); the
-   median of ``--runs`` each is compared. Target: ratio <= 1.02. Diagnostics, for a machine shared with other
+   median of ``--runs`` each is compared. Target: ratio <= 1.02, and the job's CPU time per step <= 1.01.
+   Diagnostics, for a machine shared with other
    work: the job's CPU time over the loop, and the agent's hook alone timed in one process (fastest of
    alternating blocks of tiny ``.backward()`` calls with and without it).
 2. ``lines``: output passthrough: wall time of ``python -m guard print_lines.py`` over ``python print_lines.py``
-   for 1M lines written with ``print()``, stdout to a file in both cases. Target: ratio <= 1.10. A diagnostic
+   for 1M lines written with ``print()``, stdout to a file in both cases. Target: ratio <= 1.25, and <= 1.05 without
+   either side's fixed start-up and shut-down (runs with 0 lines); the guard's own CPU time is shown. A diagnostic
    row runs the plain job with ``PYTHONUNBUFFERED=1``, as the guard runs its job, to tell the job's own cost of
    unbuffered writes apart from the guard's pumping.
 3. ``first_line``: time added before the job's first output line: from just before the process is started to
-   the first line read on its stdout pipe, guard minus plain (medians). Target: <= 0.3 s. Preflight is left out
+   the first line read on its stdout pipe, guard minus plain (medians). Target: <= +0.15 s. Preflight is left out
    (``--no-preflight``, when the guard has it).
 4. ``rss``: the guard process's own peak resident memory (``VmHWM`` of ``/proc/PID/status``, sampled every
    20 ms while it runs; the job is a separate process and does not count), the largest over every guarded run
-   above. Target: <= 60 MB (10^6 bytes).
+   above. Target: <= 30 MB (10^6 bytes).
+5. ``startup``: start-up of a job that imports torch (``jobs/torch_first_line.py``) to its first output line,
+   ``python -m guard`` with preflight on (its default: the import check included) over plain ``python``, medians
+   of ``--startup-runs``. Target: ratio <= 1.5.
 
 Every guarded run must end with exit 0 and a ``VERDICT: PASS`` line, and the step benchmark checks that the guard
 saw the sanity pass (so the agent's hook was really on); otherwise the script stops with an error.
@@ -45,8 +50,13 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 JOBS = Path(__file__).resolve().parent / "jobs"
-BENCHMARKS = ("step", "lines", "first_line", "rss")
-TARGETS = {"step": 1.02, "lines": 1.10, "first_line": 0.3, "rss": 60e6}
+BENCHMARKS = ("step", "lines", "first_line", "rss", "startup")
+#: step: wall ratio (and the job's CPU time per step, ratio ``step_cpu``); lines: the whole wall ratio (and the
+#: streaming alone, without the fixed start-up and shut-down, ``lines_streaming``); first_line: seconds added;
+#: rss: bytes; startup: ratio of the time to the first line of a job that imports torch, preflight on.
+TARGETS = {"step": 1.02, "step_cpu": 1.01, "lines": 1.25, "lines_streaming": 1.05, "first_line": 0.15, "rss": 30e6,
+           "startup": 1.5}
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 def base_env() -> dict[str, str]:
@@ -109,6 +119,7 @@ class Run:
     stdout: str = ""
     stderr: str = ""
     peak_rss_bytes: int = 0
+    own_cpu_s: float = 0.0  # the process's own CPU time (user + system), its children's not included
 
 
 def run(argv: list[str], *, env: dict[str, str], stdout_path: Path | None = None, sample_rss: bool = False) -> Run:
@@ -119,8 +130,10 @@ def run(argv: list[str], *, env: dict[str, str], stdout_path: Path | None = None
         sampler = HwmSampler(proc.pid) if sample_rss else None
         if sampler:
             sampler.start()
-        proc.wait()
+        os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)  # exited, not reaped: its /proc entry still there
         wall_s = time.perf_counter() - started
+        own_cpu_s = _own_cpu_s(proc.pid)
+        proc.wait()
         peak = sampler.stop() if sampler else 0
         err.seek(0)
         stderr = err.read().decode("utf-8", "replace")
@@ -128,7 +141,18 @@ def run(argv: list[str], *, env: dict[str, str], stdout_path: Path | None = None
         if stdout_path is None:
             out.seek(0)
             stdout = out.read().decode("utf-8", "replace")
-    return Run(argv, proc.returncode, wall_s, stdout, stderr, peak)
+    return Run(argv, proc.returncode, wall_s, stdout, stderr, peak, own_cpu_s)
+
+
+def _own_cpu_s(pid: int) -> float:
+    """utime + stime of an exited, not yet reaped process (``/proc/PID/stat`` fields 14 and 15): the guard's own
+    CPU time, robust to other load on the machine (the job's is in fields 16-17, as a reaped child's)."""
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            fields = handle.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+    except (OSError, IndexError, ValueError):
+        return 0.0
 
 
 def check_guarded(result: Run, what: str) -> None:
@@ -186,8 +210,10 @@ def bench_step(res: Results, guard: list[str], runs: int, steps: int) -> None:
         "what": f"per-step time, CPU loop ({steps} steps)",
         "plain": f"{steps / plain:.1f} steps/s ({plain / steps * 1000:.2f} ms)",
         "guard": f"{steps / guarded:.1f} steps/s ({guarded / steps * 1000:.2f} ms)",
-        "value": guarded / plain, "shown": f"ratio {guarded / plain:.3f}", "target": "<= 1.02",
-        "ok": guarded / plain <= TARGETS["step"], "samples": {"loop_s": loop_s, "cpu_s": cpu_s},
+        "value": guarded / plain, "shown": f"ratio {guarded / plain:.3f} (CPU {cpu_guard / cpu_plain:.3f})",
+        "target": "<= 1.02 (CPU <= 1.01)",
+        "ok": guarded / plain <= TARGETS["step"] and cpu_guard / cpu_plain <= TARGETS["step_cpu"],
+        "samples": {"loop_s": loop_s, "cpu_s": cpu_s},
         "diagnostic": f"the job's CPU time over the loop (median): plain {cpu_plain / steps * 1000:.2f} ms/step, "
                       f"guarded {cpu_guard / steps * 1000:.2f} ms/step, ratio {cpu_guard / cpu_plain:.3f}; "
                       f"fastest runs (wall): ratio {min(loop_s['guard']) / min(loop_s['plain']):.3f}; "
@@ -236,6 +262,7 @@ def bench_lines(res: Results, guard: list[str], runs: int, lines: int, tmp: Path
     out = tmp / "lines.out"
     wall: dict[str, list[float]] = {"plain": [], "guard": [], "plain_empty": [], "guard_empty": [],
                                     "plain_unbuffered": []}
+    guard_cpu: dict[str, list[float]] = {"lines": [], "empty": []}  # the guard process's own CPU time
     peak = 0
     for i in range(runs):
         for variant in order(i):
@@ -246,6 +273,7 @@ def bench_lines(res: Results, guard: list[str], runs: int, lines: int, tmp: Path
                 result = run([*guard, *job], env=base_env(), stdout_path=out, sample_rss=True)
                 expected = lines + 1  # the VERDICT line
                 peak = max(peak, result.peak_rss_bytes)
+                guard_cpu["lines"].append(result.own_cpu_s)
             with open(out, "rb") as handle:
                 text = handle.read()
             written = text.count(b"\n")
@@ -259,20 +287,27 @@ def bench_lines(res: Results, guard: list[str], runs: int, lines: int, tmp: Path
         # per-line streaming cost from its start-up (which the first-line benchmark measures on its own).
         empty = [str(JOBS / "print_lines.py"), "--lines", "0"]
         wall["plain_empty"].append(run([sys.executable, *empty], env=base_env(), stdout_path=out).wall_s)
-        wall["guard_empty"].append(run([*guard, *empty], env=base_env(), stdout_path=out).wall_s)
+        empty_run = run([*guard, *empty], env=base_env(), stdout_path=out)
+        wall["guard_empty"].append(empty_run.wall_s)
+        guard_cpu["empty"].append(empty_run.own_cpu_s)
         unbuffered = {**base_env(), "PYTHONUNBUFFERED": "1"}
         wall["plain_unbuffered"].append(run([sys.executable, *job], env=unbuffered, stdout_path=out).wall_s)
     plain, guarded = statistics.median(wall["plain"]), statistics.median(wall["guard"])
     plain_empty, guard_empty = statistics.median(wall["plain_empty"]), statistics.median(wall["guard_empty"])
     streaming = (guarded - guard_empty) / max(plain - plain_empty, 1e-9)
     unbuffered_s = statistics.median(wall["plain_unbuffered"])
+    cpu_lines, cpu_empty = statistics.median(guard_cpu["lines"]), statistics.median(guard_cpu["empty"])
     res.rows["lines"] = {
         "what": f"output passthrough, {lines:,} lines to a file (wall)",
         "plain": f"{plain:.2f} s", "guard": f"{guarded:.2f} s",
-        "value": guarded / plain, "shown": f"ratio {guarded / plain:.2f}", "target": "<= 1.10",
-        "ok": guarded / plain <= TARGETS["lines"], "samples": wall,
+        "value": guarded / plain, "shown": f"ratio {guarded / plain:.2f} (streaming {streaming:.2f})",
+        "target": "<= 1.25 (streaming <= 1.05)",
+        "ok": guarded / plain <= TARGETS["lines"] and streaming <= TARGETS["lines_streaming"],
+        "samples": {**wall, "guard_cpu_s": guard_cpu},
         "diagnostic": f"start-up and shut-down alone (0 lines): plain {plain_empty:.2f} s, guard {guard_empty:.2f} s; "
-                      f"streaming cost without them: ratio {streaming:.2f}; for comparison a plain job with "
+                      f"streaming cost without them: ratio {streaming:.2f}; the guard process's own CPU time "
+                      f"(median): {cpu_lines:.2f} s with the lines, {cpu_empty:.2f} s with none, so "
+                      f"{(cpu_lines - cpu_empty) / max(lines, 1) * 1e9:.0f} ns a line; for comparison a plain job with "
                       f"PYTHONUNBUFFERED=1 (what the guard avoids): {unbuffered_s:.2f} s, ratio "
                       f"{unbuffered_s / plain:.2f}",
     }
@@ -288,7 +323,7 @@ def first_line_s(argv: list[str]) -> float:
     took_s = time.perf_counter() - started
     proc.stdout.read()
     proc.wait()
-    if line.strip() != b"ready" or proc.returncode != 0:
+    if not line.startswith(b"ready") or proc.returncode != 0:
         sys.exit(f"bench_run: first_line run failed: first line {line!r}, exit {proc.returncode}")
     return took_s
 
@@ -304,8 +339,27 @@ def bench_first_line(res: Results, guard: list[str], runs: int) -> None:
     res.rows["first_line"] = {
         "what": "time to the job's first output line",
         "plain": f"{plain:.3f} s", "guard": f"{guarded:.3f} s",
-        "value": guarded - plain, "shown": f"+{guarded - plain:.3f} s", "target": "<= 0.3 s",
+        "value": guarded - plain, "shown": f"+{guarded - plain:.3f} s", "target": "<= +0.15 s",
         "ok": guarded - plain <= TARGETS["first_line"], "samples": took,
+    }
+
+
+def bench_startup(res: Results, runs: int) -> None:
+    """Start-up of a job that imports torch (``jobs/torch_first_line.py``) to its first output line: ``python -m
+    guard`` with preflight on, as by default (the import check included), over plain ``python``; medians."""
+    job = str(JOBS / "torch_first_line.py")
+    took: dict[str, list[float]] = {"plain": [], "guard": []}
+    guarded_argv = [sys.executable, "-m", "guard", job]
+    first_line_s([sys.executable, job]), first_line_s(guarded_argv)  # warm-up (bytecode, page cache): not timed
+    for i in range(runs):
+        for variant in order(i):
+            took[variant].append(first_line_s([sys.executable, job] if variant == "plain" else guarded_argv))
+    plain, guarded = statistics.median(took["plain"]), statistics.median(took["guard"])
+    res.rows["startup"] = {
+        "what": "start-up of an `import torch` job to its first line, preflight on",
+        "plain": f"{plain:.2f} s", "guard": f"{guarded:.2f} s",
+        "value": guarded / plain, "shown": f"ratio {guarded / plain:.2f}", "target": "<= 1.5",
+        "ok": guarded / plain <= TARGETS["startup"], "samples": took,
     }
 
 
@@ -317,7 +371,7 @@ def rss_row(res: Results) -> None:
     res.rows["rss"] = {
         "what": "guard process peak RSS (VmHWM)",
         "plain": "-", "guard": ", ".join(f"{k}: {v / 1e6:.1f} MB" for k, v in res.rss_peaks.items()),
-        "value": peak, "shown": f"{peak / 1e6:.1f} MB", "target": "<= 60 MB", "ok": peak <= TARGETS["rss"],
+        "value": peak, "shown": f"{peak / 1e6:.1f} MB", "target": "<= 30 MB", "ok": peak <= TARGETS["rss"],
         "samples": res.rss_peaks,
     }
 
@@ -377,6 +431,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=5, help="runs of each variant (median; default 5)")
     parser.add_argument("--first-line-runs", type=int, default=9, help="runs for the first-line benchmark")
+    parser.add_argument("--startup-runs", type=int, default=5, help="runs for the start-up benchmark (default 5)")
     parser.add_argument("--steps", type=int, default=300, help="training steps per run (default 300)")
     parser.add_argument("--lines", type=int, default=1_000_000, help="lines for the passthrough (default 1M)")
     parser.add_argument("--only", default=",".join(BENCHMARKS), help="comma list of: " + ", ".join(BENCHMARKS))
@@ -408,6 +463,8 @@ def main(argv: list[str] | None = None) -> int:
             res.rows.pop("step"), res.rows.pop("lines")
         if "rss" in only:
             rss_row(res)
+        if "startup" in only:
+            bench_startup(res, args.startup_runs)
     info = {**machine(), "load_before": load_before}
     if args.json:
         print(json.dumps({"machine": info, "guard_argv": guard[1:], "results": res.rows}, indent=2, default=str))

@@ -194,3 +194,27 @@ def test_command_line_secrets_follow_secret_named_options() -> None:
             "--tokenizer_name", "gpt2-medium", "--max_tokens", "100000000", "--eos_token", "<|endoftext|>",
             "--db.password=pw12345678", "--client-secret", "cs-0000-1111"]
     assert command_line_secrets(argv) == ["abcd1234efgh", "tok-5678-abcd", "pw12345678", "cs-0000-1111"]
+
+
+def test_the_rare_byte_gate_masks_what_a_search_of_every_form_masks() -> None:
+    """``mask`` skips a form when the output lacks its rarest byte: the same result as searching every form, for
+    secrets of every alphabet inside random text."""
+    import random
+
+    from guard.core.masking import MASK, Masker
+
+    rng = random.Random(7)
+    alphabets = ["abcdefghijklmnopqrstuvwxyz", "0123456789abcdef", "ABCDEFGHIJKLMNOPQRSTUVWXYZ+/=%_-. "]
+    for _ in range(300):
+        secrets = ["".join(rng.choice(rng.choice(alphabets)) for _ in range(rng.randint(8, 40)))
+                   for _ in range(rng.randint(1, 3))]
+        masker = Masker(secrets)
+        forms = masker._secrets
+        pieces = [rng.choice([*forms, "".join(rng.choice(alphabets[0] + " \n") for _ in range(30)).encode()])
+                  for _ in range(rng.randint(1, 6))]
+        data = b"".join(pieces)
+        masked = masker.mask(data)
+        assert all(form not in masked for form in forms if len(form) > len(MASK))
+        ungated = Masker(secrets)
+        ungated._gated = [(b"", form) for form in forms]  # b"" is in every bytes: every form searched
+        assert masked == ungated.mask(data)

@@ -361,3 +361,26 @@ def test_the_root_of_a_chain_and_of_a_dataloader_worker_error_is_kept() -> None:
              b"RuntimeError: unable to allocate shared memory(shm) for file </torch_1_2_0>\n")
     assert flt.events.last_exception == "RuntimeError: Caught RuntimeError in DataLoader worker process 0."
     assert flt.events.root_exception.startswith("RuntimeError: unable to allocate shared memory")
+
+
+def test_has_keyword_is_a_search_of_every_keyword() -> None:
+    from guard.run.output import _KEYWORDS, has_keyword
+
+    rng = random.Random(3)
+    words = [*_KEYWORDS, b"LOS", b"Trace", b"Err", b"Except", b"Inter", b"VERDICT", b"oss", b"line 1 ", b"\n"]
+    for _ in range(3000):
+        data = b"".join(rng.choice(words) for _ in range(rng.randint(0, 4)))
+        assert has_keyword(data) == any(k in data for k in _KEYWORDS), data
+
+
+def test_last_line_of_a_big_chunk_is_the_one_of_the_whole_text() -> None:
+    from guard.run.output import LAST_LINE_CHARS, _last_line
+
+    rng = random.Random(5)
+    for _ in range(400):
+        pieces = [rng.choice([b"\n", b"\r", b" ", b"  \n\n", b"x" * rng.randint(1, 9000), b"line 12 ok"])
+                  for _ in range(rng.randint(1, 8))]
+        out = b"".join(pieces) * rng.randint(1, 3)
+        head = rng.choice([b"", b"head ", b"\n"])
+        whole = (head + out).rstrip().rsplit(b"\n", 1)[-1].rsplit(b"\r", 1)[-1].strip()
+        assert _last_line(head, out)[-LAST_LINE_CHARS:] == whole[-LAST_LINE_CHARS:]

@@ -181,3 +181,25 @@ def test_an_import_past_the_timeout_warns(tmp_path: Path) -> None:
 def test_no_third_party_import_is_na(tmp_path: Path) -> None:
     row = check_imports(analyze_script(script(tmp_path, None, "import os\n")), environ={})
     assert row.status == "n/a" and "no third-party module" in row.seen
+
+
+def test_a_framework_the_script_imports_first_is_found_not_imported(tmp_path: Path, monkeypatch: Any) -> None:
+    """A module of ``FOUND_ONLY`` the script imports unconditionally is only found by the child (the job imports
+    it at its start anyway): its import's crash is the job's to show; not installed still fails before the job."""
+    import guard.preflight.python_env as python_env
+
+    lib = tmp_path / "lib"
+    lib.mkdir()
+    (lib / "crashy_framework_mod.py").write_text("import os\nos._exit(7)\n")
+    job = tmp_path / "job"
+    job.mkdir()
+    monkeypatch.setattr(python_env, "FOUND_ONLY", frozenset({"crashy_framework_mod", "absent_framework_mod"}))
+    row = check_imports(analyze_script(script(job, None, "import crashy_framework_mod\n")),
+                        environ={"PYTHONPATH": str(lib)})
+    assert row.status == "pass" and "crashy_framework_mod found, imported by the job at its start" in row.seen
+    missing = check_imports(analyze_script(script(job, None, "import absent_framework_mod\n")), environ={})
+    assert missing.status == "fail"
+    assert missing.seen.startswith("import absent_framework_mod failed: ModuleNotFoundError")
+    # imported only by a PEP 723 dependency's name, not by the script at its start: imported in full
+    assert check_imports(analyze_script(script(job, None, "import os\n")), environ={"PYTHONPATH": str(lib)},
+                         modules=["crashy_framework_mod"]).status == "fail"

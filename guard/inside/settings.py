@@ -8,16 +8,15 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 from .. import protocol
 
 __all__ = ["AgentSettings", "agent_settings"]
 
 
-@dataclass(frozen=True)
 class AgentSettings:
-    """The agent's settings.
+    """The agent's settings (immutable; a plain class, not a dataclass: ``dataclasses`` costs every job ~10 ms of
+    imports, ``inspect`` and ``ast`` with it, that a job without torch never pays otherwise).
 
     Attributes:
         socket_path: the supervisor's socket (``GUARD_AGENT_SOCKET``); None: no supervisor, every call a no-op.
@@ -28,12 +27,35 @@ class AgentSettings:
         ack_timeout_s: how long the agent waits for the supervisor's ``ack`` after ``trainer_config`` (seconds).
     """
 
+    __slots__ = ("ack_timeout_s", "check_every", "resume_path", "resume_step", "sanity_steps", "socket_path")
+    _FIELDS = ("socket_path", "sanity_steps", "check_every", "resume_path", "resume_step", "ack_timeout_s")
     socket_path: str | None
-    sanity_steps: int = 5
-    check_every: int = 10
-    resume_path: str | None = None
-    resume_step: int = 0
-    ack_timeout_s: float = 10.0
+    sanity_steps: int
+    check_every: int
+    resume_path: str | None
+    resume_step: int
+    ack_timeout_s: float
+
+    def __init__(self, socket_path: str | None, sanity_steps: int = 5, check_every: int = 10,
+                 resume_path: str | None = None, resume_step: int = 0, ack_timeout_s: float = 10.0) -> None:
+        for name, value in zip(self._FIELDS, (socket_path, sanity_steps, check_every, resume_path, resume_step,
+                                                ack_timeout_s), strict=True):
+            object.__setattr__(self, name, value)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"AgentSettings is immutable: cannot set {name}")
+
+    def _values(self) -> tuple[object, ...]:
+        return tuple(getattr(self, name) for name in self._FIELDS)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, AgentSettings) and self._values() == other._values()
+
+    def __hash__(self) -> int:
+        return hash(self._values())
+
+    def __repr__(self) -> str:
+        return "AgentSettings(" + ", ".join(f"{name}={getattr(self, name)!r}" for name in self._FIELDS) + ")"
 
 
 def agent_settings(environ: Mapping[str, str] | None = None) -> AgentSettings:

@@ -273,13 +273,17 @@ def _python_rows(facts: ScriptFacts | None, script_error: CheckResult | None, en
         return [*header, CheckResult("python", "n/a", "no script given: no PEP 723 block or imports to check")]
     uv_environment = opts.uv_environment if opts is not None else None
     uv_error = opts.uv_error if opts is not None else None
-    pep723 = check_pep723(facts, uv_environment=uv_environment, uv_error=uv_error)
     if uv_error is not None:
-        return header + pep723
+        return header + check_pep723(facts, uv_environment=uv_environment, uv_error=uv_error)
+    # The import check's children first (the slowest check of a preflight): the PEP 723 rows meanwhile.
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="guard-imports-check") as pool:
+        pending = pool.submit(check_imports, facts, environ=environ, runner=runner,
+                              python=opts.python_executable if opts is not None else None)
+        pep723 = check_pep723(facts, uv_environment=uv_environment, uv_error=uv_error)
+        imports = pending.result()
     missing = any(row.status == "warn" and "not installed" in row.seen for row in pep723)
-    imports = check_imports(facts, environ=environ, runner=runner,
-                            python=opts.python_executable if opts is not None else None,
-                            missing_hint=UV_HINT if missing else None)
+    if missing and imports.status == "fail" and " failed: ModuleNotFoundError" in imports.seen:
+        imports = dataclasses.replace(imports, hint=UV_HINT)  # the PEP 723 dependencies are not installed here
     return header + pep723 + [imports]
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.metadata
 import logging
 import os
 import shutil
@@ -225,10 +224,32 @@ def _setup_logging(masker: Masker, environ: Mapping[str, str]) -> None:
 
 
 def _version_of(dist: str) -> str:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return "not installed"
+    """The installed version of ``dist`` from its ``*.dist-info``/``*.egg-info`` folder on ``sys.path`` (the first
+    one, as ``importlib.metadata.version`` finds it, without its 20-40 ms of imports at every start)."""
+    wanted = dist.lower().replace("-", "_")
+    for entry in sys.path:
+        try:
+            names = os.listdir(entry or ".")
+        except OSError:
+            continue
+        for name in names:
+            stem, dot, kind = name.rpartition(".")
+            if kind not in ("dist-info", "egg-info") or not dot:
+                continue
+            project = stem.split("-", 1)[0].lower().replace("-", "_").replace(".", "_")
+            if project != wanted:
+                continue
+            for meta in ("METADATA", "PKG-INFO"):
+                try:
+                    with open(os.path.join(entry or ".", name, meta), encoding="utf-8", errors="replace") as file:
+                        for line in file:
+                            if line.startswith("Version:"):
+                                return line.split(":", 1)[1].strip()
+                            if not line.strip():
+                                break
+                except OSError:
+                    continue
+    return "not installed"
 
 
 def _log_config(config: Config) -> None:

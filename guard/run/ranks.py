@@ -16,9 +16,14 @@ A plain policy object, driven by the caller's clock (no threads, no sleeping; te
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
-__all__ = ["FALLBACK_STEPS", "RankWatch", "configured_node_rank", "expected_primary"]
+if TYPE_CHECKING:
+    from guard.preflight.launch import LaunchCommand
+
+__all__ = ["FALLBACK_STEPS", "RankWatch", "configured_node_rank", "expected_primary", "parse_launch"]
 
 #: When the expected primary rank has not reported by the time another rank reports this many steps, the lowest
 #: rank seen stands instead (a launcher whose rank numbering the guard did not read right).
@@ -103,6 +108,17 @@ class RankWatch:
         return {rank: when for rank, (_, when) in self.last_step.items() if rank not in self.done}
 
 
+def parse_launch(command: Sequence[str]) -> LaunchCommand | None:
+    """``guard.preflight.launch.parse_launch``, imported (with all of ``guard.preflight``) only for a command that
+    can be a launcher's: ``torchrun``, ``accelerate``, or one with ``-m``; None for any other, as it says."""
+    argv = list(command)
+    if not argv or (os.path.basename(argv[0]) not in ("torchrun", "accelerate") and "-m" not in argv):
+        return None
+    from guard.preflight.launch import parse_launch as parse
+
+    return parse(argv)
+
+
 def configured_node_rank(environ: Mapping[str, str], command: Sequence[str]) -> int | None:
     """This machine's node rank as the guard's environment (``NODE_RANK``, torchrun's ``GROUP_RANK``, Slurm's
     ``SLURM_NODEID``) or the launcher's command (``torchrun --node-rank N``, ``accelerate launch --machine_rank N``)
@@ -111,8 +127,6 @@ def configured_node_rank(environ: Mapping[str, str], command: Sequence[str]) -> 
         value = environ.get(name, "")
         if value.isdigit():
             return int(value)
-    from guard.preflight.launch import parse_launch
-
     launch = parse_launch(command)
     for option in ("--node-rank", "--node_rank", "--machine-rank", "--machine_rank"):
         value = launch.values.get(option, "") if launch is not None else ""
@@ -125,8 +139,6 @@ def expected_primary(environ: Mapping[str, str], command: Sequence[str]) -> int 
     """The rank whose steps stand for the job's, known before any agent connects: with a launcher command
     (``torchrun``, ``accelerate launch``), this machine's first rank (``node_rank x procs per node``; rank 0 on node
     0); None for any other command (the lowest rank seen then stands)."""
-    from guard.preflight.launch import parse_launch
-
     launch = parse_launch(command)
     if launch is None:
         return None

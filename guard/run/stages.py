@@ -111,8 +111,8 @@ def resolve_budget(config: Config, platform: PlatformInfo) -> budget.Deadline:
         started_source = settings.started_at_option
     timeout_s = settings.timeout_s
     timeout_source = settings.timeout_option
-    if timeout_s is None:
-        from guard.preflight.hfjobs import TABLE, read_hf_jobs_file
+    if timeout_s is None and _mentions_hf_jobs(config.script):
+        from guard.preflight.hfjobs import TABLE, read_hf_jobs_file  # imports all of guard.preflight
 
         table = read_hf_jobs_file(config.script)
         if table is not None and table.timeout_s is not None:
@@ -122,6 +122,15 @@ def resolve_budget(config: Config, platform: PlatformInfo) -> budget.Deadline:
                                        started_at_s=started_at_s, started_at_source=started_source,
                                        environ=config.environ, platform=platform, now_s=time.time())
     return _slurm_deadline(deadline, config, platform)
+
+
+def _mentions_hf_jobs(script: Path | None) -> bool:
+    """The script's text names ``hf-jobs`` (a ``[tool.hf-jobs]`` table can only be there): else reading the table
+    and importing the preflight package for it is not needed (``--no-preflight``)."""
+    try:
+        return script is not None and b"hf-jobs" in script.read_bytes()
+    except OSError:
+        return script is not None
 
 
 def _slurm_deadline(deadline: budget.Deadline, config: Config, platform: PlatformInfo) -> budget.Deadline:
@@ -507,10 +516,10 @@ def _verdict_alert(config: Config, masker: Masker, result: RunResult) -> RunResu
 
 def _require_trackio(config: Config) -> None:
     """``--alert-webhook`` (or ``GUARD_ALERT_WEBHOOK``) without trackio: ``FAIL preflight`` naming the extra."""
-    from guard.observe.alerts import require_trackio
-
     url = config.settings.observe.alert_webhook
     if url:
+        from guard.observe.alerts import require_trackio
+
         given_as = "--alert-webhook" if config.sources.get("alert_webhook") == "flag" else "GUARD_ALERT_WEBHOOK"
         require_trackio(url, given_as)
 

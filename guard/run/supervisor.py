@@ -57,6 +57,9 @@ log = logging.getLogger("guard.supervisor")
 
 DRAIN_AFTER_EXIT_S = 2.0  # after the job exits, how long its leftover processes may keep its pipes open
 SAMPLE_EVERY_S = 2.0  # job tree memory sampling
+#: The first sample, after the job started: not while the job's interpreter starts (psutil's import and its scan of
+#: /proc took the CPU the job's start needed: time to the first line +0.02-0.1 s on 2 busy cores).
+FIRST_SAMPLE_S = 0.5
 REAP_EVERY_S = 2.0  # orphans are reaped on SIGCHLD (at most twice a second) and at least this often
 WRITE_RETRY_S = 0.01  # while output waits for a paused reader: how often the loop tries again
 
@@ -126,7 +129,7 @@ class Supervisor:
         self.wakeup = LoopSignals()
         self.signals = self.wakeup.signals  # the handlers append, the loop pops
         self.exited_at: float | None = None
-        self.next_sample = self.started
+        self.next_sample = self.started + FIRST_SAMPLE_S
         self._next_reap = self.started
         self.cgroup_start = cgroup_memory()
 
@@ -249,12 +252,14 @@ class Supervisor:
                 self._next_reap = now + 0.5
                 job.reap_orphans()
                 reap_killed()  # securing workers killed earlier (a kill never waits for the child to die)
-            if busy or link.recheck or now >= due or self.output.partial_since:
+            if busy or link.recheck or now >= due:
                 link.recheck = False
                 self._timers(now)
                 due = self._next_due(now)
                 if self._done(now):
                     return
+            elif self.output.partial_since:  # an unfinished line is written when it is due, like any timer: the
+                due = min(due, self.output.due_at())  # timers do not run at every read that ends mid-line
 
     def _on_ready(self, fd: int, kind: str) -> None:
         if kind == "listen":

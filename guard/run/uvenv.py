@@ -99,16 +99,19 @@ def plan_uv(mode: str, script: Path | None, environ: Mapping[str, str]) -> UvPla
     here and the guard itself runs under uv (``UV`` set by ``uv run``). ``on``: yes whenever the script has the
     block (uv must be on PATH). ``off``: never.
     """
-    from guard.preflight.script import read_pep723
-
     if mode == "off":
         return UvPlan(False, "off (--uv off)")
     if script is None:
         return UvPlan(False, f"{mode}: not a script job (command form): nothing to do")
     try:
-        block = read_pep723(script.read_text(encoding="utf-8"))
+        text = script.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError):
         return UvPlan(False, f"{mode}: cannot read {script.name}")
+    block = None
+    if "# /// script" in text:  # a block starts with that line: else no need to import guard.preflight to read it
+        from guard.preflight.script import read_pep723
+
+        block = read_pep723(text)
     if block is None or block.error:
         what = "no `# /// script` block" if block is None else "its `# /// script` block is broken"
         return UvPlan(False, f"{mode}: {script.name} has {what}: runs with this interpreter")
