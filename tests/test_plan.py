@@ -587,3 +587,41 @@ def test_a_job_that_cannot_be_asked_has_its_next_save_secured_after_a_failed_pus
     seen(plan, ckpt(30))
     run_until(plan, clock, 15.0)
     assert secured_step(plan) == 30
+
+
+def test_at_the_deadline_a_newer_complete_checkpoint_that_fits_replaces_the_older_push(clock: FakeClock) -> None:
+    # issue 18: checkpoint-570 was secured although checkpoint-597 was complete with time left; the supersede
+    # estimate counted the margin's 15 s overhead on top of a push measured at 2 s, so 597 "did not fit"
+    pusher = FakePusher(clock, rate=lambda now: 10e6)  # 10 MB: 1 s + 1 s overhead
+    plan = make(clock, pusher, deadline_at=1000.0)
+    small, big = 10_000_000, 200_000_000
+    pusher.sizes.update({"/out/checkpoint-500": small, "/out/checkpoint-570": big, "/out/checkpoint-597": small})
+    seen(plan, ckpt(500, size_bytes=small))
+    run_until(plan, clock, 10.0)
+    assert secured_step(plan) == 500  # measured: about 2 s for 10 MB
+    clock.now = 900.0
+    plan.on(TrainingStarted())
+    plan.on(DeadlineNear(can_save=True))
+    clock.now = 980.0
+    seen(plan, ckpt(570, size_bytes=big))  # 21 s: would end after secure_by (998.5)
+    run_until(plan, clock, 986.5)
+    assert plan.secure_by - clock.now == pytest.approx(12.0)
+    actions = seen(plan, ckpt(597, size_bytes=small))  # complete, 12 s left, costs about 3 s
+    assert any(isinstance(a, KillPush) and a.why == "superseded" for a in actions)
+    run_until(plan, clock, 1000.0)
+    assert secured_step(plan) == 597
+    assert plan.state is State.DONE and all(h.result is not None for h in pusher.started)
+
+
+def test_a_restarts_early_save_never_replaces_the_resumed_checkpoint(clock: FakeClock) -> None:
+    # resumed from the destination's step 400, the job did not load it and started over: its early saves (lower
+    # steps) are of another training and are never pushed over the secured copy, nor at the deadline
+    pusher = FakePusher(clock)
+    plan = make(clock, pusher, deadline_at=100.0)
+    plan.on(AlreadySecured(ckpt(400), "/dest", "/dest/last-checkpoint"))
+    seen(plan, ckpt(10))
+    run_until(plan, clock, 5.0)
+    plan.on(DeadlineNear(can_save=True))
+    seen(plan, ckpt(20))
+    run_until(plan, clock, 100.0)
+    assert pusher.started == [] and secured_step(plan) == 400

@@ -635,6 +635,8 @@ class Plan:
             took_s = getattr(result, "transfer_s", result.elapsed_s)  # the successful attempt alone, no waits
             if took_s > 0 and result.size_bytes > 0:
                 self._estimator.observe_push(result.size_bytes, took_s)
+            if record.info is not None and record.kind != "final":
+                self._estimator.observe_push_cost(record.info.size_bytes, now - record.started)  # what it cost
             if record.kind == "final":
                 log.info("final model secured and verified: %s", result.pushed)
             elif self._is_suspect(record.info):
