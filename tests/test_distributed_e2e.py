@@ -15,7 +15,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import JOBS, guard_env, kill_quietly, pid_alive, run_guard, start_guard
+from conftest import JOBS, guard_env, kill_quietly, pid_alive, run_guard, signal_when, start_guard
 
 pytestmark = [pytest.mark.slow]
 
@@ -214,3 +214,22 @@ def test_a_rank_stopped_while_the_other_trains_on_is_stalled(tmp_path: Path) -> 
     assert " rank=1" in verdict
     assert time.monotonic() - started < 60
     assert "rank 1: no training step for" in stderr
+
+
+def test_sigterm_while_rank_1_writes_its_part_never_pushes_that_checkpoint(tmp_path: Path) -> None:
+    # issue 18: under torchrun the guard pushed checkpoint-N while rank 1 was still writing rng_state_1.pth (rank
+    # 0's trainer_state.json was there). Rank 1 writes its part of checkpoint-40 30 s late, past --grace: the guard
+    # secures the previous complete checkpoint (20), every rank's part in it, and never pushes checkpoint-40.
+    out, dest, ready = tmp_path / "out", tmp_path / "dest", tmp_path / "ready"
+    proc = start_guard([*FAST, "--push-to", str(dest), "--", TORCHRUN, "--standalone", "--nproc-per-node", "2",
+                        str(JOBS / "ddp_trainer.py"), "--output-dir", str(out), "--step-s", "0.05",
+                        "--save-steps", "20", "--slow-part", "40", "--slow-part-s", "30", "--ready", str(ready)])
+    stdout, stderr = signal_when(proc, ready, signal.SIGTERM, settle_s=3.0, wait_s=120.0, timeout_s=90.0)
+    assert "rank 1: writing its part of checkpoint-40" in stdout, stderr[-3000:]
+    assert "rank 1: its part of checkpoint-40 written" not in stdout  # SIGTERM came while rank 1 was writing it
+    assert f"securing {out / 'checkpoint-40'}" not in stderr, stderr[-3000:]
+    assert "waiting for rank(s) 1 to report their part" in stderr
+    secured = dest / "last-checkpoint"
+    assert json.loads((secured / "trainer_state.json").read_text())["global_step"] == 20, stderr[-3000:]
+    assert (secured / "rng_state_0.pth").exists() and (secured / "rng_state_1.pth").exists()
+    assert "secured=yes" in stdout and proc.returncode == 75

@@ -115,6 +115,9 @@ class JobLink(Protocol):
     def newest_rank_step(self) -> int | None:
         """The highest step any rank reported, or None."""
 
+    def rank_steps(self) -> dict[int, int]:
+        """Each training rank's last reported step."""
+
     def broadcast(self, message: Message) -> int:
         """Send a command to every agent; returns how many got it."""
 
@@ -170,8 +173,12 @@ class Securing:
                          push_interval_s=push_interval_s, final_output_dir=output_dir, final_window_s=final_window_s)
         self.latest_reported: checkpoints.CheckpointInfo | None = None
         self.last_step_at: float | None = None
-        self.saved_ranks: dict[int | None, set[int]] = {}  # step -> ranks whose part of that save is done
-        self.reported_paths: set[str] = set()  # folders the job said it finished: no mtime rule for them
+        self.saved_ranks: dict[str, set[int]] = {}  # checkpoint path -> ranks that reported their part of it
+        self.saving_ranks: set[int] = set()  # ranks that reported their parts of earlier complete checkpoints
+        # reported by some ranks, not yet by every one (None: the world's process zero has not reported it yet)
+        self.awaiting: dict[str, checkpoints.CheckpointInfo | None] = {}
+        self._awaiting_logged: set[tuple[str, str]] = set()
+        self.reported_paths: set[str] = set()  # folders every rank said it finished: no mtime rule for them
         self.saved_files = checkpoints.SavedFiles()  # torch.save calls the agent saw return
         self.trainer_seen = False
         self.pending_file: tuple[checkpoints.CheckpointInfo, float] | None = None  # a save that may still grow
@@ -319,6 +326,8 @@ class Securing:
                     self.deadline = moved
                     self._feed(sup, DeadlineMoved(self._to_clock(moved.deadline_s)), now)
         self._settle(sup, now)
+        if self.awaiting:
+            self._complete_reports(sup)  # a rank that trained on past a save without reporting it had no part
         if self._scanning() and now >= self.next_scan:
             self.next_scan = now + SCAN_EVERY_S
             self._scan(sup)
@@ -336,14 +345,17 @@ class Securing:
 
     def _scan(self, sup: JobLink) -> None:
         """A complete checkpoint in the output folder the job did not report (``checkpoints.newest_complete``)."""
+        waiting = {path: self._waiting_reason(sup, path, info) for path, info in self.awaiting.items()}
         try:
             found = checkpoints.newest_complete(self.output_dir or "", now_s=self.wall(), seen=self._seen,
                                                 reported=self.reported_paths, loose=not self.trainer_seen,
-                                                since_s=self.started_s, resumed=self.resumed_paths)
+                                                since_s=self.started_s, resumed=self.resumed_paths,
+                                                world_size=sup.world_size(), waiting=waiting)
         except OSError:
             return
         if found is not None and (self.latest_reported is None or (found.step or -1) > (self.latest_reported.step
                                                                                       or -1)):
+            self.awaiting.pop(str(found.path), None)  # complete by its layout (every rank's part is there)
             self.estimator.observe_size(found.size_bytes)
             self._feed(sup, CheckpointSeen(found))
 
@@ -426,16 +438,18 @@ class Securing:
         self._feed(sup, CheckpointSeen(info), now)
 
     def on_checkpoint_saved(self, sup: JobLink, message: Message) -> None:
-        """The job reported a finished save (``checkpoint_saved``, with the sender's ``rank``)."""
+        """The job reported a finished save (``checkpoint_saved``, with the sender's ``rank``): one rank's part of
+        the checkpoint; it counts once every rank's part is reported (:meth:`_missing_ranks`), or its layout says
+        so (the scan, ``checkpoints.every_rank_marked``)."""
         try:
             path = str(layout.check_reported_path(message.get("path"), output_dir=self.output_dir))
         except GuardError as exc:
             log.warning("%s (hint: %s)", exc.message, exc.hint)
             return
-        self.reported_paths.add(path)
         rank = message.get("rank")
+        parts = self.saved_ranks.setdefault(path, set())
         if rank is not None:
-            self.saved_ranks.setdefault(message.get("step"), set()).add(int(rank))
+            parts.add(int(rank))
         if message.get("zero", True):
             try:
                 saved = checkpoints.describe(path, step=message.get("step"))
@@ -446,23 +460,68 @@ class Securing:
                 self.estimator.observe_save(float(message["save_s"]), saved.size_bytes)
             else:
                 self.estimator.observe_size(saved.size_bytes)
-            self.latest_reported = saved
+            self.awaiting[path] = saved
             # The first save at INFO; later ones are counted in the heartbeat (``saves=``), their detail at DEBUG.
             first, self._save_logged = not self._save_logged, True
             log.log(logging.INFO if first else logging.DEBUG, "checkpoint saved by the job: %s (step %s, %.1f MB)%s",
                     saved.path, saved.step, saved.size_bytes / 1e6,
                     "; later saves are counted in the heartbeat" if first else "")
-        latest = self.latest_reported
-        if latest is None:
-            return
-        info = latest
-        missing = sup.training_ranks() - self.saved_ranks.get(info.step, set())
-        if missing and len(sup.training_ranks()) > 1:  # the push waits for every rank's part of the save
-            log.info("checkpoint %s: waiting for rank(s) %s to finish their part", info.step,
-                     ",".join(map(str, sorted(missing))))
-            return
-        self._check_node(sup)
-        self._feed(sup, CheckpointSeen(info))
+        elif path not in self.awaiting and path not in self.reported_paths:
+            self.awaiting[path] = None  # the world's process zero reports the checkpoint itself
+        self._complete_reports(sup)
+
+    def _missing_ranks(self, sup: JobLink, path: str, info: checkpoints.CheckpointInfo) -> list[int]:
+        """The ranks whose part of the reported checkpoint ``path`` is not reported yet.
+
+        Expected are the ranks that reported their parts of earlier complete checkpoints; before the first one,
+        every training rank, except one that trained on past the save's step without reporting it (a loop whose
+        rank 0 alone saves and reports). One rank alone expects nothing more.
+        """
+        parts = self.saved_ranks.get(path, set())
+        if self.saving_ranks:
+            return sorted(self.saving_ranks - parts) if len(self.saving_ranks | parts) > 1 else []
+        expected = sup.training_ranks() | parts
+        if len(expected) <= 1:
+            return []
+        steps = sup.rank_steps()
+        return sorted(r for r in expected - parts if info.step is None or steps.get(r, -1) <= info.step)
+
+    def _waiting_reason(self, sup: JobLink, path: str, info: checkpoints.CheckpointInfo | None) -> str:
+        missing = self._missing_ranks(sup, path, info) if info is not None else []
+        if not missing:
+            return "waiting for the report of the world's process zero"
+        return f"waiting for rank(s) {','.join(map(str, missing))} to report their part"
+
+    def _complete_reports(self, sup: JobLink) -> None:
+        """Feed the plan the reported checkpoints whose every rank's part is reported, oldest first; a waiting one
+        older than a complete one is dropped (the newer one is secured)."""
+        done: list[tuple[str, checkpoints.CheckpointInfo]] = []
+        for path, info in self.awaiting.items():
+            if info is None:
+                continue  # its description (the world's process zero's report) is still to come
+            missing = self._missing_ranks(sup, path, info)
+            if not missing:
+                done.append((path, info))
+            elif (path, str(missing)) not in self._awaiting_logged:
+                self._awaiting_logged.add((path, str(missing)))
+                log.info("checkpoint %s (step %s): waiting for rank(s) %s to report their part; not pushed before",
+                         path, info.step, ",".join(map(str, missing)))
+        for path, info in sorted(done, key=lambda item: item[1].step if item[1].step is not None else -1):
+            del self.awaiting[path]
+            self.saving_ranks |= self.saved_ranks.get(path, set())
+            self.reported_paths.add(path)
+            newest = self.latest_reported
+            if newest is None or (info.step or -1) >= (newest.step or -1):
+                self.latest_reported = info
+            self._check_node(sup)
+            self._feed(sup, CheckpointSeen(info))
+        if done:
+            step = max((info.step or -1) for _, info in done)
+            for path, waiting in list(self.awaiting.items()):
+                if waiting is not None and (waiting.step or -1) < step:
+                    log.info("checkpoint %s: a newer one is complete; its missing parts are no longer waited for",
+                             path)
+                    del self.awaiting[path]
 
     def push_running(self) -> bool:
         """A push that ends the run (securing a failure, a deadline, a signal) is under way."""
