@@ -233,3 +233,30 @@ def test_sigterm_while_rank_1_writes_its_part_never_pushes_that_checkpoint(tmp_p
     assert json.loads((secured / "trainer_state.json").read_text())["global_step"] == 20, stderr[-3000:]
     assert (secured / "rng_state_0.pth").exists() and (secured / "rng_state_1.pth").exists()
     assert "secured=yes" in stdout and proc.returncode == 75
+
+
+def test_a_distributed_checkpoint_of_two_ranks_is_secured_whole_and_resumed(tmp_path: Path) -> None:
+    # torch.distributed.checkpoint under torchrun (2 ranks, gloo): OUT/step_N holds one .distcp shard per rank and
+    # the coordinator's .metadata, written last; the guard secures the set whole, and the next run on a fresh
+    # machine (--resume on) gets it back where the job looks, loads it with dcp.load and trains on from step N
+    first, second, dest = tmp_path / "machine1", tmp_path / "machine2", tmp_path / "dest"
+    first.mkdir()
+    second.mkdir()
+    ready = tmp_path / "ready"
+    proc = start_guard([*FAST, "--push-to", str(dest), "--output-dir", "out", "--", TORCHRUN, "--standalone",
+                        "--nproc-per-node", "2", str(JOBS / "dcp_loop.py"), "out", "--every", "10",
+                        "--ready", str(ready), "--ready-step", "30"], cwd=first)
+    stdout, stderr = signal_when(proc, ready, signal.SIGTERM, settle_s=1.0, wait_s=120.0, timeout_s=60.0)
+    assert proc.returncode == 75 and "secured=yes" in stdout, stderr[-3000:]
+    secured = dest / "last-checkpoint"
+    manifest = json.loads((secured / "guard_manifest.json").read_text())
+    step = int(manifest["step"])
+    assert step >= 30 and manifest["place"] == f"step_{step}", manifest
+    assert sorted(p.name for p in secured.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp",
+                                                         "guard_manifest.json"]
+    run = run_guard([*FAST, "--resume", "on", "--push-to", str(dest), "--output-dir", "out", "--", TORCHRUN,
+                     "--standalone", "--nproc-per-node", "2", str(JOBS / "dcp_loop.py"), "out", "--every", "10",
+                     "--steps", str(step + 15)], cwd=second, timeout_s=120)
+    assert f"rank 0: resumed from step {step}" in run.stdout, run.stderr[-3000:]
+    assert f"rank 1: resumed from step {step}" in run.stdout
+    assert f"step {step + 15} loss" in run.stdout and run.returncode == 0, run.stderr[-3000:]
