@@ -29,7 +29,9 @@ never secured; a running push of one is killed, a secured one is replaced by the
 
 **One supersede rule** (:meth:`Plan._supersede`): a running push is killed for a newer checkpoint only when the
 newer one is estimated to finish before ``secure_by``; when both fit one after the other, the running one finishes
-first.
+first. The estimate is what a push costs (``budget.MarginEstimator.secure_estimate_s``: the measured pushes'
+durations once there are some, not the margin's guessed overhead on top of them); every push is killed at
+``secure_by`` whatever it says.
 """
 
 from __future__ import annotations
