@@ -101,7 +101,8 @@ class PlanMachine(RuleBasedStateMachine):
 
     driver_factory: Callable[..., Any] = NewDriver
     #: the invariants checked (all by default); a run against an older plan checks one at a time
-    checks: frozenset[str] = frozenset({"bound", "in_time", "secured", "supersede", "finished", "kill_bound"})
+    checks: frozenset[str] = frozenset({"bound", "in_time", "secured", "supersede", "finished", "kill_bound",
+                                        "estimate"})
 
     def __init__(self) -> None:
         super().__init__()
@@ -118,12 +119,17 @@ class PlanMachine(RuleBasedStateMachine):
 
     @initialize(deadline_s=st.sampled_from([None, 60.0, 120.0, 400.0, 3600.0]),
                 grace_s=st.sampled_from([5.0, 10.0, 30.0, 90.0]), can_save=st.booleans(),
-                margin_s=st.sampled_from([20.0, 60.0, 150.0]))
-    def start(self, deadline_s: float | None, grace_s: float, can_save: bool, margin_s: float) -> None:
+                margin_s=st.sampled_from([20.0, 60.0, 150.0]), measured=st.sampled_from((None, *SIZES)))
+    def start(self, deadline_s: float | None, grace_s: float, can_save: bool, margin_s: float,
+              measured: int | None = None) -> None:
         self.deadline_at = deadline_s
         self.grace_s = grace_s
         self.can_save = can_save
         estimator = MarginEstimator(fixed_margin_s=margin_s, log_changes=False)
+        if measured is not None:  # an earlier push of this size, measured at its true cost: estimates from it
+            true_s = self.pusher.overhead_s + measured / RATE_BYTES_PER_S
+            estimator.observe_push(measured, true_s)
+            estimator.observe_push_cost(measured, true_s)
         self.driver = type(self).driver_factory(self.clock, self.pusher, estimator, deadline_s, grace_s)
 
     # -- what the loop feeds ---------------------------------------------------------------------------------
@@ -134,6 +140,11 @@ class PlanMachine(RuleBasedStateMachine):
                 self.decided = action.status
         kills = [a for a in actions if isinstance(a, KillPush) and a.why not in ("deadline", "killed")]
         starts = [a for a in actions if isinstance(a, StartPush)]
+        for start in starts:  # the supersede rule rests on it: a push never takes longer than estimated
+            handle = next((h for h in reversed(self.pusher.started) if h.args.get("local_dir") == start.path), None)
+            if start.kind != "final" and handle is not None and handle.duration_s > start.estimate_s + 1e-6:
+                self._violate("estimate", f"the push of {start.path} takes {handle.duration_s:.1f}s, estimated "
+                              f"{start.estimate_s:.1f}s (measured pushes: the estimate is what they cost)")
         if kills and starts:
             killed = self.pusher.killed[-1]
             new = self.pusher.started[-1]
