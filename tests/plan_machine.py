@@ -50,8 +50,8 @@ class NewDriver:
         self.plan = Plan(clock=clock, pusher=pusher, estimator=estimator, deadline_at=deadline_at, grace_s=grace_s,
                          push_interval_s=5.0, final_output_dir="/out", unchanged=lambda info: True)
 
-    def checkpoint(self, info: Any) -> list[Any]:
-        return self.plan.on(CheckpointSeen(info))
+    def checkpoint(self, info: Any, requested: bool | None = None) -> list[Any]:
+        return self.plan.on(CheckpointSeen(info, requested=requested))
 
     def deadline_due(self, now: float) -> bool:
         return self.plan.deadline_due(now)
@@ -138,7 +138,8 @@ class PlanMachine(RuleBasedStateMachine):
         for action in actions:
             if isinstance(action, Decide) and self.decided is None:
                 self.decided = action.status
-        kills = [a for a in actions if isinstance(a, KillPush) and a.why not in ("deadline", "killed")]
+        # a suspect push is killed whatever else runs (saved after the non-finite loss): no supersede decision
+        kills = [a for a in actions if isinstance(a, KillPush) and a.why not in ("deadline", "killed", "suspect")]
         starts = [a for a in actions if isinstance(a, StartPush)]
         for start in starts:  # the supersede rule rests on it: a push never takes longer than estimated
             handle = next((h for h in reversed(self.pusher.started) if h.args.get("local_dir") == start.path), None)
@@ -165,11 +166,13 @@ class PlanMachine(RuleBasedStateMachine):
             self.step += steps
 
     @precondition(lambda self: self.job_running)
-    @rule(size=st.sampled_from(SIZES))
-    def save(self, size: int) -> None:
+    @rule(size=st.sampled_from(SIZES), requested=st.sampled_from([None, True, False]))
+    def save(self, size: int, requested: bool | None = None) -> None:
+        # requested: the job's word on whether the save answered the guard's request (None: found on disk)
+        # a save at a step saved before is that checkpoint again (ckpt(): same path and mtime), of the same size
+        size = self.pusher.sizes.setdefault(str(ckpt(self.step).path), size)
         info = ckpt(self.step, size_bytes=size)
-        self.pusher.sizes[str(info.path)] = size
-        self._record(self.driver.checkpoint(info), self.clock.now)
+        self._record(self.driver.checkpoint(info, requested), self.clock.now)
 
     @rule(seconds=st.sampled_from([0.5, 1.0, 3.0, 10.0, 30.0, 90.0]))
     def advance(self, seconds: float) -> None:

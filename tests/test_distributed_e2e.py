@@ -260,3 +260,23 @@ def test_a_distributed_checkpoint_of_two_ranks_is_secured_whole_and_resumed(tmp_
     assert f"rank 0: resumed from step {step}" in run.stdout, run.stderr[-3000:]
     assert f"rank 1: resumed from step {step}" in run.stdout
     assert f"step {step + 15} loss" in run.stdout and run.returncode == 0, run.stderr[-3000:]
+
+
+def test_sigterm_while_rank_1_writes_its_part_waits_for_it_when_it_comes_in_time(tmp_path: Path) -> None:
+    # the same, rank 1's part 4 s late, well inside --grace 25s: checkpoint-40 is pushed only after rank 1 reported
+    # its part, and what is secured holds every rank's part
+    out, dest, ready = tmp_path / "out", tmp_path / "dest", tmp_path / "ready"
+    proc = start_guard([*FAST, "--grace", "25s", "--push-to", str(dest), "--", TORCHRUN, "--standalone",
+                        "--nproc-per-node", "2", str(JOBS / "ddp_trainer.py"), "--output-dir", str(out), "--step-s",
+                        "0.05", "--save-steps", "20", "--slow-part", "40", "--slow-part-s", "4", "--ready",
+                        str(ready)])
+    stdout, stderr = signal_when(proc, ready, signal.SIGTERM, settle_s=1.0, wait_s=120.0, timeout_s=90.0)
+    assert "rank 1: its part of checkpoint-40 written" in stdout, stderr[-3000:]
+    waiting = stderr.find(f"checkpoint {out / 'checkpoint-40'} (step 40): waiting for rank(s) 1")
+    assert waiting >= 0, stderr[-3000:]
+    pushed = stderr.find(f"securing {out / 'checkpoint-40'} ")
+    assert pushed == -1 or pushed > waiting
+    secured = dest / "last-checkpoint"
+    assert json.loads((secured / "trainer_state.json").read_text())["global_step"] >= 40, stderr[-3000:]
+    assert (secured / "rng_state_0.pth").exists() and (secured / "rng_state_1.pth").exists()
+    assert "secured=yes" in stdout and proc.returncode == 75

@@ -625,3 +625,30 @@ def test_a_restarts_early_save_never_replaces_the_resumed_checkpoint(clock: Fake
     seen(plan, ckpt(20))
     run_until(plan, clock, 100.0)
     assert pusher.started == [] and secured_step(plan) == 400
+
+
+def test_a_save_under_way_when_asked_is_secured_and_the_requested_one_after_it_too(clock: FakeClock) -> None:
+    # issue 18: at SIGTERM a periodic checkpoint-210 was being saved; it was secured as if it were the answer, and
+    # securing ended: the requested checkpoint-227, complete with time left, was left
+    pusher = FakePusher(clock)
+    plan = make(clock, pusher, grace_s=30.0)
+    seen(plan, ckpt(190))
+    run_until(plan, clock, 3.0)
+    plan.on(SignalReceived(signal.SIGTERM, can_save=True))
+    plan.on(CheckpointSeen(ckpt(210), requested=False))  # the job's own save, under way when asked
+    run_until(plan, clock, 8.0)
+    assert secured_step(plan) == 210 and plan.state is State.AWAITING_SAVE  # the answer is still waited for
+    clock.advance(2.0)
+    plan.on(CheckpointSeen(ckpt(227), requested=True))
+    run_until(plan, clock, 40.0)
+    assert secured_step(plan) == 227 and plan.state is State.DONE
+    assert [h.args["step"] for h in pusher.started] == [190, 210, 227]
+
+
+def test_the_answer_is_waited_for_only_until_the_wait_for_it_ends(clock: FakeClock) -> None:
+    pusher = FakePusher(clock)
+    plan = make(clock, pusher, grace_s=20.0)
+    plan.on(SignalReceived(signal.SIGTERM, can_save=True))
+    plan.on(CheckpointSeen(ckpt(30), requested=False))
+    run_until(plan, clock, 40.0)  # no answer comes: the wait's end ends securing, before the grace is over
+    assert plan.state is State.DONE and clock.now <= 20.0 - SAFETY_S + 0.11 and secured_step(plan) == 30

@@ -271,6 +271,8 @@ def test_a_rank_that_saved_before_owes_its_part_even_when_no_longer_counted_as_t
         _trainer_part(rig.out, 10, rank, zero=rank == 0)
         _report(rig, 10, rank)
     assert [h.args["step"] for h in rig.pusher.started] == [10]
+    # described once every part is there: rank 1's file, written after rank 0's report, is pushed too
+    assert "rng_state_1.pth" in rig.pusher.started[0].args["files"]
     rig.run_for(5.0)
     rig.link.ranks = {0: 20}  # rank 1's steps are not heard now (ended, or not reported yet)
     _trainer_part(rig.out, 20, 0, zero=True)

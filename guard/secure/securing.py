@@ -178,6 +178,7 @@ class Securing:
         # reported by some ranks, not yet by every one (None: the world's process zero has not reported it yet)
         self.awaiting: dict[str, checkpoints.CheckpointInfo | None] = {}
         self._awaiting_logged: set[tuple[str, str]] = set()
+        self._requested: dict[str, bool | None] = {}  # path -> the save answered the guard's request (rank 0's word)
         self.reported_paths: set[str] = set()  # folders every rank said it finished: no mtime rule for them
         self.saved_files = checkpoints.SavedFiles()  # torch.save calls the agent saw return
         self.trainer_seen = False
@@ -461,6 +462,8 @@ class Securing:
             else:
                 self.estimator.observe_size(saved.size_bytes)
             self.awaiting[path] = saved
+            requested = message.get("requested")
+            self._requested[path] = requested if isinstance(requested, bool) else None
             # The first save at INFO; later ones are counted in the heartbeat (``saves=``), their detail at DEBUG.
             first, self._save_logged = not self._save_logged, True
             log.log(logging.INFO if first else logging.DEBUG, "checkpoint saved by the job: %s (step %s, %.1f MB)%s",
@@ -508,13 +511,21 @@ class Securing:
                          path, info.step, ",".join(map(str, missing)))
         for path, info in sorted(done, key=lambda item: item[1].step if item[1].step is not None else -1):
             del self.awaiting[path]
+            if len(self.saved_ranks.get(path, ())) > 1:
+                # described at the world's process zero's report: the other ranks' files came after it (rank 1's
+                # rng_state_1.pth), so the folder is described again now that every part is there
+                try:
+                    info = checkpoints.describe(path, step=info.step)
+                except GuardError as exc:
+                    log.warning("%s", exc.message)
+                    continue
             self.saving_ranks |= self.saved_ranks.get(path, set())
             self.reported_paths.add(path)
             newest = self.latest_reported
             if newest is None or (info.step or -1) >= (newest.step or -1):
                 self.latest_reported = info
             self._check_node(sup)
-            self._feed(sup, CheckpointSeen(info))
+            self._feed(sup, CheckpointSeen(info, requested=self._requested.pop(path, None)))
         if done:
             step = max((info.step or -1) for _, info in done)
             for path, waiting in list(self.awaiting.items()):
