@@ -276,7 +276,10 @@ def test_sigterm_while_rank_1_writes_its_part_waits_for_it_when_it_comes_in_time
     assert waiting >= 0, stderr[-3000:]
     pushed = stderr.find(f"securing {out / 'checkpoint-40'} ")
     assert pushed == -1 or pushed > waiting
+    # every rank's part of what is secured (rank 1's file came after rank 0's report: pushed without it before), and
+    # it is the save the guard asked for, newer than checkpoint-40 (before: securing ended after checkpoint-40)
     secured = dest / "last-checkpoint"
-    assert json.loads((secured / "trainer_state.json").read_text())["global_step"] >= 40, stderr[-3000:]
-    assert (secured / "rng_state_0.pth").exists() and (secured / "rng_state_1.pth").exists()
+    assert (secured / "rng_state_0.pth").exists() and (secured / "rng_state_1.pth").exists(), stderr[-3000:]
+    newest = max(int(step) for _, step in re.findall(r"rank (\d): saved at step (\d+)", stdout))
+    assert newest > 40 and json.loads((secured / "trainer_state.json").read_text())["global_step"] == newest
     assert "secured=yes" in stdout and proc.returncode == 75
