@@ -195,6 +195,9 @@ class FakeLink:
     def newest_rank_step(self) -> int | None:
         return max(self.ranks.values(), default=None)
 
+    def rank_steps(self) -> dict[int, int]:
+        return dict(self.ranks)
+
     def broadcast(self, message: dict[str, Any]) -> int:
         self.sent.append(message)
         return self.agents

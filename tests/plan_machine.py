@@ -50,8 +50,8 @@ class NewDriver:
         self.plan = Plan(clock=clock, pusher=pusher, estimator=estimator, deadline_at=deadline_at, grace_s=grace_s,
                          push_interval_s=5.0, final_output_dir="/out", unchanged=lambda info: True, stall_s=5.0)
 
-    def checkpoint(self, info: Any) -> list[Any]:
-        return self.plan.on(CheckpointSeen(info))
+    def checkpoint(self, info: Any, requested: bool | None = None) -> list[Any]:
+        return self.plan.on(CheckpointSeen(info, requested=requested))
 
     def deadline_due(self, now: float) -> bool:
         return self.plan.deadline_due(now)
@@ -102,7 +102,7 @@ class PlanMachine(RuleBasedStateMachine):
     driver_factory: Callable[..., Any] = NewDriver
     #: the invariants checked (all by default); a run against an older plan checks one at a time
     checks: frozenset[str] = frozenset({"bound", "in_time", "secured", "supersede", "finished", "kill_bound",
-                                        "stalled"})
+                                        "stalled", "estimate"})
 
     def __init__(self) -> None:
         super().__init__()
@@ -119,12 +119,17 @@ class PlanMachine(RuleBasedStateMachine):
 
     @initialize(deadline_s=st.sampled_from([None, 60.0, 120.0, 400.0, 3600.0]),
                 grace_s=st.sampled_from([5.0, 10.0, 30.0, 90.0]), can_save=st.booleans(),
-                margin_s=st.sampled_from([20.0, 60.0, 150.0]))
-    def start(self, deadline_s: float | None, grace_s: float, can_save: bool, margin_s: float) -> None:
+                margin_s=st.sampled_from([20.0, 60.0, 150.0]), measured=st.sampled_from((None, *SIZES)))
+    def start(self, deadline_s: float | None, grace_s: float, can_save: bool, margin_s: float,
+              measured: int | None = None) -> None:
         self.deadline_at = deadline_s
         self.grace_s = grace_s
         self.can_save = can_save
         estimator = MarginEstimator(fixed_margin_s=margin_s, log_changes=False)
+        if measured is not None:  # an earlier push of this size, measured at its true cost: estimates from it
+            true_s = self.pusher.overhead_s + measured / RATE_BYTES_PER_S
+            estimator.observe_push(measured, true_s)
+            estimator.observe_push_cost(measured, true_s)
         self.driver = type(self).driver_factory(self.clock, self.pusher, estimator, deadline_s, grace_s)
 
     # -- what the loop feeds ---------------------------------------------------------------------------------
@@ -136,6 +141,11 @@ class PlanMachine(RuleBasedStateMachine):
         # a suspect push is killed whatever its timing (a taint): not a supersede
         kills = [a for a in actions if isinstance(a, KillPush) and a.why not in ("deadline", "killed", "suspect")]
         starts = [a for a in actions if isinstance(a, StartPush)]
+        for start in starts:  # the supersede rule rests on it: a push never takes longer than estimated
+            handle = next((h for h in reversed(self.pusher.started) if h.args.get("local_dir") == start.path), None)
+            if start.kind != "final" and handle is not None and handle.duration_s > start.estimate_s + 1e-6:
+                self._violate("estimate", f"the push of {start.path} takes {handle.duration_s:.1f}s, estimated "
+                              f"{start.estimate_s:.1f}s (measured pushes: the estimate is what they cost)")
         if kills and starts:
             killed = self.pusher.killed[-1]
             new = self.pusher.started[-1]
@@ -164,11 +174,13 @@ class PlanMachine(RuleBasedStateMachine):
             self.step += steps
 
     @precondition(lambda self: self.job_running)
-    @rule(size=st.sampled_from(SIZES))
-    def save(self, size: int) -> None:
+    @rule(size=st.sampled_from(SIZES), requested=st.sampled_from([None, True, False]))
+    def save(self, size: int, requested: bool | None = None) -> None:
+        # requested: the job's word on whether the save answered the guard's request (None: found on disk)
+        # a save at a step saved before is that checkpoint again (ckpt(): same path and mtime), of the same size
+        size = self.pusher.sizes.setdefault(str(ckpt(self.step).path), size)
         info = ckpt(self.step, size_bytes=size)
-        self.pusher.sizes[str(info.path)] = size
-        self._record(self.driver.checkpoint(info), self.clock.now)
+        self._record(self.driver.checkpoint(info, requested), self.clock.now)
 
     @rule(seconds=st.sampled_from([0.5, 1.0, 3.0, 10.0, 30.0, 90.0]))
     def advance(self, seconds: float) -> None:

@@ -67,7 +67,7 @@ class OldDriver:
                 out.append(StartPush(action.kind, action.path, action.step, action.deadline))
         return out
 
-    def checkpoint(self, info: Any) -> list[Any]:
+    def checkpoint(self, info: Any, requested: bool | None = None) -> list[Any]:  # the old plan had no word on it
         return self._map(self.plan.checkpoint(info))
 
     def deadline_due(self, now: float) -> bool:

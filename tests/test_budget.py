@@ -560,3 +560,36 @@ def test_a_margin_at_or_above_the_budget_is_a_usage_error() -> None:
         resolve({"timeout": "1h"}, {"GUARD_MARGIN": "1h"})
     values, _ = resolve({"margin": "10m", "timeout": "1h"}, {})
     assert values["margin"] == 600.0
+
+
+def test_the_secure_estimate_is_what_measured_pushes_cost_not_the_guessed_overhead() -> None:
+    est = MarginEstimator(log_changes=False)
+    # before a measured push: the guess, 10 MB at 20 MB/s x 1.5 + 15 s of commit round trips
+    assert est.secure_estimate_s(10e6) == pytest.approx(0.5 * 1.5 + 15.0)
+    est.observe_push(10e6, 1.5)
+    est.observe_push_cost(10e6, 2.0)  # start to verified end: the fixed costs are in it
+    assert est.secure_estimate_s(10e6) == pytest.approx(2.0 * 1.5)
+    assert est.secure_estimate_s(40e6) == pytest.approx(8.0 * 1.5)  # scaled up to a larger checkpoint
+    assert est.secure_estimate_s(1e6) == pytest.approx(2.0 * 1.5)  # never scaled down
+    est.observe_push_cost(10e6, 0.1)
+    assert est.secure_estimate_s(10e6) == pytest.approx(3.0)  # the slowest recent push
+
+
+def test_the_measured_secure_estimate_is_bounded() -> None:
+    from guard.secure.budget import MIN_PUSH_COST_S
+
+    est = MarginEstimator(log_changes=False)
+    est.observe_push(10e6, 0.01)
+    est.observe_push_cost(10e6, 0.02)
+    assert est.secure_estimate_s(10e6) == pytest.approx(MIN_PUSH_COST_S)  # one fast sample is no promise
+    est = MarginEstimator(log_changes=False)
+    est.observe_push(1e6, 0.1)
+    est.observe_push_cost(1e6, 30.0)  # a tiny push that waited long: never above the guess (1000 MB at 10 MB/s)
+    assert est.secure_estimate_s(1e9) == pytest.approx(1e9 / 10e6 * 1.5 + 15.0)
+    est.observe_push_progress(1e9, 400.0)  # a push running slower than measured raises the bound too
+    assert est.secure_estimate_s(1e9) == pytest.approx(400.0 * 1.5 + 15.0)
+    est = MarginEstimator(log_changes=False)
+    est.observe_push(10e6, 1.0)
+    est.observe_push_cost(10e6, 1.0)
+    est.observe_push_progress(10e6, 4.0)  # still running after 4 s: at least 4 s x 1.5 now
+    assert est.secure_estimate_s(10e6) == pytest.approx(4.0 * 1.5)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import JOBS, guard_env, kill_quietly, pid_alive, run_guard, start_guard
+from conftest import JOBS, guard_env, kill_quietly, pid_alive, run_guard, signal_when, start_guard
 
 pytestmark = [pytest.mark.slow]
 
@@ -214,3 +214,72 @@ def test_a_rank_stopped_while_the_other_trains_on_is_stalled(tmp_path: Path) -> 
     assert " rank=1" in verdict
     assert time.monotonic() - started < 60
     assert "rank 1: no training step for" in stderr
+
+
+def test_sigterm_while_rank_1_writes_its_part_never_pushes_that_checkpoint(tmp_path: Path) -> None:
+    # issue 18: under torchrun the guard pushed checkpoint-N while rank 1 was still writing rng_state_1.pth (rank
+    # 0's trainer_state.json was there). Rank 1 writes its part of checkpoint-40 30 s late, past --grace: the guard
+    # secures the previous complete checkpoint (20), every rank's part in it, and never pushes checkpoint-40.
+    out, dest, ready = tmp_path / "out", tmp_path / "dest", tmp_path / "ready"
+    proc = start_guard([*FAST, "--push-to", str(dest), "--", TORCHRUN, "--standalone", "--nproc-per-node", "2",
+                        str(JOBS / "ddp_trainer.py"), "--output-dir", str(out), "--step-s", "0.05",
+                        "--save-steps", "20", "--slow-part", "40", "--slow-part-s", "30", "--ready", str(ready)])
+    stdout, stderr = signal_when(proc, ready, signal.SIGTERM, settle_s=3.0, wait_s=120.0, timeout_s=90.0)
+    assert "rank 1: writing its part of checkpoint-40" in stdout, stderr[-3000:]
+    assert "rank 1: its part of checkpoint-40 written" not in stdout  # SIGTERM came while rank 1 was writing it
+    assert f"securing {out / 'checkpoint-40'}" not in stderr, stderr[-3000:]
+    assert "waiting for rank(s) 1 to report their part" in stderr
+    secured = dest / "last-checkpoint"
+    assert json.loads((secured / "trainer_state.json").read_text())["global_step"] == 20, stderr[-3000:]
+    assert (secured / "rng_state_0.pth").exists() and (secured / "rng_state_1.pth").exists()
+    assert "secured=yes" in stdout and proc.returncode == 75
+
+
+def test_a_distributed_checkpoint_of_two_ranks_is_secured_whole_and_resumed(tmp_path: Path) -> None:
+    # torch.distributed.checkpoint under torchrun (2 ranks, gloo): OUT/step_N holds one .distcp shard per rank and
+    # the coordinator's .metadata, written last; the guard secures the set whole, and the next run on a fresh
+    # machine (--resume on) gets it back where the job looks, loads it with dcp.load and trains on from step N
+    first, second, dest = tmp_path / "machine1", tmp_path / "machine2", tmp_path / "dest"
+    first.mkdir()
+    second.mkdir()
+    ready = tmp_path / "ready"
+    proc = start_guard([*FAST, "--push-to", str(dest), "--output-dir", "out", "--", TORCHRUN, "--standalone",
+                        "--nproc-per-node", "2", str(JOBS / "dcp_loop.py"), "out", "--every", "10",
+                        "--ready", str(ready), "--ready-step", "30"], cwd=first)
+    stdout, stderr = signal_when(proc, ready, signal.SIGTERM, settle_s=1.0, wait_s=120.0, timeout_s=60.0)
+    assert proc.returncode == 75 and "secured=yes" in stdout, stderr[-3000:]
+    secured = dest / "last-checkpoint"
+    manifest = json.loads((secured / "guard_manifest.json").read_text())
+    step = int(manifest["step"])
+    assert step >= 30 and manifest["place"] == f"step_{step}", manifest
+    assert sorted(p.name for p in secured.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp",
+                                                         "guard_manifest.json"]
+    run = run_guard([*FAST, "--resume", "on", "--push-to", str(dest), "--output-dir", "out", "--", TORCHRUN,
+                     "--standalone", "--nproc-per-node", "2", str(JOBS / "dcp_loop.py"), "out", "--every", "10",
+                     "--steps", str(step + 15)], cwd=second, timeout_s=120)
+    assert f"rank 0: resumed from step {step}" in run.stdout, run.stderr[-3000:]
+    assert f"rank 1: resumed from step {step}" in run.stdout
+    assert f"step {step + 15} loss" in run.stdout and run.returncode == 0, run.stderr[-3000:]
+
+
+def test_sigterm_while_rank_1_writes_its_part_waits_for_it_when_it_comes_in_time(tmp_path: Path) -> None:
+    # the same, rank 1's part 4 s late, well inside --grace 25s: checkpoint-40 is pushed only after rank 1 reported
+    # its part, and what is secured holds every rank's part
+    out, dest, ready = tmp_path / "out", tmp_path / "dest", tmp_path / "ready"
+    proc = start_guard([*FAST, "--grace", "25s", "--push-to", str(dest), "--", TORCHRUN, "--standalone",
+                        "--nproc-per-node", "2", str(JOBS / "ddp_trainer.py"), "--output-dir", str(out), "--step-s",
+                        "0.05", "--save-steps", "20", "--slow-part", "40", "--slow-part-s", "4", "--ready",
+                        str(ready)])
+    stdout, stderr = signal_when(proc, ready, signal.SIGTERM, settle_s=1.0, wait_s=120.0, timeout_s=90.0)
+    assert "rank 1: its part of checkpoint-40 written" in stdout, stderr[-3000:]
+    waiting = stderr.find(f"checkpoint {out / 'checkpoint-40'} (step 40): waiting for rank(s) 1")
+    assert waiting >= 0, stderr[-3000:]
+    pushed = stderr.find(f"securing {out / 'checkpoint-40'} ")
+    assert pushed == -1 or pushed > waiting
+    # every rank's part of what is secured (rank 1's file came after rank 0's report: pushed without it before), and
+    # it is the save the guard asked for, newer than checkpoint-40 (before: securing ended after checkpoint-40)
+    secured = dest / "last-checkpoint"
+    assert (secured / "rng_state_0.pth").exists() and (secured / "rng_state_1.pth").exists(), stderr[-3000:]
+    newest = max(int(step) for _, step in re.findall(r"rank (\d): saved at step (\d+)", stdout))
+    assert newest > 40 and json.loads((secured / "trainer_state.json").read_text())["global_step"] == newest
+    assert "secured=yes" in stdout and proc.returncode == 75

@@ -118,6 +118,12 @@ def test_a_job_that_does_not_load_the_resumed_checkpoint_is_told_so(tmp_path: Pa
     assert "starting fresh" in run.stdout
     assert "did not load the resumed checkpoint" in fields["hint"], fields
     assert int(fields["step"]) <= 30  # counted from what the job reports, not from the resumed step
+    # its saves at steps 10, 20, 30 (of another training, below the secured step) never replace the secured copy
+    import json
+
+    secured = dest / "last-checkpoint"
+    assert int(torch.load(secured / "ckpt.pt")["step"]) == secured_loop[1], run.stderr[-3000:]
+    assert json.loads((secured / "guard_manifest.json").read_text())["step"] == secured_loop[1]
 
 
 @pytest.mark.parametrize("tmp_rename", [False, True])

@@ -674,3 +674,68 @@ def test_a_stalled_securing_push_is_replaced_by_the_newer_save(clock: FakeClock)
     run_until(plan, clock, 35.0)
     assert [h.args["step"] for h in pusher.started] == [10, 20]
     assert secured_step(plan) == 20
+
+
+def test_at_the_deadline_a_newer_complete_checkpoint_that_fits_replaces_the_older_push(clock: FakeClock) -> None:
+    # issue 18: checkpoint-570 was secured although checkpoint-597 was complete with time left; the supersede
+    # estimate counted the margin's 15 s overhead on top of a push measured at 2 s, so 597 "did not fit"
+    pusher = FakePusher(clock, rate=lambda now: 10e6)  # 10 MB: 1 s + 1 s overhead
+    plan = make(clock, pusher, deadline_at=1000.0)
+    small, big = 10_000_000, 200_000_000
+    pusher.sizes.update({"/out/checkpoint-500": small, "/out/checkpoint-570": big, "/out/checkpoint-597": small})
+    seen(plan, ckpt(500, size_bytes=small))
+    run_until(plan, clock, 10.0)
+    assert secured_step(plan) == 500  # measured: about 2 s for 10 MB
+    clock.now = 900.0
+    plan.on(TrainingStarted())
+    plan.on(DeadlineNear(can_save=True))
+    clock.now = 980.0
+    seen(plan, ckpt(570, size_bytes=big))  # 21 s: would end after secure_by (998.5)
+    run_until(plan, clock, 986.5)
+    assert plan.secure_by - clock.now == pytest.approx(12.0)
+    actions = seen(plan, ckpt(597, size_bytes=small))  # complete, 12 s left, costs about 3 s
+    assert any(isinstance(a, KillPush) and a.why == "superseded" for a in actions)
+    run_until(plan, clock, 1000.0)
+    assert secured_step(plan) == 597
+    assert plan.state is State.DONE and all(h.result is not None for h in pusher.started)
+
+
+def test_a_restarts_early_save_never_replaces_the_resumed_checkpoint(clock: FakeClock) -> None:
+    # resumed from the destination's step 400, the job did not load it and started over: its early saves (lower
+    # steps) are of another training and are never pushed over the secured copy, nor at the deadline
+    pusher = FakePusher(clock)
+    plan = make(clock, pusher, deadline_at=100.0)
+    plan.on(AlreadySecured(ckpt(400), "/dest", "/dest/last-checkpoint"))
+    seen(plan, ckpt(10))
+    run_until(plan, clock, 5.0)
+    plan.on(DeadlineNear(can_save=True))
+    seen(plan, ckpt(20))
+    run_until(plan, clock, 100.0)
+    assert pusher.started == [] and secured_step(plan) == 400
+
+
+def test_a_save_under_way_when_asked_is_secured_and_the_requested_one_after_it_too(clock: FakeClock) -> None:
+    # issue 18: at SIGTERM a periodic checkpoint-210 was being saved; it was secured as if it were the answer, and
+    # securing ended: the requested checkpoint-227, complete with time left, was left
+    pusher = FakePusher(clock)
+    plan = make(clock, pusher, grace_s=30.0)
+    seen(plan, ckpt(190))
+    run_until(plan, clock, 3.0)
+    plan.on(SignalReceived(signal.SIGTERM, can_save=True))
+    plan.on(CheckpointSeen(ckpt(210), requested=False))  # the job's own save, under way when asked
+    run_until(plan, clock, 8.0)
+    assert secured_step(plan) == 210 and plan.state is State.AWAITING_SAVE  # the answer is still waited for
+    clock.advance(2.0)
+    plan.on(CheckpointSeen(ckpt(227), requested=True))
+    run_until(plan, clock, 40.0)
+    assert secured_step(plan) == 227 and plan.state is State.DONE
+    assert [h.args["step"] for h in pusher.started] == [190, 210, 227]
+
+
+def test_the_answer_is_waited_for_only_until_the_wait_for_it_ends(clock: FakeClock) -> None:
+    pusher = FakePusher(clock)
+    plan = make(clock, pusher, grace_s=20.0)
+    plan.on(SignalReceived(signal.SIGTERM, can_save=True))
+    plan.on(CheckpointSeen(ckpt(30), requested=False))
+    run_until(plan, clock, 40.0)  # no answer comes: the wait's end ends securing, before the grace is over
+    assert plan.state is State.DONE and clock.now <= 20.0 - SAFETY_S + 0.11 and secured_step(plan) == 30

@@ -239,3 +239,85 @@ def test_a_loose_checkpoint_file_is_marked_beside_it(tmp_path: Path) -> None:
     assert marker == tmp_path / "ckpt.pt.guard-suspect.json" and is_marked_suspect(loose)
     assert json.loads(marker.read_text()) == {"step": 12, "first_non_finite_step": 9}
     assert mark_suspect(tmp_path / "gone" / "x.pt", step=1, first_non_finite_step=1) is None  # logged, never raised
+
+
+def _trainer_part(out: Path, step: int, rank: int, *, zero: bool) -> Path:
+    """One rank's part of a Trainer checkpoint under DDP: rank 0 the model and trainer_state.json, every rank its
+    rng_state_R.pth (raw bytes: a format the checks take as it is)."""
+    folder = out / f"checkpoint-{step}"
+    folder.mkdir(parents=True, exist_ok=True)
+    if zero:
+        (folder / "model.bin").write_bytes(b"0" * 1000)
+        (folder / "trainer_state.json").write_text(json.dumps({"global_step": step}))
+    (folder / f"rng_state_{rank}.pth").write_bytes(b"1" * 100)
+    return folder
+
+
+def newest_step(rig: Rig) -> int | None:
+    """The newest complete checkpoint the plan was given (pushed, or queued behind --push-interval)."""
+    newest = rig.securing.plan.report().newest
+    return newest.step if newest is not None else None
+
+
+def _report(rig: Rig, step: int, rank: int) -> None:
+    rig.securing.on_checkpoint_saved(rig.link, {"t": "checkpoint_saved", "path": str(rig.out / f"checkpoint-{step}"),
+                                                "step": step, "rank": rank, "zero": rank == 0, "save_s": 0.2})
+
+
+def test_a_rank_that_saved_before_owes_its_part_even_when_no_longer_counted_as_training(tmp_path: Path) -> None:
+    # issue 18: checkpoint-210 was pushed while rank 1 still wrote rng_state_1.pth; the rule waited only while more
+    # than one rank counted as training. Every rank that reported its part of an earlier checkpoint owes this one.
+    rig = Rig(tmp_path, ranks={0: 10, 1: 10}, world_size=2, agents=2)
+    for rank in (0, 1):
+        _trainer_part(rig.out, 10, rank, zero=rank == 0)
+        _report(rig, 10, rank)
+    assert [h.args["step"] for h in rig.pusher.started] == [10]
+    # described once every part is there: rank 1's file, written after rank 0's report, is pushed too
+    assert "rng_state_1.pth" in rig.pusher.started[0].args["files"]
+    rig.run_for(5.0)
+    rig.link.ranks = {0: 20}  # rank 1's steps are not heard now (ended, or not reported yet)
+    _trainer_part(rig.out, 20, 0, zero=True)
+    _report(rig, 20, 0)
+    rig.run_for(12.0)  # scans too: trainer_state.json is there, settled
+    assert newest_step(rig) == 10  # not before rank 1's part
+    _trainer_part(rig.out, 20, 1, zero=False)
+    _report(rig, 20, 1)
+    assert newest_step(rig) == 20
+
+
+def test_the_scan_never_takes_a_trainer_folder_without_every_ranks_file(tmp_path: Path) -> None:
+    # no report at all (the scan alone): trainer_state.json is rank 0's; rank 1's rng_state_1.pth is still to come
+    rig = Rig(tmp_path, world_size=2, agents=2)
+    rig.securing.trainer_seen = True
+    _trainer_part(rig.out, 30, 0, zero=True)
+    rig.run_for(12.0)
+    assert rig.pusher.started == []
+    _trainer_part(rig.out, 30, 1, zero=False)
+    rig.run_for(12.0)
+    assert [h.args["step"] for h in rig.pusher.started] == [30]
+
+
+def test_a_waiting_folder_counts_once_its_layout_says_every_rank_wrote(tmp_path: Path) -> None:
+    # rank 1's report is lost (its agent gone), but its file is there: the layout's own marker completes it
+    rig = Rig(tmp_path, ranks={0: 10, 1: 10}, world_size=2, agents=2)
+    _trainer_part(rig.out, 10, 0, zero=True)
+    _report(rig, 10, 0)
+    _trainer_part(rig.out, 10, 1, zero=False)
+    assert rig.pusher.started == []
+    rig.run_for(12.0)
+    assert [h.args["step"] for h in rig.pusher.started] == [10]
+
+
+def test_a_rank_that_trains_on_without_reporting_the_first_save_had_no_part_in_it(tmp_path: Path) -> None:
+    # a DDP loop whose rank 0 alone saves and calls guard.checkpoint_saved: rank 1 never reports; once it trained
+    # past the save's step it is known to have no part in it, and later saves wait for rank 0 alone
+    rig = Rig(tmp_path, ranks={0: 10, 1: 10})
+    rig.saved(10, rank=0)
+    rig.run_for(1.0)
+    assert rig.pusher.started == []
+    rig.link.ranks = {0: 12, 1: 12}
+    rig.run_for(1.0)
+    assert [h.args["step"] for h in rig.pusher.started] == [10]
+    rig.run_for(5.0)
+    rig.saved(20, rank=0)
+    assert newest_step(rig) == 20

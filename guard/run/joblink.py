@@ -161,6 +161,10 @@ class LoopLink:
         """The highest step any rank reported, or None."""
         return self.watchdog.newest_rank_step()
 
+    def rank_steps(self) -> dict[int, int]:
+        """Each training rank's last reported step."""
+        return self.watchdog.rank_steps()
+
     @property
     def node_rank(self) -> int | None:
         """This machine's node rank: from the agents (torchrun's ``GROUP_RANK``), else the configured one (the

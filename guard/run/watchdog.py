@@ -317,6 +317,10 @@ class Watchdog:
         """The highest step any rank reported, or None before the first."""
         return max((step for step, _ in self.ranks.last_step.values()), default=None)
 
+    def rank_steps(self) -> dict[int, int]:
+        """Each training rank's last reported step."""
+        return {rank: step for rank, (step, _) in self.ranks.last_step.items()}
+
     # -- the decisions ------------------------------------------------------------------------------------------
 
     def _check_explosion(self, value: float) -> None:

@@ -34,6 +34,7 @@ from guard.errors import BudgetError, UsageError
 
 __all__ = [
     "CLOCK_SKEW_S",
+    "MIN_PUSH_COST_S",
     "Deadline",
     "MarginEstimate",
     "MarginEstimator",
@@ -51,6 +52,9 @@ CLOCK_SKEW_S = 60.0
 #: Slurm sets the end of an UNLIMITED job to start + 365 days; past start + 364 days means "no limit".
 SLURM_UNLIMITED_AFTER_S = 364 * 86400.0
 _MB = 1e6
+#: The least a measured push is estimated to cost again: the worker's start and the plan's polls alone take part of
+#: a second, and one fast sample is no promise.
+MIN_PUSH_COST_S = 1.0
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -379,6 +383,7 @@ class MarginEstimator:
         self._saves: deque[tuple[float, float]] = deque(maxlen=history)
         self._steps: deque[float] = deque(maxlen=max(history, 1))
         self._push_rates: deque[float] = deque(maxlen=max(history, 1))  # bytes/s of recent finished pushes
+        self._push_costs: deque[tuple[float, float]] = deque(maxlen=max(history, 1))  # (whole push s, bytes)
         self._running_bound: float | None = None  # bytes/s at most, from a push still running (or killed)
         self._seen_size_bytes: float | None = None
         self._logged_margin_s: float | None = None
@@ -402,6 +407,13 @@ class MarginEstimator:
         self._push_rates.append(size_bytes / max(duration_s, 1e-3))
         self._running_bound = None
         self._maybe_log()
+
+    def observe_push_cost(self, size_bytes: float, duration_s: float) -> None:
+        """Record what a finished push of ``size_bytes`` cost as securing sees it: ``duration_s`` seconds from its
+        start to its verified end (the worker's start, the upload, the commits, the verification: the fixed costs
+        ``overhead_s`` guesses are in it). :meth:`secure_estimate_s` uses it instead of the guess."""
+        if _ok(size_bytes) and _ok(duration_s) and size_bytes > 0:
+            self._push_costs.append((float(duration_s), float(size_bytes)))
 
     def observe_push_progress(self, size_bytes: float, elapsed_s: float) -> None:
         """Record a push of ``size_bytes`` still running after ``elapsed_s`` (or killed then): the throughput is at
@@ -465,8 +477,25 @@ class MarginEstimator:
         return size / self.push_bytes_per_s
 
     def secure_estimate_s(self, size_bytes: float | None = None) -> float:
-        """Seconds to keep for securing a checkpoint already on disk: push x safety + overhead."""
-        return self.push_estimate_s(size_bytes) * self.safety_factor + self.overhead_s
+        """Seconds a push of a checkpoint of ``size_bytes`` (default: the expected size) already on disk costs, as
+        the securing plan compares it with the time left (the supersede rule, the reserve of a fallback push).
+
+        Before any measured push: the guess ``size / push throughput x safety_factor + overhead_s``. Once a push
+        was measured (:meth:`observe_push_cost`): what pushes really cost, ``max over recent pushes of
+        duration x max(1, size / their size) x safety_factor`` (the fixed costs are in the measured durations,
+        so ``overhead_s`` is not added again: with it a folder push of 2 s was counted 18 s and a newer checkpoint
+        with 17 s left was not secured), lowered to no less than ``MIN_PUSH_COST_S`` (1 s) and never above the
+        guess with the measured throughput; a push running slower than that throughput (``observe_push_progress``)
+        raises it. Securing still ends before the kill whatever this says: every push is killed at ``secure_by``.
+        """
+        size = self.expected_size_bytes if size_bytes is None else size_bytes
+        guess_s = self.push_estimate_s(size) * self.safety_factor + self.overhead_s
+        if not self._push_costs:
+            return guess_s
+        measured_s = max(duration * max(1.0, size / seen) for duration, seen in self._push_costs)
+        if self._running_bound is not None:
+            measured_s = max(measured_s, size / self._running_bound)
+        return min(max(measured_s * self.safety_factor, MIN_PUSH_COST_S), guess_s)
 
     def estimate(self) -> MarginEstimate:
         """The current margin with its parts (see :class:`MarginEstimate`)."""

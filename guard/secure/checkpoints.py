@@ -21,6 +21,9 @@ A checkpoint folder counts as complete when:
   ``Trainer._save_checkpoint`` (transformers 5.24.0, ``trainer.py``) writes the model, then optimizer, scheduler,
   scaler and RNG states, and ``trainer_state.json`` *last*; ``guard.checkpoint_saved(path)`` writes the marker after
   the script's own save;
+- of a job of several ranks, it holds every rank's own file when its layout has one per rank (the Trainer's
+  ``rng_state_R.pth``, accelerate's ``random_states_R.pkl``, for R in ``range(world_size)``): each rank writes its
+  own, and the Trainer's ``trainer_state.json`` is rank 0's alone (no barrier after the other ranks' parts);
 - it holds no ``checkpoint-is-incomplete.txt``: transformers' JIT checkpointing (``trainer_jit_checkpoint.py``,
   ``enable_jit_checkpoint=True``) creates that sentinel before saving and removes it on success (anchors.md 6a);
 - its files have stopped changing: no file's mtime within ``stable_for_s`` of now, and two stat passes over the
@@ -49,7 +52,7 @@ import math
 import os
 import re
 import stat as _stat
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,6 +68,7 @@ __all__ = [
     "CheckpointInfo",
     "SavedFiles",
     "describe",
+    "every_rank_marked",
     "is_marked_suspect",
     "list_files",
     "loose_files",
@@ -90,6 +94,11 @@ _FOLDER_RE = re.compile(r"(?:checkpoint-|checkpoint_|step_|global_step)([0-9]+)"
 #: DeepSpeed's ``save_checkpoint`` writes ``OUT/global_stepN/`` and then ``OUT/latest`` naming it.
 DEEPSPEED_LATEST_NAME = "latest"
 _ACCELERATE_RNG_RE = re.compile(r"random_states_[0-9]+\.pkl")
+#: One file per rank, each written by its own rank: the Trainer's ``rng_state_<process_index>.pth`` (transformers
+#: 5.24.0 ``Trainer._save_rng_state``, when ``world_size > 1``; ``trainer_state.json`` is rank 0's alone, written
+#: after rank 0's own part with no barrier after the other ranks'), accelerate's ``random_states_<process>.pkl``
+#: (``accelerate/checkpointing.py`` ``save_accelerator_state``).
+_PER_RANK_RE = re.compile(r"(rng_state_|random_states_)([0-9]+)\.(pth|pkl)")
 #: Checkpoint folders of every known layout (``guard.secure.layout.CHECKPOINT_FOLDER_RE``, with tmp- names).
 _CHECKPOINT_LIKE_RE = re.compile(r"(?:tmp-)?(?:checkpoint-|checkpoint_|step_|global_step)[0-9]+")
 #: Files the Trainer writes before ``trainer_state.json`` and accelerate before ``random_states_N.pkl``: a folder
@@ -223,8 +232,38 @@ def why_incomplete(path: str | os.PathLike[str], *, now_s: float, stable_for_s: 
     return _check(Path(path), now_s, stable_for_s, stat)[1]
 
 
+def _missing_ranks(files: Collection[str], world_size: int) -> str | None:
+    """The per-rank files (``_PER_RANK_RE``) missing from a checkpoint of ``world_size`` ranks that holds one of
+    them, as the reason it is not complete; None when every rank's is there (or the layout has none)."""
+    if world_size <= 1:
+        return None
+    kinds: dict[tuple[str, str], set[int]] = {}
+    for name in files:
+        m = _PER_RANK_RE.fullmatch(name.rsplit("/", 1)[-1])
+        if m is not None:
+            kinds.setdefault((m[1], m[3]), set()).add(int(m[2]))
+    for (prefix, suffix), ranks in sorted(kinds.items()):
+        missing = sorted(set(range(world_size)) - ranks)
+        if missing:
+            return (f"no {prefix}<rank>.{suffix} of rank(s) {','.join(map(str, missing))} of {world_size} (every "
+                    "rank writes its own part; still being written)")
+    return None
+
+
+def every_rank_marked(files: Collection[str], name: str, world_size: int) -> bool:
+    """Whether a checkpoint folder's layout itself says every rank's part is written, whatever the ranks reported:
+    a ``torch.distributed.checkpoint`` save's ``.metadata`` (written by the coordinator once every rank's write
+    finished, ``torch.distributed.checkpoint.state_dict_saver``; ``_check`` verified it names every shard),
+    DeepSpeed's ``global_stepN`` (complete only once ``latest`` names it), or each rank's own RNG file of
+    ``world_size`` ranks (the Trainer's, accelerate's). Call it on a folder ``_check`` found complete."""
+    if DISTCP_METADATA in files or name.startswith("global_step"):
+        return True
+    return world_size > 1 and any(_PER_RANK_RE.fullmatch(f.rsplit("/", 1)[-1]) for f in files) \
+        and _missing_ranks(files, world_size) is None
+
+
 def _check(path: Path, now_s: float, stable_for_s: float, stat: StatFn,
-           reported: bool = False) -> tuple[dict[str, tuple[int, float]], str | None]:
+           reported: bool = False, world_size: int = 1) -> tuple[dict[str, tuple[int, float]], str | None]:
     try:
         first = _walk(path, stat)
     except FileNotFoundError:
@@ -251,6 +290,9 @@ def _check(path: Path, now_s: float, stable_for_s: float, stat: StatFn,
         return first, f"no {TRAINER_STATE_NAME} or {GUARD_MARKER_NAME} (save not finished)"
     if not marked and not any(_is_model_file(n.rsplit("/", 1)[-1]) for n in first):
         return first, "no model file"
+    missing = _missing_ranks(first, world_size)
+    if missing is not None:
+        return first, missing
     # a folder of a plain loop (``checkpoint-20/model.pt``): complete once settled and whole by format (below)
     newest_name, (_, newest_mtime_s) = max(first.items(), key=lambda item: item[1][1])
     if newest_mtime_s > now_s - stable_for_s:
@@ -363,7 +405,8 @@ def _left_over(folder: Path, files: Iterable[str], since_s: float | None) -> boo
 def newest_complete(output_dir: str | os.PathLike[str], *, now_s: float, stable_for_s: float = 2.0,
                     stat: StatFn = os.stat, seen: set[tuple[str, str]] | None = None,
                     reported: Collection[str] = (), loose: bool = True, since_s: float | None = None,
-                    resumed: Collection[str] = ()) -> CheckpointInfo | None:
+                    resumed: Collection[str] = (), world_size: int = 1,
+                    waiting: Mapping[str, str] | None = None) -> CheckpointInfo | None:
     """The newest complete checkpoint under ``output_dir`` (see the module docstring for what counts).
 
     Folders newer than the one returned that are skipped are logged with the reason (still being written, no state
@@ -389,6 +432,10 @@ def newest_complete(output_dir: str | os.PathLike[str], *, now_s: float, stable_
             although older than ``since_s``, and, while none of their files changed since ``since_s``, without the
             mtime rule (a fetch wrote them just before the job started, verified against its record: never "still
             being written"; a file the job rewrites since follows the rule again).
+        world_size: the job's ranks (default 1): a folder holding per-rank files (the Trainer's
+            ``rng_state_R.pth``, accelerate's ``random_states_R.pkl``) counts only with every rank's.
+        waiting: ``{folder: reason}`` of folders some ranks reported and others not yet: skipped with the reason,
+            unless their layout says every rank's part is written (:func:`every_rank_marked`). Compared resolved.
 
     Returns:
         The :class:`CheckpointInfo`, or None when there is none (or ``output_dir`` does not exist).
@@ -417,7 +464,10 @@ def newest_complete(output_dir: str | os.PathLike[str], *, now_s: float, stable_
         if is_marked_suspect(path):
             files, reason = {}, "marked suspect (saved after the first non-finite loss): never resumed or pushed"
         else:
-            files, reason = _check(path, now_s, stable_for_s, stat, reported=told or fetched)
+            files, reason = _check(path, now_s, stable_for_s, stat, reported=told or fetched, world_size=world_size)
+        pending = (waiting or {}).get(os.path.realpath(path))
+        if reason is None and pending is not None and not every_rank_marked(files, name, world_size):
+            reason = pending
         if reason is None and _left_over(path, files, since_s) and os.path.realpath(path) not in kept:
             reason = "found and left alone: saved before this run started and not resumed from"
         if reason is None:

@@ -66,9 +66,14 @@ class Pusher(Protocol):
 
 @dataclass(frozen=True)
 class CheckpointSeen:
-    """A complete checkpoint appeared (the job's save event, or found complete in its output folder)."""
+    """A complete checkpoint appeared (the job's save event, or found complete in its output folder).
+
+    ``requested``: the job said the save answered the guard's checkpoint request (True) or was its own, e.g. a
+    periodic save already under way when the request came (False); None when not known (found on disk, a
+    ``torch.save`` the agent saw)."""
 
     info: CheckpointInfo
+    requested: bool | None = None
 
 
 @dataclass(frozen=True)

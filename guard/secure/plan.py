@@ -14,6 +14,8 @@ States::
     WATCHING -- deadline near / signal (job can save) --> AWAITING_SAVE -- fresh save / wait over --> SECURING
     WATCHING -- signal (job cannot save) --> AWAITING_SAVE (the signal is forwarded; what the job writes is pushed)
     SECURING -- push done, job cannot save and still runs --> AWAITING_SAVE (its next save is pushed too)
+    SECURING -- push done of a save the job made on its own (not the answer), job still runs --> AWAITING_SAVE
+        (until the wait for the answer is over: the requested save is newer and is secured too)
     WATCHING -- failure --> SECURING (the newest complete checkpoint saved before the failure)
     any but DONE -- job ended with training complete --> FINAL_PUSH --> DONE (PASS, even after the deadline's
         request: the job finished first)
@@ -29,7 +31,9 @@ never secured; a running push of one is killed, a secured one is replaced by the
 
 **One supersede rule** (:meth:`Plan._supersede`): a running push is killed for a newer checkpoint only when the
 newer one is estimated to finish before ``secure_by``; when both fit one after the other, the running one finishes
-first.
+first. The estimate is what a push costs (``budget.MarginEstimator.secure_estimate_s``: the measured pushes'
+durations once there are some, not the margin's guessed overhead on top of them); every push is killed at
+``secure_by`` whatever it says.
 
 **A push that makes no progress** (:meth:`Plan._check_stalled`): a push whose worker moved no byte for ``stall_s``
 (``--push-stall``, default ``PUSH_STALL_S``; its handle's ``progress_at``) is logged once (``push of step N made no
@@ -180,6 +184,8 @@ class Plan:
         self._wait_save_until: float | None = None
         self._awaiting_after_step = -1
         self._follow_saves = False
+        self._answer_by: float | None = None  # the job was asked to save: its answer is waited for until then
+        self._answer_pending = False  # the save secured (or being secured) was not the job's answer
         self._job_ended = False
         self._complete = False
         self._training_started = False
@@ -324,6 +330,10 @@ class Plan:
                 return []
             return self._start("background", info, self._background_deadline(now), now)
         rewritten = newest is not None and info.path == newest.path and _step(info) == _step(newest)
+        if self._answer_by is not None and event.requested is not None:
+            # a save the job made on its own (a periodic one under way when asked) is secured, and the answer to
+            # the request still waited for; the answer ends that wait
+            self._answer_pending = not event.requested
         if self._state is State.AWAITING_SAVE and (_step(info) > self._awaiting_after_step or rewritten):
             # a fresh save: a later step, or the same file saved over in place (nanoGPT's ckpt.pt, step unknown)
             self._wait_save_until = None
@@ -402,6 +412,7 @@ class Plan:
                         "newest one saved before it instead")
             self._wait_save_until = None
             self._follow_saves = False
+            self._answer_pending = False
             self._state = State.SECURING
             actions += self._secure_newest(now)
         return actions
@@ -428,6 +439,7 @@ class Plan:
             self._superseded_trigger, self._trigger = "deadline", None
         self._wait_save_until = None
         self._follow_saves = False
+        self._answer_pending = False
         if self._pusher is None or not self._final_output_dir:
             if self._push is None:
                 self._state = State.DONE
@@ -563,6 +575,7 @@ class Plan:
         reserve_s = self._estimate_s(fallback) if fallback is not None else 0.0
         self._wait_save_until = now + max(0.5 * left_s, left_s - reserve_s, 0.0)
         if can_save:
+            self._answer_by = self._wait_save_until
             log.info("waiting up to %.0fs for the job's checkpoint", self._wait_save_until - now)
             return [RequestSave()]
         self._follow_saves = True
@@ -576,7 +589,17 @@ class Plan:
 
     def _follow(self, now: float) -> bool:
         """A job that cannot be asked to save runs on until it is stopped (or ends): wait for its next save
-        instead of ending securing; ``secure_by`` still ends it."""
+        instead of ending securing; ``secure_by`` still ends it. A job that was asked and made a save of its own
+        first (``CheckpointSeen.requested`` False) is waited for likewise, until the wait for its answer ends."""
+        if self._answer_pending and not self._job_ended and self._pusher is not None and self._answer_by is not None \
+                and now < min(self._answer_by, self.secure_by):
+            self._state = State.AWAITING_SAVE
+            self._awaiting_after_step = _step(self._newest)
+            self._wait_save_until = self._answer_by
+            log.info("that save was the job's own, not its answer to the request: waiting up to %.0fs more for "
+                     "the answer", self._answer_by - now)
+            self._answer_pending = False  # waited for once: the next save or the wait's end decides
+            return True
         if not self._follow_saves or self._job_ended or self._pusher is None or now >= self.secure_by:
             return False
         self._state = State.AWAITING_SAVE
@@ -710,6 +733,8 @@ class Plan:
             if took_s > 0 and record.kind != "final":
                 self._measured(float(took_s))
             self._stall_bound_s = self._stall_s
+            if record.info is not None and record.kind != "final":
+                self._estimator.observe_push_cost(record.info.size_bytes, now - record.started)  # what it cost
             if record.kind == "final":
                 log.info("final model secured and verified: %s", result.pushed)
             elif self._is_suspect(record.info):

@@ -78,6 +78,9 @@ class ScanAsked:
             whose files are checked for a rewrite since (``checkpoints.rewritten_after``).
         final: also list the final model files (``hub.holds_final_model``) and whether the folder holds any file
             (the VERDICT's hint): the scan after the job's exit.
+        reported: folders every rank said it finished (no mtime rule for them). world_size: the job's ranks.
+        waiting: ``(folder, reason)`` of reported folders some ranks' parts are missing from (skipped unless their
+            layout says every rank wrote: ``checkpoints.newest_complete``'s ``waiting``).
     """
 
     output_dir: str
@@ -87,6 +90,9 @@ class ScanAsked:
     resumed: frozenset[str] = frozenset()
     known: tuple[CheckpointInfo, ...] = ()
     final: bool = False
+    reported: frozenset[str] = frozenset()
+    world_size: int = 1
+    waiting: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -141,15 +147,15 @@ class Disk:
 
     def __init__(self, stat: StatFn = os.stat) -> None:
         self.stat = stat
-        self.reported_paths: set[str] = set()  # folders the job said it finished: no mtime rule for them
         self.saved_files = checkpoints.SavedFiles()  # torch.save calls the agent saw return
         self.seen: set[tuple[str, str]] = set()  # (folder, reason) pairs already logged
 
     def scan(self, asked: ScanAsked) -> ScanFound:
         """Scan the output folder (``checkpoints.newest_complete``); raises OSError as it does."""
         found = checkpoints.newest_complete(asked.output_dir, now_s=asked.now_s, stat=self.stat, seen=self.seen,
-                                            reported=set(self.reported_paths), loose=asked.loose,
-                                            since_s=asked.since_s, resumed=asked.resumed)
+                                            reported=set(asked.reported), loose=asked.loose,
+                                            since_s=asked.since_s, resumed=asked.resumed,
+                                            world_size=asked.world_size, waiting=dict(asked.waiting))
         unchanged = {key(info): checkpoints.rewritten_after(info.folder, info.files, info.newest_mtime_s,
                                                             stat=self.stat) is None for info in asked.known}
         final_model = holds_files = None
@@ -175,7 +181,6 @@ class Disk:
             path = str(layout.check_reported_path(message.get("path"), output_dir=output_dir))
         except GuardError as exc:
             return ReportSeen(None, refused=exc)
-        self.reported_paths.add(path)
         if not message.get("zero", True):
             return ReportSeen(path)
         try:
@@ -194,6 +199,11 @@ class Disk:
         if output_dir is None or not where.resolve().is_relative_to(Path(output_dir).resolve()):
             return FileSeen(named)
         return FileSeen(named, self.saved_files.add(where, step, stat=self.stat))
+
+    def describe(self, path: str, step: int | None) -> CheckpointInfo:
+        """``checkpoints.describe`` through the seam's ``stat`` (a reported folder once every rank's part is in);
+        raises ``GuardError`` as it does."""
+        return checkpoints.describe(path, step=step, stat=self.stat)
 
     @staticmethod
     def mark_suspect(path: str, step: int | None, first_bad_step: int) -> None:

@@ -124,6 +124,9 @@ class JobLink(Protocol):
     def newest_rank_step(self) -> int | None:
         """The highest step any rank reported, or None."""
 
+    def rank_steps(self) -> dict[int, int]:
+        """Each training rank's last reported step."""
+
     def broadcast(self, message: Message) -> int:
         """Send a command to every agent; returns how many got it."""
 
@@ -211,7 +214,13 @@ class Securing:
                          destination_kind=self._kind(securer), stall_s=push_stall_s)
         self.latest_reported: checkpoints.CheckpointInfo | None = None
         self.last_step_at: float | None = None
-        self.saved_ranks: dict[int | None, set[int]] = {}  # step -> ranks whose part of that save is done
+        self.saved_ranks: dict[str, set[int]] = {}  # checkpoint path -> ranks that reported their part of it
+        self.saving_ranks: set[int] = set()  # ranks that reported their parts of earlier complete checkpoints
+        # reported by some ranks, not yet by every one (None: the world's process zero has not reported it yet)
+        self.awaiting: dict[str, checkpoints.CheckpointInfo | None] = {}
+        self._awaiting_logged: set[tuple[str, str]] = set()
+        self._requested: dict[str, bool | None] = {}  # path -> the save answered the guard's request (rank 0's word)
+        self.reported_paths: set[str] = set()  # folders every rank said it finished: no mtime rule for them
         self.trainer_seen = False
         self.pending_file: tuple[checkpoints.CheckpointInfo, float] | None = None  # a save that may still grow
         self.follower = False
@@ -256,11 +265,13 @@ class Securing:
         if actions:
             self._carry_out(sup, actions, self.clock() if now is None else now)
 
-    def _seen_checkpoint(self, sup: JobLink | None, info: checkpoints.CheckpointInfo, now: float | None = None) -> None:
-        """``CheckpointSeen(info)`` to the plan; ``info`` is checked for a rewrite by the scans from now on."""
+    def _seen_checkpoint(self, sup: JobLink | None, info: checkpoints.CheckpointInfo, now: float | None = None, *,
+                         requested: bool | None = None) -> None:
+        """``CheckpointSeen(info, requested=...)`` to the plan; ``info`` is checked for a rewrite by the scans from
+        now on."""
         self._fed.append(info)
         del self._fed[:-KNOWN_CHECKED]
-        self._feed(sup, CheckpointSeen(info), now)
+        self._feed(sup, CheckpointSeen(info, requested=requested), now)
 
     def _still_unchanged(self, info: checkpoints.CheckpointInfo) -> bool:
         """The plan's ``unchanged``, answered on the loop without a stat: False when a checkpoint fed later shares
@@ -300,8 +311,13 @@ class Securing:
         self._scans_asked += 1
         number = self._scans_asked
         self._scan_in_flight = True
+        link = self._link
+        waiting = tuple((path, self._waiting_reason(link, path, info)) for path, info in self.awaiting.items()) \
+            if link is not None else ()
         asked = scans.ScanAsked(self.output_dir, self.wall(), loose=not self.trainer_seen, since_s=self.started_s,
-                                resumed=frozenset(self.resumed_paths), known=tuple(self._fed), final=final)
+                                resumed=frozenset(self.resumed_paths), known=tuple(self._fed), final=final,
+                                reported=frozenset(self.reported_paths),
+                                world_size=link.world_size() if link is not None else 1, waiting=waiting)
         self.port.submit(self.disk.scan, asked, apply=lambda value, error: self._scanned(number, value, error))
         return number
 
@@ -320,6 +336,7 @@ class Securing:
             found = value.found
             if found is not None and (self.latest_reported is None or (found.step or -1) > (self.latest_reported.step
                                                                                           or -1)):
+                self.awaiting.pop(str(found.path), None)  # complete by its layout (every rank's part is there)
                 self.estimator.observe_size(found.size_bytes)
                 self._seen_checkpoint(self._link, found)
         if self._rescan is not None:
@@ -461,6 +478,8 @@ class Securing:
                     self.deadline = moved
                     self._feed(sup, DeadlineMoved(self._to_clock(moved.deadline_s)), now)
         self._settle(sup, now)
+        if self.awaiting:
+            self._complete_reports(sup)  # a rank that trained on past a save without reporting it had no part
         if self._scanning() and now >= self.next_scan:
             self.next_scan = now + SCAN_EVERY_S
             if self._scan_in_flight:  # never a second one: the first may be stuck in stat() on a hung mount
@@ -589,9 +608,11 @@ class Securing:
             if refused is not None:
                 log.warning("%s (hint: %s)", refused.message, refused.hint)
             return
+        path = seen.path
         rank = message.get("rank")
+        parts = self.saved_ranks.setdefault(path, set())
         if rank is not None:
-            self.saved_ranks.setdefault(message.get("step"), set()).add(int(rank))
+            parts.add(int(rank))
         if message.get("zero", True):
             saved = seen.info
             if saved is None:
@@ -602,25 +623,97 @@ class Securing:
                 self.estimator.observe_save(float(message["save_s"]), saved.size_bytes)
             else:
                 self.estimator.observe_size(saved.size_bytes)
-            self.latest_reported = saved
+            self.awaiting[path] = saved
+            requested = message.get("requested")
+            self._requested[path] = requested if isinstance(requested, bool) else None
             # The first save at INFO; later ones are counted in the heartbeat (``saves=``), their detail at DEBUG.
             first, self._save_logged = not self._save_logged, True
             log.log(logging.INFO if first else logging.DEBUG, "checkpoint saved by the job: %s (step %s, %.1f MB)%s",
                     saved.path, saved.step, saved.size_bytes / 1e6,
                     "; later saves are counted in the heartbeat" if first else "")
-        latest = self.latest_reported
-        if latest is None:
+        elif path not in self.awaiting and path not in self.reported_paths:
+            self.awaiting[path] = None  # the world's process zero reports the checkpoint itself
+        if sup is not None:
+            self._complete_reports(sup)
+
+    def _missing_ranks(self, sup: JobLink, path: str, info: checkpoints.CheckpointInfo) -> list[int]:
+        """The ranks whose part of the reported checkpoint ``path`` is not reported yet.
+
+        Expected are the ranks that reported their parts of earlier complete checkpoints; before the first one,
+        every training rank, except one that trained on past the save's step without reporting it (a loop whose
+        rank 0 alone saves and reports). One rank alone expects nothing more.
+        """
+        parts = self.saved_ranks.get(path, set())
+        if self.saving_ranks:
+            return sorted(self.saving_ranks - parts) if len(self.saving_ranks | parts) > 1 else []
+        expected = sup.training_ranks() | parts
+        if len(expected) <= 1:
+            return []
+        steps = sup.rank_steps()
+        return sorted(r for r in expected - parts if info.step is None or steps.get(r, -1) <= info.step)
+
+    def _waiting_reason(self, sup: JobLink, path: str, info: checkpoints.CheckpointInfo | None) -> str:
+        missing = self._missing_ranks(sup, path, info) if info is not None else []
+        if not missing:
+            return "waiting for the report of the world's process zero"
+        return f"waiting for rank(s) {','.join(map(str, missing))} to report their part"
+
+    def _complete_reports(self, sup: JobLink) -> None:
+        """Feed the plan the reported checkpoints whose every rank's part is reported, oldest first; a waiting one
+        older than a complete one is dropped (the newer one is secured)."""
+        done: list[tuple[str, checkpoints.CheckpointInfo]] = []
+        for path, info in self.awaiting.items():
+            if info is None:
+                continue  # its description (the world's process zero's report) is still to come
+            missing = self._missing_ranks(sup, path, info)
+            if not missing:
+                done.append((path, info))
+            elif (path, str(missing)) not in self._awaiting_logged:
+                self._awaiting_logged.add((path, str(missing)))
+                log.info("checkpoint %s (step %s): waiting for rank(s) %s to report their part; not pushed before",
+                         path, info.step, ",".join(map(str, missing)))
+        for path, info in sorted(done, key=lambda item: item[1].step if item[1].step is not None else -1):
+            del self.awaiting[path]
+            self.saving_ranks |= self.saved_ranks.get(path, set())
+            self.reported_paths.add(path)
+            requested = self._requested.pop(path, None)
+            if len(self.saved_ranks.get(path, ())) > 1:
+                # described at the world's process zero's report: the other ranks' files came after it (rank 1's
+                # rng_state_1.pth), so the folder is described again (on the file system thread) now that every
+                # part is there; answers come back in order, so the checkpoints still reach the plan oldest first
+                self.port.submit(self.disk.describe, path, info.step, apply=self._described(requested))
+            else:
+                self._parts_complete(info, None, requested)
+        if done:
+            step = max((info.step or -1) for _, info in done)
+            for path, waiting in list(self.awaiting.items()):
+                if waiting is not None and (waiting.step or -1) < step:
+                    log.info("checkpoint %s: a newer one is complete; its missing parts are no longer waited for",
+                             path)
+                    del self.awaiting[path]
+
+    def _described(self, requested: bool | None) -> Callable[[object, BaseException | None], None]:
+        """The answer handler of a reported checkpoint described again once every rank's part is in."""
+        def apply(value: object, error: BaseException | None) -> None:
+            info = value if isinstance(value, checkpoints.CheckpointInfo) else None
+            self._parts_complete(info, error, requested)
+        return apply
+
+    def _parts_complete(self, info: checkpoints.CheckpointInfo | None, error: BaseException | None,
+                        requested: bool | None) -> None:
+        """A reported checkpoint whose every rank's part is in, described: to the plan (``requested``: it answered
+        the guard's request, the world's process zero's word)."""
+        sup = self._link
+        if info is None:
+            log.warning("cannot describe the checkpoint every rank reported: %s",
+                        error.message if isinstance(error, GuardError) else repr(error))
             return
-        info = latest
-        ranks = sup.training_ranks() if sup is not None else set()
-        missing = ranks - self.saved_ranks.get(info.step, set())
-        if missing and len(ranks) > 1:  # the push waits for every rank's part of the save
-            log.info("checkpoint %s: waiting for rank(s) %s to finish their part", info.step,
-                     ",".join(map(str, sorted(missing))))
-            return
+        newest = self.latest_reported
+        if newest is None or (info.step or -1) >= (newest.step or -1):
+            self.latest_reported = info
         if sup is not None:
             self._check_node(sup)
-        self._seen_checkpoint(sup, info)
+        self._seen_checkpoint(sup, info, requested=requested)
 
     def push_running(self) -> bool:
         """A push that ends the run (securing a failure, a deadline, a signal) is under way."""
