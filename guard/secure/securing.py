@@ -15,6 +15,7 @@ Nothing here reads or writes the plan's state: ``finish`` fills the VERDICT's ``
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import signal
@@ -67,6 +68,8 @@ log = logging.getLogger("guard.secure")
 FAILURE_REASONS = ("non_finite_loss", "stalled", "crash", "oom", "killed", "incomplete")
 SCAN_EVERY_S = 5.0  # how often the output folder is looked at for complete checkpoints
 FILE_SETTLE_S = 1.0  # a torch.save'd file counts as a whole checkpoint after this long without another file
+#: ``checkpoints.newest_complete``'s settle rule: a file written by other means counts once unchanged this long.
+STABLE_FOR_S = 2.0
 FS_WAIT_S = 5.0  # how long a failure or the job's end waits for a fresh scan of the output folder (a hung mount)
 KNOWN_CHECKED = 16  # how many of the newest checkpoints fed to the plan each scan checks for a rewrite
 
@@ -152,6 +155,8 @@ class _Hold:
     until: float
     what: str
     then: Callable[[JobLink | None, float], None]
+    settle_at: float | None = None  # then a fresh scan is asked for (the job's last files settled), and waited for
+    final: bool = False
 
 
 class Securing:
@@ -344,16 +349,25 @@ class Securing:
             self._request_scan(final=final)
 
     def _hold(self, sup: JobLink, what: str, then: Callable[[JobLink | None, float], None], now: float, *,
-              final: bool = False) -> None:
-        """Run ``then`` once a scan started from now answered, or ``FS_WAIT_S`` from now (before ``secure_by``)."""
+              final: bool = False, settle_at: float | None = None) -> None:
+        """Run ``then`` once a scan started from now answered, or ``FS_WAIT_S`` from now (before ``secure_by``);
+        with ``settle_at`` (clock seconds), once a second scan asked for at that time answered too."""
         after = self._request_scan(final=final)
-        self._holds.append(_Hold(after, min(now + FS_WAIT_S, max(now, self.plan.secure_by)), what, then))
+        start = now if settle_at is None else settle_at
+        self._holds.append(_Hold(after, min(start + FS_WAIT_S, max(now, self.plan.secure_by)), what, then,
+                                 settle_at=settle_at, final=final))
         self._pump(sup, now)
 
     def _release(self, sup: JobLink | None, now: float) -> None:
         while self._holds:
             hold = self._holds[0]
             answered = self._scans_done >= hold.after
+            if hold.settle_at is not None and now < hold.until:
+                if now < hold.settle_at:
+                    return
+                self._holds[0] = dataclasses.replace(hold, after=self._request_scan(final=hold.final),
+                                                     settle_at=None)
+                continue
             if not answered and now < hold.until:
                 return
             self._holds.pop(0)
@@ -384,7 +398,8 @@ class Securing:
         if self._scanning():
             due.append(self.next_scan)
         if self._holds:
-            due.append(self._holds[0].until)
+            hold = self._holds[0]
+            due.append(hold.until if hold.settle_at is None else hold.settle_at)
         return min(due)
 
     def _scanning(self) -> bool:
@@ -771,7 +786,14 @@ class Securing:
         self._pump(sup, now)
         self._settle(sup, now, force=True)
         if self.output_dir:
-            self._hold(sup, "the job's end is handled", self._job_exited, now, final=True)
+            settle_at = None
+            code = sup.job_exit_code()
+            if self.plan.state in (State.SECURING, State.AWAITING_SAVE) and code != 0:
+                # stopped while securing (a signal, the deadline): its last saves may be too fresh for the scan's
+                # settle rule (``checkpoints.newest_complete``'s 2 s) right now; the writer is gone, so scan again
+                # once they settled, within half of the time left, before the job's end is taken as final
+                settle_at = now + min(STABLE_FOR_S + 0.1, max(0.0, self.plan.secure_by - now) / 2)
+            self._hold(sup, "the job's end is handled", self._job_exited, now, final=True, settle_at=settle_at)
         else:
             self._job_exited(sup, now)
 
