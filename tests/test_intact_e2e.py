@@ -178,3 +178,24 @@ def test_a_pass_with_a_destination_and_nothing_saved_says_nothing_was_secured(tm
     assert fields["status"] == "PASS" and "pushed" not in fields and "secured" not in fields
     assert fields["hint"].startswith("nothing was secured to ./dest: the job saved nothing recognisable")
     assert not (tmp_path / "dest").exists()
+
+
+def test_a_save_file_in_the_working_folder_is_the_final_model_and_a_later_load_no_resume(tmp_path: Path) -> None:
+    # word_language_model: --save model.pt puts the output folder at the working folder. The final model is the file
+    # the job saved there, not the folder's sources, data and logs (nor the destination inside it); a resumed run
+    # that overwrites model.pt and loads it back after training did not resume from it.
+    from conftest import run_guard
+
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "train.txt").write_text("w1 w2 w3\n")
+    (tmp_path / "notes.txt").write_text("not a model\n")
+    job = [str(JOBS / "save_to_file_object.py"), "--save", "model.pt", "--steps", "12", "--epoch_steps", "4",
+           "--step_s", "0.01"]
+    first = run_guard([*FAST, "--push-to", "./dest", *job], cwd=tmp_path, timeout_s=120)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert sorted(p.name for p in (tmp_path / "dest").iterdir()) == ["last-checkpoint", "model.pt"]
+    assert isinstance(torch.load(tmp_path / "dest" / "model.pt", weights_only=False), torch.nn.Module)
+    second = run_guard([*FAST, "--resume", "on", "--push-to", "./dest", *job], cwd=tmp_path, timeout_s=120)
+    assert second.returncode == 0, second.stderr[-3000:]
+    fields = second.fields()
+    assert "resumed_from" in fields and "did not load the resumed checkpoint" in fields["hint"], fields

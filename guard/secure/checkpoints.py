@@ -528,6 +528,10 @@ class SavedFiles:
         target = folder / next(iter(files)) if len(files) == 1 else folder
         return _info(target, files, step, root=folder, step_source="reported", admitted_by="saved")
 
+    def names_in(self, folder: str | os.PathLike[str]) -> tuple[str, ...]:
+        """The names of the files of the job's last save into ``folder`` (its top level), sorted."""
+        return tuple(sorted(self._by_folder.get(Path(os.path.abspath(folder)), (None, {}))[1]))
+
 
 def describe(path: str | os.PathLike[str], *, step: int | None = None, stat: StatFn = os.stat) -> CheckpointInfo:
     """Describe a checkpoint the job reported itself (``guard.checkpoint_saved(path)``), named freely.

@@ -391,8 +391,9 @@ class Securing:
         if not path:
             return
         where = Path(str(path))
-        if self.output_dir is None and layout.is_plausible_output_dir(layout.output_dir_for_save(where)):
-            self.output_dir = str(layout.output_dir_for_save(where))
+        learnt = layout.output_dir_of_save(where) if self.output_dir is None else None
+        if learnt is not None:
+            self.output_dir = str(learnt)
             self._feed(sup, OutputDirKnown(self.output_dir))
             log.info("output folder: %s (where the job saves with torch.save)", self.output_dir)
         if self.output_dir is None or not where.resolve().is_relative_to(Path(self.output_dir).resolve()):
@@ -510,8 +511,9 @@ class Securing:
             self._scan(sup)
         from guard.secure.hub import holds_final_model  # lazily: the hub module is needed only at the end
 
+        final_files = self._final_files()
         completed = died_after_training(sup.state.facts, code,
-                                        lambda: holds_final_model(self.output_dir)) is not None
+                                        lambda: holds_final_model(self.output_dir, final_files)) is not None
         if self.plan.state is State.WATCHING and outcome is None and code is not None and code != 0 \
                 and not completed:
             self._feed(sup, Failure("crash" if code > 0 else "killed"), now)
@@ -527,9 +529,17 @@ class Securing:
         self._check_node(sup)
         if ok and sup.node_rank not in (None, 0) and self.securer is not None:
             log.info("node %d: the guard of node 0 pushes the final model", sup.node_rank)
-        has_final_model = not (ok and self.output_dir) or holds_final_model(self.output_dir)
+        has_final_model = not (ok and self.output_dir) or holds_final_model(self.output_dir, final_files)
         self._feed(sup, JobExited(ok=(ok and outcome is None) or complete, complete=complete,
-                                  has_final_model=has_final_model), now)
+                                  has_final_model=has_final_model, final_files=final_files), now)
+
+    def _final_files(self) -> tuple[str, ...] | None:
+        """The files of the output folder that are the final model: all of them (None), unless the folder is not
+        the job's own (the working folder, from ``--save model.pt``; one above it): then only the files the job
+        saved at its top (``torch.save``), never its sources, data and logs."""
+        if not self.output_dir or layout.is_plausible_output_dir(self.output_dir):
+            return None
+        return self.saved_files.names_in(self.output_dir)
 
     # -- the verdict ------------------------------------------------------------------------------------------
 
