@@ -199,3 +199,34 @@ def test_a_save_file_in_the_working_folder_is_the_final_model_and_a_later_load_n
     assert second.returncode == 0, second.stderr[-3000:]
     fields = second.fields()
     assert "resumed_from" in fields and "did not load the resumed checkpoint" in fields["hint"], fields
+
+
+def test_accelerate_automatic_naming_resumes_from_the_secured_folder_not_a_half_written_newer_one(
+        tmp_path: Path) -> None:
+    # checkpoint_N counts accelerate's saves (N is no step: the secured step is the agent's); the next run with
+    # --resume on moves a half-written newer checkpoint_N out of checkpoints/ (load_state() takes the highest
+    # number of any name there) and the job loads the secured one.
+    pytest.importorskip("accelerate")
+    import json
+
+    from safetensors.torch import save_file
+
+    out, dest = tmp_path / "project", tmp_path / "dest"
+    job = [str(JOBS / "accelerate_auto.py"), str(out), "--every", "100", "--step_s", "0.05"]
+    first = run_guard([*FAST, "--timeout", "45s", "--margin", "12s", "--push-to", str(dest), *job], cwd=tmp_path,
+                      timeout_s=150)
+    assert first.returncode == 75, first.stderr[-3000:]
+    step = json.loads((dest / "last-checkpoint" / "guard_manifest.json").read_text())["step"]
+    assert step >= 100 and step % 100 == 0, step
+    assert f"resumes from step {step}" in first.fields()["hint"]
+    newest = max((p for p in (out / "checkpoints").iterdir()), key=lambda p: int(p.name.split("_")[1]))
+    half = out / "checkpoints" / f"checkpoint_{int(newest.name.split('_')[1]) + 1}"
+    half.mkdir()
+    save_file({"w": torch.zeros(2)}, str(half / "model.safetensors"))
+    second = run_guard([*FAST, "--resume", "on", "--push-to", str(dest), *job, "--resume", "--steps", str(step + 20)],
+                       cwd=tmp_path, timeout_s=150)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert re.search(rf"resumed from \S+/checkpoint_[0-9]+ at step {step}\b", second.stdout), second.stdout[-2000:]
+    assert (out / f"{half.name}.partial-guard").is_dir() and not half.exists()
+    fields = second.fields()
+    assert "resumed_from" in fields and "did not load" not in fields.get("hint", ""), fields

@@ -11,8 +11,10 @@ the VERDICT's ``checkpoint=``, ``pushed=``, ``secured=`` and the exit code of a 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
+import re
 import signal
 import time
 from collections.abc import Callable
@@ -60,6 +62,10 @@ log = logging.getLogger("guard.secure")
 FAILURE_REASONS = ("non_finite_loss", "stalled", "crash", "oom", "killed", "incomplete")
 SCAN_EVERY_S = 5.0  # how often the output folder is looked at for complete checkpoints
 FILE_SETTLE_S = 1.0  # a torch.save'd file counts as a whole checkpoint after this long without another file
+
+
+#: accelerate's ``ProjectConfiguration(automatic_checkpoint_naming=True)`` folder: N counts the saves
+_SAVE_COUNT_RE = re.compile(r"checkpoint_[0-9]+")
 
 
 class EndTimeSource(Protocol):
@@ -173,6 +179,9 @@ class Securing:
         self.saved_ranks: dict[int | None, set[int]] = {}  # step -> ranks whose part of that save is done
         self.reported_paths: set[str] = set()  # folders the job said it finished: no mtime rule for them
         self.saved_files = checkpoints.SavedFiles()  # torch.save calls the agent saw return
+        #: accelerate's automatic ``checkpoint_N`` folders (N: the save count, not a step) -> the agent's step at
+        #: the last ``torch.save`` into each (its optimizer.bin, scheduler.bin, ...)
+        self.save_count_steps: dict[Path, int] = {}
         self.trainer_seen = False
         self.pending_file: tuple[checkpoints.CheckpointInfo, float] | None = None  # a save that may still grow
         self.follower = False
@@ -342,6 +351,9 @@ class Securing:
                                                 since_s=self.started_s, resumed=self.resumed_paths)
         except OSError:
             return
+        if found is not None and found.step_source == "name" and (
+                (counted := self.save_count_steps.get(found.path.resolve())) is not None):
+            found = dataclasses.replace(found, step=counted, step_source="reported")  # a save count is no step
         if found is not None and (self.latest_reported is None or (found.step or -1) > (self.latest_reported.step
                                                                                       or -1)):
             self.estimator.observe_size(found.size_bytes)
@@ -391,6 +403,9 @@ class Securing:
         if not path:
             return
         where = Path(str(path))
+        step = message.get("step")
+        if _SAVE_COUNT_RE.fullmatch(where.parent.name) and isinstance(step, int) and message.get("rank") in (None, 0):
+            self.save_count_steps[where.parent.resolve()] = step
         learnt = layout.output_dir_of_save(where) if self.output_dir is None else None
         if learnt is not None:
             self.output_dir = str(learnt)
