@@ -47,6 +47,8 @@ _ACCELERATE_FILES = ("optimizer.bin", "scheduler.bin", "pytorch_model.bin", "mod
 #: Files ``Trainer._save_checkpoint`` writes before ``trainer_state.json`` (transformers 5.24 ``trainer.py``).
 _TRAINER_FILES = ("training_args.bin", "optimizer.pt", "scheduler.pt", "rng_state.pth", "scaler.pt")
 _RANDOM_STATES_RE = re.compile(r"random_states_[0-9]+\.pkl")
+#: accelerate's ``ProjectConfiguration(automatic_checkpoint_naming=True)`` folder: N counts the saves
+_SAVE_COUNT_RE = re.compile(r"checkpoint_([0-9]+)")
 
 
 class Interrupted(Exception):
@@ -137,6 +139,18 @@ def move_aside_partials(folder: str | os.PathLike[str], *, newer_than: int | Non
     return moved
 
 
+def _save_counts(local: checkpoints.CheckpointInfo | None, record: dict[str, Any] | None,
+                 base: Path) -> tuple[int, int] | None:
+    """(local N, secured N) when both are accelerate's automatic ``checkpoint_N`` folders of ``base``: N counts the
+    saves, so only the numbers compare (the secured step is the agent's, the local one is the name's N)."""
+    if local is None or record is None or local.path.parent.resolve() != base.resolve():
+        return None
+    place = record.get("place")
+    mine = _SAVE_COUNT_RE.fullmatch(local.path.name)
+    theirs = _SAVE_COUNT_RE.fullmatch(place) if isinstance(place, str) else None
+    return (int(mine[1]), int(theirs[1])) if mine is not None and theirs is not None else None
+
+
 class FetchTimedOut(HubError):
     """The peek or the fetch did not finish by its deadline (the worker was killed): nothing was damaged."""
 
@@ -190,8 +204,16 @@ def choose(folder: str | os.PathLike[str], securer: Any, *, deadline: float, abo
     base.mkdir(parents=True, exist_ok=True)
     local = checkpoints.newest_complete(base, now_s=time.time(), stable_for_s=0.0)
     chosen: ResumeFrom | None = None
-    if local is not None and (record is None or (local.step is not None and record.get("step") is not None
-                                                 and local.step >= record["step"])):
+    counted = _save_counts(local, record, base)
+    if counted is not None and counted[0] > counted[1]:  # a whole save the guard had not secured yet
+        assert local is not None
+        log.info("resuming from the output folder's own %s: a later save than the secured checkpoint_%d (step %s; "
+                 "its own step is not known: accelerate's checkpoint_N counts saves)", local.path, counted[1],
+                 record.get("step") if record else None)
+        chosen = ResumeFrom(local.path, None, "local", local.size_bytes, "output folder")
+    elif counted is None and local is not None and (
+            record is None or (local.step is not None and record.get("step") is not None
+                               and local.step >= record["step"])):
         why = "nothing is secured at the destination" if record is None else (
             f"as new as or newer than the secured step {record['step']}")
         log.info("resuming from the output folder's own %s (step %s): %s", local.path, local.step, why)
