@@ -238,3 +238,28 @@ def test_a_loose_checkpoint_file_is_marked_beside_it(tmp_path: Path) -> None:
     assert marker == tmp_path / "ckpt.pt.guard-suspect.json" and is_marked_suspect(loose)
     assert json.loads(marker.read_text()) == {"step": 12, "first_non_finite_step": 9}
     assert mark_suspect(tmp_path / "gone" / "x.pt", step=1, first_non_finite_step=1) is None  # logged, never raised
+
+
+def test_the_final_model_of_a_working_folder_is_what_the_job_wrote_at_its_top(tmp_path: Path,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    # --save model.pt (word_language_model) or a Trainer's --output_dir .: the output folder is the working folder
+    import os
+
+    monkeypatch.chdir(tmp_path)
+    rig = Rig(tmp_path)
+    for name in ("main.py", "notes.json", "vocab.txt"):  # the job's sources and data, there before it started
+        (tmp_path / name).write_text("x")
+        os.utime(tmp_path / name, (time.time() - 100, time.time() - 100))
+    rig.securing.output_dir = "."
+    rig.securing.before_start()
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "cache.json").write_text("{}")  # below the top: never
+    (tmp_path / "train.log").write_text("a log")
+    for name in ("model.safetensors", "config.json"):  # a Trainer's save_model
+        (tmp_path / name).write_bytes(b"0" * 10)
+    (tmp_path / "model.pt").write_bytes(b"0" * 10)
+    rig.securing.on_file_saved(rig.link, {"t": "file_saved", "path": str(tmp_path / "model.pt"), "step": 4,
+                                          "rank": 0, "save_s": 0.1})
+    assert rig.securing._final_files() == ("config.json", "model.pt", "model.safetensors")
+    rig.securing.output_dir = str(rig.out)  # a folder of the job's own: the whole folder
+    assert rig.securing._final_files() is None

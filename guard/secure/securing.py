@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import os
 import re
 import signal
 import time
@@ -66,6 +67,9 @@ FILE_SETTLE_S = 1.0  # a torch.save'd file counts as a whole checkpoint after th
 
 #: accelerate's ``ProjectConfiguration(automatic_checkpoint_naming=True)`` folder: N counts the saves
 _SAVE_COUNT_RE = re.compile(r"checkpoint_[0-9]+")
+#: Files at the top of a working folder that belong to a final model when the job wrote them (weights, configs,
+#: tokenizer files): the final model pushed from a working folder is never its sources, data or logs.
+_FINAL_MODEL_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".json", ".model", ".tiktoken")
 
 
 class EndTimeSource(Protocol):
@@ -551,10 +555,22 @@ class Securing:
     def _final_files(self) -> tuple[str, ...] | None:
         """The files of the output folder that are the final model: all of them (None), unless the folder is not
         the job's own (the working folder, from ``--save model.pt``; one above it): then only the files the job
-        saved at its top (``torch.save``), never its sources, data and logs."""
+        saved at its top (``torch.save``) and the model, config and tokenizer files written there since it started
+        (a Trainer's ``save_model`` with ``--output_dir .``), never its sources, data and logs."""
         if not self.output_dir or layout.is_plausible_output_dir(self.output_dir):
             return None
-        return self.saved_files.names_in(self.output_dir)
+        names = set(self.saved_files.names_in(self.output_dir))
+        since = self.started_s if self.started_s is not None else math.inf
+        try:
+            with os.scandir(self.output_dir) as entries:
+                for entry in entries:
+                    if (entry.name.endswith(_FINAL_MODEL_SUFFIXES) or entry.name in ("vocab.txt", "merges.txt")) \
+                            and not entry.name.startswith((".", "_")) \
+                            and entry.is_file(follow_symlinks=False) and entry.stat().st_mtime >= since:
+                        names.add(entry.name)
+        except OSError:
+            pass
+        return tuple(sorted(names))
 
     # -- the verdict ------------------------------------------------------------------------------------------
 
