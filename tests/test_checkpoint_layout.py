@@ -305,3 +305,15 @@ def test_a_flag_naming_a_file_gives_its_folder():
     assert output_dir_from_args(["--save", "model.pt"]) == (".", "--save")
     assert output_dir_from_args(["--save=runs/wlm/model.pt"]) == ("runs/wlm", "--save")
     assert output_dir_from_args(["--save", "ckpts"]) == ("ckpts", "--save")
+
+
+def test_the_final_model_files_leave_out_every_checkpoint_folder(tmp_path):
+    # accelerate's complete_nlp_example --output_dir out: out/step_10/ ... are checkpoints, not the final model
+    from guard.secure.hub import final_model_files
+
+    out = tmp_path / "out"
+    for rel in ("step_10/optimizer.bin", "checkpoints/checkpoint_0/model.safetensors", "checkpoint_2/x.bin",
+                "global_step5/a.pt", "checkpoint-3/model.safetensors", "model.safetensors", "config.json"):
+        (out / rel).parent.mkdir(parents=True, exist_ok=True)
+        (out / rel).write_bytes(b"0")
+    assert final_model_files(out) == ["config.json", "model.safetensors"]

@@ -49,7 +49,7 @@ import math
 import os
 import re
 import stat as _stat
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -337,7 +337,7 @@ def _left_over(folder: Path, files: Iterable[str], since_s: float | None) -> boo
 def newest_complete(output_dir: str | os.PathLike[str], *, now_s: float, stable_for_s: float = 2.0,
                     stat: StatFn = os.stat, seen: set[tuple[str, str]] | None = None,
                     reported: Collection[str] = (), loose: bool = True, since_s: float | None = None,
-                    resumed: Collection[str] = ()) -> CheckpointInfo | None:
+                    resumed: Collection[str] = (), steps: Mapping[str, int] | None = None) -> CheckpointInfo | None:
     """The newest complete checkpoint under ``output_dir`` (see the module docstring for what counts).
 
     Folders newer than the one returned that are skipped are logged with the reason (still being written, no state
@@ -361,6 +361,9 @@ def newest_complete(output_dir: str | os.PathLike[str], *, now_s: float, stable_
             unless it is one of ``resumed``. None: no such rule.
         resumed: paths of the checkpoint this run resumed from (fetched, or the output folder's own): they count
             although older than ``since_s``.
+        steps: folder path -> its step as the guard counts it (the agent's step at the job's ``torch.save`` into
+            it), for folders whose N is not that step (accelerate's automatic ``checkpoint_N`` counts saves); they
+            are ordered and returned by it (``step_source`` ``"reported"``).
 
     Returns:
         The :class:`CheckpointInfo`, or None when there is none (or ``output_dir`` does not exist).
@@ -376,8 +379,9 @@ def newest_complete(output_dir: str | os.PathLike[str], *, now_s: float, stable_
     # two are compared resolved, so that a folder the job said it finished is never "still being written".
     said = {os.path.realpath(p) for p in reported}
     kept = {os.path.realpath(p) for p in resumed}
-    candidates = sorted(((int(m.group(1)), name) for name in names if (m := _FOLDER_RE.fullmatch(name))),
-                        reverse=True)
+    known = {os.path.realpath(p): s for p, s in (steps or {}).items()}
+    candidates = sorted(((known.get(os.path.realpath(base / name), int(m.group(1))), name) for name in names
+                         if (m := _FOLDER_RE.fullmatch(name))), reverse=True)
     for step, name in candidates:
         path = base / name
         if not path.is_dir() or path.is_symlink():
@@ -392,7 +396,7 @@ def newest_complete(output_dir: str | os.PathLike[str], *, now_s: float, stable_
         if reason is None and _left_over(path, files, since_s) and os.path.realpath(path) not in kept:
             reason = "found and left alone: saved before this run started and not resumed from"
         if reason is None:
-            found, source = _folder_step(path, step)
+            found, source = (step, "reported") if os.path.realpath(path) in known else _folder_step(path, step)
             info = _info(path, files, found, step_source=source, admitted_by="reported" if told else "settled")
             _log_admitted(info, stable_for_s)
             return info

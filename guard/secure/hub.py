@@ -55,6 +55,7 @@ from guard.secure.hubhttp import (
     install_request_bounds,
     retry_after_s,
 )
+from guard.secure.layout import CHECKPOINT_FOLDER_RE
 
 if TYPE_CHECKING:
     from huggingface_hub import CommitOperationAdd, HfApi
@@ -271,7 +272,8 @@ def holds_final_model(output_dir: str | os.PathLike[str] | None, only: Collectio
 
 
 def final_model_files(output_dir: str | os.PathLike[str], only: Collection[str] | None = None) -> list[str]:
-    """The final model files of an output folder: everything but ``checkpoint-*/``, ``last-checkpoint/``,
+    """The final model files of an output folder: everything but its checkpoint folders (``checkpoint-*/``,
+    accelerate's ``step_N/``, ``checkpoint_N/`` and ``checkpoints/``, ``global_stepN/``), ``last-checkpoint/``,
     ``runs/`` and hidden or underscore-prefixed files and folders. Returns sorted posix relative paths.
 
     ``only``: the relative paths that may count, for an output folder that is not the job's own (the working
@@ -280,7 +282,8 @@ def final_model_files(output_dir: str | os.PathLike[str], only: Collection[str] 
         if only is not None and rel not in only:
             return False
         parts = rel.split("/")
-        if len(parts) > 1 and (parts[0].startswith("checkpoint-") or parts[0] in (CHECKPOINT_FOLDER, "runs")):
+        if len(parts) > 1 and (parts[0] in (CHECKPOINT_FOLDER, "runs", "checkpoints")
+                               or parts[0].startswith("checkpoint-") or CHECKPOINT_FOLDER_RE.fullmatch(parts[0])):
             return False
         return not any(p.startswith((".", "_")) for p in parts)
     return _list_files(Path(output_dir), keep)

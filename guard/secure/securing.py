@@ -11,7 +11,6 @@ the VERDICT's ``checkpoint=``, ``pushed=``, ``secured=`` and the exit code of a 
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import os
@@ -66,7 +65,7 @@ FILE_SETTLE_S = 1.0  # a torch.save'd file counts as a whole checkpoint after th
 
 
 #: accelerate's ``ProjectConfiguration(automatic_checkpoint_naming=True)`` folder: N counts the saves
-_SAVE_COUNT_RE = re.compile(r"checkpoint_[0-9]+")
+_SAVE_COUNT_RE = re.compile(r"(?:checkpoint|step)_[0-9]+")
 #: Files at the top of a working folder that belong to a final model when the job wrote them (weights, configs,
 #: tokenizer files): the final model pushed from a working folder is never its sources, data or logs.
 _FINAL_MODEL_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".json", ".model", ".tiktoken")
@@ -183,8 +182,9 @@ class Securing:
         self.saved_ranks: dict[int | None, set[int]] = {}  # step -> ranks whose part of that save is done
         self.reported_paths: set[str] = set()  # folders the job said it finished: no mtime rule for them
         self.saved_files = checkpoints.SavedFiles()  # torch.save calls the agent saw return
-        #: accelerate's automatic ``checkpoint_N`` folders (N: the save count, not a step) -> the agent's step at
-        #: the last ``torch.save`` into each (its optimizer.bin, scheduler.bin, ...)
+        #: accelerate's ``save_state`` folders -> the agent's step at the last ``torch.save`` into each (its
+        #: optimizer.bin, scheduler.bin, ...): automatic ``checkpoint_N`` counts saves, and a script's own ``step_N``
+        #: may not go on from the resumed step (accelerate's complete_nlp_example after a resume mid-epoch)
         self.save_count_steps: dict[Path, int] = {}
         self.trainer_seen = False
         self.pending_file: tuple[checkpoints.CheckpointInfo, float] | None = None  # a save that may still grow
@@ -347,17 +347,16 @@ class Securing:
             self._training_seen = True
             self._feed(sup, TrainingStarted(), now)
 
-    def _scan(self, sup: JobLink) -> None:
+    def _scan(self, sup: JobLink, *, stable_for_s: float | None = None) -> None:
         """A complete checkpoint in the output folder the job did not report (``checkpoints.newest_complete``)."""
         try:
             found = checkpoints.newest_complete(self.output_dir or "", now_s=self.wall(), seen=self._seen,
+                                                stable_for_s=2.0 if stable_for_s is None else stable_for_s,
+                                                steps={str(p): s for p, s in self.save_count_steps.items()},
                                                 reported=self.reported_paths, loose=not self.trainer_seen,
                                                 since_s=self.started_s, resumed=self.resumed_paths)
         except OSError:
             return
-        if found is not None and found.step_source == "name" and (
-                (counted := self.save_count_steps.get(found.path.resolve())) is not None):
-            found = dataclasses.replace(found, step=counted, step_source="reported")  # a save count is no step
         if found is not None and (self.latest_reported is None or (found.step or -1) > (self.latest_reported.step
                                                                                       or -1)):
             self.estimator.observe_size(found.size_bytes)
@@ -527,7 +526,9 @@ class Securing:
         code = sup.job_exit_code()
         outcome = sup.state.outcome
         if self.output_dir and self.plan.state is not State.DONE:
-            self._scan(sup)
+            # exit 0: nothing writes any more, so a save made just before the exit needs no settle time (the
+            # completion rules and the format checks still apply); else a save cut short may look settled
+            self._scan(sup, stable_for_s=0.0 if code == 0 else None)
         from guard.secure.hub import holds_final_model  # lazily: the hub module is needed only at the end
 
         final_files = self._final_files()
