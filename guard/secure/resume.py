@@ -94,7 +94,7 @@ def _accelerate_saved(folder: Path | None) -> bool:
 
 
 def move_aside_partials(folder: str | os.PathLike[str], *, newer_than: int | None,
-                        chosen: str | os.PathLike[str] | None = None) -> list[Path]:
+                        chosen: str | os.PathLike[str] | None = None, accelerate: bool = False) -> list[Path]:
     """Move every partial ``checkpoint-N`` folder the Trainer wrote, and every partial ``checkpoint_N``/``step_N``
     folder accelerate's ``save_state`` wrote (its files without the ``random_states_N.pkl`` it writes last), with N
     above ``newer_than`` (all when None), aside as ``NAME.partial-guard`` (a number is added when that exists);
@@ -116,7 +116,7 @@ def move_aside_partials(folder: str | os.PathLike[str], *, newer_than: int | Non
     if picked is not None and picked.parent.resolve() == base.resolve() and (
             numbered := _TRAINER_CHECKPOINT_RE.fullmatch(picked.name)) is not None:
         newer_than = int(numbered[1])
-    accelerate = _accelerate_saved(picked) if picked is not None and picked.is_dir() else False
+    accelerate = accelerate or (_accelerate_saved(picked) if picked is not None and picked.is_dir() else False)
     aside = base.parent if base.name == "checkpoints" else base
     for name in names:
         match = _TRAINER_CHECKPOINT_RE.fullmatch(name)
@@ -202,11 +202,16 @@ def choose(folder: str | os.PathLike[str], securer: Any, *, deadline: float, abo
         base = Path(str(record["output_dir"]))
         log.info("output folder: %s (where the secured checkpoint came from, as its record says)", base)
     base.mkdir(parents=True, exist_ok=True)
+    place = record.get("place") if record is not None else None
+    if isinstance(place, str) and (secured_n := _SAVE_COUNT_RE.fullmatch(place)) is not None:
+        # accelerate's automatic naming: a later checkpoint_N without its random_states_N.pkl is half-written; out
+        # of the way first, so that the newest whole one (which load_state() will take) is the local candidate
+        move_aside_partials(base, newer_than=int(secured_n[1]), accelerate=True)
     local = checkpoints.newest_complete(base, now_s=time.time(), stable_for_s=0.0)
     chosen: ResumeFrom | None = None
     counted = _save_counts(local, record, base)
-    if counted is not None and counted[0] > counted[1]:  # a whole save the guard had not secured yet
-        assert local is not None
+    if counted is not None and counted[0] > counted[1] and local is not None and _accelerate_saved(local.path):
+        # a whole save (its random_states_N.pkl, written last, is there) the guard had not secured yet
         log.info("resuming from the output folder's own %s: a later save than the secured checkpoint_%d (step %s; "
                  "its own step is not known: accelerate's checkpoint_N counts saves)", local.path, counted[1],
                  record.get("step") if record else None)
