@@ -287,6 +287,20 @@ def test_the_output_folder_of_a_save_is_the_parent_of_its_checkpoint_folder(tmp_
     assert output_dir_for_save(out / "run1" / "model.pt") == out / "run1"
 
 
+def test_the_working_folder_is_learnt_from_a_save_only_into_a_checkpoint_folder_in_it(tmp_path):
+    # accelerate's complete_nlp_example: --output_dir defaults to ".", accelerator.save_state("step_10")
+    from guard.secure.layout import output_dir_of_save
+
+    work = tmp_path / "work"
+    assert output_dir_of_save(work / "step_10" / "optimizer.bin", cwd=work) == work
+    assert output_dir_of_save(work / "checkpoint-20" / "model.pt", cwd=work) == work
+    assert output_dir_of_save(work / "out" / "ckpt.pt", cwd=work) == work / "out"
+    assert output_dir_of_save(work / "model.pt", cwd=work) is None  # a loose file: never the whole working folder
+    assert output_dir_of_save(work / "sub" / "model.pt", cwd=work / "sub") is None
+    assert output_dir_of_save(tmp_path / "step_3" / "x.bin", cwd=work) is None  # above the working folder
+    assert output_dir_of_save(work / ".cache" / "step_3" / "x.bin", cwd=work) is None
+
+
 def test_a_flag_naming_a_file_gives_its_folder():
     from guard.secure.layout import output_dir_from_args
 
@@ -312,3 +326,15 @@ def test_the_resume_checkpoint_just_fetched_is_never_still_being_written(tmp_pat
     time.sleep(0.02)
     write(folder / "model.safetensors", 10, mtime_s=time.time())
     assert newest_complete(tmp_path / "out", now_s=time.time(), since_s=started, resumed=[str(folder)]) is None
+
+
+def test_the_final_model_files_leave_out_every_checkpoint_folder(tmp_path):
+    # accelerate's complete_nlp_example --output_dir out: out/step_10/ ... are checkpoints, not the final model
+    from guard.secure.hub import final_model_files
+
+    out = tmp_path / "out"
+    for rel in ("step_10/optimizer.bin", "checkpoints/checkpoint_0/model.safetensors", "checkpoint_2/x.bin",
+                "global_step5/a.pt", "checkpoint-3/model.safetensors", "model.safetensors", "config.json"):
+        (out / rel).parent.mkdir(parents=True, exist_ok=True)
+        (out / rel).write_bytes(b"0")
+    assert final_model_files(out) == ["config.json", "model.safetensors"]

@@ -184,3 +184,58 @@ def test_a_pass_with_a_destination_and_nothing_saved_says_nothing_was_secured(tm
     assert fields["status"] == "PASS" and "pushed" not in fields and "secured" not in fields
     assert fields["hint"].startswith("nothing was secured to ./dest: the job saved nothing recognisable")
     assert not (tmp_path / "dest").exists()
+
+
+def test_a_save_file_in_the_working_folder_is_the_final_model_and_a_later_load_no_resume(tmp_path: Path) -> None:
+    # word_language_model: --save model.pt puts the output folder at the working folder. The final model is the file
+    # the job saved there, not the folder's sources, data and logs (nor the destination inside it); a resumed run
+    # that overwrites model.pt and loads it back after training did not resume from it.
+    from conftest import run_guard
+
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "train.txt").write_text("w1 w2 w3\n")
+    (tmp_path / "notes.txt").write_text("not a model\n")
+    job = [str(JOBS / "save_to_file_object.py"), "--save", "model.pt", "--steps", "12", "--epoch_steps", "4",
+           "--step_s", "0.01"]
+    first = run_guard([*FAST, "--push-to", "./dest", *job], cwd=tmp_path, timeout_s=120)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert sorted(p.name for p in (tmp_path / "dest").iterdir()) == ["last-checkpoint", "model.pt"]
+    assert isinstance(torch.load(tmp_path / "dest" / "model.pt", weights_only=False), torch.nn.Module)
+    second = run_guard([*FAST, "--resume", "on", "--push-to", "./dest", *job], cwd=tmp_path, timeout_s=120)
+    assert second.returncode == 0, second.stderr[-3000:]
+    fields = second.fields()
+    assert "resumed_from" in fields and "did not load the resumed checkpoint" in fields["hint"], fields
+
+
+def test_accelerate_automatic_naming_resumes_from_the_secured_folder_not_a_half_written_newer_one(
+        tmp_path: Path) -> None:
+    # checkpoint_N counts accelerate's saves (N is no step: the secured step is the agent's); the next run with
+    # --resume on moves a half-written newer checkpoint_N out of checkpoints/ (load_state() takes the highest
+    # number of any name there) and the job loads the secured one.
+    pytest.importorskip("accelerate")
+    import json
+
+    from safetensors.torch import save_file
+
+    out, dest = tmp_path / "project", tmp_path / "dest"
+    job = [str(JOBS / "accelerate_auto.py"), str(out), "--every", "100", "--step_s", "0.05"]
+    first = run_guard([*FAST, "--timeout", "45s", "--margin", "12s", "--push-to", str(dest), *job], cwd=tmp_path,
+                      timeout_s=150)
+    assert first.returncode == 75, first.stderr[-3000:]
+    step = json.loads((dest / "last-checkpoint" / "guard_manifest.json").read_text())["step"]
+    assert step >= 100 and step % 100 == 0, step
+    assert f"resumes from step {step}" in first.fields()["hint"]
+    newest = max((p for p in (out / "checkpoints").iterdir()), key=lambda p: int(p.name.split("_")[1]))
+    half = out / "checkpoints" / f"checkpoint_{int(newest.name.split('_')[1]) + 1}"
+    half.mkdir()
+    save_file({"w": torch.zeros(2)}, str(half / "model.safetensors"))
+    second = run_guard([*FAST, "--resume", "on", "--push-to", str(dest), *job, "--resume", "--steps", str(step + 300)],
+                       cwd=tmp_path, timeout_s=150)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert (out / f"{half.name}.partial-guard").is_dir()  # moved aside (the job then saves its own again)
+    # what the job loaded (the secured checkpoint, or a whole later save the guard had not pushed) is resumed_from
+    loaded = re.search(r"resumed from (\S+) at step ([0-9]+)", second.stdout)
+    assert loaded is not None and int(loaded[2]) >= step, second.stdout[-2000:]
+    fields = second.fields()
+    assert Path(fields["resumed_from"].split("@")[0]).name == Path(loaded[1]).name, (fields, loaded[0])
+    assert "resumed_from" in fields and "did not load" not in fields.get("hint", ""), fields

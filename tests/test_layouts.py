@@ -92,5 +92,30 @@ def test_a_half_written_accelerate_folder_is_moved_aside_before_the_job_starts(t
     plain.mkdir()
     (plain / "notes.txt").write_text("a loop's own folder")
     moved = resume.move_aside_partials(project, newer_than=1)
-    assert moved == [project / "checkpoint_2.partial-guard"] and not half.exists() and plain.is_dir()
+    # out of checkpoints/: accelerate's load_state() would take checkpoint_2.partial-guard there (its number 2)
+    assert moved == [tmp_path / "checkpoint_2.partial-guard"] and not half.exists() and plain.is_dir()
     assert newest_complete(project, now_s=LATER).path == done  # type: ignore[union-attr]
+
+
+def test_accelerates_save_counted_folders_are_compared_by_number_and_a_model_alone_is_partial(tmp_path: Path) -> None:
+    # ProjectConfiguration(automatic_checkpoint_naming=True): checkpoint_N counts the saves; the secured step 300 is
+    # checkpoint_2. A killed save_state left checkpoint_3 with model.safetensors alone (it writes that first).
+    from safetensors.torch import save_file
+
+    from guard.secure import resume
+
+    saved = tmp_path / "project" / "checkpoints"
+    done = saved / "checkpoint_2"
+    done.mkdir(parents=True)
+    save_file({"w": torch.zeros(2)}, str(done / "model.safetensors"))
+    for name in ("optimizer.bin", "scheduler.bin", "random_states_0.pkl"):
+        torch.save({"x": 1}, done / name)
+    half = saved / "checkpoint_3"
+    half.mkdir()
+    save_file({"w": torch.zeros(2)}, str(half / "model.safetensors"))
+    older = saved / "checkpoint_1"
+    older.mkdir()
+    save_file({"w": torch.zeros(2)}, str(older / "model.safetensors"))  # older than the chosen one: left alone
+    moved = resume.move_aside_partials(saved, newer_than=300, chosen=done)
+    assert moved == [tmp_path / "project" / "checkpoint_3.partial-guard"], moved
+    assert sorted(os.listdir(saved)) == ["checkpoint_1", "checkpoint_2"]

@@ -566,3 +566,15 @@ def test_checkpoint_saved_marks_a_plain_folder_complete(tmp_path, monkeypatch) -
     found = newest_complete(tmp_path, now_s=now_s + 3600)  # its completion file written, then settled
     assert (folder / "guard_checkpoint.json").exists()
     assert found is not None and found.step == 12
+
+
+def test_a_load_of_the_jobs_own_save_at_the_resumed_path_is_no_resume(agents: list[Agent], tmp_path: Path) -> None:
+    # word_language_model: ``--save model.pt`` each epoch, ``torch.load`` of it only after training
+    resumed = tmp_path / "model.pt"
+    agent = _agent(agents, None, resume_path=str(resumed), resume_step=15)
+    agent.file_saved(str(resumed), 0.01)
+    agent.resume_seen(str(resumed))
+    assert not agent.resumed and agent.watch.step == 0 and "resume_loaded" not in agent.api_used
+    fresh = _agent(agents, None, resume_path=str(resumed), resume_step=15)
+    fresh.resume_seen(str(resumed))  # loaded before any save: the resumed checkpoint
+    assert fresh.resumed and fresh.watch.step == 15 and "resume_loaded" in fresh.api_used

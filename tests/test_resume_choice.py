@@ -102,3 +102,29 @@ def test_the_recorded_revision_is_fetched_not_head(tmp_path: Path, monkeypatch: 
     assert (chosen.step, chosen.revision, chosen.source) == (20, second.revision, "destination")
     assert (out / "checkpoint-20" / "model.safetensors").read_bytes() == b"b" * 100
     assert os.listdir(out) == ["checkpoint-20"]
+
+
+def accelerate_save(saved: Path, n: int) -> Path:
+    """``Accelerator.save_state()`` with automatic naming: ``checkpoints/checkpoint_N`` (N counts the saves)."""
+    folder = saved / f"checkpoint_{n}"
+    folder.mkdir(parents=True)
+    for name in ("model.safetensors", "optimizer.bin", "scheduler.bin", "random_states_0.pkl"):
+        (folder / name).write_bytes(b"\x80\x04K\x01." if name.endswith((".bin", ".pkl")) else b"w" * 10)
+    return folder
+
+
+def test_accelerates_save_counted_folders_compare_by_number_not_by_step(tmp_path: Path, monkeypatch) -> None:
+    # the secured checkpoint_2 is step 300 (the agent's step); the killed run then wrote checkpoint_3 whole but the
+    # guard had not pushed it: accelerate's load_state() takes checkpoint_3, so the resume is from it
+    monkeypatch.chdir(tmp_path)
+    saved = Path("project") / "checkpoints"
+    dest = Securer(str(tmp_path / "dest"))
+    monkeypatch.setattr("guard.secure.checkpoints.check_files", lambda folder, files: [])
+    dest.push_checkpoint(accelerate_save(saved, 2), step=300, deadline=math.inf)
+    newer = accelerate_save(saved, 3)
+    chosen = resume.choose(saved, dest, deadline=deadline(), abort=lambda: False)
+    assert chosen is not None and (chosen.path, chosen.source) == (newer, "output folder"), chosen
+    older = Path("project2") / "checkpoints"
+    accelerate_save(older, 1)
+    chosen = resume.choose(older, dest, deadline=deadline(), abort=lambda: False)  # checkpoint_1 < checkpoint_2
+    assert chosen is not None and (chosen.source, chosen.step) == ("destination", 300), chosen

@@ -321,3 +321,64 @@ def test_a_rank_that_trains_on_without_reporting_the_first_save_had_no_part_in_i
     rig.run_for(5.0)
     rig.saved(20, rank=0)
     assert newest_step(rig) == 20
+
+
+def test_the_final_model_of_a_working_folder_is_what_the_job_wrote_at_its_top(tmp_path: Path,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    # --save model.pt (word_language_model) or a Trainer's --output_dir .: the output folder is the working folder
+    import os
+
+    monkeypatch.chdir(tmp_path)
+    rig = Rig(tmp_path)
+    for name in ("main.py", "notes.json", "vocab.txt"):  # the job's sources and data, there before it started
+        (tmp_path / name).write_text("x")
+        os.utime(tmp_path / name, (time.time() - 100, time.time() - 100))
+    rig.securing.output_dir = "."
+    rig.securing.before_start()
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "cache.json").write_text("{}")  # below the top: never
+    (tmp_path / "train.log").write_text("a log")
+    for name in ("model.safetensors", "config.json"):  # a Trainer's save_model
+        (tmp_path / name).write_bytes(b"0" * 10)
+    (tmp_path / "model.pt").write_bytes(b"0" * 10)
+    rig.securing.on_file_saved(rig.link, {"t": "file_saved", "path": str(tmp_path / "model.pt"), "step": 4,
+                                          "rank": 0, "save_s": 0.1})
+    disk, since_s = rig.securing.disk, rig.securing.started_s
+    assert disk.final_files(".", since_s) == ("config.json", "model.pt", "model.safetensors")
+    assert disk.final_files(str(rig.out), since_s) is None  # a folder of the job's own: the whole folder
+
+
+def accelerate_state(folder: Path) -> Path:
+    """What ``Accelerator.save_state(folder)`` writes (random_states_0.pkl last)."""
+    import torch
+
+    folder.mkdir(parents=True)
+    for name in ("optimizer.bin", "scheduler.bin", "random_states_0.pkl"):
+        torch.save({"x": 1}, folder / name)
+    return folder
+
+
+def test_an_accelerate_folder_goes_by_the_agents_step_and_the_last_save_before_exit_0_needs_no_settling(
+        tmp_path: Path) -> None:
+    # complete_nlp_example resumed from step_230 mid-epoch names its next saves step_110, step_120 ... (its count
+    # restarts within the epoch); the agent's steps go on from 230. The job's last save comes just before it exits.
+    rig = Rig(tmp_path, destination="/tmp/unused-dest")
+    resumed = accelerate_state(rig.out / "step_230")
+    rig.securing.resumed_paths = {str(resumed)}
+    for name, step in (("step_110", 235), ("step_120", 245)):
+        folder = accelerate_state(rig.out / name)
+        for file in ("optimizer.bin", "scheduler.bin", "random_states_0.pkl"):
+            rig.securing.on_file_saved(rig.link, {"t": "file_saved", "path": str(folder / file), "step": step,
+                                                  "rank": 0, "save_s": 0.01})
+    import os
+
+    rig.clock.advance(30.0)
+    now = rig.securing.wall()
+    for folder in (resumed, rig.out / "step_110", rig.out / "step_120"):
+        for file in folder.iterdir():
+            age = 0.5 if folder.name == "step_120" else 20.0
+            os.utime(file, (now - age, now - age))
+    rig.link.exit(0)
+    rig.securing.on_job_exit(rig.link, rig.clock.now)  # step_120 was written 0.5 s ago
+    pushed = [h.args for h in rig.pusher.started if h.op == "push_checkpoint"]
+    assert pushed and pushed[-1]["local_dir"] == str(rig.out / "step_120") and pushed[-1]["step"] == 245, pushed

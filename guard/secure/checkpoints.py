@@ -406,7 +406,8 @@ def newest_complete(output_dir: str | os.PathLike[str], *, now_s: float, stable_
                     stat: StatFn = os.stat, seen: set[tuple[str, str]] | None = None,
                     reported: Collection[str] = (), loose: bool = True, since_s: float | None = None,
                     resumed: Collection[str] = (), world_size: int = 1,
-                    waiting: Mapping[str, str] | None = None) -> CheckpointInfo | None:
+                    waiting: Mapping[str, str] | None = None,
+                    steps: Mapping[str, int] | None = None) -> CheckpointInfo | None:
     """The newest complete checkpoint under ``output_dir`` (see the module docstring for what counts).
 
     Folders newer than the one returned that are skipped are logged with the reason (still being written, no state
@@ -436,6 +437,9 @@ def newest_complete(output_dir: str | os.PathLike[str], *, now_s: float, stable_
             ``rng_state_R.pth``, accelerate's ``random_states_R.pkl``) counts only with every rank's.
         waiting: ``{folder: reason}`` of folders some ranks reported and others not yet: skipped with the reason,
             unless their layout says every rank's part is written (:func:`every_rank_marked`). Compared resolved.
+        steps: folder path -> its step as the guard counts it (the agent's step at the job's ``torch.save`` into
+            it), for folders whose N is not that step (accelerate's automatic ``checkpoint_N`` counts saves); they
+            are ordered and returned by it (``step_source`` ``"reported"``).
 
     Returns:
         The :class:`CheckpointInfo`, or None when there is none (or ``output_dir`` does not exist).
@@ -451,8 +455,9 @@ def newest_complete(output_dir: str | os.PathLike[str], *, now_s: float, stable_
     # two are compared resolved, so that a folder the job said it finished is never "still being written".
     said = {os.path.realpath(p) for p in reported}
     kept = {os.path.realpath(p) for p in resumed}
-    candidates = sorted(((int(m.group(1)), name) for name in names if (m := _FOLDER_RE.fullmatch(name))),
-                        reverse=True)
+    known = {os.path.realpath(p): s for p, s in (steps or {}).items()}
+    candidates = sorted(((known.get(os.path.realpath(base / name), int(m.group(1))), name) for name in names
+                         if (m := _FOLDER_RE.fullmatch(name))), reverse=True)
     for step, name in candidates:
         path = base / name
         if not path.is_dir() or path.is_symlink():
@@ -471,7 +476,7 @@ def newest_complete(output_dir: str | os.PathLike[str], *, now_s: float, stable_
         if reason is None and _left_over(path, files, since_s) and os.path.realpath(path) not in kept:
             reason = "found and left alone: saved before this run started and not resumed from"
         if reason is None:
-            found, source = _folder_step(path, step)
+            found, source = (step, "reported") if os.path.realpath(path) in known else _folder_step(path, step)
             info = _info(path, files, found, step_source=source,
                          admitted_by="reported" if told else "resumed" if fetched else "settled")
             _log_admitted(info, stable_for_s)
@@ -607,6 +612,10 @@ class SavedFiles:
             return None
         target = folder / next(iter(files)) if len(files) == 1 else folder
         return _info(target, files, step, root=folder, step_source="reported", admitted_by="saved")
+
+    def names_in(self, folder: str | os.PathLike[str]) -> tuple[str, ...]:
+        """The names of the files of the job's last save into ``folder`` (its top level), sorted."""
+        return tuple(sorted(self._by_folder.get(Path(os.path.abspath(folder)), (None, {}))[1]))
 
 
 def describe(path: str | os.PathLike[str], *, step: int | None = None, stat: StatFn = os.stat) -> CheckpointInfo:

@@ -137,11 +137,14 @@ class Tainted:
 class JobExited:
     """The job's main process ended. ``ok``: exit 0 and no failure decided; ``complete``: training ran to its end
     (a Trainer reached ``max_steps``/its epochs, a loop ended without a stop delivered to it);
-    ``has_final_model``: its output folder holds final model files."""
+    ``has_final_model``: its output folder holds final model files; ``final_files``: the only files of it that
+    are the final model (an output folder that is not the job's own: the working folder of ``--save model.pt``),
+    None for the whole folder."""
 
     ok: bool
     complete: bool = False
     has_final_model: bool = True
+    final_files: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -55,6 +55,7 @@ from guard.secure.hubhttp import (
     install_request_bounds,
     retry_after_s,
 )
+from guard.secure.layout import CHECKPOINT_FOLDER_RE
 
 if TYPE_CHECKING:
     from huggingface_hub import CommitOperationAdd, HfApi
@@ -265,17 +266,24 @@ def _staging_dir(prefix: str, parent: Path) -> Path:
     return staging
 
 
-def holds_final_model(output_dir: str | os.PathLike[str] | None) -> bool:
+def holds_final_model(output_dir: str | os.PathLike[str] | None, only: Collection[str] | None = None) -> bool:
     """``output_dir`` is a folder holding final model files (``final_model_files``); False for None."""
-    return output_dir is not None and os.path.isdir(output_dir) and bool(final_model_files(output_dir))
+    return output_dir is not None and os.path.isdir(output_dir) and bool(final_model_files(output_dir, only))
 
 
-def final_model_files(output_dir: str | os.PathLike[str]) -> list[str]:
-    """The final model files of an output folder: everything but ``checkpoint-*/``, ``last-checkpoint/``,
-    ``runs/`` and hidden or underscore-prefixed files and folders. Returns sorted posix relative paths."""
+def final_model_files(output_dir: str | os.PathLike[str], only: Collection[str] | None = None) -> list[str]:
+    """The final model files of an output folder: everything but its checkpoint folders (``checkpoint-*/``,
+    accelerate's ``step_N/``, ``checkpoint_N/`` and ``checkpoints/``, ``global_stepN/``), ``last-checkpoint/``,
+    ``runs/`` and hidden or underscore-prefixed files and folders. Returns sorted posix relative paths.
+
+    ``only``: the relative paths that may count, for an output folder that is not the job's own (the working
+    folder of ``--save model.pt``: its sources, data and logs are no model); None: the whole folder."""
     def keep(rel: str) -> bool:
+        if only is not None and rel not in only:
+            return False
         parts = rel.split("/")
-        if len(parts) > 1 and (parts[0].startswith("checkpoint-") or parts[0] in (CHECKPOINT_FOLDER, "runs")):
+        if len(parts) > 1 and (parts[0] in (CHECKPOINT_FOLDER, "runs", "checkpoints")
+                               or parts[0].startswith("checkpoint-") or CHECKPOINT_FOLDER_RE.fullmatch(parts[0])):
             return False
         return not any(p.startswith((".", "_")) for p in parts)
     return _list_files(Path(output_dir), keep)
@@ -610,26 +618,27 @@ class Securer:
 
         return self._push(what, folder, files, step, attempt, deadline)
 
-    def push_final(self, output_dir: str | os.PathLike[str], *, deadline: float) -> PushResult:
-        """Secure the final model files of ``output_dir`` (see ``final_model_files``) at the destination's root,
-        verified; unchanged files are not uploaded again (the Hub client compares oids at preupload; a folder
-        destination compares size and sha256).
+    def push_final(self, output_dir: str | os.PathLike[str], *, files: Collection[str] | None = None,
+                   deadline: float) -> PushResult:
+        """Secure the final model files of ``output_dir`` (see ``final_model_files``; ``files``: only those) at the
+        destination's root, verified; unchanged files are not uploaded again (the Hub client compares oids at
+        preupload; a folder destination compares size and sha256).
 
         Raises:
             PushFailedError: as ``push_checkpoint``; also when ``output_dir`` has no final model files.
         """
         folder = Path(output_dir)
-        files = final_model_files(folder) if folder.is_dir() else []
-        if not files:
+        names = final_model_files(folder, files) if folder.is_dir() else []
+        if not names:
             raise PushFailedError(f"cannot secure the final model: {folder} has no model files",
                                   destination=str(self.destination),
                                   hint="the job wrote no final model to its output folder; check --output-dir")
-        _refuse_torn("the final model", folder, files, "local", str(self.destination))
+        _refuse_torn("the final model", folder, names, "local", str(self.destination))
         if self.destination.kind == "folder":
-            attempt = lambda: self._folder_push_final(folder, files)  # noqa: E731
+            attempt = lambda: self._folder_push_final(folder, names)  # noqa: E731
         else:
-            attempt = lambda: self._hub_push(folder, files, "", "guard: final model", replace=False)  # noqa: E731
-        return self._push("the final model", folder, files, None, attempt, deadline)
+            attempt = lambda: self._hub_push(folder, names, "", "guard: final model", replace=False)  # noqa: E731
+        return self._push("the final model", folder, names, None, attempt, deadline)
 
     def peek_last_checkpoint(self, *, deadline: float) -> SecuredRecord | None:
         """What the guard secured last, without downloading it, or None when nothing is.

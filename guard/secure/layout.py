@@ -23,7 +23,8 @@ from pathlib import Path
 from guard.errors import SupervisorError
 
 __all__ = ["CHECKPOINT_FOLDER_RE", "OUTPUT_DIR_FLAGS", "check_reported_path", "holds_any_file",
-           "is_plausible_output_dir", "nothing_found_hint", "output_dir_for_save", "output_dir_from_args"]
+           "is_plausible_output_dir", "nothing_found_hint", "output_dir_for_save", "output_dir_from_args",
+           "output_dir_of_save"]
 
 #: The job arguments that name its output folder, in order of preference.
 OUTPUT_DIR_FLAGS = ("--output_dir", "--output-dir", "--out_dir", "--out-dir", "--save")
@@ -79,6 +80,21 @@ def output_dir_for_save(path: str | os.PathLike[str]) -> Path:
         if CHECKPOINT_FOLDER_RE.fullmatch(folder.name):
             return folder.parent
     return where.parent
+
+
+def output_dir_of_save(path: str | os.PathLike[str], *, cwd: str | os.PathLike[str] | None = None) -> Path | None:
+    """The output folder the guard learns from a file the job saved (``output_dir_for_save``) when it may serve as
+    one (``is_plausible_output_dir``), else None. The working folder is one only when the file lies in a checkpoint
+    folder right in it: accelerate's examples default to ``--output_dir .`` and save ``./step_10/optimizer.bin``
+    (the scan takes such folders whole; the final model is then only what the job saved at its top)."""
+    where = Path(os.path.abspath(path))
+    found = output_dir_for_save(where)
+    if is_plausible_output_dir(found, cwd=cwd):
+        return found
+    here = Path(cwd or os.getcwd()).resolve()
+    if found.resolve() == here and where.parent != found and CHECKPOINT_FOLDER_RE.fullmatch(where.parent.name):
+        return found
+    return None
 
 
 def _forbidden(path: Path, cwd: Path) -> str | None:

@@ -163,6 +163,7 @@ class Plan:
         self._stall_bound_s = self._stall_s  # doubled by each push killed for no progress, reset by a good end
         self._stall_logged: PushRecord | None = None
         self._final_output_dir = final_output_dir
+        self._final_files: tuple[str, ...] | None = None  # the final model's files, when not the whole folder
         self._final_window_s = final_window_s
         self._unchanged = unchanged
         self._state = State.WATCHING
@@ -440,6 +441,7 @@ class Plan:
         self._wait_save_until = None
         self._follow_saves = False
         self._answer_pending = False
+        self._final_files = event.final_files
         if self._pusher is None or not self._final_output_dir:
             if self._push is None:
                 self._state = State.DONE
@@ -705,7 +707,10 @@ class Plan:
         assert self._pusher is not None and self._final_output_dir
         self._final_pending = False
         log.info("the job ended: securing the final model from %s", self._final_output_dir)
-        handle = self._pusher.start("push_final", {"output_dir": str(self._final_output_dir)}, self.secure_by)
+        args: dict[str, Any] = {"output_dir": str(self._final_output_dir)}
+        if self._final_files is not None:
+            args["files"] = list(self._final_files)
+        handle = self._pusher.start("push_final", args, self.secure_by)
         self._push = self._final = PushRecord("final", None, handle, now)
         self._history.append(self._push)
         return [StartPush("final", str(self._final_output_dir), None, self.secure_by,

@@ -46,6 +46,9 @@ _TRAINER_CHECKPOINT_RE = re.compile(r"(?:checkpoint-|checkpoint_|step_)([0-9]+)"
 _ACCELERATE_FILES = ("optimizer.bin", "scheduler.bin", "pytorch_model.bin", "model.safetensors", "sampler.bin")
 #: Files ``Trainer._save_checkpoint`` writes before ``trainer_state.json`` (transformers 5.24 ``trainer.py``).
 _TRAINER_FILES = ("training_args.bin", "optimizer.pt", "scheduler.pt", "rng_state.pth", "scaler.pt")
+_RANDOM_STATES_RE = re.compile(r"random_states_[0-9]+\.pkl")
+#: accelerate's ``ProjectConfiguration(automatic_checkpoint_naming=True)`` folder: N counts the saves
+_SAVE_COUNT_RE = re.compile(r"checkpoint_([0-9]+)")
 
 
 class Interrupted(Exception):
@@ -82,34 +85,70 @@ def _trainer_written(folder: Path) -> bool:
     return any(n in names for n in _ACCELERATE_FILES) or any(n.startswith(("optimizer_", "sampler_")) for n in names)
 
 
-def move_aside_partials(folder: str | os.PathLike[str], *, newer_than: int | None) -> list[Path]:
+def _accelerate_saved(folder: Path | None) -> bool:
+    """``folder`` is a whole ``Accelerator.save_state`` folder: it holds the ``random_states_N.pkl`` written last."""
+    try:
+        return folder is not None and any(_RANDOM_STATES_RE.fullmatch(n) for n in os.listdir(folder))
+    except OSError:
+        return False
+
+
+def move_aside_partials(folder: str | os.PathLike[str], *, newer_than: int | None,
+                        chosen: str | os.PathLike[str] | None = None, accelerate: bool = False) -> list[Path]:
     """Move every partial ``checkpoint-N`` folder the Trainer wrote, and every partial ``checkpoint_N``/``step_N``
     folder accelerate's ``save_state`` wrote (its files without the ``random_states_N.pkl`` it writes last), with N
     above ``newer_than`` (all when None), aside as ``NAME.partial-guard`` (a number is added when that exists);
-    returns the new paths. A plain loop's own folders are never moved."""
+    returns the new paths. A plain loop's own folders are never moved.
+
+    ``chosen``: the checkpoint the run resumes from. When it is such a folder, N is compared with its N, not with
+    its step (accelerate's automatic ``checkpoint_N`` counts saves: step 300 is ``checkpoint_2``); when it is a
+    whole accelerate folder, a sibling ``checkpoint_N``/``step_N`` without ``random_states_N.pkl`` is partial even
+    when it holds the model alone (``save_state`` writes ``model.safetensors`` first). Accelerate's own
+    ``checkpoints/`` folder (``ProjectConfiguration(automatic_checkpoint_naming=True)``): the partial folder goes to
+    the project folder above it, since ``load_state()`` takes the highest number of any name in ``checkpoints/``."""
     base = Path(folder)
     moved: list[Path] = []
     try:
         names = sorted(os.listdir(base))
     except OSError:
         return moved
+    picked = Path(chosen) if chosen is not None else None
+    if picked is not None and picked.parent.resolve() == base.resolve() and (
+            numbered := _TRAINER_CHECKPOINT_RE.fullmatch(picked.name)) is not None:
+        newer_than = int(numbered[1])
+    accelerate = accelerate or (_accelerate_saved(picked) if picked is not None and picked.is_dir() else False)
+    aside = base.parent if base.name == "checkpoints" else base
     for name in names:
         match = _TRAINER_CHECKPOINT_RE.fullmatch(name)
         path = base / name
         if match is None or not path.is_dir() or (newer_than is not None and int(match[1]) <= newer_than):
             continue
         reason = checkpoints.why_incomplete(path, now_s=time.time(), stable_for_s=0.0)
-        if reason is None or not _trainer_written(path):
+        if accelerate and not name.startswith("checkpoint-") and not _accelerate_saved(path):
+            reason = reason or "no random_states_N.pkl (accelerate's save_state writes it last)"
+        elif reason is None or not _trainer_written(path):
             continue
-        target, n = base / f"{name}{PARTIAL_SUFFIX}", 1
+        target, n = aside / f"{name}{PARTIAL_SUFFIX}", 1
         while target.exists():
             n += 1
-            target = base / f"{name}{PARTIAL_SUFFIX}{n}"
+            target = aside / f"{name}{PARTIAL_SUFFIX}{n}"
         os.rename(path, target)
         log.warning("moved the partial checkpoint %s aside to %s (%s): the job would resume from it otherwise",
                     path, target.name, reason)
         moved.append(target)
     return moved
+
+
+def _save_counts(local: checkpoints.CheckpointInfo | None, record: dict[str, Any] | None,
+                 base: Path) -> tuple[int, int] | None:
+    """(local N, secured N) when both are accelerate's automatic ``checkpoint_N`` folders of ``base``: N counts the
+    saves, so only the numbers compare (the secured step is the agent's, the local one is the name's N)."""
+    if local is None or record is None or local.path.parent.resolve() != base.resolve():
+        return None
+    place = record.get("place")
+    mine = _SAVE_COUNT_RE.fullmatch(local.path.name)
+    theirs = _SAVE_COUNT_RE.fullmatch(place) if isinstance(place, str) else None
+    return (int(mine[1]), int(theirs[1])) if mine is not None and theirs is not None else None
 
 
 class FetchTimedOut(HubError):
@@ -163,10 +202,23 @@ def choose(folder: str | os.PathLike[str], securer: Any, *, deadline: float, abo
         base = Path(str(record["output_dir"]))
         log.info("output folder: %s (where the secured checkpoint came from, as its record says)", base)
     base.mkdir(parents=True, exist_ok=True)
+    place = record.get("place") if record is not None else None
+    if isinstance(place, str) and (secured_n := _SAVE_COUNT_RE.fullmatch(place)) is not None:
+        # accelerate's automatic naming: a later checkpoint_N without its random_states_N.pkl is half-written; out
+        # of the way first, so that the newest whole one (which load_state() will take) is the local candidate
+        move_aside_partials(base, newer_than=int(secured_n[1]), accelerate=True)
     local = checkpoints.newest_complete(base, now_s=time.time(), stable_for_s=0.0)
     chosen: ResumeFrom | None = None
-    if local is not None and (record is None or (local.step is not None and record.get("step") is not None
-                                                 and local.step >= record["step"])):
+    counted = _save_counts(local, record, base)
+    if counted is not None and counted[0] > counted[1] and local is not None and _accelerate_saved(local.path):
+        # a whole save (its random_states_N.pkl, written last, is there) the guard had not secured yet
+        log.info("resuming from the output folder's own %s: a later save than the secured checkpoint_%d (step %s; "
+                 "its own step is not known: accelerate's checkpoint_N counts saves)", local.path, counted[1],
+                 record.get("step") if record else None)
+        chosen = ResumeFrom(local.path, None, "local", local.size_bytes, "output folder")
+    elif counted is None and local is not None and (
+            record is None or (local.step is not None and record.get("step") is not None
+                               and local.step >= record["step"])):
         why = "nothing is secured at the destination" if record is None else (
             f"as new as or newer than the secured step {record['step']}")
         log.info("resuming from the output folder's own %s (step %s): %s", local.path, local.step, why)
@@ -182,7 +234,8 @@ def choose(folder: str | os.PathLike[str], securer: Any, *, deadline: float, abo
                                 "destination")
             log.info("resuming from %s (step %s, secured at %s@%s)", chosen.path, chosen.step, securer.destination,
                      chosen.revision)
-    move_aside_partials(base, newer_than=chosen.step if chosen is not None else None)
+    move_aside_partials(base, newer_than=chosen.step if chosen is not None else None,
+                        chosen=chosen.path if chosen is not None else None)
     if chosen is None:
         log.info("nothing secured at %s and no complete checkpoint in %s: starting fresh", securer.destination, base)
     return chosen

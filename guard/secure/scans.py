@@ -16,7 +16,9 @@ Its ``stat`` is the seam through which tests make a scan block (an ``os.stat`` t
 from __future__ import annotations
 
 import logging
+import math
 import os
+import re
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -31,6 +33,12 @@ from guard.secure.checkpoints import CheckpointInfo, StatFn
 __all__ = ["Disk", "FileSeen", "Port", "ReportSeen", "ScanAsked", "ScanFound"]
 
 log = logging.getLogger("guard.secure")
+
+#: accelerate's ``ProjectConfiguration(automatic_checkpoint_naming=True)`` folder: N counts the saves
+_SAVE_COUNT_RE = re.compile(r"(?:checkpoint|step)_[0-9]+")
+#: Files at the top of a working folder that belong to a final model when the job wrote them (weights, configs,
+#: tokenizer files): the final model pushed from a working folder is never its sources, data or logs.
+_FINAL_MODEL_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".json", ".model", ".tiktoken")
 
 Apply = Callable[[Any, BaseException | None], None]
 
@@ -79,6 +87,7 @@ class ScanAsked:
         final: also list the final model files (``hub.holds_final_model``) and whether the folder holds any file
             (the VERDICT's hint): the scan after the job's exit.
         reported: folders every rank said it finished (no mtime rule for them). world_size: the job's ranks.
+        stable_for_s: the settle rule's time (0 after the job exited 0: nothing writes any more).
         waiting: ``(folder, reason)`` of reported folders some ranks' parts are missing from (skipped unless their
             layout says every rank wrote: ``checkpoints.newest_complete``'s ``waiting``).
     """
@@ -93,6 +102,7 @@ class ScanAsked:
     reported: frozenset[str] = frozenset()
     world_size: int = 1
     waiting: tuple[tuple[str, str], ...] = ()
+    stable_for_s: float = 2.0
 
 
 @dataclass(frozen=True)
@@ -102,13 +112,15 @@ class ScanFound:
     Attributes:
         found: the newest complete checkpoint, or None. unchanged: for each of ``ScanAsked.known`` (by
         :func:`key`), whether its files are still as they were saved. final_model: the output folder holds final
-        model files (None: not asked). holds_files: it holds any file at all (None: not asked).
+        model files (None: not asked). holds_files: it holds any file at all (None: not asked). final_files: the
+        final model's files when the output folder is not the job's own (``Disk.final_files``), else None.
     """
 
     found: CheckpointInfo | None
     unchanged: dict[tuple[str, int | None, float], bool] = field(default_factory=dict)
     final_model: bool | None = None
     holds_files: bool | None = None
+    final_files: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -149,22 +161,51 @@ class Disk:
         self.stat = stat
         self.saved_files = checkpoints.SavedFiles()  # torch.save calls the agent saw return
         self.seen: set[tuple[str, str]] = set()  # (folder, reason) pairs already logged
+        #: accelerate's ``save_state`` folders -> the agent's step at the last ``torch.save`` into each (its
+        #: optimizer.bin, scheduler.bin, ...): automatic ``checkpoint_N`` counts saves, and a script's own ``step_N``
+        #: may not go on from the resumed step (accelerate's complete_nlp_example after a resume mid-epoch)
+        self.save_count_steps: dict[Path, int] = {}
 
     def scan(self, asked: ScanAsked) -> ScanFound:
         """Scan the output folder (``checkpoints.newest_complete``); raises OSError as it does."""
         found = checkpoints.newest_complete(asked.output_dir, now_s=asked.now_s, stat=self.stat, seen=self.seen,
+                                            stable_for_s=asked.stable_for_s,
+                                            steps={str(p): s for p, s in self.save_count_steps.items()},
                                             reported=set(asked.reported), loose=asked.loose,
                                             since_s=asked.since_s, resumed=asked.resumed,
                                             world_size=asked.world_size, waiting=dict(asked.waiting))
         unchanged = {key(info): checkpoints.rewritten_after(info.folder, info.files, info.newest_mtime_s,
                                                             stat=self.stat) is None for info in asked.known}
         final_model = holds_files = None
+        final_files: tuple[str, ...] | None = None
         if asked.final:
             from guard.secure.hub import holds_final_model  # lazily: the hub module is needed only at the end
 
-            final_model = holds_final_model(asked.output_dir)
+            final_files = self.final_files(asked.output_dir, asked.since_s)
+            final_model = holds_final_model(asked.output_dir, final_files)
             holds_files = layout.holds_any_file(asked.output_dir)
-        return ScanFound(found, unchanged, final_model, holds_files)
+        return ScanFound(found, unchanged, final_model, holds_files, final_files)
+
+    def final_files(self, output_dir: str, since_s: float | None) -> tuple[str, ...] | None:
+        """The files of the output folder that are the final model: all of them (None), unless the folder is not
+        the job's own (the working folder, from ``--save model.pt``; one above it): then only the files the job
+        saved at its top (``torch.save``) and the model, config and tokenizer files written there since it started
+        (``since_s``, epoch seconds; a Trainer's ``save_model`` with ``--output_dir .``), never its sources, data
+        and logs."""
+        if layout.is_plausible_output_dir(output_dir):
+            return None
+        names = set(self.saved_files.names_in(output_dir))
+        since = since_s if since_s is not None else math.inf
+        try:
+            with os.scandir(output_dir) as entries:
+                for entry in entries:
+                    if (entry.name.endswith(_FINAL_MODEL_SUFFIXES) or entry.name in ("vocab.txt", "merges.txt")) \
+                            and not entry.name.startswith((".", "_")) \
+                            and entry.is_file(follow_symlinks=False) and entry.stat().st_mtime >= since:
+                        names.add(entry.name)
+        except OSError:
+            pass
+        return tuple(sorted(names))
 
     def size_of_newest(self, output_dir: str, now_s: float) -> int | None:
         """Before the job starts: the size of the newest complete checkpoint already there, or None."""
@@ -188,14 +229,19 @@ class Disk:
         except GuardError as exc:
             return ReportSeen(path, describe_error=exc)
 
-    def file_saved(self, path: str, step: int | None, output_dir: str | None) -> FileSeen:
-        """A file ``torch.save`` wrote: the output folder it names when ``output_dir`` is None (a plausible one,
-        ``layout.is_plausible_output_dir``), and its checkpoint (``checkpoints.SavedFiles``) when it lies in the
-        output folder."""
+    def file_saved(self, path: str, step: int | None, output_dir: str | None, rank: int | None = None) -> FileSeen:
+        """A file ``torch.save`` wrote: the output folder it names when ``output_dir`` is None
+        (``layout.output_dir_of_save``), and its checkpoint (``checkpoints.SavedFiles``) when it lies in the output
+        folder. A save into accelerate's ``checkpoint_N``/``step_N`` by rank 0 (``rank`` None or 0) records the
+        agent's ``step`` for that folder (N counts saves there, not steps)."""
         where = Path(path)
+        if _SAVE_COUNT_RE.fullmatch(where.parent.name) and isinstance(step, int) and rank in (None, 0):
+            self.save_count_steps[where.parent.resolve()] = step
         named = None
-        if output_dir is None and layout.is_plausible_output_dir(layout.output_dir_for_save(where)):
-            named = output_dir = str(layout.output_dir_for_save(where))
+        if output_dir is None:
+            learnt = layout.output_dir_of_save(where)
+            if learnt is not None:
+                named = output_dir = str(learnt)
         if output_dir is None or not where.resolve().is_relative_to(Path(output_dir).resolve()):
             return FileSeen(named)
         return FileSeen(named, self.saved_files.add(where, step, stat=self.stat))

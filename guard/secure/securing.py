@@ -74,6 +74,8 @@ FS_WAIT_S = 5.0  # how long a failure or the job's end waits for a fresh scan of
 KNOWN_CHECKED = 16  # how many of the newest checkpoints fed to the plan each scan checks for a rewrite
 
 
+
+
 class EndTimeSource(Protocol):
     """Where a changed end time of the allocation comes from (``guard.run.slurm.SlurmRefresher``)."""
 
@@ -212,6 +214,7 @@ class Securing:
         self._pumping = False
         self._final_model: bool | None = None  # the output folder holds final model files (the exit's scan)
         self._holds_files: bool | None = None  # it holds any file (the exit's scan), for the VERDICT's hint
+        self._final_files_found: tuple[str, ...] | None = None  # the final model's files when not the whole folder
         self.plan = Plan(clock=clock, pusher=self._make_pusher(securer), estimator=estimator,
                          deadline_at=self._to_clock(deadline.deadline_s), grace_s=grace_s, background=background,
                          push_interval_s=push_interval_s, final_output_dir=output_dir, final_window_s=final_window_s,
@@ -305,7 +308,7 @@ class Securing:
         finally:
             self._pumping = False
 
-    def _request_scan(self, *, final: bool = False) -> int:
+    def _request_scan(self, *, final: bool = False, stable_for_s: float = STABLE_FOR_S) -> int:
         """Scan the output folder on the file system thread unless a scan is in flight (then one follows it);
         returns the number of the scan whose answer is fresh (``_scans_done`` reaches it)."""
         if not self.output_dir:
@@ -322,7 +325,8 @@ class Securing:
         asked = scans.ScanAsked(self.output_dir, self.wall(), loose=not self.trainer_seen, since_s=self.started_s,
                                 resumed=frozenset(self.resumed_paths), known=tuple(self._fed), final=final,
                                 reported=frozenset(self.reported_paths),
-                                world_size=link.world_size() if link is not None else 1, waiting=waiting)
+                                world_size=link.world_size() if link is not None else 1, waiting=waiting,
+                                stable_for_s=stable_for_s)
         self.port.submit(self.disk.scan, asked, apply=lambda value, error: self._scanned(number, value, error))
         return number
 
@@ -338,6 +342,8 @@ class Securing:
                 self._final_model = value.final_model
             if value.holds_files is not None:
                 self._holds_files = value.holds_files
+            if value.final_model is not None:
+                self._final_files_found = value.final_files
             found = value.found
             if found is not None and (self.latest_reported is None or (found.step or -1) > (self.latest_reported.step
                                                                                           or -1)):
@@ -349,10 +355,10 @@ class Securing:
             self._request_scan(final=final)
 
     def _hold(self, sup: JobLink, what: str, then: Callable[[JobLink | None, float], None], now: float, *,
-              final: bool = False, settle_at: float | None = None) -> None:
+              final: bool = False, settle_at: float | None = None, stable_for_s: float = STABLE_FOR_S) -> None:
         """Run ``then`` once a scan started from now answered, or ``FS_WAIT_S`` from now (before ``secure_by``);
         with ``settle_at`` (clock seconds), once a second scan asked for at that time answered too."""
-        after = self._request_scan(final=final)
+        after = self._request_scan(final=final, stable_for_s=stable_for_s)
         start = now if settle_at is None else settle_at
         self._holds.append(_Hold(after, min(start + FS_WAIT_S, max(now, self.plan.secure_by)), what, then,
                                  settle_at=settle_at, final=final))
@@ -562,7 +568,7 @@ class Securing:
         path = message.get("path")
         if not path:
             return
-        self.port.submit(self.disk.file_saved, str(path), message.get("step"), self.output_dir,
+        self.port.submit(self.disk.file_saved, str(path), message.get("step"), self.output_dir, message.get("rank"),
                          apply=lambda seen, error: self._file_seen(message, seen, error))
         self._pump(sup, self.clock())
 
@@ -793,7 +799,10 @@ class Securing:
                 # settle rule (``checkpoints.newest_complete``'s 2 s) right now; the writer is gone, so scan again
                 # once they settled, within half of the time left, before the job's end is taken as final
                 settle_at = now + min(STABLE_FOR_S + 0.1, max(0.0, self.plan.secure_by - now) / 2)
-            self._hold(sup, "the job's end is handled", self._job_exited, now, final=True, settle_at=settle_at)
+            # exit 0: nothing writes any more, so a save made just before the exit needs no settle time (the
+            # completion rules and the format checks still apply); else a save cut short may look settled
+            self._hold(sup, "the job's end is handled", self._job_exited, now, final=True, settle_at=settle_at,
+                       stable_for_s=0.0 if code == 0 else STABLE_FOR_S)
         else:
             self._job_exited(sup, now)
 
@@ -822,7 +831,7 @@ class Securing:
             log.info("node %d: the guard of node 0 pushes the final model", sup.node_rank)
         has_final_model = not (ok and self.output_dir) or final_model
         self._feed(sup, JobExited(ok=(ok and outcome is None) or complete, complete=complete,
-                                  has_final_model=has_final_model), now)
+                                  has_final_model=has_final_model, final_files=self._final_files_found), now)
 
     # -- the verdict ------------------------------------------------------------------------------------------
 

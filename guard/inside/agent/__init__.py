@@ -191,6 +191,7 @@ class Agent:
         self.served_stop = False  # should_checkpoint() answered True to a request with stop (deadline, signal)
         self.watch = LossWatch(self, settings.sanity_steps, settings.check_every)
         self.resumed = False  # the job loaded the checkpoint the guard resumed it from (resume_seen)
+        self.saved_paths: set[str] = set()  # real paths of the files the job saved (torch.save returned)
         self._sock: socket.socket | None = None
         self._lock = threading.Lock()
         self._acked = threading.Event()
@@ -367,12 +368,18 @@ class Agent:
         """The job loaded ``path`` (``torch.load``, which accelerate's ``load_state`` and the Trainer's
         ``resume_from_checkpoint`` use too): when it is the checkpoint the guard resumed from, or a file in it, the
         step count goes on from that checkpoint's step (once) and the supervisor is told (``resume_loaded``). A
-        job that never loads it counts from 0, and its VERDICT says it did not load the resumed checkpoint."""
+        job that never loads it counts from 0, and its VERDICT says it did not load the resumed checkpoint.
+
+        A file the job saved itself before loading it is not the resumed checkpoint any more, even at its path:
+        pytorch/examples' word_language_model saves ``--save model.pt`` each epoch and loads it back only after
+        training, so the ``model.pt`` the guard fetched was overwritten long before (no resume: counts from 0)."""
         resume = self.settings.resume_path
         if self.resumed or not resume:
             return
         where, top = os.path.realpath(path), os.path.realpath(resume)
         if where != top and not where.startswith(top.rstrip(os.sep) + os.sep):
+            return
+        if where in self.saved_paths:
             return
         self.resumed = True
         self.watch.step += self.settings.resume_step
@@ -381,6 +388,7 @@ class Agent:
     def file_saved(self, path: str, save_s: float) -> None:
         """``torch.save`` wrote ``path`` (complete: the call returned); not reported under a Trainer (its callback
         reports its saves) nor once the script uses ``should_checkpoint``/``checkpoint_saved`` (it reports them)."""
+        self.saved_paths.add(os.path.realpath(path))
         if self.trainer or self.api_used & {"should_checkpoint", "checkpoint_saved"}:
             return  # the script reports its own checkpoints: a file of one is not a checkpoint yet
         self.send({"t": "file_saved", "path": os.path.abspath(path), "step": self.watch.step,
