@@ -359,8 +359,8 @@ class Securing:
         """Run ``then`` once a scan started from now answered, or ``FS_WAIT_S`` from now (before ``secure_by``);
         with ``settle_at`` (clock seconds), once a second scan asked for at that time answered too."""
         after = self._request_scan(final=final, stable_for_s=stable_for_s)
-        start = now if settle_at is None else settle_at
-        self._holds.append(_Hold(after, min(start + FS_WAIT_S, max(now, self.plan.secure_by)), what, then,
+        # FS_WAIT_S at most in all, the settle scan's wait included (a hung mount answers neither)
+        self._holds.append(_Hold(after, min(now + FS_WAIT_S, max(now, self.plan.secure_by)), what, then,
                                  settle_at=settle_at, final=final))
         self._pump(sup, now)
 
