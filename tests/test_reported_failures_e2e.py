@@ -204,6 +204,28 @@ def test_a_hang_between_two_loss_reads_says_the_last_step_counted(tmp_path: Path
         run.stdout + run.stderr[-3000:]
 
 
+def test_a_job_killed_between_two_loss_reads_says_the_last_step_counted(tmp_path: Path) -> None:
+    # issue 21: "step=5 for a SIGKILL at step 9": the steps after the last loss read were never sent, and a killed
+    # process sends nothing more; the agent's count is sent every 0.1 s (no device read), so step= is the last step
+    import psutil
+
+    proc = start_guard(["--no-preflight", "--stall-timeout", "600s", str(JOBS / "hang_at_step.py"), "--steps", "21"],
+                       cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 90
+        seen = ""
+        while "waiting forever" not in seen and time.monotonic() < deadline and proc.poll() is None:
+            seen += proc.stdout.readline()
+        time.sleep(1.0)  # the count goes out within 0.1 s
+        job = next(p for p in psutil.Process(proc.pid).children() if "hang_at_step" in " ".join(p.cmdline()))
+        job.kill()
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        kill_quietly(proc)
+    fields = GuardRun(proc.returncode, seen + stdout, stderr).fields()
+    assert (fields["status"], fields["reason"], fields["step"]) == ("FAIL", "killed", "21"), stdout + stderr[-3000:]
+
+
 # -- preflight: a push inside try/except is a warning, not a failure -------------------------------------------------
 
 

@@ -190,6 +190,7 @@ class Agent:
         self.api_used: set[str] = set()  # guard.should_checkpoint / checkpoint_saved / should_stop calls seen
         self.served_stop = False  # should_checkpoint() answered True to a request with stop (deadline, signal)
         self.watch = LossWatch(self, settings.sanity_steps, settings.check_every)
+        self._count_sent = 0  # the step count last sent by send_count
         self.resumed = False  # the job loaded the checkpoint the guard resumed it from (resume_seen)
         self.saved_paths: set[str] = set()  # real paths of the files the job saved (torch.save returned)
         self._sock: socket.socket | None = None
@@ -299,6 +300,15 @@ class Agent:
                 # How far this rank got: a rank blocked outside a collective has begun fewer steps than the
                 # ranks waiting for it inside one.
                 self.send({"t": "progress", "begun": self.begun, "step": self.watch.step, "where": _main_where()})
+
+    def send_count(self) -> None:
+        """The step count, when it moved since the last time (``progress``, no loss: nothing read from the
+        device): run every 0.1 s by the flusher's thread (``_core.TICKS``), so that the VERDICT's ``step=`` is
+        the last step counted even when a signal kills this process before the next window's report."""
+        step = self.watch.step
+        if step > self._count_sent and not self.dormant and self._sock is not None:
+            self._count_sent = step
+            self.send({"t": "progress", "begun": self.begun, "step": step})
 
     def warn(self, text: str) -> None:
         """One ``[guard] agent:`` line on stderr, once per text."""
@@ -529,6 +539,12 @@ class _PostImportFinder:
         return spec
 
 
+def _send_count() -> None:
+    agent = get()
+    if agent is not None:
+        agent.send_count()
+
+
 def install() -> None:
     """Install the post-import hooks (called by the agent's ``sitecustomize``; idempotent, never raises)."""
     global _INSTALLED
@@ -566,6 +582,7 @@ def install() -> None:
     import atexit
 
     atexit.register(_core._flush_at_exit)
+    _core.TICKS.append(_send_count)
     _core._start_stdout_flusher()
     agent = get()
     if agent is not None and not agent.dormant:  # connect now: the supervisor can ask it for stacks

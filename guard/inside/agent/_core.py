@@ -63,34 +63,46 @@ FLUSH_EVERY_S = 0.1
 STDOUT_CHUNK_BYTES = 1 << 16
 
 
+#: Called every ``FLUSH_EVERY_S`` on the flusher's thread, after the flush and outside its lock; each must return at
+#: once and never raise (the agent's step count for the VERDICT's ``step=``).
+TICKS: list[Callable[[], None]] = []
+
+
 def _start_stdout_flusher() -> None:
-    """Keep the job's stdout block-buffered (fast) yet timely: flush it every 0.1 s from a daemon thread.
+    """Keep the job's stdout block-buffered (fast) yet timely: flush it every 0.1 s from a daemon thread, which also
+    runs ``TICKS``.
 
     The supervisor does not set ``PYTHONUNBUFFERED``: unbuffered, every ``print`` is a system call of its own
     (1M lines: 0.6 s -> 3 s). stderr is line-buffered by Python already (3.9+). A job that asked for unbuffered
-    output itself keeps it.
+    output itself keeps it (the thread then only runs ``TICKS``).
     """
     stream = sys.stdout
-    if stream is None or os.environ.get("PYTHONUNBUFFERED"):
-        return
-    try:  # the text layer hands 64 KiB at a time to the pipe (Python's default 8 KiB: 8x the writes and wake-ups)
-        chunk = getattr(stream, "_CHUNK_SIZE", None)
-        if isinstance(chunk, int):
-            setattr(stream, "_CHUNK_SIZE", max(chunk, STDOUT_CHUNK_BYTES))  # noqa: B010 - a private attribute
-    except (AttributeError, TypeError, ValueError):
-        pass
+    flushing = stream is not None and not os.environ.get("PYTHONUNBUFFERED")
+    if flushing:
+        try:  # the text layer hands 64 KiB at a time to the pipe (Python's default 8 KiB: 8x the writes and wake-ups)
+            chunk = getattr(stream, "_CHUNK_SIZE", None)
+            if isinstance(chunk, int):
+                setattr(stream, "_CHUNK_SIZE", max(chunk, STDOUT_CHUNK_BYTES))  # noqa: B010 - a private attribute
+        except (AttributeError, TypeError, ValueError):
+            pass
 
     def flush_forever() -> None:
         import time
 
         while True:
             time.sleep(FLUSH_EVERY_S)
-            with _FLUSHING:  # a fork waits for this flush to end (see _before_fork)
+            if flushing:
+                with _FLUSHING:  # a fork waits for this flush to end (see _before_fork)
+                    try:
+                        current = sys.stdout
+                        if current is not None:
+                            current.flush()
+                    except (OSError, ValueError):  # closed, or a broken pipe: nothing to do
+                        pass
+            for tick in TICKS:
                 try:
-                    current = sys.stdout
-                    if current is not None:
-                        current.flush()
-                except (OSError, ValueError):  # closed, or a broken pipe: nothing to do
+                    tick()
+                except Exception:
                     pass
 
     _register_fork_handlers()
