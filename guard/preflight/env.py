@@ -20,6 +20,7 @@ from guard.preflight._common import hf_token
 from guard.preflight._job import JobView
 from guard.preflight._models import CheckResult, PreflightOptions
 from guard.preflight.hfjobs import TABLE, HfJobsTable
+from guard.preflight.script import Mention
 
 __all__ = ["check_env"]
 
@@ -64,22 +65,39 @@ def _wandb_key(environ: Mapping[str, str]) -> str | None:
     return f"W&B login in {path}" if path is not None else None
 
 
+def _caught(mention: Mention) -> bool:
+    """``mention`` sits inside ``try/except``: the path is taken, and its failure is caught (the job goes on)."""
+    return mention.condition.startswith("it raises nothing (try/except")
+
+
 def _mention_rows(job: JobView, environ: Mapping[str, str]) -> list[CheckResult]:
-    """A push or tracker on a path that may not be taken (an upstream script's ``if training_args.push_to_hub:``),
-    its credential missing: logged at DEBUG, never a warning (nothing to act on unless the user turns it on, and
-    then the path is taken and the credential is checked as required). Returns no rows."""
+    """A push or tracker on a path that may not be taken, its credential missing.
+
+    Under an ``if`` (an upstream script's ``if training_args.push_to_hub:``): logged at DEBUG, never a warning
+    (nothing to act on unless the user turns it on, and then the path is taken and the credential is checked as
+    required). Inside ``try/except``: a warning row, since that path is taken and its failure is caught, so the
+    job runs on without the push or the tracker and says so only in its own output."""
+    rows: list[CheckResult] = []
+
+    def say(name: str, mention: Mention, hint: str) -> None:
+        text = f"{name} not set: {mention.describe(job.script_name)}"
+        if _caught(mention):
+            rows.append(CheckResult(NAME, "warn", text, hint))
+        else:
+            log.debug("env: %s (only if you turn it on: %s)", text, hint)
+
     pushes = [m for m in job.mentions if m.kind == "push"]
     if pushes and job.hub_target is None and hf_token(environ)[0] is None:
-        log.debug("env: HF_TOKEN not set: %s (only if you turn it on, e.g. --push_to_hub: pass a write token)",
-                  pushes[0].describe(job.script_name))
+        push = next((m for m in pushes if _caught(m)), pushes[0])
+        say("HF_TOKEN", push, "pass a write token (-s HF_TOKEN), or the push fails and nothing is pushed")
     for tracker in sorted({m.what for m in job.mentions if m.kind == "tracker"} - job.trackers):
-        first = next(m for m in job.mentions if m.kind == "tracker" and m.what == tracker)
+        ours = [m for m in job.mentions if m.kind == "tracker" and m.what == tracker]
+        first = next((m for m in ours if _caught(m)), ours[0])
         if tracker == "wandb" and not wandb_off(environ) and _wandb_key(environ) is None:
-            log.debug("env: WANDB_API_KEY not set: %s (only if you turn it on)", first.describe(job.script_name))
+            say("WANDB_API_KEY", first, "pass WANDB_API_KEY, or set WANDB_MODE=offline")
         elif tracker == "mlflow" and not _set(environ, "MLFLOW_TRACKING_URI"):
-            log.debug("env: MLFLOW_TRACKING_URI not set: %s (only if you turn it on)",
-                      first.describe(job.script_name))
-    return []
+            say("MLFLOW_TRACKING_URI", first, "export MLFLOW_TRACKING_URI=...")
+    return rows
 
 
 def _tracker_origin(job: JobView, tracker: str) -> str:
