@@ -222,10 +222,11 @@ class Watchdog:
         the job hangs, on a ``stalled`` outcome."""
         progress = self.state.progress
         primary = self.ranks.primary
-        if (step is not None and progress.step is not None and step > progress.step
+        outcome = self.state.outcome
+        bad_step = outcome is not None and outcome.reason == "non_finite_loss"  # step= stays the first bad step
+        if (step is not None and progress.step is not None and step > progress.step and not bad_step
                 and (rank is None or primary is None or rank == primary)):
             progress.step = step
-        outcome = self.state.outcome
         stalled = outcome is not None and outcome.reason == "stalled"
         named = outcome.extra.get("rank") if outcome is not None else None
         # the stalled rank's own stack (rank 0's, or a rankless process's, when no rank is named)
