@@ -33,6 +33,8 @@ Agent -> supervisor (``t``):
 ``watching``        what (``torch``): the agent hooked torch and sees the losses; printed losses stop deciding
 ``progress``        begun, step, where (the main thread's stack in one line): the answer to ``dump``; to ``stop``
                     without where (the last step counted, for the VERDICT's step=)
+``count``           step: the agent's step count, sent from its flusher thread every 0.1 s while it moves (no loss,
+                    nothing read from the device): the VERDICT's step= when a signal kills the job between two reads
 ``replay``          n: CUDA-graph replays since the last such message (sent every ``check_every``); progress without
                     a loss (a replayed step calls no ``.backward()``), so not a stall
 

@@ -15,26 +15,30 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 JOBS = Path(__file__).resolve().parent / "jobs"
 
-#: Test files that must share one pytest-xdist worker (the README's ``-n 2 --dist loadfile``): they pick free TCP
-#: ports (``free_port``) for torchrun and check that no launch-smoke process is left on the machine, which another
-#: worker's torchrun job would break. Every other file is its own unit, whole on one worker.
-SAME_WORKER = {"test_distributed_e2e.py": "torchrun", "test_preflight_launch.py": "torchrun"}
+#: Test files that must run whole on one pytest-xdist worker (the README's ``--dist loadfile``): the torchrun ones
+#: pick free TCP ports (``free_port``) and check that no launch-smoke process is left on the machine, which another
+#: worker's torchrun job would break; the Slurm ones share the one-node cluster's CPUs (two jobs at once would queue
+#: each other past their time limits). Every other test is a unit of its own, so that a long file's tests spread
+#: over the workers (each worker sets a file's module-scoped servers up once; they listen on free ports).
+SAME_WORKER = {"test_distributed_e2e.py": "torchrun", "test_preflight_launch.py": "torchrun",
+               "test_slurm_e2e.py": "slurm"}
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
-    """``--dist loadfile`` with the files of :data:`SAME_WORKER` as one unit (pytest-xdist's own ``xdist_group``
-    marks need ``--dist loadgroup``, whose node-id suffix pytest 9.2 no longer takes); None: xdist's choice."""
+    """``--dist loadfile`` with the files of :data:`SAME_WORKER` as one unit each and every other test a unit of its
+    own (pytest-xdist's own ``xdist_group`` marks need ``--dist loadgroup``, whose node-id suffix pytest 9.2 no
+    longer takes); None: xdist's choice."""
     if config.getvalue("dist") != "loadfile":
         return None
     from xdist.scheduler import LoadFileScheduling
 
-    class FilesAndGroups(LoadFileScheduling):
+    class TestsAndGroups(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:
             file = nodeid.split("::", 1)[0]
-            return SAME_WORKER.get(file.rsplit("/", 1)[-1], file)
+            return SAME_WORKER.get(file.rsplit("/", 1)[-1], nodeid)
 
-    return FilesAndGroups(config, log)
+    return TestsAndGroups(config, log)
 
 
 @pytest.fixture(autouse=True)

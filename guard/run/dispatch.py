@@ -113,6 +113,8 @@ class Dispatch:
             self.watchdog.on_stack_answer(rank, begun if isinstance(begun, int) else None,
                                           str(message["where"]) if message.get("where") else None,
                                           step=int_or_none(message.get("step")))
+        elif kind == "count":  # the agent's step count, every 0.1 s while it moves (the VERDICT's step=)
+            self.watchdog.on_stack_answer(rank, None, None, step=int_or_none(message.get("step")))
         elif kind == "replay":  # CUDA-graph replays: steps without a loss, progress all the same
             self.watchdog.on_replay(now, rank)
         elif kind == "watching":

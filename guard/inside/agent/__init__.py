@@ -302,13 +302,13 @@ class Agent:
                 self.send({"t": "progress", "begun": self.begun, "step": self.watch.step, "where": _main_where()})
 
     def send_count(self) -> None:
-        """The step count, when it moved since the last time (``progress``, no loss: nothing read from the
+        """The step count, when it moved since the last time (``count``, no loss: nothing read from the
         device): run every 0.1 s by the flusher's thread (``_core.TICKS``), so that the VERDICT's ``step=`` is
         the last step counted even when a signal kills this process before the next window's report."""
         step = self.watch.step
         if step > self._count_sent and not self.dormant and self._sock is not None:
             self._count_sent = step
-            self.send({"t": "progress", "begun": self.begun, "step": step})
+            self.send({"t": "count", "step": step})
 
     def warn(self, text: str) -> None:
         """One ``[guard] agent:`` line on stderr, once per text."""
