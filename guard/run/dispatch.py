@@ -114,7 +114,7 @@ class Dispatch:
                                           str(message["where"]) if message.get("where") else None,
                                           step=int_or_none(message.get("step")))
         elif kind == "count":  # the agent's step count, every 0.1 s while it moves (the VERDICT's step=)
-            self.watchdog.on_stack_answer(rank, None, None, step=int_or_none(message.get("step")))
+            self.watchdog.on_count(rank, int_or_none(message.get("step")))
         elif kind == "replay":  # CUDA-graph replays: steps without a loss, progress all the same
             self.watchdog.on_replay(now, rank)
         elif kind == "watching":

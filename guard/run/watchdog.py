@@ -214,19 +214,26 @@ class Watchdog:
             "(gradients inf/NaN), so nothing was learned: prefer bf16 over fp16, lower the learning rate or add "
             "warmup, clip gradients, and look for a layer whose activations overflow fp16")))]
 
+    def on_count(self, rank: int | None, step: int | None) -> None:
+        """A rank's own step count (``count``, or a stack answer's ``step``): the primary rank's moves ``step`` on
+        (the steps since its last report were checked on the device but not sent yet); after a non-finite loss
+        ``step`` stays the first bad step."""
+        progress = self.state.progress
+        primary = self.ranks.primary
+        outcome = self.state.outcome
+        bad_step = outcome is not None and outcome.reason == "non_finite_loss"
+        if (step is not None and progress.step is not None and step > progress.step and not bad_step
+                and (rank is None or primary is None or rank == primary)):
+            progress.step = step
+
     def on_stack_answer(self, rank: int | None, begun: int | None, where: str | None,
                         step: int | None = None) -> None:
         """A rank's answer to a stack dump or a stop (``progress``): how many steps it has begun, the last step it
         counted, and where its main thread waits. The primary rank's count moves ``step`` on (the steps since its
         last report were checked on the device but not sent yet); names the rank that holds up the rest, and where
         the job hangs, on a ``stalled`` outcome."""
-        progress = self.state.progress
-        primary = self.ranks.primary
+        self.on_count(rank, step)
         outcome = self.state.outcome
-        bad_step = outcome is not None and outcome.reason == "non_finite_loss"  # step= stays the first bad step
-        if (step is not None and progress.step is not None and step > progress.step and not bad_step
-                and (rank is None or primary is None or rank == primary)):
-            progress.step = step
         stalled = outcome is not None and outcome.reason == "stalled"
         named = outcome.extra.get("rank") if outcome is not None else None
         # the stalled rank's own stack (rank 0's, or a rankless process's, when no rank is named)

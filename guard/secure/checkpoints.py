@@ -112,6 +112,9 @@ _NOT_MODEL_FILES = frozenset({"training_args.bin"})
 _STEP_IN_NAME_RE = re.compile(r"(?:^|[^a-z])(?:global_step|step|iter|iteration|it)[-_]?([0-9]+)(?![0-9])",
                               re.IGNORECASE)
 StatFn = Callable[[str], os.stat_result]
+#: The settle rule: a file written by other means counts once every file of its checkpoint is unchanged this long
+#: (seconds).
+STABLE_FOR_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -219,7 +222,7 @@ def list_files(folder: str | os.PathLike[str]) -> list[str]:
         return []
 
 
-def why_incomplete(path: str | os.PathLike[str], *, now_s: float, stable_for_s: float = 2.0,
+def why_incomplete(path: str | os.PathLike[str], *, now_s: float, stable_for_s: float = STABLE_FOR_S,
                    stat: StatFn = os.stat) -> str | None:
     """Why the checkpoint folder ``path`` is not (yet) complete, or None when it is.
 
@@ -402,7 +405,7 @@ def _left_over(folder: Path, files: Iterable[str], since_s: float | None) -> boo
     return since_s is not None and bool(names) and not any(_changed_since(folder / n, since_s) for n in names)
 
 
-def newest_complete(output_dir: str | os.PathLike[str], *, now_s: float, stable_for_s: float = 2.0,
+def newest_complete(output_dir: str | os.PathLike[str], *, now_s: float, stable_for_s: float = STABLE_FOR_S,
                     stat: StatFn = os.stat, seen: set[tuple[str, str]] | None = None,
                     reported: Collection[str] = (), loose: bool = True, since_s: float | None = None,
                     resumed: Collection[str] = (), world_size: int = 1,
@@ -499,7 +502,7 @@ def _is_model_file(name: str) -> bool:
     return name.endswith(MODEL_FILE_SUFFIXES) and not name.startswith((".", "_")) and name not in _NOT_MODEL_FILES
 
 
-def loose_files(output_dir: str | os.PathLike[str], *, now_s: float, stable_for_s: float = 2.0,
+def loose_files(output_dir: str | os.PathLike[str], *, now_s: float, stable_for_s: float = STABLE_FOR_S,
                 stat: StatFn = os.stat, since_s: float | None = None, resumed: Collection[str] = (),
                 seen: set[tuple[str, str]] | None = None) -> CheckpointInfo | None:
     """A stable set of model/optimizer files at the top of ``output_dir``, as one checkpoint (``root`` is the

@@ -102,7 +102,7 @@ class ScanAsked:
     reported: frozenset[str] = frozenset()
     world_size: int = 1
     waiting: tuple[tuple[str, str], ...] = ()
-    stable_for_s: float = 2.0
+    stable_for_s: float = checkpoints.STABLE_FOR_S
 
 
 @dataclass(frozen=True)

@@ -68,8 +68,7 @@ log = logging.getLogger("guard.secure")
 FAILURE_REASONS = ("non_finite_loss", "stalled", "crash", "oom", "killed", "incomplete")
 SCAN_EVERY_S = 5.0  # how often the output folder is looked at for complete checkpoints
 FILE_SETTLE_S = 1.0  # a torch.save'd file counts as a whole checkpoint after this long without another file
-#: ``checkpoints.newest_complete``'s settle rule: a file written by other means counts once unchanged this long.
-STABLE_FOR_S = 2.0
+STABLE_FOR_S = checkpoints.STABLE_FOR_S  # the scans' settle rule (seconds)
 FS_WAIT_S = 5.0  # how long a failure or the job's end waits for a fresh scan of the output folder (a hung mount)
 KNOWN_CHECKED = 16  # how many of the newest checkpoints fed to the plan each scan checks for a rewrite
 
