@@ -144,11 +144,11 @@ def test_the_verdict_is_rendered_when_sigkill_does_not_end_the_job(tmp_path: Pat
     monkeypatch.setattr(JobProcess, "kill_wait_s", 1.0)
     started = time.monotonic()
     supervisor, verdict = _run_supervisor(tmp_path, IGNORES_TERM, "--grace", "1s")
-    assert supervisor.job is not None
-    cleanup.append(supervisor.job.pid)
+    assert supervisor.link.job is not None
+    cleanup.append(supervisor.link.job.pid)
     assert time.monotonic() - started < 30  # not forever
     assert verdict.startswith("VERDICT: FAIL reason=non_finite_loss exit=4 ")
-    assert f"survivors={supervisor.job.pid}:sleeping:python" in verdict, verdict
+    assert f"survivors={supervisor.link.job.pid}:sleeping:python" in verdict, verdict
 
 
 def test_a_lost_exit_status_makes_no_pass(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -185,10 +185,10 @@ if sys.platform != "linux":  # pragma: no cover
 
 def test_an_oom_kill_in_the_cgroup_makes_a_crash_an_oom(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # torchrun exits 1 when the kernel's OOM killer took one of its workers: the counter rose during the run.
-    from guard.run import diagnose, supervisor
+    from guard.run import diagnose, upkeep
     from guard.run.process import CgroupMemory
 
-    monkeypatch.setattr(supervisor, "cgroup_memory", lambda: CgroupMemory(None, 1 << 30, oom_kills=2))  # at start
+    monkeypatch.setattr(upkeep, "cgroup_memory", lambda: CgroupMemory(None, 1 << 30, oom_kills=2))  # at start
     monkeypatch.setattr(diagnose, "cgroup_memory", lambda: CgroupMemory(None, 1 << 30, oom_kills=3))  # at the end
     _, verdict = _run_supervisor(tmp_path, "import sys\nsys.exit(1)\n")
     assert verdict.startswith("VERDICT: FAIL reason=oom exit=1 "), verdict

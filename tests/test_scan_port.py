@@ -256,7 +256,7 @@ def test_the_supervisor_loop_turns_on_while_a_scan_is_stuck(tmp_path: Path, gate
         run.sup.signals.append(signal.SIGTERM)  # what the handler does
         run.wait_until(lambda: run.sup.escalation.started or run.sup.link.stop_at is not None, "the job's stop")
         run.job.exit(143)  # stopped by the guard's SIGTERM
-        run.wait_until(lambda: run.sup.exited_at is not None, "the job's exit")
+        run.wait_until(lambda: run.sup.upkeep.exited_at is not None, "the job's exit")
         result = finished(run)
         assert (result.status, result.reason) == ("TIMEOUT", "deadline")
         assert result.extra["secured"] == "no"

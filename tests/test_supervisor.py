@@ -242,11 +242,11 @@ def test_a_silent_rank_is_named_while_the_other_goes_on(harness: Callable[..., H
     rank0, rank1 = run.agent(rank=0, world_size=2), run.agent(rank=1, world_size=2)
     for agent in (rank0, rank1):
         agent.send("step", step=1, loss=2.0, finite=True, source="backward", n=1)
-    run.wait_until(lambda: run.sup.training_ranks() == {0, 1}, "both ranks' steps")
+    run.wait_until(lambda: run.sup.link.training_ranks() == {0, 1}, "both ranks' steps")
     for step in range(2, 6):  # rank 1 goes on, rank 0 is silent
         run.advance(10.0)
         rank1.send("step", step=step, loss=2.0, finite=True, source="backward", n=1)
-        run.wait_until(lambda s=step: run.sup.newest_rank_step() == s, f"rank 1 at step {step}")
+        run.wait_until(lambda s=step: run.sup.link.newest_rank_step() == s, f"rank 1 at step {step}")
     assert rank0.receive("dump") == {"t": "dump"}
     run.advance(1.0)
     result = run.finish()

@@ -12,15 +12,35 @@ import selectors
 import shutil
 import socket
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from guard import protocol
 
-__all__ = ["AgentChannel", "AgentConn"]
+__all__ = ["AgentChannel", "AgentConn", "job_env"]
 
 MAX_MESSAGES_PER_READ = 256
+
+
+def job_env(environ: Mapping[str, str], sock_path: str, *, sanity_steps: int, check_every: int,
+            grace_s: float) -> dict[str, str]:
+    """The job's environment: ``environ`` with the agent's start-up folder first on ``PYTHONPATH`` (its
+    ``sitecustomize``), the socket path and the agent's settings (``guard.protocol`` names them).
+
+    Not ``PYTHONUNBUFFERED``: the agent flushes a Python job's stdout every 0.1 s instead (``guard.inside.agent``).
+    torchrun waits ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` seconds (default 30) between its SIGTERM and SIGKILL to the
+    workers (torch/distributed/run.py, ``--shutdown-timeout``): it is fitted to ``grace_s`` unless set.
+    """
+    env = dict(environ)
+    site_dir = str(Path(__file__).resolve().parent.parent / "inside" / "_site")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (site_dir, env.get("PYTHONPATH", "")) if p)
+    env[protocol.ENV_SOCKET] = sock_path
+    env[protocol.ENV_SANITY_STEPS] = str(sanity_steps)
+    env[protocol.ENV_CHECK_EVERY] = str(check_every)
+    env.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(max(1, int(grace_s))))
+    return env
 
 
 @dataclass

@@ -28,7 +28,7 @@ from guard.core.helpers import call_bounded
 from guard.core.state import JobFacts, RunState, died_after_training, incomplete_reason
 from guard.run.config import RunSettings, guard_options_in
 from guard.run.output import add_worker_deaths
-from guard.run.process import CgroupMemory, Survivor, cgroup_memory
+from guard.run.process import CgroupMemory, JobProcess, Survivor, cgroup_memory
 
 if TYPE_CHECKING:
     from guard.secure.securing import Securing
@@ -73,6 +73,15 @@ class JobExit:
     elapsed_s: float = 0.0
     node_rank: int | None = None
     peak_rss_by_pid: dict[int, int] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, job: JobProcess, *, cgroup_start: CgroupMemory | None, elapsed_s: float,
+           node_rank: int | None) -> JobExit:
+        """What ``job`` (the loop's process tree, ended or abandoned) shows at the end of the run."""
+        return cls(returncode=job.returncode, status_lost=job.status_lost, peak_rss_bytes=job.peak_rss_bytes,
+                   last_rss_bytes=job.last_rss_bytes, survivors=list(job.survivors_left),
+                   peak_rss_by_pid=dict(job.peak_rss_by_pid), orphans_reaped=job.reaped,
+                   cgroup_start=cgroup_start, elapsed_s=elapsed_s, node_rank=node_rank)
 
 
 def _host_oom(ended: JobExit, *, near_limit: bool = True) -> tuple[bool, str]:

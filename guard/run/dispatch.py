@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import logging
 import math
+import signal
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from guard.contract import signal_name
 from guard.core.masking import Masker
-from guard.core.state import Message
+from guard.core.state import Message, Outcome
 from guard.run.channel import AgentConn
 from guard.run.executor import Executor
 from guard.run.joblink import LoopLink, int_or_none
@@ -57,6 +59,26 @@ class Dispatch:
         self.read_agents = read_agents
         self.securer = securer
         self.heartbeat = heartbeat
+
+    def on_signal(self, signum: int, now: float) -> None:
+        """A signal the guard received (``signum``): securing takes SIGTERM/SIGINT/SIGUSR1 when it runs; else the
+        first one is the outcome (``INTERRUPTED signal``, 128 + n), forwarded to the job, and the escalation to
+        SIGKILL starts (``--grace``); one after an outcome stands kills the job now."""
+        name = signal_name(signum)
+        link = self.link
+        if self.securer is not None and self.securer.on_signal(link, signum, now):
+            return
+        if self.state.outcome is None:
+            log.warning("%s received: forwarding it to the job; SIGKILL in %.0fs if it keeps running", name,
+                        link.settings.grace_s)
+            self.executor.decide(Outcome("INTERRUPTED", "signal", 128 + signum, extra={"signal": name},
+                                         hint="the job was stopped by a signal sent to the guard; rerun it"),
+                                 stop=False)
+            link.signal_job(signum)
+            link.escalation.start(now)
+        else:
+            log.warning("%s received again: stopping the job now", name)
+            link.signal_job(signal.SIGKILL)
 
     def on_message(self, fd: int, conn: AgentConn, message: Message) -> None:
         """One message from the agent on ``fd`` (its connection ``conn``; ``conn.info`` holds its hello)."""

@@ -20,31 +20,27 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import selectors
-import signal
 import subprocess
 import time
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from guard import protocol
 from guard.contract import RunResult, signal_name
 from guard.core.masking import Masker
 from guard.core.state import Outcome, RunState
-from guard.run.channel import AgentChannel
+from guard.run.channel import AgentChannel, job_env
 from guard.run.config import Config
 from guard.run.dispatch import Dispatch
 from guard.run.executor import Executor
 from guard.run.joblink import LoopLink
 from guard.run.pipes import JobOutput
-from guard.run.process import JobProcess, Spawner, cgroup_memory, set_subreaper
+from guard.run.process import JobProcess, Spawner, set_subreaper
 from guard.run.ranks import configured_node_rank, expected_primary
 from guard.run.timers import Escalation
+from guard.run.upkeep import Upkeep
 from guard.run.wakeup import LoopSignals
 from guard.run.watchdog import SettingsCheck, Watchdog
-from guard.secure.worker import reap_killed
 
 if TYPE_CHECKING:
     from guard.observe.telemetry import Heartbeat
@@ -55,12 +51,6 @@ __all__ = ["Outcome", "Supervisor"]
 
 log = logging.getLogger("guard.supervisor")
 
-DRAIN_AFTER_EXIT_S = 2.0  # after the job exits, how long its leftover processes may keep its pipes open
-SAMPLE_EVERY_S = 2.0  # job tree memory sampling
-#: The first sample, after the job started: not while the job's interpreter starts (psutil's import and its scan of
-#: /proc took the CPU the job's start needed: time to the first line +0.02-0.1 s on 2 busy cores).
-FIRST_SAMPLE_S = 0.5
-REAP_EVERY_S = 2.0  # orphans are reaped on SIGCHLD (at most twice a second) and at least this often
 WRITE_RETRY_S = 0.01  # while output waits for a paused reader: how often the loop tries again
 
 
@@ -126,34 +116,9 @@ class Supervisor:
         self.dispatch = Dispatch(self.link, self.executor, clock=clock, masker=masker,
                                  settings_check=SettingsCheck(trainer_config_check), read_agents=self._read_agents,
                                  securer=securer, heartbeat=heartbeat)
+        self.upkeep = Upkeep(self.link, started=self.started, securer=securer, heartbeat=heartbeat)
         self.wakeup = LoopSignals()
         self.signals = self.wakeup.signals  # the handlers append, the loop pops
-        self.exited_at: float | None = None
-        self.next_sample = self.started + FIRST_SAMPLE_S
-        self._next_reap = self.started
-        self.cgroup_start = cgroup_memory()
-
-    @property
-    def job(self) -> JobProcess | None:
-        """The job's process tree once started (``link.job``)."""
-        return self.link.job
-
-    @property
-    def outcome(self) -> Outcome | None:
-        """The guard's decision (``state.outcome``)."""
-        return self.state.outcome
-
-    def training_ranks(self) -> set[int]:
-        """Ranks that reported training steps (``link.training_ranks``)."""
-        return self.link.training_ranks()
-
-    def newest_rank_step(self) -> int | None:
-        """The highest step any rank reported, or None (``link.newest_rank_step``)."""
-        return self.link.newest_rank_step()
-
-    # ------------------------------------------------------------------------------------------------------------
-    # Set-up and tear-down
-    # ------------------------------------------------------------------------------------------------------------
 
     def run(self) -> RunResult:
         """Run the job to its end; returns how it ended. Never raises for a failure of the job.
@@ -184,7 +149,8 @@ class Supervisor:
         set_subreaper()
         sock_path = self.channel.open()
         self._sel.register(self.wakeup.read_fd, selectors.EVENT_READ, "wakeup")
-        env = self._job_env(sock_path)
+        env = job_env({**self.config.environ, **self.env_extra}, sock_path, sanity_steps=self.settings.sanity_steps,
+                      check_every=self.settings.check_every, grace_s=self.settings.grace_s)
         job = self.link.job = JobProcess(self.config.command, env, spawner=self.spawner or subprocess.Popen)
         if self.securer is not None:
             self.securer.before_start()
@@ -197,20 +163,6 @@ class Supervisor:
         self.output.add(job.stdout_fd, self.out_fd, label="stdout")
         self.output.add(job.stderr_fd, self.err_fd, label="stderr")
 
-    def _job_env(self, sock_path: str) -> dict[str, str]:
-        env = dict(self.config.environ)
-        env.update(self.env_extra)
-        site_dir = str(Path(__file__).resolve().parent.parent / "inside" / "_site")
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (site_dir, env.get("PYTHONPATH", "")) if p)
-        env[protocol.ENV_SOCKET] = sock_path
-        env[protocol.ENV_SANITY_STEPS] = str(self.settings.sanity_steps)
-        env[protocol.ENV_CHECK_EVERY] = str(self.settings.check_every)
-        # Not PYTHONUNBUFFERED: the agent flushes a Python job's stdout every 0.1 s instead (see guard.inside.agent).
-        # torchrun waits TORCH_ELASTIC_SHUTDOWN_TIMEOUT (default 30 s) between its SIGTERM and SIGKILL to the
-        # workers (torch/distributed/run.py, --shutdown-timeout): fit it to --grace.
-        env.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(max(1, int(self.settings.grace_s))))
-        return env
-
     def _teardown(self) -> None:
         self.executor.thaw()
         self.link.kill_leftovers(self.clock)
@@ -218,10 +170,6 @@ class Supervisor:
         self.output.close()
         self.wakeup.close()
         self._sel.close()
-
-    # ------------------------------------------------------------------------------------------------------------
-    # The loop
-    # ------------------------------------------------------------------------------------------------------------
 
     def _loop(self) -> None:
         job, link = self.link.job, self.link
@@ -240,23 +188,19 @@ class Supervisor:
                     busy = True
                     self._on_ready(key.fd, key.data)
             now = self.clock()
-            if self.signals:
-                self._handle_signals(now)
-            if job.poll() is not None and self.exited_at is None:
-                self.exited_at = now
+            while self.signals:
+                self.dispatch.on_signal(self.signals.pop(0), now)
+            if job.poll() is not None and self.upkeep.exited_at is None:
+                self.upkeep.exited_at = now
                 self._on_job_exit(now)
                 busy = True
-            if ((self.wakeup.child_exited or job.zombies_pending) and now >= self._next_reap) \
-                    or now >= self._next_reap + REAP_EVERY_S:
+            if self.upkeep.reap(now, self.wakeup.child_exited):
                 self.wakeup.child_exited = False
-                self._next_reap = now + 0.5
-                job.reap_orphans()
-                reap_killed()  # securing workers killed earlier (a kill never waits for the child to die)
             if busy or link.recheck or now >= due:
                 link.recheck = False
                 self._timers(now)
                 due = self._next_due(now)
-                if self._done(now):
+                if self.upkeep.done(now, self.output.open):
                     return
             elif self.output.partial_since:  # an unfinished line is written when it is due, like any timer: the
                 due = min(due, self.output.due_at())  # timers do not run at every read that ends mid-line
@@ -281,31 +225,17 @@ class Supervisor:
 
     def _next_due(self, now: float) -> float:
         link = self.link
-        due = [self.watchdog.due_at(), self.escalation.due_at(), self.next_sample, self.output.due_at(),
+        due = [self.watchdog.due_at(), self.output.due_at(), self.upkeep.due_at(),
                link.stop_at if link.stop_at is not None else math.inf]
-        if link.job is not None:
-            due.append(link.job.abandon_at())
-        if self.exited_at is not None:
-            due.append(self.exited_at + DRAIN_AFTER_EXIT_S)
         if self.securer is not None:
             due.append(self.securer.due_at(now))
-        if self.heartbeat is not None:
-            due.append(self.heartbeat.due_at())
         return min(due)
 
     def _timers(self, now: float) -> None:
         job, link = self.link.job, self.link
         assert job is not None
         self.output.flush_partials(now)
-        if now >= self.next_sample and job.returncode is None:
-            job.sample()
-            self.next_sample = now + SAMPLE_EVERY_S
-        if self.heartbeat is not None and now >= self.heartbeat.due_at():
-            from guard.observe.telemetry import Snapshot
-
-            running = job.returncode is None
-            self.heartbeat.tick(now, Snapshot(tree_rss_bytes=(job.last_rss_bytes or None) if running else None,
-                                              cgroup=cgroup_memory()))
+        self.upkeep.run(now)
         self.executor.carry_out(self.watchdog.tick(now, link.live_ranks()), now)
         if link.stop_at is not None and now >= link.stop_at:
             link.stop_at = None
@@ -315,34 +245,7 @@ class Supervisor:
             self.securer.tick(link, now)
         self.dispatch.observe(now)
         self.executor.release(now)
-        if self.escalation.kill_due(now):
-            log.warning("the job did not end within %.0fs of SIGTERM (%s): SIGKILL", self.escalation.grace_s,
-                        "--grace" if self.escalation.grace_s == self.settings.grace_s else "the time left")
-            job.signal_all(signal.SIGKILL)
-        drained = self.exited_at is not None and now >= self.exited_at + DRAIN_AFTER_EXIT_S
-        if drained and job.alive() and not self.escalation.started and not self._securing():
-            log.info("the job exited but left processes holding its output open: stopping them")
-            link.stop_job(now)
-
-    def _securing(self) -> bool:
-        return self.securer is not None and self.securer.busy()
-
-    def _done(self, now: float) -> bool:
-        job = self.link.job
-        assert job is not None
-        if self._securing():
-            return False
-        if job.abandoned():  # SIGKILL plus a bounded wait: the verdict names the survivors (JobProcess)
-            return True
-        if job.returncode is None:
-            return False
-        if not self.output.open:
-            return True
-        # Leftover processes keep the pipes open: wait for the drain period, then for the escalation.
-        exited_at = self.exited_at if self.exited_at is not None else now
-        if now < exited_at + DRAIN_AFTER_EXIT_S:
-            return False
-        return not job.alive() and now >= exited_at + DRAIN_AFTER_EXIT_S + 0.5
+        self.upkeep.stop_stragglers(now)
 
     def _read_pipe(self, fd: int) -> bool:
         """Pass one read of the job's output through; True at the end of the stream."""
@@ -353,28 +256,6 @@ class Supervisor:
         if read != "none":
             self.dispatch.after_output(now, self.output.events)  # at the end too: the last, unterminated line counts
         return read == "eof"
-
-    # ------------------------------------------------------------------------------------------------------------
-    # Signals, exit, result
-    # ------------------------------------------------------------------------------------------------------------
-
-    def _handle_signals(self, now: float) -> None:
-        while self.signals:
-            signum = self.signals.pop(0)
-            name = signal_name(signum)
-            if self.securer is not None and self.securer.on_signal(self.link, signum, now):
-                continue
-            if self.state.outcome is None:
-                log.warning("%s received: forwarding it to the job; SIGKILL in %.0fs if it keeps running", name,
-                            self.settings.grace_s)
-                self.executor.decide(Outcome("INTERRUPTED", "signal", 128 + signum, extra={"signal": name},
-                                             hint="the job was stopped by a signal sent to the guard; rerun it"),
-                                     stop=False)
-                self.link.signal_job(signum)
-                self.escalation.start(now)
-            else:
-                log.warning("%s received again: stopping the job now", name)
-                self.link.signal_job(signal.SIGKILL)
 
     def _on_job_exit(self, now: float) -> None:
         code = self.link.job_exit_code()
@@ -387,9 +268,6 @@ class Supervisor:
 
         job = self.link.job
         assert job is not None
-        ended = JobExit(returncode=job.returncode, status_lost=job.status_lost, peak_rss_bytes=job.peak_rss_bytes,
-                        last_rss_bytes=job.last_rss_bytes, survivors=list(job.survivors_left),
-                        peak_rss_by_pid=dict(job.peak_rss_by_pid),
-                        orphans_reaped=job.reaped, cgroup_start=self.cgroup_start,
-                        elapsed_s=self.clock() - self.started, node_rank=self.link.node_rank)
+        ended = JobExit.of(job, cgroup_start=self.upkeep.cgroup_start, elapsed_s=self.clock() - self.started,
+                           node_rank=self.link.node_rank)
         return job_result(self.state, ended, self.config.settings, securer=self.securer)

@@ -1,0 +1,135 @@
+"""The loop's own timed chores, and when the run is over.
+
+``Upkeep`` samples the job tree's memory, ticks the heartbeat, reaps orphans and killed securing workers, sends the
+escalation's SIGKILL, stops leftover processes that hold the job's output open after it exited, and says when the
+loop may end. It never blocks: a sample reads ``/proc``, a reap is ``waitpid(WNOHANG)``, a kill is a signal.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import signal
+from typing import TYPE_CHECKING
+
+from guard.run.joblink import LoopLink
+from guard.run.process import JobProcess, cgroup_memory
+from guard.secure.worker import reap_killed
+
+if TYPE_CHECKING:
+    from guard.observe.telemetry import Heartbeat
+    from guard.secure.securing import Securing
+
+__all__ = ["DRAIN_AFTER_EXIT_S", "Upkeep"]
+
+log = logging.getLogger("guard.supervisor")
+
+DRAIN_AFTER_EXIT_S = 2.0  # after the job exits, how long its leftover processes may keep its pipes open
+SAMPLE_EVERY_S = 2.0  # job tree memory sampling
+#: The first sample, after the job started: not while the job's interpreter starts (psutil's import and its scan of
+#: /proc took the CPU the job's start needed: time to the first line +0.02-0.1 s on 2 busy cores).
+FIRST_SAMPLE_S = 0.5
+REAP_EVERY_S = 2.0  # orphans are reaped on SIGCHLD (at most twice a second) and at least this often
+REAP_GAP_S = 0.5  # the shortest time between two reaps
+
+
+class Upkeep:
+    """The loop's timed chores on the job (``run``), their next time (``due_at``) and the end of the run (``done``).
+
+    Args:
+        link: the loop's job link (``link.job``: the job's process tree, set once started; the escalation).
+        started: monotonic seconds when the run began.
+        securer: the securing flow (the run does not end while it is busy), or None.
+        heartbeat: the heartbeat, ticked when due, or None.
+
+    Attributes:
+        exited_at: monotonic seconds when the loop saw the job's exit, or None.
+        cgroup_start: the cgroup's memory figures at the start (``guard.run.process.cgroup_memory``), or None.
+    """
+
+    def __init__(self, link: LoopLink, *, started: float, securer: Securing | None = None,
+                 heartbeat: Heartbeat | None = None) -> None:
+        self.link = link
+        self.securer = securer
+        self.heartbeat = heartbeat
+        self.exited_at: float | None = None
+        self.next_sample = started + FIRST_SAMPLE_S
+        self.next_reap = started
+        self.cgroup_start = cgroup_memory()
+
+    @property
+    def job(self) -> JobProcess:
+        job = self.link.job
+        assert job is not None, "the job is started before the loop runs"
+        return job
+
+    def reap(self, now: float, child_exited: bool) -> bool:
+        """Reap the job's orphans and the securing workers killed earlier (a kill never waits for the child to die)
+        when a child exited (``child_exited``: SIGCHLD was seen) or pids wait, at most every 0.5 s, and at least
+        every 2 s. Returns whether it reaped (the caller clears its SIGCHLD flag)."""
+        job = self.job
+        if not (((child_exited or job.zombies_pending) and now >= self.next_reap)
+                or now >= self.next_reap + REAP_EVERY_S):
+            return False
+        self.next_reap = now + REAP_GAP_S
+        job.reap_orphans()
+        reap_killed()
+        return True
+
+    def due_at(self) -> float:
+        """Monotonic seconds of the next chore (inf: none)."""
+        due = [self.next_sample, self.job.abandon_at(), self.link.escalation.due_at()]
+        if self.exited_at is not None:
+            due.append(self.exited_at + DRAIN_AFTER_EXIT_S)
+        if self.heartbeat is not None:
+            due.append(self.heartbeat.due_at())
+        return min(due) if due else math.inf
+
+    def run(self, now: float) -> None:
+        """The memory sample and the heartbeat when due (``now``: monotonic seconds)."""
+        job = self.job
+        if now >= self.next_sample and job.returncode is None:
+            job.sample()
+            self.next_sample = now + SAMPLE_EVERY_S
+        if self.heartbeat is not None and now >= self.heartbeat.due_at():
+            from guard.observe.telemetry import Snapshot
+
+            running = job.returncode is None
+            self.heartbeat.tick(now, Snapshot(tree_rss_bytes=(job.last_rss_bytes or None) if running else None,
+                                              cgroup=cgroup_memory()))
+
+    def stop_stragglers(self, now: float) -> None:
+        """SIGKILL once the escalation's grace is over; stop processes that still hold the job's output open
+        ``DRAIN_AFTER_EXIT_S`` after it exited (not while securing)."""
+        job, link = self.job, self.link
+        escalation = link.escalation
+        if escalation.kill_due(now):
+            log.warning("the job did not end within %.0fs of SIGTERM (%s): SIGKILL", escalation.grace_s,
+                        "--grace" if escalation.grace_s == link.settings.grace_s else "the time left")
+            job.signal_all(signal.SIGKILL)
+        drained = self.exited_at is not None and now >= self.exited_at + DRAIN_AFTER_EXIT_S
+        if drained and job.alive() and not escalation.started and not self.securing():
+            log.info("the job exited but left processes holding its output open: stopping them")
+            link.stop_job(now)
+
+    def securing(self) -> bool:
+        """Securing is still under way (the run does not end)."""
+        return self.securer is not None and self.securer.busy()
+
+    def done(self, now: float, output_open: bool) -> bool:
+        """The loop may end: securing is over and the job ended, its output closed or drained, or it was abandoned
+        (SIGKILL and a bounded wait: the VERDICT names the survivors). ``output_open``: a pipe is still open."""
+        job = self.job
+        if self.securing():
+            return False
+        if job.abandoned():
+            return True
+        if job.returncode is None:
+            return False
+        if not output_open:
+            return True
+        # Leftover processes keep the pipes open: wait for the drain period, then for the escalation.
+        exited_at = self.exited_at if self.exited_at is not None else now
+        if now < exited_at + DRAIN_AFTER_EXIT_S:
+            return False
+        return not job.alive() and now >= exited_at + DRAIN_AFTER_EXIT_S + 0.5
