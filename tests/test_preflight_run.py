@@ -138,6 +138,26 @@ def test_storage_rows_cover_output_push_folder_cache_and_shm(tmp_path: Path) -> 
     assert report.failed is not None and report.failed.seen.startswith("--push-to folder")
 
 
+def test_a_folder_whose_file_system_never_answers_is_one_warning_not_a_hang(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    from guard.preflight import storage
+
+    hung = threading.Event()  # never set: the write probe of a folder on a hung mount
+
+    def probe(path: Path) -> Any:
+        hung.wait()
+
+    monkeypatch.setattr(storage, "_probe", probe)
+    monkeypatch.setattr(preflight, "STORAGE_TIMEOUT_S", 0.2)
+    report = quick(tmp_path, output_dir=tmp_path / "out")
+    rows = [r for r in report.results if r.name == "storage"]
+    assert [r.status for r in rows] == ["warn"], rows
+    assert f"from the file system of {tmp_path / 'out'}" in rows[0].seen and "hung network mount" in rows[0].hint
+    assert {r.name for r in report.results} == set(CHECK_NAMES), "the other checks still ran"
+
+
 def test_render_table_puts_a_long_seen_hint_on_its_own_line() -> None:
     rows = [CheckResult("env", "pass", "set: HF_TOKEN"),
             CheckResult("trainer-config", "fail", "x" * 100, "do this"),

@@ -98,6 +98,9 @@ log = logging.getLogger("guard.preflight")
 
 #: NVML normally answers in well under a second; a lost GPU can hang a query, so the whole group is bounded.
 GPU_TIMEOUT_S = 10.0
+#: The storage checks (a temporary file created in each folder, ``statvfs``) answer at once on a working disk; on a
+#: hung NFS/Lustre hard mount they never return, so the group is bounded and says so instead of hanging the guard.
+STORAGE_TIMEOUT_S = 10.0
 
 
 def _skipped(name: str, reason: str) -> list[CheckResult]:
@@ -202,7 +205,7 @@ def run_preflight(
         f_data = pool.submit(guarded, "data", lambda: _data_rows(opts, facts, environ, probe))
         rows["env"] = guarded("env", lambda: check_env(opts, job, environ=environ, hf_jobs=hf_jobs))
         rows["budget"] = guarded("budget", lambda: [check_budget(opts)])
-        rows["storage"] = guarded("storage", lambda: _storage_rows(opts, job, environ, f_repos))
+        rows["storage"] = guarded("storage", lambda: _bounded_storage_rows(opts, job, environ, f_repos))
         rows["destination"] = guarded("destination", lambda: check_destination(opts, job, facts))
         gpu_rows, gpus = f_gpu.result()
         rows["gpu"] = gpu_rows
@@ -322,6 +325,19 @@ def _distributed_rows(opts: PreflightOptions, launch: LaunchCommand | None, *, e
         return [*rows, CheckResult("distributed", "n/a", f"launch smoke: {why}")]
     log.info("preflight: launch smoke under %s (at most %.0fs)", launch.launcher, opts.launch_smoke_timeout_s)
     return [*rows, run_launch_smoke(launch, timeout_s=opts.launch_smoke_timeout_s, environ=environ)]
+
+
+def _bounded_storage_rows(opts: PreflightOptions, job: JobView, environ: Mapping[str, str],
+                          f_repos: Future[tuple[list[CheckResult], int | None]]) -> list[CheckResult]:
+    """``_storage_rows`` within ``STORAGE_TIMEOUT_S``; one ``warn`` row naming the folders when they did not answer
+    (the checks go on in a daemon thread: a call on a hung mount never returns)."""
+    try:
+        return call_bounded(_storage_rows, STORAGE_TIMEOUT_S, opts, job, environ, f_repos)
+    except NoAnswer:
+        folders = ", ".join(str(p) for p in (job.output_dir, job.folder_target) if p is not None) or str(Path.cwd())
+        return [CheckResult("storage", "warn", f"no answer in {STORAGE_TIMEOUT_S:g} s from the file system of "
+                            f"{folders}", "a hung network mount (NFS, Lustre)? check it with `stat` and `df`; the "
+                            "job's saves will hang there too")]
 
 
 def _storage_rows(opts: PreflightOptions, job: JobView, environ: Mapping[str, str],
