@@ -17,7 +17,7 @@ from guard.core.masking import Masker
 from guard.core.state import JobFacts
 from guard.run.diagnose import rank_failure
 from guard.run.output import OutputEvents, StreamFilter
-from guard.run.supervisor import SAMPLE_EVERY_S
+from guard.run.upkeep import SAMPLE_EVERY_S
 
 pytestmark = pytest.mark.slow
 

@@ -52,6 +52,17 @@ def test_a_nan_on_one_process_decides_at_once_and_keeps_no_finite_loss() -> None
     assert state.progress.step == 2 and state.progress.loss is not None and math.isnan(state.progress.loss)
 
 
+def test_a_report_read_after_the_nan_decided_leaves_its_step_and_loss() -> None:
+    # guard.protect()'d jobs/protected.py reports steps 1-3 and exits: the three messages can come in one read, and
+    # step 3's finite loss moved step= past the first bad step (and its loss= was then dropped as finite).
+    dog, state = make()
+    dog.on_step(1.0, 1, 1.0)
+    apply(state, dog, dog.on_step(1.0, 2, math.nan, finite=False).decisions)
+    later = dog.on_step(1.0, 3, 0.5)
+    assert not later.counted and later.decisions == []
+    assert state.progress.step == 2 and state.progress.loss is not None and math.isnan(state.progress.loss)
+
+
 def test_a_batch_of_steps_names_its_range() -> None:
     dog, state = make()
     decision = dog.on_step(1.0, 20, math.inf, n=10).decisions[0]

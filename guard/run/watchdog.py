@@ -161,6 +161,9 @@ class Watchdog:
             progress.loss_source = source
             log.info("reading losses from the job's output (no agent step seen)")
         result = StepResult()
+        outcome = self.state.outcome
+        if outcome is not None and outcome.reason == "non_finite_loss":
+            return result  # step= and loss= stay the first bad step's (a later report in the same read: its echo)
         if not finite or not math.isfinite(value):
             if math.isfinite(value):
                 value = math.nan  # never a finite loss on a non_finite_loss verdict
