@@ -18,10 +18,11 @@ JOBS = Path(__file__).resolve().parent / "jobs"
 #: Test files that must run whole on one pytest-xdist worker (the README's ``--dist loadfile``): the torchrun ones
 #: pick free TCP ports (``free_port``) and check that no launch-smoke process is left on the machine, which another
 #: worker's torchrun job would break; the Slurm ones share the one-node cluster's CPUs (two jobs at once would queue
-#: each other past their time limits). Every other test is a unit of its own, so that a long file's tests spread
+#: each other past their time limits); the wheel ones build a wheel from the one source tree (``pip wheel`` writes
+#: ``build/`` in it: two at once fail with "File exists"). Every other test is a unit of its own, so that a long file's tests spread
 #: over the workers (each worker sets a file's module-scoped servers up once; they listen on free ports).
 SAME_WORKER = {"test_distributed_e2e.py": "torchrun", "test_preflight_launch.py": "torchrun",
-               "test_slurm_e2e.py": "slurm"}
+               "test_slurm_e2e.py": "slurm", "test_install_e2e.py": "wheel"}
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -54,6 +55,10 @@ def _isolated_env(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.
     monkeypatch.setenv("HF_HUB_DISABLE_XET", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
+    # One intra-op thread per torch process: the workers' jobs share the machine's cores. torch's default, a thread
+    # per core, bought a single job a faster step for more CPU on an idle 2-core machine (examples/train_loop.py,
+    # 200 steps: 29.2 s wall for 53.8 s of CPU, against 38.9 s for 38.9 s), CPU the other workers' jobs need.
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
 
 
 @dataclass
