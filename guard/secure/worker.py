@@ -510,7 +510,6 @@ def _child_main(request_file: str) -> int:
     try:
         if op not in OPS:
             raise ValueError(f"unknown operation {op!r}")
-        hub.install_request_bounds()
         securer = hub.Securer(request["destination"], token=request.get("token") or None)
         value = getattr(securer, op)(**args, deadline=time.monotonic() + float(request["remaining_s"]))
         out = {"ok": True, "data": _plain(value) if value is not None else None}
