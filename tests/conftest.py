@@ -19,8 +19,9 @@ JOBS = Path(__file__).resolve().parent / "jobs"
 #: pick free TCP ports (``free_port``) and check that no launch-smoke process is left on the machine, which another
 #: worker's torchrun job would break; the Slurm ones share the one-node cluster's CPUs (two jobs at once would queue
 #: each other past their time limits); the wheel ones build a wheel from the one source tree (``pip wheel`` writes
-#: ``build/`` in it: two at once fail with "File exists"). Every other test is a unit of its own, so that a long file's tests spread
-#: over the workers (each worker sets a file's module-scoped servers up once; they listen on free ports).
+#: ``build/`` in it: two at once fail with "File exists"). A test class is one unit (its tests share an expensive
+#: fixture, set up once). Every other test is a unit of its own, so that a long file's tests spread over the workers
+#: (each worker sets a file's module-scoped servers up once; they listen on free ports).
 SAME_WORKER = {"test_distributed_e2e.py": "torchrun", "test_preflight_launch.py": "torchrun",
                "test_slurm_e2e.py": "slurm", "test_install_e2e.py": "wheel"}
 
@@ -36,8 +37,10 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
 
     class TestsAndGroups(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            file = nodeid.split("::", 1)[0]
-            return SAME_WORKER.get(file.rsplit("/", 1)[-1], nodeid)
+            parts = nodeid.split("::")
+            if len(parts) > 2:  # a class's tests share its fixtures (a module-scoped run made once): one unit
+                return "::".join(parts[:2])
+            return SAME_WORKER.get(parts[0].rsplit("/", 1)[-1], nodeid)
 
     return TestsAndGroups(config, log)
 

@@ -95,40 +95,42 @@ def _fresh_machine(tmp_path: Path, secured: tuple[Path, int]) -> tuple[Path, Pat
     return second, dest
 
 
-def test_a_plain_loop_resumes_from_its_own_file_on_a_fresh_machine(tmp_path: Path,
-                                                                   secured_loop: tuple[Path, int]) -> None:
-    from conftest import run_guard
+class TestTheSecuredLoopOnAFreshMachine:
+    """Both resume the one run of ``secured_loop`` (a class: one unit of the test scheduler, the run made once)."""
 
-    second, dest = _fresh_machine(tmp_path, secured_loop)
-    secured_step = secured_loop[1]
-    # the next run on a fresh machine: out/ckpt.pt is put back where the loop looks for it (before: fetched into
-    # guard-resume/checkpoint-N, the job started from scratch and the guard counted on from N)
-    run = run_guard([*FAST, "--timeout", "40s", "--margin", "8s", "--resume", "on", "--push-to", str(dest),
-                     str(JOBS / "resuming_loop.py")], cwd=second, timeout_s=120)
-    fields = run.fields()
-    assert f"resumed from step {secured_step}" in run.stdout, run.stderr[-3000:]
-    assert fields["resumed_from"].startswith("out/ckpt.pt@"), fields
-    assert int(fields["step"]) > secured_step  # the guard counts on from the checkpoint the job loaded
-    assert "did not load the resumed checkpoint" not in run.stdout
+    def test_a_plain_loop_resumes_from_its_own_file_on_a_fresh_machine(self, tmp_path: Path,
+                                                                             secured_loop: tuple[Path, int]) -> None:
+        from conftest import run_guard
 
+        second, dest = _fresh_machine(tmp_path, secured_loop)
+        secured_step = secured_loop[1]
+        # the next run on a fresh machine: out/ckpt.pt is put back where the loop looks for it (before: fetched into
+        # guard-resume/checkpoint-N, the job started from scratch and the guard counted on from N)
+        run = run_guard([*FAST, "--timeout", "40s", "--margin", "8s", "--resume", "on", "--push-to", str(dest),
+                         str(JOBS / "resuming_loop.py")], cwd=second, timeout_s=120)
+        fields = run.fields()
+        assert f"resumed from step {secured_step}" in run.stdout, run.stderr[-3000:]
+        assert fields["resumed_from"].startswith("out/ckpt.pt@"), fields
+        assert int(fields["step"]) > secured_step  # the guard counts on from the checkpoint the job loaded
+        assert "did not load the resumed checkpoint" not in run.stdout
 
-def test_a_job_that_does_not_load_the_resumed_checkpoint_is_told_so(tmp_path: Path,
-                                                                    secured_loop: tuple[Path, int]) -> None:
-    from conftest import run_guard
+    def test_a_job_that_does_not_load_the_resumed_checkpoint_is_told_so(self, tmp_path: Path,
+                                                                              secured_loop: tuple[Path, int]) -> None:
+        from conftest import run_guard
 
-    second, dest = _fresh_machine(tmp_path, secured_loop)
-    run = run_guard([*FAST, "--resume", "on", "--push-to", str(dest), str(JOBS / "resuming_loop.py"), "--no-load",
-                     "--steps", "30"], cwd=second, timeout_s=120)
-    fields = run.fields()
-    assert "starting fresh" in run.stdout
-    assert "did not load the resumed checkpoint" in fields["hint"], fields
-    assert int(fields["step"]) <= 30  # counted from what the job reports, not from the resumed step
-    # its saves at steps 10, 20, 30 (of another training, below the secured step) never replace the secured copy
-    import json
+        second, dest = _fresh_machine(tmp_path, secured_loop)
+        run = run_guard([*FAST, "--resume", "on", "--push-to", str(dest), str(JOBS / "resuming_loop.py"), "--no-load",
+                         "--steps", "30"], cwd=second, timeout_s=120)
+        fields = run.fields()
+        assert "starting fresh" in run.stdout
+        assert "did not load the resumed checkpoint" in fields["hint"], fields
+        assert int(fields["step"]) <= 30  # counted from what the job reports, not from the resumed step
+        # its saves at steps 10, 20, 30 (of another training, below the secured step) never replace the secured copy
+        import json
 
-    secured = dest / "last-checkpoint"
-    assert int(torch.load(secured / "ckpt.pt")["step"]) == secured_loop[1], run.stderr[-3000:]
-    assert json.loads((secured / "guard_manifest.json").read_text())["step"] == secured_loop[1]
+        secured = dest / "last-checkpoint"
+        assert int(torch.load(secured / "ckpt.pt")["step"]) == secured_loop[1], run.stderr[-3000:]
+        assert json.loads((secured / "guard_manifest.json").read_text())["step"] == secured_loop[1]
 
 
 @pytest.mark.parametrize("tmp_rename", [False, True])
