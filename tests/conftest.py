@@ -45,6 +45,18 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
     return TestsAndGroups(config, log)
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Longest first, so that the workers end together: the files of :data:`SAME_WORKER` (one long unit each), then
+    the tests marked ``slow`` (real jobs, seconds to a minute each), then the unit tests, which fill the end. A
+    stable sort: within each part, the collection order."""
+    def part(item: pytest.Item) -> int:
+        if item.path.name in SAME_WORKER:
+            return 0
+        return 1 if item.get_closest_marker("slow") is not None else 2
+
+    items.sort(key=part)
+
+
 @pytest.fixture(autouse=True)
 def _isolated_env(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
     """No real tokens, no real Hub, a private HF cache; GUARD_* from the developer's shell never leak in."""
