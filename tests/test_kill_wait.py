@@ -45,6 +45,14 @@ def cleanup() -> Iterator[list[int]]:
             pass
 
 
+def _wait_asleep(pid: int, limit_s: float = 30.0) -> None:
+    import psutil
+
+    give_up = time.monotonic() + limit_s
+    while psutil.Process(pid).status() != psutil.STATUS_SLEEPING and time.monotonic() < give_up:
+        time.sleep(0.01)
+
+
 @pytest.fixture
 def sigkill_dropped(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """SIGKILL to a process group is lost (as for a process in uninterruptible sleep); other signals go through."""
@@ -67,6 +75,7 @@ def test_after_sigkill_and_the_bounded_wait_the_survivors_are_named(cleanup: lis
     job = JobProcess(["sleep", "60"], dict(os.environ), clock=clock)
     job.start()
     cleanup.append(job.pid)
+    _wait_asleep(job.pid)  # on a busy machine a new process is "running" until it reaches its sleep
     assert job.abandon_at() == float("inf")
     job.signal_all(signal.SIGKILL)
     assert sigkill_dropped == [job.pid]
