@@ -197,7 +197,7 @@ def test_a_silent_job_without_an_agent_is_told_about_block_buffering(tmp_path: P
 
 def test_a_hang_between_two_loss_reads_says_the_last_step_counted(tmp_path: Path) -> None:
     # sanity 5 steps, then a read every 10: the last report before the hang is step 15, the hang is at step 21
-    run = run_guard(["--no-preflight", "--stall-timeout", "40s", "--grace", "3s", str(JOBS / "hang_at_step.py"),
+    run = run_guard(["--no-preflight", "--stall-timeout", "20s", "--grace", "3s", str(JOBS / "hang_at_step.py"),
                      "--steps", "21"], cwd=tmp_path, timeout_s=180)
     fields = run.fields()
     assert (fields["status"], fields["reason"], fields["step"]) == ("FAIL", "stalled", "21"), \
