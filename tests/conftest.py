@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import subprocess
@@ -97,6 +98,16 @@ class GuardRun:
 
         parts = shlex.split(self.verdict[len("VERDICT: "):])
         return {"status": parts[0], **dict(p.split("=", 1) for p in parts[1:])}
+
+
+def loaded_s(seconds: float) -> str:
+    """A budget of ``seconds`` for a job's start-up and first steps, as a guard duration (``"15s"``), stretched on a
+    machine busier than two runnable processes per core (``os.getloadavg``'s one-minute figure): at load average 7
+    on 2 cores a job took 3x its idle time to import torch and make its first step, and a fixed 15 s deadline came
+    before its first save. What a test checks stays the same; only the time the job is given grows with the load."""
+    cores = os.cpu_count() or 1
+    factor = max(1.0, os.getloadavg()[0] / (2 * cores))
+    return f"{math.ceil(seconds * factor)}s"
 
 
 def guard_env(extra: dict[str, str] | None = None) -> dict[str, str]:

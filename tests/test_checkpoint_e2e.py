@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import JOBS, run_guard, signal_when, start_guard
+from conftest import JOBS, loaded_s, run_guard, signal_when, start_guard
 
 pytestmark = [pytest.mark.slow]
 
@@ -76,7 +76,7 @@ def test_a_loop_using_the_api_ends_after_the_requested_save(tmp_path: Path) -> N
 
 def test_nothing_recognisable_gets_a_hint_that_says_what_would_be(tmp_path: Path) -> None:
     out, dest = tmp_path / "out", tmp_path / "dest"
-    run = run_guard([*FAST, "--timeout", "15s", "--push-to", str(dest), NANO, f"--out_dir={out}",
+    run = run_guard([*FAST, "--timeout", loaded_s(15), "--push-to", str(dest), NANO, f"--out_dir={out}",
                      "--ckpt_name=state.ckpt"], cwd=tmp_path, timeout_s=90)
     assert run.returncode == 124, run.stderr[-3000:]
     hint = run.fields()["hint"]
@@ -86,7 +86,7 @@ def test_nothing_recognisable_gets_a_hint_that_says_what_would_be(tmp_path: Path
 
 def test_a_trainer_stopped_at_the_deadline_does_not_run_the_code_after_train(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    run = run_guard([*FAST, "--timeout", "20s", "--margin", "6s", "--push-to", str(tmp_path / "dest"),
+    run = run_guard([*FAST, "--timeout", loaded_s(20), "--margin", "6s", "--push-to", str(tmp_path / "dest"),
                      str(JOBS / "slow_trainer.py"), "--output-dir", str(out), "--step-s", "0.05"], timeout_s=90)
     assert run.returncode == 75, run.stderr[-3000:]
     assert "trainer finished" not in run.stdout
@@ -98,13 +98,13 @@ def test_a_trainer_stopped_at_the_deadline_does_not_run_the_code_after_train(tmp
 def test_a_resumed_run_stopped_before_its_first_save_names_the_resumed_checkpoint_as_secured(tmp_path: Path) -> None:
     # the destination already holds the checkpoint the run resumed from: exit 75 pointing at it, not 124
     dest = tmp_path / "dest"
-    first = run_guard([*FAST, "--timeout", "15s", "--margin", "8s", "--push-to", str(dest), NANO,
+    first = run_guard([*FAST, "--timeout", loaded_s(15), "--margin", "8s", "--push-to", str(dest), NANO,
                        f"--out_dir={tmp_path / 'out1'}", "--eval_interval=10", "--step_s=0.05"], cwd=tmp_path,
                       timeout_s=90)
     assert first.returncode == 75, first.stderr[-3000:]
     step = first.fields()["hint"].split("resumes from step ", 1)[1].split(";")[0].split(":")[0]
-    run = run_guard([*FAST, "--resume", "on", "--timeout", "15s", "--margin", "10s", "--push-to", str(dest), NANO,
-                     f"--out_dir={tmp_path / 'out2'}", "--eval_interval=100000"], cwd=tmp_path, timeout_s=90)
+    run = run_guard([*FAST, "--resume", "on", "--timeout", loaded_s(15), "--margin", "10s", "--push-to", str(dest),
+                     NANO, f"--out_dir={tmp_path / 'out2'}", "--eval_interval=100000"], cwd=tmp_path, timeout_s=90)
     assert run.returncode == 75, run.stderr[-3000:]
     fields = run.fields()
     assert (fields["status"], fields["secured"]) == ("TIMEOUT", "yes")

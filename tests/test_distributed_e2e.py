@@ -15,7 +15,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import JOBS, guard_env, kill_quietly, pid_alive, run_guard, signal_when, start_guard
+from conftest import JOBS, guard_env, kill_quietly, loaded_s, pid_alive, run_guard, signal_when, start_guard
 
 pytestmark = [pytest.mark.slow]
 
@@ -186,7 +186,7 @@ def test_a_rank_stopped_while_the_other_trains_on_is_stalled(tmp_path: Path) -> 
     pids = tmp_path / "pids"
     pids.mkdir()
     # The stall timeout also covers the start (torch imports, no output): long enough for a loaded machine.
-    proc = start_guard([*FAST, "--stall-timeout", "15s", "--", TORCHRUN, "--standalone", "--nproc-per-node", "2",
+    proc = start_guard([*FAST, "--stall-timeout", loaded_s(15), "--", TORCHRUN, "--standalone", "--nproc-per-node", "2",
                         str(JOBS / "ddp_loop.py"), "--independent", "--step-s", "0.05", "--pid-dir", str(pids)])
     stopped = None
     try:

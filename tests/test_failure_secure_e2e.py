@@ -10,7 +10,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import JOBS, kill_quietly, run_guard, start_guard
+from conftest import JOBS, kill_quietly, loaded_s, run_guard, start_guard
 
 pytestmark = [pytest.mark.slow]
 
@@ -42,7 +42,7 @@ def test_a_failure_after_saves_secures_the_checkpoint_before_it(tmp_path: Path, 
 
 def test_a_stall_after_saves_secures_the_checkpoint_before_it(tmp_path: Path) -> None:
     run = run_guard(
-        [*FAST, "--stall-timeout", "10s", "--push-to", str(tmp_path / "dest"), str(JOBS / "saving_loop.py"),
+        [*FAST, "--stall-timeout", loaded_s(10), "--push-to", str(tmp_path / "dest"), str(JOBS / "saving_loop.py"),
          "--output-dir", str(tmp_path / "out"), "--hang-at", "35"], timeout_s=90)
     fields = run.fields()
     assert (fields["status"], fields["reason"], run.returncode) == ("FAIL", "stalled", 5), run.stderr[-3000:]
