@@ -101,12 +101,13 @@ class GuardRun:
 
 
 def loaded_s(seconds: float) -> str:
-    """A budget of ``seconds`` for a job's start-up and first steps, as a guard duration (``"15s"``), stretched on a
-    machine busier than two runnable processes per core (``os.getloadavg``'s one-minute figure): at load average 7
-    on 2 cores a job took 3x its idle time to import torch and make its first step, and a fixed 15 s deadline came
-    before its first save. What a test checks stays the same; only the time the job is given grows with the load."""
+    """A budget of ``seconds`` for a job's start-up and first steps, as a guard duration (``"15s"``), stretched in
+    proportion on a machine busier than one runnable process per core (``os.getloadavg``'s one-minute figure): at
+    load average 7 on 2 cores a job took 3x its idle time to import torch and make its first step, and a fixed 15 s
+    deadline came before its first save; at 3.5 a Trainer had not made its first step 14 s after the start. What a
+    test checks stays the same; only the time the job is given grows with the load."""
     cores = os.cpu_count() or 1
-    factor = max(1.0, os.getloadavg()[0] / (2 * cores))
+    factor = max(1.0, os.getloadavg()[0] / cores)
     return f"{math.ceil(seconds * factor)}s"
 
 
