@@ -330,9 +330,11 @@ def _distributed_rows(opts: PreflightOptions, launch: LaunchCommand | None, *, e
 def _bounded_storage_rows(opts: PreflightOptions, job: JobView, environ: Mapping[str, str],
                           f_repos: Future[tuple[list[CheckResult], int | None]]) -> list[CheckResult]:
     """``_storage_rows`` within ``STORAGE_TIMEOUT_S``; one ``warn`` row naming the folders when they did not answer
-    (the checks go on in a daemon thread: a call on a hung mount never returns)."""
+    (the checks go on in a daemon thread: a call on a hung mount never returns). The model's size for the free-space
+    row comes from the Hub check first, outside the bound: its network calls are bounded on their own."""
+    size = f_repos.result()[1] if opts.min_free_disk_bytes is None else None
     try:
-        return call_bounded(_storage_rows, STORAGE_TIMEOUT_S, opts, job, environ, f_repos)
+        return call_bounded(_storage_rows, STORAGE_TIMEOUT_S, opts, job, environ, size)
     except NoAnswer:
         folders = ", ".join(str(p) for p in (job.output_dir, job.folder_target) if p is not None) or str(Path.cwd())
         return [CheckResult("storage", "warn", f"no answer in {STORAGE_TIMEOUT_S:g} s from the file system of "
@@ -341,7 +343,7 @@ def _bounded_storage_rows(opts: PreflightOptions, job: JobView, environ: Mapping
 
 
 def _storage_rows(opts: PreflightOptions, job: JobView, environ: Mapping[str, str],
-                  f_repos: Future[tuple[list[CheckResult], int | None]]) -> list[CheckResult]:
+                  size: int | None) -> list[CheckResult]:
     rows: list[CheckResult] = []
     if job.output_dir is not None:
         rows.append(check_writable("output folder", job.output_dir,
@@ -352,9 +354,6 @@ def _storage_rows(opts: PreflightOptions, job: JobView, environ: Mapping[str, st
         rows.append(check_writable("--push-to folder", job.folder_target, hint="--push-to a folder you can write to"))
     rows.append(check_cache(environ))
     rows.append(check_shm())
-    size = None
-    if opts.min_free_disk_bytes is None:
-        size = f_repos.result()[1]
     rows.insert(1, check_free_space(job.output_dir or Path.cwd(), min_free_bytes=opts.min_free_disk_bytes,
                                     model_size_bytes=size))
     return rows

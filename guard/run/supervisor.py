@@ -190,8 +190,7 @@ class Supervisor:
             now = self.clock()
             while self.signals:
                 self.dispatch.on_signal(self.signals.pop(0), now)
-            if job.poll() is not None and self.upkeep.exited_at is None:
-                self.upkeep.exited_at = now
+            if job.poll() is not None and self.upkeep.job_exited(now):
                 self._on_job_exit(now)
                 busy = True
             if self.upkeep.reap(now, self.wakeup.child_exited):

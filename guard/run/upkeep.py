@@ -8,7 +8,6 @@ loop may end. It never blocks: a sample reads ``/proc``, a reap is ``waitpid(WNO
 from __future__ import annotations
 
 import logging
-import math
 import signal
 from typing import TYPE_CHECKING
 
@@ -63,6 +62,13 @@ class Upkeep:
         assert job is not None, "the job is started before the loop runs"
         return job
 
+    def job_exited(self, now: float) -> bool:
+        """Record the job's exit when the loop first sees it (``now``: monotonic seconds); True that first time."""
+        if self.exited_at is not None:
+            return False
+        self.exited_at = now
+        return True
+
     def reap(self, now: float, child_exited: bool) -> bool:
         """Reap the job's orphans and the securing workers killed earlier (a kill never waits for the child to die)
         when a child exited (``child_exited``: SIGCHLD was seen) or pids wait, at most every 0.5 s, and at least
@@ -83,7 +89,7 @@ class Upkeep:
             due.append(self.exited_at + DRAIN_AFTER_EXIT_S)
         if self.heartbeat is not None:
             due.append(self.heartbeat.due_at())
-        return min(due) if due else math.inf
+        return min(due)
 
     def run(self, now: float) -> None:
         """The memory sample and the heartbeat when due (``now``: monotonic seconds)."""
