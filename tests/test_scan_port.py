@@ -208,9 +208,9 @@ def supervised(tmp_path: Path, gate: GatedStat, monkeypatch: pytest.MonkeyPatch,
     """The real Supervisor (fake clock, fake spawner, the test's agent) around a Securing whose stat is ``gate``."""
     from test_supervisor import Harness
 
-    from guard.run import supervisor as supervisor_module
+    from guard.run import start as start_module
 
-    monkeypatch.setattr(supervisor_module, "set_subreaper", lambda: False)
+    monkeypatch.setattr(start_module, "set_subreaper", lambda: False)
     out = tmp_path / "out"
     save(out, 3)
     clock = FakeClock(1000.0)

@@ -3,9 +3,11 @@ instead of starting a job, preflight reports made by hand, and a runner instead 
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -38,10 +40,25 @@ class RecordingSupervisor:
         return RunResult("PASS", "ok", 0, 1.0)
 
 
+class RecordingStart:
+    """Stands in for ``JobStart``: keeps the job's command and environment, starts nothing."""
+
+    def __init__(self, command: list[str], environ: Mapping[str, str], **settings: Any) -> None:
+        self.command, self.environ, self.settings = command, dict(environ), settings
+        self.begun = self.aborted = False
+
+    def begin(self) -> None:
+        self.begun = True
+
+    def abort(self) -> None:
+        self.aborted = True
+
+
 @pytest.fixture
 def supervisor(monkeypatch: pytest.MonkeyPatch) -> type[RecordingSupervisor]:
     RecordingSupervisor.made = []
     monkeypatch.setattr(supervisor_module, "Supervisor", RecordingSupervisor)
+    monkeypatch.setattr(stages, "JobStart", RecordingStart)
     return RecordingSupervisor
 
 
@@ -111,8 +128,9 @@ def test_a_resumed_checkpoint_reaches_the_job(tmp_path: Path, supervisor: type[R
     result = stages.run_job(config(tmp_path, "--no-preflight", "--resume", "on", "--push-to", "alice/run",
                                    "--output-dir", str(tmp_path / "out")), Masker(), time.monotonic())
     (made,) = supervisor.made
-    assert made.kwargs["env_extra"][protocol.ENV_RESUME_PATH] == str(folder)
-    assert made.kwargs["env_extra"][protocol.ENV_RESUME_STEP] == "30"
+    start = made.kwargs["start"]
+    assert start.begun and start.environ[protocol.ENV_RESUME_PATH] == str(folder)
+    assert start.environ[protocol.ENV_RESUME_STEP] == "30"
     assert made.kwargs["securer"].latest_reported.step == 30
     assert result.extra["resumed_from"] == f"{folder}@abc123"
 
@@ -147,3 +165,61 @@ def test_requeue_runs_scontrol_only_after_a_secured_stop_under_slurm(tmp_path: P
         assert calls == [["scontrol", "requeue", "77"]] and secured.details["requeue"] == "requeued"
     finally:
         signal.signal(signal.SIGTERM, old)
+
+
+def test_a_guard_failure_after_the_job_started_leaves_no_job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The job starts before securing is built: a fault in building it (the guard's own) kills and reaps the job,
+    and restores the signal handlers."""
+    from guard.run import start as start_module
+    from guard.secure import securing as securing_module
+
+    def broken(**kwargs: Any) -> None:
+        raise RuntimeError("a fault while building securing")
+
+    started: list[Any] = []
+
+    class Spy(start_module.JobStart):
+        def begin(self) -> Any:
+            job = super().begin()
+            started.append(job)
+            return job
+
+    monkeypatch.setattr(securing_module, "Securing", broken)
+    monkeypatch.setattr(stages, "JobStart", Spy)
+    monkeypatch.setattr(start_module, "set_subreaper", lambda: False)  # not for the test process
+    before = signal.getsignal(signal.SIGTERM)
+    job_config = build_config(["--no-preflight", "--", sys.executable, "-c", "import time; time.sleep(60)"],
+                              dict(os.environ))
+    with pytest.raises(RuntimeError, match="building securing"):
+        stages.run_job(job_config, Masker(), time.monotonic())
+    (job,) = started
+    assert job.proc.returncode == -signal.SIGKILL  # killed and reaped, not left running
+    assert signal.getsignal(signal.SIGTERM) == before
+
+
+def test_the_job_starts_before_the_policies_are_imported(tmp_path: Path) -> None:
+    """What the job's first line waits for: the guard starts the job, then imports securing, the loop and
+    telemetry (their imports run while the job's interpreter starts). A fresh interpreter records which modules
+    were loaded when the job was started."""
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        "import json, sys\n"
+        "from guard.run import cli, start\n"
+        "begin = start.JobStart.begin\n"
+        "seen = {}\n"
+        "def recording(self):\n"
+        "    seen.setdefault('loaded', sorted(m for m in sys.modules if m.startswith('guard.')))\n"
+        "    return begin(self)\n"
+        "start.JobStart.begin = recording\n"
+        "code = cli.main(['--no-preflight', '--', sys.executable, '-c', 'print(1)'])\n"
+        "print('LOADED ' + json.dumps(seen['loaded']))\n"
+        "sys.exit(code)\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GUARD_")}
+    done = subprocess.run([sys.executable, str(probe)], capture_output=True, text=True, env=env, timeout=60)
+    assert done.returncode == 0, done.stderr
+    (line,) = [x for x in done.stdout.splitlines() if x.startswith("LOADED ")]
+    loaded = set(json.loads(line.removeprefix("LOADED ")))
+    assert "guard.run.start" in loaded and "guard.run.process" in loaded
+    policies = {"guard.secure.securing", "guard.secure.plan", "guard.secure.events", "guard.run.supervisor",
+                "guard.run.watchdog", "guard.observe.telemetry", "guard.observe.alerts"}
+    assert not loaded & policies

@@ -22,7 +22,7 @@ from fakes import FakeClock, FakePusher
 from guard import protocol
 from guard.contract import RunResult
 from guard.core.masking import Masker
-from guard.run import supervisor as supervisor_module
+from guard.run import start as start_module
 from guard.run.cli import build_config
 from guard.run.supervisor import Supervisor
 
@@ -168,7 +168,7 @@ class Harness:
 
 @pytest.fixture
 def harness(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., Harness]]:
-    monkeypatch.setattr(supervisor_module, "set_subreaper", lambda: False)  # not for the test process
+    monkeypatch.setattr(start_module, "set_subreaper", lambda: False)  # not for the test process
     made: list[Harness] = []
 
     def make(*options: str, **kwargs: Any) -> Harness:

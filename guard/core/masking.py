@@ -29,7 +29,6 @@ import json
 import logging
 import os
 import re
-import urllib.parse
 from collections.abc import Iterable, Mapping
 
 __all__ = ["MASK", "Masker", "MaskingFilter", "command_line_secrets", "secret_values"]
@@ -98,6 +97,8 @@ def _base64_forms(raw: bytes) -> set[str]:
 
 def _encoded_forms(value: str) -> set[bytes]:
     """The value as written, URL-quoted and JSON-escaped (also held back at the end of an unfinished line)."""
+    import urllib.parse  # here: its imports (ipaddress) are start-up time for a run with no secret
+
     forms = {value, urllib.parse.quote(value, safe=""), urllib.parse.quote_plus(value), json.dumps(value)[1:-1]}
     return {form.encode() for form in forms if len(form) >= MIN_SECRET_LEN}
 

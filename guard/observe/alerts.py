@@ -40,7 +40,6 @@ import importlib.util
 import logging
 import os
 import re
-import statistics
 import threading
 import time
 from collections import deque
@@ -146,6 +145,8 @@ class ThroughputWatch:
         if now - anchor_t < self.window_s:
             return None
         rate = (step - anchor_step) / (now - anchor_t)
+        import statistics  # at the first comparison, not at start-up (with fractions and decimal, 5 ms)
+
         median = statistics.median(self.rates)
         if median > 0 and rate < self.fraction * median:
             return {"rate": rate, "median": median, "window_s": now - anchor_t}

@@ -22,7 +22,7 @@ from typing import Any
 from guard.core.durations import format_duration_s, parse_duration, parse_size
 from guard.errors import UsageError
 from guard.inside.settings import AgentSettings, agent_settings
-from guard.secure.plan import PUSH_STALL_S
+from guard.secure.cadence import PUSH_STALL_S
 
 __all__ = [
     "FINAL_PUSH_WINDOW_S",
@@ -399,7 +399,7 @@ class SecureSettings:
         output_dir: ``--output-dir``, or None; ``output_dir_from_flag``: given as the flag (not the variable).
         background_push: ``--background-push``.
         push_interval_s: ``--push-interval`` in seconds.
-        push_stall_s: ``--push-stall`` in seconds (0: off; ``guard.secure.plan.PUSH_STALL_S`` by default).
+        push_stall_s: ``--push-stall`` in seconds (0: off; ``guard.secure.cadence.PUSH_STALL_S`` by default).
         resume: ``--resume`` mode (``on``, ``off``, ``if-valid``, ``auto``).
         requeue: ``--requeue``.
         final_push_window_s: ``--final-push-window`` in seconds (securing after a good end with no deadline).

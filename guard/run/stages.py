@@ -21,12 +21,14 @@ from guard.core.masking import Masker
 from guard.run.config import Config, env_name, guard_options_in
 from guard.run.platform import PlatformInfo, detect
 from guard.run.process import default_signals
+from guard.run.start import JobStart
 from guard.secure import budget
 
 if TYPE_CHECKING:
     from guard.observe.telemetry import Heartbeat
     from guard.preflight import CheckResult, PreflightOptions, PreflightReport
     from guard.run.slurm import SlurmRefresher
+    from guard.run.supervisor import Supervisor
     from guard.run.uvenv import UvEnvironment, UvPlan
     from guard.secure.hub import Securer
     from guard.secure.resume import ResumeFrom
@@ -317,9 +319,6 @@ def _resume(config: Config, securer: Securer | None, report: PreflightReport | N
     Raises:
         PreflightError: a corrupt or partial download (``check=resume``), unless ``--resume if-valid``.
     """
-    from guard.errors import GuardError, PreflightError
-    from guard.secure import resume
-
     mode = config.settings.secure.resume
     if mode == "auto":
         restarts = config.environ.get("SLURM_RESTART_COUNT", "0")
@@ -328,6 +327,9 @@ def _resume(config: Config, securer: Securer | None, report: PreflightReport | N
             log.info("Slurm requeued this job (SLURM_RESTART_COUNT=%s): resuming", restarts)
     if mode == "off":
         return None
+    from guard.errors import GuardError, PreflightError
+    from guard.secure import resume
+
     if securer is None:
         raise PreflightError("--resume needs a destination to fetch from", check="resume",
                              hint="pass --push-to DEST (the same as the run that secured the checkpoint)")
@@ -362,10 +364,10 @@ def output_folder(config: Config) -> tuple[str | None, str]:
 
 
 def run_job(config: Config, masker: Masker, started: float) -> RunResult:
-    """Budget, preflight, resume, the supervised job. Raises ``GuardError`` subclasses for the CLI's boundary."""
-    from guard.run.supervisor import Supervisor
-    from guard.secure.securing import Securing
+    """Budget, preflight, resume, the supervised job. Raises ``GuardError`` subclasses for the CLI's boundary.
 
+    The job is started (``guard.run.start.JobStart``) before the loop's policies are imported and built: their
+    imports run while the job's interpreter starts."""
     platform = detect(config.environ)
     if misplaced := guard_options_in(config.script_args):
         log.info("the job's arguments hold %s, also a guard option: after the script it goes to the job, not the "
@@ -394,6 +396,48 @@ def run_job(config: Config, masker: Masker, started: float) -> RunResult:
         log.warning("%s received before the job started: not starting it", signal_name(signum))
         return RunResult("INTERRUPTED", "signal", 128 + signum, time.monotonic() - started,
                          extra={"signal": signal_name(signum)})
+
+    env_extra: dict[str, str] = {}
+    if uv_env is not None and uv_env.python and config.script is not None:
+        config = dataclasses.replace(config, command=(uv_env.python, str(config.script), *config.script_args))
+        env_extra.update(uv_env.env_extra)
+    if fetched is not None:
+        from guard import protocol
+
+        env_extra[protocol.ENV_RESUME_PATH] = str(fetched.path)
+        env_extra[protocol.ENV_RESUME_STEP] = str(fetched.step or 0)
+    watch = config.settings.watch
+    start = JobStart(config.command, {**config.environ, **env_extra}, sanity_steps=watch.sanity_steps,
+                     check_every=watch.check_every, grace_s=watch.grace_s)
+    start.begin()
+    try:
+        supervisor = _supervisor(config, masker, start, deadline=deadline, securer=securer, factory=factory,
+                                 output_dir=output_dir, platform=platform, fetched=fetched, report=report)
+    except BaseException:
+        start.abort()  # the guard's own failure before the loop: no job is left behind
+        raise
+    result = supervisor.run()
+    if fetched is not None:
+        result.extra["resumed_from"] = f"{fetched.path}@{fetched.revision}"
+        state = getattr(supervisor, "state", None)
+        if state is not None and "resume_loaded" not in state.facts.api_used:  # the agent never saw it loaded
+            result.details["resume_loaded"] = False
+            note = (f"the job did not load the resumed checkpoint {fetched.path} (it started from scratch; steps "
+                    "counted from 0): load it (guard.resume_path() names it)")
+            result.hint = f"{result.hint}; {note}" if result.hint else note
+    if report is not None:
+        result.details["preflight"] = report.to_json()
+    if uv_env is not None:
+        result.details["uv"] = {"python": uv_env.python, "environment": uv_env.prefix}
+    return _with_platform(result, platform)
+
+
+def _supervisor(config: Config, masker: Masker, start: JobStart, *, deadline: budget.Deadline,
+                securer: Securer | None, factory: Callable[[str], Securer], output_dir: str | None,
+                platform: PlatformInfo, fetched: ResumeFrom | None, report: PreflightReport | None) -> Supervisor:
+    """The loop and its policies (securing, the watchdog, telemetry), built while the job starts."""
+    from guard.run.supervisor import Supervisor
+    from guard.secure.securing import Securing
 
     floor_s, max_margin_s = budget.margin_bounds(deadline)  # caps by the budget, whatever its source
     secure = config.settings.secure
@@ -424,31 +468,8 @@ def run_job(config: Config, masker: Masker, started: float) -> RunResult:
         return check_job_settings(trainer_config, gpus=gpus, timeout_known=deadline.deadline_s is not None,
                                   environ=config.environ)
 
-    env_extra: dict[str, str] = {}
-    if uv_env is not None and uv_env.python and config.script is not None:
-        config = dataclasses.replace(config, command=(uv_env.python, str(config.script), *config.script_args))
-        env_extra.update(uv_env.env_extra)
-    if fetched is not None:
-        from guard import protocol
-
-        env_extra[protocol.ENV_RESUME_PATH] = str(fetched.path)
-        env_extra[protocol.ENV_RESUME_STEP] = str(fetched.step or 0)
-    supervisor = Supervisor(config, masker=masker, securer=securing, trainer_config_check=trainer_check,
-                            env_extra=env_extra, heartbeat=_heartbeat(config, masker, securing))
-    result = supervisor.run()
-    if fetched is not None:
-        result.extra["resumed_from"] = f"{fetched.path}@{fetched.revision}"
-        state = getattr(supervisor, "state", None)
-        if state is not None and "resume_loaded" not in state.facts.api_used:  # the agent never saw it loaded
-            result.details["resume_loaded"] = False
-            note = (f"the job did not load the resumed checkpoint {fetched.path} (it started from scratch; steps "
-                    "counted from 0): load it (guard.resume_path() names it)")
-            result.hint = f"{result.hint}; {note}" if result.hint else note
-    if report is not None:
-        result.details["preflight"] = report.to_json()
-    if uv_env is not None:
-        result.details["uv"] = {"python": uv_env.python, "environment": uv_env.prefix}
-    return _with_platform(result, platform)
+    return Supervisor(config, masker=masker, securer=securing, trainer_config_check=trainer_check,
+                      heartbeat=_heartbeat(config, masker, securing), start=start)
 
 
 def _with_platform(result: RunResult, platform: PlatformInfo) -> RunResult:

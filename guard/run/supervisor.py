@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import logging
 import math
-import selectors
-import subprocess
 import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -29,17 +27,16 @@ from typing import TYPE_CHECKING, Any
 from guard.contract import RunResult, signal_name
 from guard.core.masking import Masker
 from guard.core.state import Outcome, RunState
-from guard.run.channel import AgentChannel, job_env
 from guard.run.config import Config
 from guard.run.dispatch import Dispatch
 from guard.run.executor import Executor
 from guard.run.joblink import LoopLink
 from guard.run.pipes import JobOutput
-from guard.run.process import JobProcess, Spawner, set_subreaper
+from guard.run.process import Spawner
 from guard.run.ranks import configured_node_rank, expected_primary
+from guard.run.start import JobStart
 from guard.run.timers import Escalation
 from guard.run.upkeep import Upkeep
-from guard.run.wakeup import LoopSignals
 from guard.run.watchdog import SettingsCheck, Watchdog
 
 if TYPE_CHECKING:
@@ -69,8 +66,11 @@ class Supervisor:
         env_extra: variables added to the job's environment.
         heartbeat: heartbeat lines, the projection, trackio; or None.
         out_fd, err_fd: file descriptors for the job's stdout and stderr (default 1 and 2).
+        start: the job's start (``guard.run.start.JobStart``), begun already when the caller started the job
+            before building the policies; None: the supervisor makes one from ``config`` and begins it in ``run``.
 
     Attributes:
+        job_start: the job's start (``JobStart``: the selector, the agent channel, the signal handlers, the job).
         state: what the policies know (progress, the job's facts, the outcome).
         watchdog: the policy of steps, losses and stalls.
         link: what securing sees of the loop (``LoopLink``: the job, the agents, the stop timers).
@@ -92,6 +92,7 @@ class Supervisor:
         heartbeat: Heartbeat | None = None,
         out_fd: int = 1,
         err_fd: int = 2,
+        start: JobStart | None = None,
     ) -> None:
         self.config = config
         self.clock = clock
@@ -100,15 +101,18 @@ class Supervisor:
         self.env_extra = dict(env_extra or {})
         self.heartbeat = heartbeat
         self.out_fd, self.err_fd = out_fd, err_fd
-        self.started = clock()
-        self.state = RunState()
         self.settings = watch = config.settings.watch  # the loop's part of the settings
+        self.job_start = start or JobStart(config.command, {**config.environ, **self.env_extra},
+                                       sanity_steps=watch.sanity_steps, check_every=watch.check_every,
+                                       grace_s=watch.grace_s, spawner=spawner, clock=clock)
+        self.started = self.job_start.started_s if self.job_start.started_s is not None else clock()
+        self.state = RunState()
         self.watchdog = Watchdog.from_settings(self.state, self.started, watch,
                                                expected_primary=expected_primary(config.environ, config.command))
         self.escalation = Escalation(watch.grace_s)
-        self._sel = selectors.DefaultSelector()
+        self._sel = self.job_start.selector
         self.output = JobOutput(self._sel, masker, out_fd)
-        self.channel = AgentChannel(self._sel)
+        self.channel = self.job_start.channel
         self.link = LoopLink(self.state, watch, channel=self.channel, watchdog=self.watchdog,
                              escalation=self.escalation, heartbeat=heartbeat,
                              configured_node_rank=configured_node_rank(config.environ, config.command))
@@ -117,7 +121,7 @@ class Supervisor:
                                  settings_check=SettingsCheck(trainer_config_check), read_agents=self._read_agents,
                                  securer=securer, heartbeat=heartbeat)
         self.upkeep = Upkeep(self.link, started=self.started, securer=securer, heartbeat=heartbeat)
-        self.wakeup = LoopSignals()
+        self.wakeup = self.job_start.wakeup
         self.signals = self.wakeup.signals  # the handlers append, the loop pops
 
     def run(self) -> RunResult:
@@ -126,7 +130,6 @@ class Supervisor:
         Raises:
             SupervisorError: the job could not be started (the command does not exist, ...).
         """
-        self.wakeup.install()
         try:
             self._start()
             self._loop()
@@ -144,32 +147,18 @@ class Supervisor:
         return result
 
     def _start(self) -> None:
-        from guard.errors import SupervisorError
-
-        set_subreaper()
-        sock_path = self.channel.open()
-        self._sel.register(self.wakeup.read_fd, selectors.EVENT_READ, "wakeup")
-        env = job_env({**self.config.environ, **self.env_extra}, sock_path, sanity_steps=self.settings.sanity_steps,
-                      check_every=self.settings.check_every, grace_s=self.settings.grace_s)
-        job = self.link.job = JobProcess(self.config.command, env, spawner=self.spawner or subprocess.Popen)
+        job = self.link.job = self.job_start.begin()  # a no-op when the caller began it
         if self.securer is not None:
-            self.securer.before_start()
-        try:
-            job.start()
-        except OSError as exc:
-            raise SupervisorError(f"cannot start the job {self.config.command[0]!r}: {exc.strerror or exc}",
-                                  hint="check the command and that it is executable and on PATH") from exc
-        log.info("job started: pid %d, command: %s", job.pid, " ".join(self.config.command))
+            assert self.job_start.started_wall_s is not None
+            self.securer.before_start(started_wall_s=self.job_start.started_wall_s)
         self.output.add(job.stdout_fd, self.out_fd, label="stdout")
         self.output.add(job.stderr_fd, self.err_fd, label="stderr")
 
     def _teardown(self) -> None:
         self.executor.thaw()
         self.link.kill_leftovers(self.clock)
-        self.channel.close()
         self.output.close()
-        self.wakeup.close()
-        self._sel.close()
+        self.job_start.close()
 
     def _loop(self) -> None:
         job, link = self.link.job, self.link
@@ -267,6 +256,6 @@ class Supervisor:
 
         job = self.link.job
         assert job is not None
-        ended = JobExit.of(job, cgroup_start=self.upkeep.cgroup_start, elapsed_s=self.clock() - self.started,
+        ended = JobExit.of(job, cgroup_start=self.job_start.cgroup_start, elapsed_s=self.clock() - self.started,
                            node_rank=self.link.node_rank)
         return job_result(self.state, ended, self.config.settings, securer=self.securer)

@@ -43,7 +43,6 @@ class Upkeep:
 
     Attributes:
         exited_at: monotonic seconds when the loop saw the job's exit, or None.
-        cgroup_start: the cgroup's memory figures at the start (``guard.run.process.cgroup_memory``), or None.
     """
 
     def __init__(self, link: LoopLink, *, started: float, securer: Securing | None = None,
@@ -54,7 +53,6 @@ class Upkeep:
         self.exited_at: float | None = None
         self.next_sample = started + FIRST_SAMPLE_S
         self.next_reap = started
-        self.cgroup_start = cgroup_memory()
 
     @property
     def job(self) -> JobProcess:

@@ -72,15 +72,19 @@ class LoopSignals:
             pass
 
     def close(self) -> None:
-        """Restore the previous handlers and wake-up descriptor, close the self-pipe."""
+        """Restore the previous handlers and wake-up descriptor, close the self-pipe. A second call does nothing."""
         if self._notify is not None:
             self._notify.close()
             if HELPERS.notify is self._notify:
                 HELPERS.notify = None
+            self._notify = None
+        if self.read_fd < 0:  # not installed, or closed already
+            return
         if self._old_wakeup != _NOT_INSTALLED:
             signal.set_wakeup_fd(self._old_wakeup)
             for signum, handler in self._old_handlers.items():
                 signal.signal(signum, handler)
+        self._old_handlers.clear()
         for fd in (self.read_fd, self._write_fd):
-            if fd >= 0:
-                os.close(fd)
+            os.close(fd)
+        self.read_fd = self._write_fd = -1

@@ -19,7 +19,6 @@ Facts used here, with their sources (details in ``shared/reference/platform.md``
 
 from __future__ import annotations
 
-import datetime as _dt
 import logging
 import math
 import os
@@ -132,6 +131,8 @@ def parse_started_at(text: str, *, option: str = "--started-at") -> float:
             raise UsageError(f"{option} {text!r} looks like milliseconds, not seconds", option=option, hint=hint)
         return epoch_s
     iso = value[:-1] + "+00:00" if value[-1:] in ("Z", "z") else value
+    import datetime as _dt  # here: a start-up cost of every run otherwise, for the ISO form only
+
     try:
         when = _dt.datetime.fromisoformat(iso)
     except ValueError:

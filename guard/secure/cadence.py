@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["COMMITS_PER_PUSH", "HUB_COMMITS_PER_HOUR", "HUB_SHARE", "PUSH_TIME_FACTOR", "background_interval_s"]
+__all__ = ["COMMITS_PER_PUSH", "HUB_COMMITS_PER_HOUR", "HUB_SHARE", "PUSH_STALL_S", "PUSH_TIME_FACTOR",
+           "background_interval_s"]
 
 #: The Hub's commit rate limit per repository (commits per hour; the 429 message of the Hub, free tier).
 HUB_COMMITS_PER_HOUR = 128
@@ -33,6 +34,10 @@ HUB_SHARE = 0.25
 COMMITS_PER_PUSH = 2
 #: The interval is at least this many times the measured push time.
 PUSH_TIME_FACTOR = 3.0
+#: A push that moved no byte for this long is stalled (``--push-stall``, seconds): logged, and replaced by a newer
+#: checkpoint's push when there is one (``guard.secure.plan``). Under the workers' per-request read bound
+#: (``hubhttp.REQUEST_TIMEOUTS_S``, 60 s), over the few seconds the Hub takes to answer a commit.
+PUSH_STALL_S = 30.0
 
 
 def background_interval_s(destination_kind: str, *, measured_push_s: float | None = None,

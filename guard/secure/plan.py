@@ -54,7 +54,7 @@ from collections.abc import Callable
 from typing import Any
 
 from guard.secure.budget import MarginEstimator
-from guard.secure.cadence import PUSH_TIME_FACTOR, background_interval_s
+from guard.secure.cadence import PUSH_STALL_S, PUSH_TIME_FACTOR, background_interval_s
 from guard.secure.checkpoints import CheckpointInfo, rewritten_after
 from guard.secure.events import (
     Action,
@@ -91,10 +91,6 @@ log = logging.getLogger("guard.secure")
 SAFETY_S = 1.5  # securing is over this long before the kill (the deadline, or the end of --grace)
 STOP_BEFORE_S = 2.0  # the job is stopped (SIGTERM) this long before secure_by if it still runs
 LATE_REQUEST_S = 15.0  # before the first training step, the deadline's request waits until this long before it
-#: A push that moved no byte for this long is stalled (``--push-stall``): logged, and replaced by a newer checkpoint's
-#: push when there is one. Under the workers' per-request read bound (``hubhttp.REQUEST_TIMEOUTS_S``, 60 s), over
-#: the few seconds the Hub takes to answer a commit.
-PUSH_STALL_S = 30.0
 
 
 def bound_s(deadline_at: float | None, window_end: float) -> float:

@@ -30,7 +30,7 @@ from guard.core.helpers import FS_HELPERS, Submitter
 from guard.core.state import Message, Outcome, RunState, died_after_training, incomplete_reason
 from guard.errors import GuardError
 from guard.secure import budget, checkpoints, layout, scans, worker
-from guard.secure.cadence import PUSH_TIME_FACTOR, background_interval_s
+from guard.secure.cadence import PUSH_STALL_S, PUSH_TIME_FACTOR, background_interval_s
 from guard.secure.events import (
     Action,
     AlreadySecured,
@@ -55,7 +55,7 @@ from guard.secure.events import (
     TrainingStarted,
 )
 from guard.secure.outcome import Verdict, checkpoint_fields
-from guard.secure.plan import PUSH_STALL_S, Plan, State
+from guard.secure.plan import Plan, State
 
 if TYPE_CHECKING:
     from guard.secure.hub import Securer
@@ -174,7 +174,7 @@ class Securing:
             from the destination and the measured push time (``cadence.background_interval_s``).
         final_window_s: ``--final-push-window`` (securing after a good end with no deadline).
         push_stall_s: ``--push-stall``: a push with no progress for this long is replaced by a newer checkpoint's
-            (``plan.PUSH_STALL_S`` by default; 0: off).
+            (``cadence.PUSH_STALL_S`` by default; 0: off).
         refresher: a ``guard.run.slurm.SlurmRefresher`` (any ``EndTimeSource``) or None.
         wall: epoch seconds; clock: monotonic seconds.
         pusher_factory: builds the plan's pusher from (destination text, token); default ``worker.Pusher``.
@@ -410,10 +410,13 @@ class Securing:
     def _scanning(self) -> bool:
         return bool(self.output_dir) and self.plan.state in (State.WATCHING, State.AWAITING_SAVE, State.SECURING)
 
-    def before_start(self) -> None:
-        """Before the job starts: a complete checkpoint already in the output folder gives the margin a size."""
+    def before_start(self, started_wall_s: float | None = None) -> None:
+        """When the job starts: a complete checkpoint already in the output folder gives the margin a size.
+
+        ``started_wall_s``: wall-clock seconds just before the job was started (``JobStart.started_wall_s``);
+        default now. Files written from then on are this run's."""
         # this run's checkpoints: written from now on, or the one it resumed from (checkpoints.newest_complete)
-        self.started_s = self.wall()
+        self.started_s = self.wall() if started_wall_s is None else started_wall_s
         self.resumed_paths = {str(self.latest_reported.path)} if self.latest_reported is not None else set()
         if not self.output_dir or self.latest_reported is not None:
             return

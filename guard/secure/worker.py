@@ -20,7 +20,7 @@ pipes, of every thread, so Xet's Rust transfers count too), less what it wrote t
 lines, drained here), once they grew by ``PROGRESS_MIN_BYTES`` since the last progress: a client that only retries
 moves a few hundred bytes a try (measured: hf_xet against storage that never answers, 781 bytes a retry, its log
 file and its request), which is no progress. A push waiting on a commit that is never answered moves none; the plan
-logs it and replaces it by a newer checkpoint's push (``plan.PUSH_STALL_S``). Where ``/proc/<pid>/io`` cannot be
+logs it and replaces it by a newer checkpoint's push (``cadence.PUSH_STALL_S``). Where ``/proc/<pid>/io`` cannot be
 read, every poll counts as progress (a push is never taken for stalled).
 
 A kill never waits: SIGKILL goes to the group and every descendant, the result is there at once, and the dead child

@@ -1,0 +1,115 @@
+"""Starting the job: what the loop watches (its selector, the agent socket, the signal self-pipe) and the job's
+process, before the loop's policies are built.
+
+``stages.run_job`` starts the job as soon as its command and environment are known, and only then imports and
+builds securing, the watchdog and telemetry: those imports (about 60 ms of the guard's CPU) run while the job's
+interpreter starts on another core, instead of before it. Until the loop runs, the job's output waits in its pipes
+and the agents' connections in the socket's backlog; the signal handlers are installed before the job starts, so a
+signal in between is recorded like any other.
+
+This module imports only what starting needs (the channel, the process, the self-pipe), never the policies.
+"""
+
+from __future__ import annotations
+
+import logging
+import selectors
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Mapping, Sequence
+
+from guard.core.cgroup import CgroupMemory
+from guard.errors import SupervisorError
+from guard.run.channel import AgentChannel, job_env
+from guard.run.process import JobProcess, Spawner, cgroup_memory, set_subreaper
+from guard.run.wakeup import LoopSignals
+
+__all__ = ["JobStart"]
+
+log = logging.getLogger("guard.supervisor")
+
+
+class JobStart:
+    """The job's start: the loop's selector, the agent channel, the signal handlers, and the job's process.
+
+    Built without side effects; ``begin()`` installs the handlers, opens the socket and starts the job (once).
+
+    Args:
+        command: the job's argv.
+        environ: the job's environment before the agent's variables are added (``channel.job_env`` adds them).
+        sanity_steps, check_every, grace_s: the agent's settings (``--sanity-steps``, ``--check-every``,
+            ``--grace`` in seconds), passed in its environment.
+        spawner: ``subprocess.Popen`` or a stand-in (tests inject faults here); default ``subprocess.Popen``.
+        clock: monotonic seconds. wall: wall-clock seconds (``time.time``).
+
+    Attributes:
+        selector, channel, wakeup: what the loop watches (``wakeup``: ``LoopSignals``, its ``signals`` list).
+        job: the job's process once ``begin()`` returned, else None.
+        started_s: monotonic seconds just before the job was started (None before). started_wall_s: the same
+            instant in wall-clock seconds: files written from then on are this run's.
+        cgroup_start: the cgroup's memory figures just before the start (its ``oom_kill`` counter), or None.
+    """
+
+    def __init__(self, command: Sequence[str], environ: Mapping[str, str], *, sanity_steps: int, check_every: int,
+                 grace_s: float, spawner: Spawner | None = None, clock: Callable[[], float] = time.monotonic,
+                 wall: Callable[[], float] = time.time) -> None:
+        self.command = list(command)
+        self.environ = dict(environ)
+        self._agent = {"sanity_steps": sanity_steps, "check_every": check_every, "grace_s": grace_s}
+        self.spawner: Spawner = spawner or subprocess.Popen
+        self.clock, self.wall = clock, wall
+        self.selector = selectors.DefaultSelector()
+        self.channel = AgentChannel(self.selector)
+        self.wakeup = LoopSignals()
+        self.job: JobProcess | None = None
+        self.started_s: float | None = None
+        self.started_wall_s: float | None = None
+        self.cgroup_start: CgroupMemory | None = None
+
+    def begin(self) -> JobProcess:
+        """Install the loop's signal handlers, open the agent socket, start the job; returns it. A second call
+        returns the same job.
+
+        Raises:
+            SupervisorError: the job could not be started (the command does not exist, is not executable, ...);
+                the handlers and the socket are closed again.
+        """
+        if self.job is not None:
+            return self.job
+        self.wakeup.install()
+        set_subreaper()
+        sock_path = self.channel.open()
+        self.selector.register(self.wakeup.read_fd, selectors.EVENT_READ, "wakeup")
+        env = job_env(self.environ, sock_path, sanity_steps=int(self._agent["sanity_steps"]),
+                      check_every=int(self._agent["check_every"]), grace_s=float(self._agent["grace_s"]))
+        job = JobProcess(self.command, env, spawner=self.spawner, clock=self.clock)
+        self.cgroup_start = cgroup_memory()
+        self.started_s, self.started_wall_s = self.clock(), self.wall()
+        try:
+            job.start()
+        except OSError as exc:
+            self.close()
+            raise SupervisorError(f"cannot start the job {self.command[0]!r}: {exc.strerror or exc}",
+                                  hint="check the command and that it is executable and on PATH") from exc
+        self.job = job
+        log.info("job started: pid %d, command: %s", job.pid, " ".join(self.command))
+        return job
+
+    def abort(self) -> None:
+        """The loop will not run (the guard failed before it): SIGKILL the job's process group, reap it, close
+        everything. Bounded: a process group that does not die is left to the subreaper's final reap."""
+        job = self.job
+        if job is not None and job.proc is not None and job.poll() is None:
+            job.signal_all(signal.SIGKILL)
+            try:
+                job.proc.wait(timeout=2.0)
+            except subprocess.TimeoutExpired:
+                log.warning("the job (pid %d) did not exit within 2 s of SIGKILL", job.pid)
+        self.close()
+
+    def close(self) -> None:
+        """Close the agent socket, restore the signal handlers, close the selector."""
+        self.channel.close()
+        self.wakeup.close()
+        self.selector.close()
