@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
+import time
 from pathlib import Path
 
 import pytest
@@ -44,3 +46,40 @@ def test_a_symlink_is_replaced_not_followed(tmp_path: Path) -> None:
     write_atomic(link, b"new")
     assert real.read_bytes() == b"keep"
     assert not link.is_symlink() and link.read_bytes() == b"new"
+
+
+def test_a_fifo_is_written_in_place_not_replaced_by_a_regular_file(tmp_path: Path) -> None:
+    """``--report /dev/null`` and a FIFO: a rename over a path that is not a regular file would put a file where
+    the device was (as root, /dev/null for the whole machine). A FIFO stands in for the device here."""
+    import threading
+
+    fifo = tmp_path / "report.fifo"
+    os.mkfifo(fifo)
+    got: list[bytes] = []
+
+    def read() -> None:
+        with open(fifo, "rb") as reader:
+            got.append(reader.read())
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:  # the reader's open() must come first (a writer never waits for one)
+        try:
+            write_atomic(fifo, b'{"status": "PASS"}\n')
+            break
+        except OSError as exc:
+            assert exc.errno == errno.ENXIO
+            time.sleep(0.01)
+    reader.join(10)
+    assert got == [b'{"status": "PASS"}\n']
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+    assert [p.name for p in tmp_path.iterdir()] == ["report.fifo"]  # no temporary file left
+
+
+def test_a_fifo_without_a_reader_is_an_error_not_a_wait(tmp_path: Path) -> None:
+    fifo = tmp_path / "report.fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(OSError) as info:
+        write_atomic(fifo, b"x")
+    assert info.value.errno == errno.ENXIO
