@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -132,19 +134,40 @@ def start_guard(args: list[str], *, env: dict[str, str] | None = None, cwd: Path
                             text=True, env=guard_env(env), cwd=cwd, start_new_session=True)
 
 
-def signal_when(proc: subprocess.Popen, ready: Path, signum: int, *, settle_s: float = 0.0, wait_s: float = 60.0,
-                timeout_s: float = 60.0) -> tuple[str, str]:
-    """Send ``signum`` to a guard started with ``start_guard`` once ``ready`` exists (and ``settle_s`` later);
-    returns its (stdout, stderr). Whatever happens, nothing is left running."""
+def signal_when(proc: subprocess.Popen, ready: Path | Callable[[], bool], signum: int, *, settle_s: float = 0.0,
+                wait_s: float = 60.0, timeout_s: float = 60.0) -> tuple[str, str]:
+    """Send ``signum`` to a guard started with ``start_guard`` once ``ready`` exists, or returns True when it is a
+    function (and ``settle_s`` later), or after ``wait_s`` at most; returns its (stdout, stderr). Whatever happens,
+    nothing is left running. A test whose point is made once the destination holds what it checks stops the run
+    there, instead of waiting out a deadline sized for a loaded machine."""
+    is_ready = ready.exists if isinstance(ready, Path) else ready
     try:
         deadline = time.monotonic() + wait_s
-        while not ready.exists() and time.monotonic() < deadline:
+        while proc.poll() is None and not _true(is_ready) and time.monotonic() < deadline:
             time.sleep(0.05)
         time.sleep(settle_s)
         proc.send_signal(signum)
         return proc.communicate(timeout=timeout_s)
     finally:
         kill_quietly(proc)
+
+
+def _true(check: Callable[[], bool]) -> bool:
+    """``check()``, False while what it reads is still being written (a half-written JSON file, a file replaced)."""
+    try:
+        return bool(check())
+    except (OSError, ValueError, KeyError, EOFError, RuntimeError):
+        return False
+
+
+def secured_step(dest: Path) -> int | None:
+    """The step of the checkpoint a folder destination holds (its ``last-checkpoint/guard_manifest.json``, written
+    once the copy is verified), -1 for one without a known step, None while it holds none."""
+    try:
+        step = json.loads((dest / "last-checkpoint" / "guard_manifest.json").read_text())["step"]
+    except (OSError, ValueError, KeyError):
+        return None
+    return int(step) if step is not None else -1
 
 
 def pid_alive(pid: int) -> bool:

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import JOBS, loaded_s, run_guard, signal_when, start_guard
+from conftest import JOBS, GuardRun, loaded_s, run_guard, secured_step, signal_when, start_guard
 
 pytestmark = [pytest.mark.slow]
 
@@ -98,9 +98,11 @@ def test_a_trainer_stopped_at_the_deadline_does_not_run_the_code_after_train(tmp
 def test_a_resumed_run_stopped_before_its_first_save_names_the_resumed_checkpoint_as_secured(tmp_path: Path) -> None:
     # the destination already holds the checkpoint the run resumed from: exit 75 pointing at it, not 124
     dest = tmp_path / "dest"
-    first = run_guard([*FAST, "--timeout", loaded_s(15), "--margin", "8s", "--push-to", str(dest), NANO,
-                       f"--out_dir={tmp_path / 'out1'}", "--eval_interval=10", "--step_s=0.05"], cwd=tmp_path,
-                      timeout_s=90)
+    # the first run secures a checkpoint and is stopped by SIGTERM once it has
+    proc = start_guard([*FAST, "--push-to", str(dest), NANO, f"--out_dir={tmp_path / 'out1'}", "--eval_interval=10",
+                        "--step_s=0.05"], cwd=tmp_path)
+    stdout, stderr = signal_when(proc, lambda: secured_step(dest) is not None, signal.SIGTERM, wait_s=90)
+    first = GuardRun(proc.returncode, stdout, stderr)
     assert first.returncode == 75, first.stderr[-3000:]
     step = first.fields()["hint"].split("resumes from step ", 1)[1].split(";")[0].split(":")[0]
     run = run_guard([*FAST, "--resume", "on", "--timeout", loaded_s(15), "--margin", "10s", "--push-to", str(dest),

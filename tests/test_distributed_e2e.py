@@ -69,7 +69,7 @@ def test_sigterm_during_ddp_trainer_saves_every_rank_at_the_same_step(tmp_path: 
 def test_one_rank_blocked_outside_a_collective_is_named(tmp_path: Path) -> None:
     # --stall-timeout 20s: at load average 5 on 2 cores, the two ranks took more than 6 s to import torch and join
     # the process group, which a 6 s stall timeout called a hang of rank 0 before any step.
-    run = run_guard([*FAST, "--grace", "3s", "--stall-timeout", "20s", "--check-every", "2", "--", TORCHRUN,
+    run = run_guard([*FAST, "--grace", "3s", "--stall-timeout", loaded_s(10), "--check-every", "2", "--", TORCHRUN,
                      "--standalone", "--nproc-per-node", "2", str(JOBS / "ddp_loop.py"), "--block-rank", "1",
                      "--block-at", "12", "--step-s", "0.05"], timeout_s=120)
     assert run.returncode == 5, run.stderr[-3000:]

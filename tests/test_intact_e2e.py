@@ -8,7 +8,7 @@ import signal
 from pathlib import Path
 
 import pytest
-from conftest import JOBS, run_guard, signal_when, start_guard
+from conftest import JOBS, GuardRun, run_guard, secured_step, signal_when, start_guard
 
 torch = pytest.importorskip("torch")
 pytestmark = [pytest.mark.slow]
@@ -74,14 +74,13 @@ def test_an_earlier_runs_checkpoints_are_left_alone(tmp_path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def secured_loop(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int]:
-    """A first run of the plain resuming loop, stopped at its deadline: its ckpt.pt secured in a folder."""
-    from conftest import run_guard
-
+    """A first run of the plain resuming loop, stopped by SIGTERM once a save at step 30 or later is secured: its
+    ckpt.pt secured in a folder."""
     first = tmp_path_factory.mktemp("machine1")
     dest = first / "dest"
-    run = run_guard([*FAST, "--timeout", "40s", "--margin", "8s", "--push-to", str(dest),
-                     str(JOBS / "resuming_loop.py")], cwd=first, timeout_s=120)
-    assert run.returncode == 75, run.stderr[-3000:]
+    proc = start_guard([*FAST, "--push-to", str(dest), str(JOBS / "resuming_loop.py")], cwd=first)
+    _, stderr = signal_when(proc, lambda: (secured_step(dest) or 0) >= 30, signal.SIGTERM, wait_s=90)
+    assert proc.returncode == 75, stderr[-3000:]
     return dest, int(torch.load(dest / "last-checkpoint" / "ckpt.pt")["step"])
 
 
@@ -100,19 +99,20 @@ class TestTheSecuredLoopOnAFreshMachine:
 
     def test_a_plain_loop_resumes_from_its_own_file_on_a_fresh_machine(self, tmp_path: Path,
                                                                              secured_loop: tuple[Path, int]) -> None:
-        from conftest import run_guard
-
         second, dest = _fresh_machine(tmp_path, secured_loop)
-        secured_step = secured_loop[1]
+        first_step = secured_loop[1]
         # the next run on a fresh machine: out/ckpt.pt is put back where the loop looks for it (before: fetched into
-        # guard-resume/checkpoint-N, the job started from scratch and the guard counted on from N)
-        run = run_guard([*FAST, "--timeout", "40s", "--margin", "8s", "--resume", "on", "--push-to", str(dest),
-                         str(JOBS / "resuming_loop.py")], cwd=second, timeout_s=120)
-        fields = run.fields()
-        assert f"resumed from step {secured_step}" in run.stdout, run.stderr[-3000:]
+        # guard-resume/checkpoint-N, the job started from scratch and the guard counted on from N); stopped once it
+        # secured a save of its own
+        proc = start_guard([*FAST, "--resume", "on", "--push-to", str(dest), str(JOBS / "resuming_loop.py")],
+                           cwd=second)
+        stdout, stderr = signal_when(proc, lambda: (secured_step(dest) or 0) > first_step, signal.SIGTERM,
+                                     wait_s=90)
+        fields = GuardRun(proc.returncode, stdout, stderr).fields()
+        assert f"resumed from step {first_step}" in stdout, stderr[-3000:]
         assert fields["resumed_from"].startswith("out/ckpt.pt@"), fields
-        assert int(fields["step"]) > secured_step  # the guard counts on from the checkpoint the job loaded
-        assert "did not load the resumed checkpoint" not in run.stdout
+        assert int(fields["step"]) > first_step  # the guard counts on from the checkpoint the job loaded
+        assert "did not load the resumed checkpoint" not in stdout
 
     def test_a_job_that_does_not_load_the_resumed_checkpoint_is_told_so(self, tmp_path: Path,
                                                                               secured_loop: tuple[Path, int]) -> None:
@@ -137,31 +137,27 @@ class TestTheSecuredLoopOnAFreshMachine:
 def test_checkpoint_folders_of_a_plain_loop_are_found_and_secured_whole(tmp_path: Path, tmp_rename: bool) -> None:
     # out/checkpoint-N/model.pt + trainer_state.json, one kept: the output folder is out (not the first save's own
     # folder), the newest complete folder is secured with every file in it
-    from conftest import run_guard
-
     out, dest = tmp_path / "out", tmp_path / "dest"
-    run = run_guard([*FAST, "--timeout", "40s", "--margin", "10s", "--push-to", str(dest),
-                     str(JOBS / "rotating_folders.py"), str(out), "--every", "60", "--step_s", "0.1",
-                     *(["--tmp"] if tmp_rename else [])], cwd=tmp_path,
-                    timeout_s=120)
-    assert run.returncode == 75, run.stderr[-3000:]
-    assert f"output folder: {out} (" in run.stderr
+    # stopped by SIGTERM once a save after the first one is secured (what is checked is what was found, not when)
+    proc = start_guard([*FAST, "--push-to", str(dest), str(JOBS / "rotating_folders.py"), str(out), "--every", "60",
+                        "--step_s", "0.1", *(["--tmp"] if tmp_rename else [])], cwd=tmp_path)
+    _, stderr = signal_when(proc, lambda: (secured_step(dest) or 0) > 60, signal.SIGTERM, wait_s=90)
+    assert proc.returncode == 75, stderr[-3000:]
+    assert f"output folder: {out} (" in stderr
     secured = dest / "last-checkpoint"
     assert sorted(p.name for p in secured.iterdir()) == ["guard_manifest.json", "model.pt", "trainer_state.json"]
     step = torch.load(secured / "model.pt")["step"]
-    assert step > 60, run.stderr[-3000:]  # not only the first save
+    assert step > 60, stderr[-3000:]  # not only the first save
 
 
 def test_accelerate_automatic_naming_is_found_and_secured_whole(tmp_path: Path) -> None:
     pytest.importorskip("accelerate")
-    from conftest import run_guard
-
     out, dest = tmp_path / "project", tmp_path / "dest"
-    run = run_guard([*FAST, "--timeout", "60s", "--margin", "12s", "--push-to", str(dest),
-                     str(JOBS / "accelerate_auto.py"), str(out), "--every", "60", "--step_s", "0.05"], cwd=tmp_path,
-                    timeout_s=150)
-    assert run.returncode == 75, run.stderr[-3000:]
-    assert f"output folder: {out / 'checkpoints'} (" in run.stderr
+    proc = start_guard([*FAST, "--push-to", str(dest), str(JOBS / "accelerate_auto.py"), str(out), "--every", "60",
+                        "--step_s", "0.05"], cwd=tmp_path)
+    _, stderr = signal_when(proc, lambda: secured_step(dest) is not None, signal.SIGTERM, wait_s=120)
+    assert proc.returncode == 75, stderr[-3000:]
+    assert f"output folder: {out / 'checkpoints'} (" in stderr
     names = {p.name for p in (dest / "last-checkpoint").iterdir()}
     # the whole folder: the model accelerate writes with safetensors and the RNG state it writes last included
     assert {"model.safetensors", "optimizer.bin", "scheduler.bin", "random_states_0.pkl"} <= names, names
@@ -169,16 +165,15 @@ def test_accelerate_automatic_naming_is_found_and_secured_whole(tmp_path: Path) 
 
 def test_a_save_to_an_open_file_object_is_secured(tmp_path: Path) -> None:
     # word_language_model: --save model.pt names a file (not a folder), torch.save(model, f) to an open file
-    from conftest import run_guard
-
     dest = tmp_path / "dest"
-    run = run_guard([*FAST, "--timeout", "40s", "--margin", "10s", "--push-to", str(dest),
-                     str(JOBS / "save_to_file_object.py"), "--save", "model.pt"], cwd=tmp_path, timeout_s=120)
-    assert run.returncode == 75, run.stderr[-3000:]
-    assert run.fields()["secured"] == "yes"
+    proc = start_guard([*FAST, "--push-to", str(dest), str(JOBS / "save_to_file_object.py"), "--save", "model.pt"],
+                       cwd=tmp_path)
+    stdout, stderr = signal_when(proc, lambda: secured_step(dest) is not None, signal.SIGTERM, wait_s=90)
+    verdict = [line for line in stdout.splitlines() if line.startswith("VERDICT:")][-1]
+    assert proc.returncode == 75 and "secured=yes" in verdict, stderr[-3000:]
     secured = torch.load(dest / "last-checkpoint" / "model.pt", weights_only=False)
     assert isinstance(secured, torch.nn.Module)
-    assert "inside the .pt file" not in run.stdout and "model.pt/" not in run.stderr
+    assert "inside the .pt file" not in stdout and "model.pt/" not in stderr
 
 
 @pytest.mark.slow
@@ -226,8 +221,9 @@ def test_accelerate_automatic_naming_resumes_from_the_secured_folder_not_a_half_
 
     out, dest = tmp_path / "project", tmp_path / "dest"
     job = [str(JOBS / "accelerate_auto.py"), str(out), "--every", "100", "--step_s", "0.05"]
-    first = run_guard([*FAST, "--timeout", "45s", "--margin", "12s", "--push-to", str(dest), *job], cwd=tmp_path,
-                      timeout_s=150)
+    proc = start_guard([*FAST, "--push-to", str(dest), *job], cwd=tmp_path)
+    stdout, stderr = signal_when(proc, lambda: (secured_step(dest) or 0) >= 100, signal.SIGTERM, wait_s=120)
+    first = GuardRun(proc.returncode, stdout, stderr)
     assert first.returncode == 75, first.stderr[-3000:]
     step = json.loads((dest / "last-checkpoint" / "guard_manifest.json").read_text())["step"]
     assert step >= 100 and step % 100 == 0, step

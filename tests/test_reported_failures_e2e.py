@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import JOBS, GuardRun, kill_quietly, run_guard, start_guard
+from conftest import JOBS, GuardRun, kill_quietly, loaded_s, run_guard, start_guard
 
 from guard.core.masking import Masker
 from guard.core.state import JobFacts
@@ -264,9 +264,11 @@ def test_a_stopped_rank_is_said_to_have_no_stack_and_rank_0s_is_not_quoted_as_it
     torchrun = str(Path(sys.executable).with_name("torchrun"))
     pids = tmp_path / "pids"
     pids.mkdir()
-    proc = start_guard(["--no-preflight", "--grace", "8s", "--stall-timeout", "15s", "--", torchrun, "--standalone",
-                        "--nproc-per-node", "2", str(JOBS / "ddp_loop.py"), "--independent", "--step-s", "0.05",
-                        "--pid-dir", str(pids)], cwd=tmp_path)
+    # the stall timeout also covers the two ranks' silent start (torch imports, the process group): stretched on a
+    # loaded machine, where a fixed 15 s was once called a stall before the first step and rank 1 was gone
+    proc = start_guard(["--no-preflight", "--grace", "8s", "--stall-timeout", loaded_s(15), "--", torchrun,
+                        "--standalone", "--nproc-per-node", "2", str(JOBS / "ddp_loop.py"), "--independent",
+                        "--step-s", "0.05", "--pid-dir", str(pids)], cwd=tmp_path)
     stopped = None
     try:
         deadline = time.monotonic() + 90
@@ -277,7 +279,12 @@ def test_a_stopped_rank_is_said_to_have_no_stack_and_rank_0s_is_not_quoted_as_it
             time.sleep(0.05)
         time.sleep(1.0)
         stopped = int((pids / "rank1.pid").read_text())
-        os.kill(stopped, signal.SIGSTOP)
+        try:
+            os.kill(stopped, signal.SIGSTOP)
+        except ProcessLookupError:
+            stopped = None
+            kill_quietly(proc)
+            pytest.fail("rank 1 ended before it could be stopped: " + (seen + proc.communicate(timeout=30)[1])[-3000:])
         stdout, stderr = proc.communicate(timeout=120)
     finally:
         kill_quietly(proc)
