@@ -102,15 +102,19 @@ class GuardRun:
         return {"status": parts[0], **dict(p.split("=", 1) for p in parts[1:])}
 
 
-def loaded_s(seconds: float) -> str:
+def loaded_s(seconds: float, *, start_s: float | None = None) -> str:
     """A budget of ``seconds`` for a job's start-up and first steps, as a guard duration (``"15s"``), stretched in
     proportion on a machine busier than one runnable process per core (``os.getloadavg``'s one-minute figure): at
     load average 7 on 2 cores a job took 3x its idle time to import torch and make its first step, and a fixed 15 s
     deadline came before its first save; at 3.5 a Trainer had not made its first step 14 s after the start. What a
-    test checks stays the same; only the time the job is given grows with the load."""
+    test checks stays the same; only the time the job is given grows with the load.
+
+    ``start_s``: the part of ``seconds`` that is start-up (the rest is the test's own timing, e.g. a margin and a
+    slow answer, and is not stretched); default all of it."""
     cores = os.cpu_count() or 1
     factor = max(1.0, os.getloadavg()[0] / cores)
-    return f"{math.ceil(seconds * factor)}s"
+    stretched = seconds if start_s is None else min(start_s, seconds)
+    return f"{math.ceil(seconds + stretched * (factor - 1.0))}s"
 
 
 def guard_env(extra: dict[str, str] | None = None) -> dict[str, str]:

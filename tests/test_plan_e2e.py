@@ -27,10 +27,10 @@ def _pushed_weights_finite(dest: Path) -> bool:
 
 def test_nan_then_the_deadlines_request_secures_the_save_before_it_and_says_non_finite(tmp_path: Path) -> None:
     out, dest = tmp_path / "out", tmp_path / "dest"
-    # NaN from 5 s after the first step; the deadline's request at the budget less the 20 s margin (the budget
-    # stretched on a loaded machine, whose job takes longer to reach its first step)
-    run = run_guard([*FAST, "--timeout", loaded_s(50), "--margin", "20s", "--check-every", "100000", "--push-to",
-                     str(dest), "--output-dir", str(out), JOB, "--output-dir", str(out), "--answer",
+    # NaN from 5 s after the first step; the deadline's request at the budget less the 20 s margin (the budget's
+    # start-up part stretched on a loaded machine, whose job takes longer to reach its first step)
+    run = run_guard([*FAST, "--timeout", loaded_s(50, start_s=10), "--margin", "20s", "--check-every", "100000",
+                     "--push-to", str(dest), "--output-dir", str(out), JOB, "--output-dir", str(out), "--answer",
                      "--nan-after-s", "5"], timeout_s=200)
     fields = run.fields()
     assert (fields["status"], run.returncode, fields["secured"]) == ("TIMEOUT", 75, "yes"), run.stderr[-3000:]
@@ -92,8 +92,9 @@ def test_at_the_deadline_the_requested_save_wins_when_its_push_fits(tmp_path: Pa
     # measured push cost (x 1.5): the requested save is waited for and secured. Here the save comes 18 s after the
     # request, 10 s before the deadline: inside the old reserve of 15 s and more, well outside the new one.
     out, dest = tmp_path / "out", tmp_path / "dest"
-    run = run_guard([*FAST, "--timeout", loaded_s(50), "--margin", "28s", "--push-interval", "1h", "--push-to",
-                     str(dest), JOB, "--output-dir", str(out), "--answer", "--slow-answer-s", "18"], timeout_s=200)
+    run = run_guard([*FAST, "--timeout", loaded_s(50, start_s=10), "--margin", "28s", "--push-interval", "1h",
+                     "--push-to", str(dest), JOB, "--output-dir", str(out), "--answer", "--slow-answer-s", "18"],
+                    timeout_s=200)
     assert run.returncode == 75, run.stderr[-3000:]
     newest = max(int(p.name.split("-")[1]) for p in out.glob("checkpoint-*"))
     secured = torch.load(dest / "last-checkpoint" / "model.pt", weights_only=True)["step"]
