@@ -40,24 +40,79 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
 
     class TestsAndGroups(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            parts = nodeid.split("::")
-            if len(parts) > 2:  # a class's tests share its fixtures (a module-scoped run made once): one unit
-                return "::".join(parts[:2])
-            return SAME_WORKER.get(parts[0].rsplit("/", 1)[-1], nodeid)
+            return _unit(nodeid)
 
     return TestsAndGroups(config, log)
 
 
+#: Each test's measured wall time (setup, call and teardown; seconds), for ordering the slow tests longest first:
+#: written by ``python -m pytest -n 4 --dist loadfile --record-durations tests/durations.json``. A test not in it
+#: counts as ``DEFAULT_DURATION_S``.
+DURATIONS = Path(__file__).with_name("durations.json")
+DEFAULT_DURATION_S = 10.0
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--record-durations", metavar="FILE", default=None,
+                     help="write each test's wall time (seconds) to FILE as JSON (tests/durations.json orders the "
+                          "slow tests longest first)")
+
+
+def _unit(nodeid: str) -> str:
+    """The scheduler's unit of a test (see ``pytest_xdist_make_scheduler``)."""
+    parts = nodeid.split("::")
+    if len(parts) > 2:  # a class's tests share its fixtures (a module-scoped run made once): one unit
+        return "::".join(parts[:2])
+    return SAME_WORKER.get(parts[0].rsplit("/", 1)[-1], nodeid)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Longest first, so that the workers end together: the files of :data:`SAME_WORKER` (one long unit each), then
-    the tests marked ``slow`` (real jobs, seconds to a minute each), then the unit tests, which fill the end. A
-    stable sort: within each part, the collection order."""
-    def part(item: pytest.Item) -> int:
-        if item.path.name in SAME_WORKER:
-            return 0
-        return 1 if item.get_closest_marker("slow") is not None else 2
+    the tests marked ``slow`` (real jobs, seconds to a minute each) by their unit's measured time (``DURATIONS``),
+    then the unit tests, which fill the end. Within a part and a unit, the collection order."""
+    try:
+        measured: dict[str, float] = json.loads(DURATIONS.read_text())
+    except (OSError, ValueError):
+        measured = {}
+    unit_s: dict[str, float] = {}
+    for item in items:
+        unit = _unit(item.nodeid)
+        unit_s[unit] = unit_s.get(unit, 0.0) + float(measured.get(item.nodeid, DEFAULT_DURATION_S))
 
-    items.sort(key=part)
+    def key(item: pytest.Item) -> tuple[int, float, str]:
+        unit = _unit(item.nodeid)
+        if item.path.name in SAME_WORKER:
+            return 0, -unit_s[unit], unit
+        if item.get_closest_marker("slow") is not None:
+            return 1, -unit_s[unit], unit
+        return 2, 0.0, ""
+
+    items.sort(key=key)
+
+
+_recorded: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    _recorded[report.nodeid] = _recorded.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """``--record-durations FILE``: each xdist worker writes its tests' times beside FILE, and the controller (or a
+    run without xdist) merges them into FILE."""
+    target = session.config.getoption("--record-durations")
+    if not target:
+        return
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    path = Path(target)
+    if worker:
+        path.with_name(f"{path.name}.{worker}").write_text(json.dumps(_recorded))
+        return
+    merged: dict[str, float] = dict(_recorded)
+    for part_file in path.parent.glob(f"{path.name}.gw*"):
+        merged.update(json.loads(part_file.read_text()))
+        part_file.unlink()
+    path.write_text(json.dumps({k: round(v, 1) for k, v in sorted(merged.items())}, indent=0) + "\n")
 
 
 @pytest.fixture(autouse=True)
