@@ -6,6 +6,7 @@ import json
 import math
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -100,6 +101,11 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 def pytest_sessionfinish(session: pytest.Session) -> None:
     """``--record-durations FILE``: each xdist worker writes its tests' times beside FILE, and the controller (or a
     run without xdist) merges them into FILE."""
+    if not os.environ.get("PYTEST_XDIST_WORKER") and not stat.S_ISCHR(os.stat(os.devnull).st_mode):
+        # a rename over /dev/null as root (a test once gave a job /dev/null as the file it renames into place)
+        # breaks every later `> /dev/null` on the machine, munged's start included
+        print(f"\n{os.devnull} is no longer a character device: a test replaced it", file=sys.stderr)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
     target = session.config.getoption("--record-durations")
     if not target:
         return

@@ -290,14 +290,16 @@ def test_the_orphan_reaper_never_steals_a_helpers_exit_status() -> None:
     assert children.owner(job.pid) is None  # the job's entry went with its reap
 
 
-def test_a_reaped_helpers_pid_is_the_jobs_again() -> None:
+def test_a_reaped_helpers_pid_is_the_jobs_again(tmp_path: Path) -> None:
     # HELPER_PIDS only grew: once the kernel reused a finished worker's pid for a process of the job, that process
     # was invisible (never signalled, never waited for). An owner's entry goes with its reap.
     from guard.core.children import WORKER, GuardChildren
 
     children = GuardChildren()
-    job = JobProcess([sys.executable, "-c", JOB, GRANDCHILD, "/dev/null", "same_group"], os.environ,
-                     children=children)
+    # the grandchild renames its pid file into place: given /dev/null (as this test once did), it replaced the
+    # machine's /dev/null with a regular file, as root
+    job = JobProcess([sys.executable, "-c", JOB, GRANDCHILD, str(tmp_path / "grandchild.pid"), "same_group"],
+                     os.environ, children=children)
     job.start()
     try:
         wait_for(lambda: any(p.pid != job.pid for p in job.descendants()), "the job's child")
