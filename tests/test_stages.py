@@ -47,6 +47,10 @@ class RecordingStart:
         self.command, self.environ, self.settings = command, dict(environ), settings
         self.begun = self.aborted = False
 
+    @classmethod
+    def of(cls, command: list[str], environ: Mapping[str, str], watch: Any, **kwargs: Any) -> RecordingStart:
+        return cls(command, environ, watch=watch, **kwargs)
+
     def begin(self) -> None:
         self.begun = True
 

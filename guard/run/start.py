@@ -18,12 +18,16 @@ import signal
 import subprocess
 import time
 from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from guard.core.cgroup import CgroupMemory
 from guard.errors import SupervisorError
 from guard.run.channel import AgentChannel, job_env
 from guard.run.process import JobProcess, Spawner, cgroup_memory, set_subreaper
 from guard.run.wakeup import LoopSignals
+
+if TYPE_CHECKING:
+    from guard.run.config import WatchSettings
 
 __all__ = ["JobStart"]
 
@@ -56,7 +60,7 @@ class JobStart:
                  wall: Callable[[], float] = time.time) -> None:
         self.command = list(command)
         self.environ = dict(environ)
-        self._agent = {"sanity_steps": sanity_steps, "check_every": check_every, "grace_s": grace_s}
+        self.sanity_steps, self.check_every, self.grace_s = sanity_steps, check_every, grace_s
         self.spawner: Spawner = spawner or subprocess.Popen
         self.clock, self.wall = clock, wall
         self.selector = selectors.DefaultSelector()
@@ -66,6 +70,14 @@ class JobStart:
         self.started_s: float | None = None
         self.started_wall_s: float | None = None
         self.cgroup_start: CgroupMemory | None = None
+
+    @classmethod
+    def of(cls, command: Sequence[str], environ: Mapping[str, str], watch: WatchSettings, *,
+           spawner: Spawner | None = None, clock: Callable[[], float] = time.monotonic) -> JobStart:
+        """The start of a job with the agent's settings taken from the loop's part of the settings (``watch``:
+        ``sanity_steps``, ``check_every``, ``grace_s``)."""
+        return cls(command, environ, sanity_steps=watch.sanity_steps, check_every=watch.check_every,
+                   grace_s=watch.grace_s, spawner=spawner, clock=clock)
 
     def begin(self) -> JobProcess:
         """Install the loop's signal handlers, open the agent socket, start the job; returns it. A second call
@@ -81,8 +93,8 @@ class JobStart:
         set_subreaper()
         sock_path = self.channel.open()
         self.selector.register(self.wakeup.read_fd, selectors.EVENT_READ, "wakeup")
-        env = job_env(self.environ, sock_path, sanity_steps=int(self._agent["sanity_steps"]),
-                      check_every=int(self._agent["check_every"]), grace_s=float(self._agent["grace_s"]))
+        env = job_env(self.environ, sock_path, sanity_steps=self.sanity_steps, check_every=self.check_every,
+                      grace_s=self.grace_s)
         job = JobProcess(self.command, env, spawner=self.spawner, clock=self.clock)
         self.cgroup_start = cgroup_memory()
         self.started_s, self.started_wall_s = self.clock(), self.wall()

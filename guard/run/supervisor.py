@@ -96,15 +96,12 @@ class Supervisor:
     ) -> None:
         self.config = config
         self.clock = clock
-        self.spawner = spawner
         self.securer = securer
-        self.env_extra = dict(env_extra or {})
         self.heartbeat = heartbeat
         self.out_fd, self.err_fd = out_fd, err_fd
         self.settings = watch = config.settings.watch  # the loop's part of the settings
-        self.job_start = start or JobStart(config.command, {**config.environ, **self.env_extra},
-                                       sanity_steps=watch.sanity_steps, check_every=watch.check_every,
-                                       grace_s=watch.grace_s, spawner=spawner, clock=clock)
+        self.job_start = start or JobStart.of(config.command, {**config.environ, **(env_extra or {})}, watch,
+                                              spawner=spawner, clock=clock)
         self.started = self.job_start.started_s if self.job_start.started_s is not None else clock()
         self.state = RunState()
         self.watchdog = Watchdog.from_settings(self.state, self.started, watch,
