@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -44,6 +45,8 @@ def test_a_newer_complete_local_checkpoint_wins_and_a_partial_one_is_moved_aside
     assert not (out / "checkpoint-30").exists()
     assert (out / f"checkpoint-30{resume.PARTIAL_SUFFIX}" / "optimizer.pt").is_file()  # kept, named, never used
     assert not (out / "checkpoint-10").exists()  # nothing fetched
+    assert chosen.info is not None and (chosen.info.path, chosen.info.step) == (chosen.path, 20)  # for securing
+    assert sorted(chosen.info.files) == sorted([TRAINER_STATE_NAME, "model.safetensors", "optimizer.pt"])
 
 
 def test_an_older_local_checkpoint_loses_to_the_secured_one(tmp_path: Path) -> None:
@@ -56,6 +59,7 @@ def test_an_older_local_checkpoint_loses_to_the_secured_one(tmp_path: Path) -> N
     assert (chosen.path, chosen.step, chosen.source) == (out / "checkpoint-30", 30, "destination")
     assert (out / "checkpoint-30" / TRAINER_STATE_NAME).is_file()
     assert (out / f"checkpoint-40{resume.PARTIAL_SUFFIX}").is_dir()
+    assert chosen.info is not None and (chosen.info.path, chosen.info.step) == (out / "checkpoint-30", 30)
 
 
 def test_nothing_anywhere_starts_fresh_and_a_plain_loops_folders_are_left_alone(tmp_path: Path, caplog) -> None:
@@ -67,6 +71,62 @@ def test_nothing_anywhere_starts_fresh_and_a_plain_loops_folders_are_left_alone(
         assert resume.choose(out, Securer(str(tmp_path / "dest")), deadline=deadline(), abort=lambda: False) is None
     assert "starting fresh" in caplog.text
     assert (out / "checkpoint-5").is_dir()
+
+
+def hung_output_folder(out: Path) -> Path:
+    """A DeepSpeed-like save whose ``latest`` is a named pipe without a writer: reading it, as the completeness
+    check does, blocks like a ``stat()`` on a hung NFS or Lustre hard mount (``tests/jobs/stuck_folder.py``)."""
+    (out / "global_step5").mkdir(parents=True)
+    (out / "global_step5" / "mp_rank_00_model_states.pt").write_bytes(b"weights" * 100)
+    fifo = out / "latest"
+    os.mkfifo(fifo)
+    return fifo
+
+
+def release(fifo: Path) -> None:
+    """Open the pipe's writing end once, so the thread blocked reading it (given up by the guard) ends."""
+    try:
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+    except OSError:  # no reader left
+        pass
+
+
+def choose_in_thread(*args: object, **kwargs: object) -> tuple[threading.Thread, list[object]]:
+    outcome: list[object] = []
+
+    def call() -> None:
+        try:
+            outcome.append(resume.choose(*args, **kwargs))  # type: ignore[arg-type]
+        except BaseException as exc:  # the test reads it
+            outcome.append(exc)
+
+    thread = threading.Thread(target=call, daemon=True)
+    thread.start()
+    return thread, outcome
+
+
+@pytest.mark.parametrize("signalled", [False, True])
+def test_a_hung_output_folder_ends_the_choice_at_its_deadline_or_at_a_signal(tmp_path: Path, signalled: bool) -> None:
+    out = tmp_path / "out"
+    fifo = hung_output_folder(out)
+    abort = threading.Event()
+    try:
+        thread, outcome = choose_in_thread(out, Securer(str(tmp_path / "dest")),
+                                           deadline=deadline(60.0 if signalled else 1.0), abort=abort.is_set)
+        if signalled:
+            thread.join(1.0)
+            assert thread.is_alive()  # still waiting on the folder: neither the deadline nor a signal yet
+            abort.set()
+        thread.join(30.0)
+        assert not thread.is_alive(), "choose() waited on the hung output folder"
+    finally:
+        release(fifo)
+    (raised,) = outcome
+    if signalled:
+        assert isinstance(raised, resume.Interrupted), raised
+    else:
+        assert isinstance(raised, resume.FetchTimedOut), raised
+        assert "did not answer" in raised.message and str(out) in raised.message and "mount" in (raised.hint or "")
 
 
 def test_a_signal_ends_the_fetch(tmp_path: Path) -> None:

@@ -121,11 +121,13 @@ def test_resume_needs_a_destination(tmp_path: Path, supervisor: type[RecordingSu
 def test_a_resumed_checkpoint_reaches_the_job(tmp_path: Path, supervisor: type[RecordingSupervisor],
                                              monkeypatch: pytest.MonkeyPatch) -> None:
     from guard.secure import resume
+    from guard.secure.checkpoints import describe
 
     folder = tmp_path / "out" / "checkpoint-30"
     folder.mkdir(parents=True)
     (folder / "model.safetensors").write_bytes(b"1" * 100)
-    fetched = resume.ResumeFrom(path=folder, step=30, revision="abc123", size_bytes=100, source="destination")
+    fetched = resume.ResumeFrom(path=folder, step=30, revision="abc123", size_bytes=100, source="destination",
+                                info=describe(folder, step=30))
     monkeypatch.setattr(resume, "choose", lambda *args, **kwargs: fetched)
     monkeypatch.setattr(stages, "_securer_factory", lambda environ: lambda text: SimpleNamespace(
         destination=text, token=None))

@@ -16,7 +16,8 @@ import threading
 from collections.abc import Callable
 from typing import Any, Generic, Protocol, TypeVar
 
-__all__ = ["FS_HELPERS", "HELPERS", "Helpers", "Pending", "Submitter", "Wakeup", "call_bounded", "wake_loop"]
+__all__ = ["FS_HELPERS", "HELPERS", "Helpers", "Pending", "Submitter", "Wakeup", "call_bounded", "call_until",
+           "wake_loop"]
 
 log = logging.getLogger("guard.helpers")
 
@@ -147,6 +148,19 @@ class Wakeup:
             self._fd = -1
 
 
+def _on_own_thread(func: Callable[..., T], *args: Any) -> Pending[T]:
+    pending: Pending[T] = Pending(getattr(func, "__qualname__", repr(func)))
+
+    def work() -> None:
+        try:
+            pending._finish(func(*args), None)
+        except Exception as exc:  # noqa: BLE001 - the caller reads it from the Pending
+            pending._finish(None, exc)
+
+    threading.Thread(target=work, name="guard-bounded", daemon=True).start()
+    return pending
+
+
 def call_bounded(func: Callable[..., T], *args: Any, timeout_s: float, default: T) -> T:
     """``func(*args)`` on a daemon thread of its own, waited for at most ``timeout_s`` seconds; ``default`` when it
     has not returned by then (it is left running: a ``stat()`` on a hung mount never returns) or when it raised.
@@ -154,18 +168,29 @@ def call_bounded(func: Callable[..., T], *args: Any, timeout_s: float, default: 
     For the few file system calls made after the loop, on the way to the VERDICT (``guard.run.diagnose``): the
     VERDICT is late by ``timeout_s`` at most, never missing. Not for the loop, which never waits.
     """
-    pending: Pending[T] = Pending(getattr(func, "__qualname__", repr(func)))
-
-    def work() -> None:
-        try:
-            pending._finish(func(*args), None)
-        except Exception as exc:  # noqa: BLE001 - the default stands for a failed call
-            pending._finish(None, exc)
-
-    threading.Thread(target=work, name="guard-bounded", daemon=True).start()
+    pending = _on_own_thread(func, *args)
     if not pending.wait(timeout_s):
         log.warning("%s did not return within %.0fs (a hung file system?): going on without it", pending.name,
                     timeout_s)
         return default
     value = pending.result()
     return default if pending.error is not None or value is None else value
+
+
+def call_until(func: Callable[..., T], *args: Any, deadline_s: float, abort: Callable[[], bool],
+               poll_s: float = 0.1) -> Pending[T]:
+    """``func(*args)`` on a daemon thread of its own, waited for until it returns, the monotonic ``deadline_s``
+    passes or ``abort()`` is true, whichever comes first (``abort`` is asked every ``poll_s`` seconds, default
+    0.1). Returns the call's ``Pending``: ``done()`` is False when the wait was given up (the call is left running:
+    a ``stat()`` on a hung mount never returns); a raised exception is in ``error``.
+
+    For the file system work of the stages before the job starts (the resume's look at the output folder), which
+    a signal must be able to cut short. Not for the loop, which never waits.
+    """
+    import time
+
+    pending = _on_own_thread(func, *args)
+    while not pending.wait(max(0.0, min(poll_s, deadline_s - time.monotonic()))):
+        if abort() or time.monotonic() >= deadline_s:
+            break
+    return pending

@@ -442,8 +442,6 @@ def _supervisor(config: Config, masker: Masker, start: JobStart, *, deadline: bu
     estimator = budget.MarginEstimator(fixed_margin_s=secure.margin_s, log_changes=deadline.deadline_s is not None,
                                        floor_s=floor_s, max_margin_s=max_margin_s)
     if fetched is not None:  # a verified checkpoint: the size for the margin, and a fallback to secure
-        from guard.secure.checkpoints import describe
-
         estimator.observe_size(fetched.size_bytes)
     # without --push-interval: from the destination (folder: every complete save; the Hub: its commit rate limit
     # and the measured push time, guard.secure.cadence), also for a destination the Trainer names later
@@ -453,11 +451,9 @@ def _supervisor(config: Config, masker: Masker, start: JobStart, *, deadline: bu
                         refresher=_slurm_refresher(config, platform), background=secure.background_push,
                         push_interval_s=push_interval_s, final_window_s=secure.final_push_window_s,
                         push_stall_s=secure.push_stall_s)
-    if fetched is not None:
-        securing.latest_reported = describe(fetched.path, step=fetched.step)
-        if fetched.source == "destination" and securer is not None:  # the destination holds it, verified
-            securing.already_secured(securing.latest_reported, destination=str(securer.destination),
-                                     revision=fetched.revision)
+    if fetched is not None and fetched.info is not None:  # described by the resume stage, off this thread
+        held_by = str(securer.destination) if fetched.source == "destination" and securer is not None else None
+        securing.resumed_from(fetched.info, destination=held_by, revision=fetched.revision)
     gpus = report.gpus if report is not None else None
 
     def trainer_check(trainer_config: Mapping[str, Any]) -> list[CheckResult]:

@@ -13,20 +13,23 @@
   (``if os.path.exists("out/ckpt.pt")``) does resume; the record's output folder is used when the caller knows
   none (``FALLBACK_FOLDER``).
 - The peek and the fetch run in a worker process (``guard.secure.worker.run_bounded``), killed at the deadline or
-  at once on a signal (``abort``).
+  at once on a signal (``abort``). The look at the output folder (its listing, the completeness checks, moving
+  partial folders aside, describing the chosen checkpoint) runs on a thread of its own under the same deadline and
+  ``abort`` (``guard.core.helpers.call_until``): on a hung NFS or Lustre mount it is given up, never waited on.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import re
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from guard.core.helpers import call_until
 from guard.errors import HubError
 from guard.secure import checkpoints
 
@@ -55,7 +58,7 @@ class Interrupted(Exception):
     """A signal ended the peek or the fetch (the worker was killed)."""
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class ResumeFrom:
     """The checkpoint a run resumes from.
 
@@ -65,6 +68,8 @@ class ResumeFrom:
         revision: the Hub commit id or the destination folder it was fetched from, or ``"local"``.
         size_bytes: its size.
         source: ``"destination"`` (fetched) or ``"output folder"`` (already there).
+        info: its files and step as securing records a checkpoint (``checkpoints.describe``), read with the rest of
+            the output folder before the job starts; None when built without it (tests).
     """
 
     path: Path
@@ -72,6 +77,7 @@ class ResumeFrom:
     revision: str
     size_bytes: int
     source: str
+    info: checkpoints.CheckpointInfo | None = None
 
 
 def _trainer_written(folder: Path) -> bool:
@@ -152,7 +158,27 @@ def _save_counts(local: checkpoints.CheckpointInfo | None, record: dict[str, Any
 
 
 class FetchTimedOut(HubError):
-    """The peek or the fetch did not finish by its deadline (the worker was killed): nothing was damaged."""
+    """The peek or the fetch did not finish by its deadline (the worker was killed), or the output folder did not
+    answer by then: nothing was damaged."""
+
+
+def _on_disk(work: Callable[[], Any], what: str, folder: Path, deadline: float, abort: Callable[[], bool],
+             securer: Any) -> Any:
+    """``work()`` (file system calls on the output folder) on its own thread, given up at ``deadline`` or on
+    ``abort``; its exception is raised here."""
+    started = time.monotonic()
+    pending = call_until(work, deadline_s=deadline, abort=abort)
+    if not pending.done():
+        if abort():
+            raise Interrupted(what)
+        raise FetchTimedOut(f"{what} in the output folder {folder} did not answer within "
+                            f"{deadline - started:.0f}s (a hung file system?): stopped",
+                            destination=str(securer.destination),
+                            hint=f"check the mount of {folder} (a job would hang on it too); --resume if-valid "
+                                 "starts fresh when the checkpoint cannot be read")
+    if pending.error is not None:
+        raise pending.error
+    return pending.result()
 
 
 def _bounded(run: Callable[..., Any], op: str, args: dict[str, Any], deadline: float, abort: Callable[[], bool],
@@ -183,13 +209,15 @@ def choose(folder: str | os.PathLike[str], securer: Any, *, deadline: float, abo
     Args:
         folder: the job's output folder (created when missing).
         securer: the ``hub.Securer`` of ``--push-to``.
-        deadline: monotonic seconds by which peek and fetch must be over (they are killed then).
-        abort: returns True once a signal arrived: the work is killed at once.
+        deadline: monotonic seconds by which the peek, the fetch and the look at the output folder must be over
+            (the worker is killed then; a file system call that has not returned is given up, left on its thread).
+        abort: returns True once a signal arrived: the work is killed (or given up) at once.
         run: ``worker.run_bounded`` (tests inject one).
 
     Raises:
         Interrupted: ``abort`` became true.
-        FetchTimedOut: the peek or the fetch was still running at ``deadline`` (killed then).
+        FetchTimedOut: the peek or the fetch was still running at ``deadline`` (killed then), or the output folder
+            had not answered by then.
         HubError: the destination could not be read, or the download is corrupt or partial.
     """
     if run is None:
@@ -201,32 +229,27 @@ def choose(folder: str | os.PathLike[str], securer: Any, *, deadline: float, abo
     if os.fspath(folder) == FALLBACK_FOLDER and record is not None and record.get("output_dir"):
         base = Path(str(record["output_dir"]))
         log.info("output folder: %s (where the secured checkpoint came from, as its record says)", base)
-    base.mkdir(parents=True, exist_ok=True)
-    place = record.get("place") if record is not None else None
-    if isinstance(place, str) and (secured_n := _SAVE_COUNT_RE.fullmatch(place)) is not None:
-        # accelerate's automatic naming: a later checkpoint_N without its random_states_N.pkl is half-written; out
-        # of the way first, so that the newest whole one (which load_state() will take) is the local candidate
-        move_aside_partials(base, newer_than=int(secured_n[1]), accelerate=True)
-    local = checkpoints.newest_complete(base, now_s=time.time(), stable_for_s=0.0)
+    local = _on_disk(lambda: _local_candidate(base, record), "looking for a complete checkpoint", base, deadline,
+                     abort, securer)
     chosen: ResumeFrom | None = None
-    counted = _save_counts(local, record, base)
-    if counted is not None and counted[0] > counted[1] and local is not None and _accelerate_saved(local.path):
+    counted = local.save_counts if local is not None else None
+    if counted is not None and counted[0] > counted[1] and local is not None and local.accelerate_saved:
         # a whole save (its random_states_N.pkl, written last, is there) the guard had not secured yet
         log.info("resuming from the output folder's own %s: a later save than the secured checkpoint_%d (step %s; "
-                 "its own step is not known: accelerate's checkpoint_N counts saves)", local.path, counted[1],
+                 "its own step is not known: accelerate's checkpoint_N counts saves)", local.info.path, counted[1],
                  record.get("step") if record else None)
-        chosen = ResumeFrom(local.path, None, "local", local.size_bytes, "output folder")
+        chosen = ResumeFrom(local.info.path, None, "local", local.info.size_bytes, "output folder")
     elif counted is None and local is not None and (
-            record is None or (local.step is not None and record.get("step") is not None
-                               and local.step >= record["step"])):
+            record is None or (local.info.step is not None and record.get("step") is not None
+                               and local.info.step >= record["step"])):
         why = "nothing is secured at the destination" if record is None else (
             f"as new as or newer than the secured step {record['step']}")
-        log.info("resuming from the output folder's own %s (step %s): %s", local.path, local.step, why)
-        chosen = ResumeFrom(local.path, local.step, "local", local.size_bytes, "output folder")
+        log.info("resuming from the output folder's own %s (step %s): %s", local.info.path, local.info.step, why)
+        chosen = ResumeFrom(local.info.path, local.info.step, "local", local.info.size_bytes, "output folder")
     elif record is not None:
         if local is not None:
             log.info("the output folder's %s (step %s) is older than the secured step %s (or not comparable): "
-                     "fetching the secured one", local.path, local.step, record.get("step"))
+                     "fetching the secured one", local.info.path, local.info.step, record.get("step"))
         data = _bounded(run, "fetch_last_checkpoint", {"into_dir": str(base), "revision": record["revision"]},
                         deadline, abort, securer)
         if data is not None:
@@ -234,8 +257,43 @@ def choose(folder: str | os.PathLike[str], securer: Any, *, deadline: float, abo
                                 "destination")
             log.info("resuming from %s (step %s, secured at %s@%s)", chosen.path, chosen.step, securer.destination,
                      chosen.revision)
-    move_aside_partials(base, newer_than=chosen.step if chosen is not None else None,
-                        chosen=chosen.path if chosen is not None else None)
+    chosen = _on_disk(lambda: _settle(base, chosen), "moving partial checkpoints aside", base, deadline, abort,
+                      securer)
     if chosen is None:
         log.info("nothing secured at %s and no complete checkpoint in %s: starting fresh", securer.destination, base)
     return chosen
+
+
+@dataclasses.dataclass(frozen=True)
+class _Local:
+    """The output folder's newest complete checkpoint, whether it is a whole ``Accelerator.save_state``, and
+    ``_save_counts`` against the secured record."""
+
+    info: checkpoints.CheckpointInfo
+    accelerate_saved: bool
+    save_counts: tuple[int, int] | None
+
+
+def _local_candidate(base: Path, record: dict[str, Any] | None) -> _Local | None:
+    """The output folder's newest complete checkpoint (the folder is created when missing). File system calls:
+    run through ``_on_disk``."""
+    base.mkdir(parents=True, exist_ok=True)
+    place = record.get("place") if record is not None else None
+    if isinstance(place, str) and (secured_n := _SAVE_COUNT_RE.fullmatch(place)) is not None:
+        # accelerate's automatic naming: a later checkpoint_N without its random_states_N.pkl is half-written; out
+        # of the way first, so that the newest whole one (which load_state() will take) is the local candidate
+        move_aside_partials(base, newer_than=int(secured_n[1]), accelerate=True)
+    local = checkpoints.newest_complete(base, now_s=time.time(), stable_for_s=0.0)
+    if local is None:
+        return None
+    return _Local(local, _accelerate_saved(local.path), _save_counts(local, record, base))
+
+
+def _settle(base: Path, chosen: ResumeFrom | None) -> ResumeFrom | None:
+    """Partial folders newer than ``chosen`` moved aside, and ``chosen`` described for securing. File system calls:
+    run through ``_on_disk``."""
+    move_aside_partials(base, newer_than=chosen.step if chosen is not None else None,
+                        chosen=chosen.path if chosen is not None else None)
+    if chosen is None:
+        return None
+    return dataclasses.replace(chosen, info=checkpoints.describe(chosen.path, step=chosen.step))

@@ -381,9 +381,13 @@ class Securing:
                             "its scan", self.output_dir, FS_WAIT_S, hold.what)
             hold.then(sup, now)
 
-    def already_secured(self, info: checkpoints.CheckpointInfo, *, destination: str, revision: str) -> None:
-        """The destination already holds ``info`` (the checkpoint a resumed run was fetched from)."""
-        self._feed(None, AlreadySecured(info, destination, revision))
+    def resumed_from(self, info: checkpoints.CheckpointInfo, *, destination: str | None, revision: str) -> None:
+        """The run resumes from ``info`` (before the job starts): it is this run's newest checkpoint until the job
+        reports a newer one. ``destination``: where it was fetched from, verified (the destination already holds
+        it, at ``revision``); None for the output folder's own copy."""
+        self.latest_reported = info
+        if destination is not None:
+            self._feed(None, AlreadySecured(info, destination, revision))
 
     def _to_clock(self, epoch_s: float | None) -> float | None:
         return None if epoch_s is None else self.clock() + (epoch_s - self.wall())
