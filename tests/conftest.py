@@ -150,6 +150,8 @@ class GuardRun:
     returncode: int
     stdout: str
     stderr: str
+    #: the guard process's own CPU time (seconds; its children's not included) when measured (``wait_own_cpu_s``)
+    own_cpu_s: float | None = None
 
     @property
     def verdict(self) -> str:
@@ -176,6 +178,20 @@ def loaded_s(seconds: float, *, start_s: float | None = None) -> str:
     factor = max(1.0, os.getloadavg()[0] / cores)
     stretched = seconds if start_s is None else min(start_s, seconds)
     return f"{math.ceil(seconds + stretched * (factor - 1.0))}s"
+
+
+def wait_own_cpu_s(proc: subprocess.Popen, timeout_s: float) -> float:
+    """Wait up to ``timeout_s`` seconds for ``proc`` to exit (``subprocess.TimeoutExpired`` after that) and return
+    its own CPU time, user + system seconds without its children's: ``/proc/PID/stat`` fields 14 and 15 (proc(5)),
+    read while it has exited but is not reaped yet (``waitid`` with ``WNOWAIT``). ``proc`` is left to be reaped."""
+    end = time.monotonic() + timeout_s
+    while os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT | os.WNOHANG) is None:
+        if time.monotonic() > end:
+            raise subprocess.TimeoutExpired(proc.args, timeout_s)
+        time.sleep(0.05)
+    with open(f"/proc/{proc.pid}/stat") as handle:
+        fields = handle.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def guard_env(extra: dict[str, str] | None = None) -> dict[str, str]:

@@ -129,6 +129,18 @@ class Harness:
                               err_fd=self._out, **kwargs)
         self.result: RunResult | None = None
         self.error: BaseException | None = None
+        # The loop never turns without waiting: after its timers ran at ``now``, the next due time is later (a
+        # time already passed would make the loop spin on one core, select(0) after select(0)); every test checks.
+        self.past_due: list[tuple[float, float]] = []
+        next_due = self.sup._next_due
+
+        def checked_next_due(now: float) -> float:
+            due = next_due(now)
+            if due <= now:
+                self.past_due.append((now, due))
+            return due
+
+        self.sup._next_due = checked_next_due  # type: ignore[method-assign]
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
         assert self.job.started.wait(WAIT_S)
@@ -160,6 +172,7 @@ class Harness:
         if self.error is not None:
             raise self.error
         assert self.result is not None
+        assert not self.past_due, f"the loop's next due time had passed after its timers: {self.past_due[:5]}"
         return self.result
 
     def output(self) -> str:
@@ -342,3 +355,45 @@ def test_the_deadline_asks_for_a_checkpoint_and_pushes_it(harness: Callable[...,
     assert (result.status, result.reason, result.exit_code) == ("TIMEOUT", "deadline", 75)
     assert result.extra["secured"] == "yes" and result.extra["checkpoint"] == str(out / "checkpoint-3")
     assert pusher.started[0].op == "push_checkpoint" and pusher.started[0].args["step"] == 3
+
+
+def test_the_loop_waits_while_a_push_outlives_the_job(harness: Callable[..., Harness], tmp_path: Path) -> None:
+    # The job exits while the deadline's push is still running: the loop goes on for the push (securing is busy)
+    # past the drain time, and waits between its turns (past_due, checked in finish), as it does for the whole of
+    # a final model's push. It used to find the drain's end and a memory sample of the exited job always due: a
+    # busy loop on one core for as long as the push ran (19 s of CPU in a 45 s run whose push hung on Xet).
+    from types import SimpleNamespace
+
+    from guard.secure.budget import Deadline, MarginEstimator
+    from guard.secure.securing import Securing
+
+    out = tmp_path / "out"
+    (out / "checkpoint-3").mkdir(parents=True)
+    (out / "checkpoint-3" / "model.safetensors").write_bytes(b"0" * 1000)
+    clock = FakeClock(1000.0)
+    wall_start = time.time()
+    pusher = FakePusher(clock, overhead_s=20.0)
+    securing = Securing(deadline=Deadline(wall_start, 100.0, wall_start + 100.0, "--timeout"),
+                        estimator=MarginEstimator(fixed_margin_s=40.0, log_changes=False),
+                        securer=SimpleNamespace(destination="alice/run", token=None),  # type: ignore[arg-type]
+                        output_dir=str(out), clock=clock, wall=lambda: wall_start + (clock.now - 1000.0),
+                        pusher_factory=lambda dest, token: pusher)
+    run = harness("--timeout", "100s", securer=securing, clock=clock)
+    agent = run.agent(rank=0, world_size=1)
+    agent.send("trainer_config", config={"output_dir": str(out), "save_strategy": "steps", "max_steps": 100})
+    agent.send("step", step=3, loss=1.0, finite=True, source="trainer", n=1)
+    run.wait_until(lambda: run.sup.state.progress.step == 3, "step 3")
+    run.advance(61.0)  # past deadline - margin
+    agent.receive("checkpoint")
+    agent.send("checkpoint_saved", path=str(out / "checkpoint-3"), step=3, save_s=0.5)
+    run.wait_until(lambda: bool(pusher.started), "the push")
+    run.job.exit(0)
+    run.wait_until(lambda: run.sup.upkeep.exited_at is not None, "the job's exit")
+    for _ in range(4):  # past the drain time and its wait, the push still running
+        run.advance(1.0)
+        time.sleep(0.2)  # the loop turns at least once a second of real time
+    assert not pusher.ended and run.sup.upkeep.securing()
+    assert not run.past_due, run.past_due[:5]
+    run.advance(20.0)
+    result = run.finish()
+    assert result.extra["secured"] == "yes" and pusher.ended

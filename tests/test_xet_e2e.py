@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import JOBS, GuardRun, kill_quietly, start_guard
+from conftest import JOBS, GuardRun, kill_quietly, start_guard, wait_own_cpu_s
 
 from tests.hubserver import TOKENS, HubServer, client_constants
 
@@ -37,7 +37,8 @@ def xet_env(hub: HubServer, tmp_path: Path) -> dict[str, str]:
 def run_timed(args: list[str], env: dict[str, str]) -> tuple[GuardRun, float, float]:
     """Run the guard with its budget counted from now (``--started-at``, so that the test's clock and the guard's
     deadline agree); returns the run, when its VERDICT line came and when it exited (seconds from now). The
-    VERDICT is what must come before the platform's kill; the process then ends (interpreter shutdown)."""
+    VERDICT is what must come before the platform's kill; the process then ends (interpreter shutdown). The run's
+    ``own_cpu_s`` is the guard process's own CPU time."""
     started, started_at = time.monotonic(), f"{time.time():.3f}"
     proc = start_guard([*FAST, "--started-at", started_at, *args], env=env)
     verdict_at = [math.inf]
@@ -55,12 +56,13 @@ def run_timed(args: list[str], env: dict[str, str]) -> tuple[GuardRun, float, fl
     try:
         assert proc.stderr is not None
         stderr = proc.stderr.read()
-        proc.wait(timeout=120)
+        own_cpu_s = wait_own_cpu_s(proc, timeout_s=120)
         exited_s = time.monotonic() - started
+        proc.wait(timeout=10)
     finally:
         kill_quietly(proc)
     reader.join(10)
-    return GuardRun(proc.returncode, "".join(lines), stderr), verdict_at[0], exited_s
+    return GuardRun(proc.returncode, "".join(lines), stderr, own_cpu_s), verdict_at[0], exited_s
 
 
 def test_trainer_with_a_45s_timeout_ends_before_it_when_xet_hangs(hung_xet_hub: HubServer, tmp_path: Path) -> None:
@@ -74,6 +76,9 @@ def test_trainer_with_a_45s_timeout_ends_before_it_when_xet_hangs(hung_xet_hub: 
     assert run.returncode == 124
     assert any("xet-write-token" in r.path for r in hung_xet_hub.requests), "the push did not go through Xet"
     assert not any(p.startswith("last-checkpoint/") for p in hung_xet_hub.repo_files("alice/xet-hang"))
+    # the loop waited for the hung push after the job exited, it did not spin (it used 19.6 s of CPU in a 45 s run
+    # when the drain's end stayed due; about 1 s now)
+    assert run.own_cpu_s is not None and run.own_cpu_s < 0.2 * exited_s, (run.own_cpu_s, exited_s)
 
 
 def test_a_background_push_hung_on_xet_does_not_delay_the_deadline(hung_xet_hub: HubServer, tmp_path: Path) -> None:

@@ -8,6 +8,7 @@ loop may end. It never blocks: a sample reads ``/proc``, a reap is ``waitpid(WNO
 from __future__ import annotations
 
 import logging
+import math
 import signal
 from typing import TYPE_CHECKING
 
@@ -30,6 +31,8 @@ SAMPLE_EVERY_S = 2.0  # job tree memory sampling
 FIRST_SAMPLE_S = 0.5
 REAP_EVERY_S = 2.0  # orphans are reaped on SIGCHLD (at most twice a second) and at least this often
 REAP_GAP_S = 0.5  # the shortest time between two reaps
+#: After the drain, how long the loop still waits for processes that outlived the job's exit before it ends.
+DONE_AFTER_DRAIN_S = 0.5
 
 
 class Upkeep:
@@ -53,6 +56,7 @@ class Upkeep:
         self.exited_at: float | None = None
         self.next_sample = started + FIRST_SAMPLE_S
         self.next_reap = started
+        self.last_run = -math.inf  # when ``run`` last ran: a chore timed at or before it is done
 
     @property
     def job(self) -> JobProcess:
@@ -81,10 +85,13 @@ class Upkeep:
         return True
 
     def due_at(self) -> float:
-        """Monotonic seconds of the next chore (inf: none)."""
-        due = [self.next_sample, self.job.abandon_at(), self.link.escalation.due_at()]
+        """Monotonic seconds of the next chore (inf: none). Never a time already passed at the last ``run`` (the
+        drain's end, the wait after it, giving up on SIGKILL's survivors): while securing keeps the loop going after
+        the job exited, a passed time would make every turn of the loop due at once, a busy loop on one core."""
+        own = [self.job.abandon_at()]
         if self.exited_at is not None:
-            due.append(self.exited_at + DRAIN_AFTER_EXIT_S)
+            own += [self.exited_at + DRAIN_AFTER_EXIT_S, self.exited_at + DRAIN_AFTER_EXIT_S + DONE_AFTER_DRAIN_S]
+        due = [self.next_sample, self.link.escalation.due_at(), *(t for t in own if t > self.last_run)]
         if self.heartbeat is not None:
             due.append(self.heartbeat.due_at())
         return min(due)
@@ -92,9 +99,11 @@ class Upkeep:
     def run(self, now: float) -> None:
         """The memory sample and the heartbeat when due (``now``: monotonic seconds)."""
         job = self.job
-        if now >= self.next_sample and job.returncode is None:
-            job.sample()
-            self.next_sample = now + SAMPLE_EVERY_S
+        self.last_run = now
+        if now >= self.next_sample:  # no more samples once the job exited
+            if job.returncode is None:
+                job.sample()
+            self.next_sample = now + SAMPLE_EVERY_S if job.returncode is None else math.inf
         if self.heartbeat is not None and now >= self.heartbeat.due_at():
             from guard.observe.telemetry import Snapshot
 
@@ -136,4 +145,4 @@ class Upkeep:
         exited_at = self.exited_at if self.exited_at is not None else now
         if now < exited_at + DRAIN_AFTER_EXIT_S:
             return False
-        return not job.alive() and now >= exited_at + DRAIN_AFTER_EXIT_S + 0.5
+        return not job.alive() and now >= exited_at + DRAIN_AFTER_EXIT_S + DONE_AFTER_DRAIN_S
