@@ -78,6 +78,9 @@ class NewDriver:
     def tick(self) -> list[Any]:
         return self.plan.on(Tick())
 
+    def due_at(self, now: float) -> float:
+        return self.plan.due_at(now)
+
     @property
     def busy(self) -> bool:
         return self.plan.busy
@@ -102,7 +105,7 @@ class PlanMachine(RuleBasedStateMachine):
     driver_factory: Callable[..., Any] = NewDriver
     #: the invariants checked (all by default); a run against an older plan checks one at a time
     checks: frozenset[str] = frozenset({"bound", "in_time", "secured", "supersede", "finished", "kill_bound",
-                                        "stalled", "estimate"})
+                                        "stalled", "estimate", "waits"})
 
     def __init__(self) -> None:
         super().__init__()
@@ -192,6 +195,7 @@ class PlanMachine(RuleBasedStateMachine):
                 self._record(self.driver.deadline_near(self.can_save), now)
             self._record(self.driver.tick(), now)
             self._check_decided_in_time()
+            self._check_waits(now)
 
     @precondition(lambda self: self.deadline_at is not None)
     @rule(delta_s=st.sampled_from([-60.0, -20.0, 15.0, 120.0]))
@@ -260,6 +264,13 @@ class PlanMachine(RuleBasedStateMachine):
         kill = self._earliest_kill()
         if self.driver.busy and self.clock.now >= kill - SAFETY_S + TICK_S + 1e-6:
             self._violate("in_time", f"securing still runs at {self.clock.now:.1f}, the kill is at {kill:.1f}")
+
+    def _check_waits(self, now: float) -> None:
+        """After a tick at ``now`` the plan's next due time is later: a time already passed would make the loop
+        turn without waiting (a busy loop on one core, for as long as the plan says so)."""
+        due_at = getattr(self.driver, "due_at", None)
+        if due_at is not None and due_at(now) <= now:
+            self._violate("waits", f"after the tick at {now:.1f} the plan is due again at {due_at(now):.1f}")
 
     @invariant()
     def bound_within_the_deadline(self) -> None:

@@ -228,8 +228,10 @@ class Plan:
         return self._state is State.SECURING and self._push is not None
 
     def due_at(self, now: float) -> float:
-        """The next time a ``Tick`` has work."""
-        due = [self.secure_by]
+        """The next time a ``Tick`` has work: never a time already passed once the tick at ``now`` ran (``secure_by``
+        counts while securing or before it comes; after it, with the plan done, it would make the loop turn
+        without waiting until the job's stop)."""
+        due = [self.secure_by] if self.busy or now < self.secure_by else [math.inf]
         if self._push is not None:
             due.append(now + 0.2)
         if self._wait_save_until is not None:
