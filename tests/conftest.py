@@ -10,7 +10,7 @@ import stat
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,17 +46,21 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
     return TestsAndGroups(config, log)
 
 
-#: Each test's measured wall time (setup, call and teardown; seconds), for ordering the slow tests longest first:
-#: written by ``python -m pytest -n 4 --dist loadfile --record-durations tests/durations.json``. A test not in it
-#: counts as ``DEFAULT_DURATION_S``.
+#: Each test's measured wall time and CPU time (setup, call and teardown; seconds; the CPU time is the test process's
+#: and its reaped children's: the guard, the job, its workers), for ordering the slow tests: written by ``python -m
+#: pytest -n 4 --dist loadfile --record-durations tests/durations.json``. A test not in it counts as
+#: ``DEFAULT_DURATION_S`` of wall time and ``WAITER_CPU_SHARE`` of it as CPU.
 DURATIONS = Path(__file__).with_name("durations.json")
 DEFAULT_DURATION_S = 10.0
+#: A unit whose CPU time is less than this share of its wall time mostly waits (a deadline, a stall timeout, a
+#: hung push) and leaves the cores to the others.
+WAITER_CPU_SHARE = 0.4
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--record-durations", metavar="FILE", default=None,
-                     help="write each test's wall time (seconds) to FILE as JSON (tests/durations.json orders the "
-                          "slow tests longest first)")
+                     help="write each test's wall and CPU time (seconds) to FILE as JSON (tests/durations.json "
+                          "orders the slow tests)")
 
 
 def _unit(nodeid: str) -> str:
@@ -67,35 +71,87 @@ def _unit(nodeid: str) -> str:
     return SAME_WORKER.get(parts[0].rsplit("/", 1)[-1], nodeid)
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Longest first, so that the workers end together: the files of :data:`SAME_WORKER` (one long unit each), then
-    the tests marked ``slow`` (real jobs, seconds to a minute each) by their unit's measured time (``DURATIONS``),
-    then the unit tests, which fill the end. Within a part and a unit, the collection order."""
+def _measured() -> dict[str, tuple[float, float]]:
+    """``DURATIONS`` as {nodeid: (wall_s, cpu_s)}; an older file of wall times alone counts as waiting."""
     try:
-        measured: dict[str, float] = json.loads(DURATIONS.read_text())
+        raw = json.loads(DURATIONS.read_text())
     except (OSError, ValueError):
-        measured = {}
-    unit_s: dict[str, float] = {}
+        return {}
+    return {nodeid: (float(v[0]), float(v[1])) if isinstance(v, list) else (float(v), WAITER_CPU_SHARE * float(v))
+            for nodeid, v in raw.items()}
+
+
+def interleaved(units: list[tuple[str, float, float]]) -> list[str]:
+    """The slow units in the order they start: those that mostly wait and those that mostly compute
+    (``WAITER_CPU_SHARE``), each longest first, taken from the two lists in step (by the share of each list's wall
+    time already started), so that while some workers wait out deadlines and stall timeouts the others keep the
+    cores busy. In a run of the suite in plain longest-first order, four stall and deadline tests ran side by side
+    for 40 s with the two cores 20-30 % busy. ``units``: (unit, wall_s, cpu_s)."""
+    waiters = sorted((u for u in units if u[2] < WAITER_CPU_SHARE * u[1]), key=lambda u: -u[1])
+    burners = sorted((u for u in units if u[2] >= WAITER_CPU_SHARE * u[1]), key=lambda u: -u[1])
+    total_w, total_b = sum(u[1] for u in waiters) or 1.0, sum(u[1] for u in burners) or 1.0
+    done_w = done_b = 0.0
+    order: list[str] = []
+    while waiters or burners:
+        if burners and (not waiters or done_b / total_b <= done_w / total_w):
+            unit = burners.pop(0)
+            done_b += unit[1]
+        else:
+            unit = waiters.pop(0)
+            done_w += unit[1]
+        order.append(unit[0])
+    return order
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The files of :data:`SAME_WORKER` first (one long unit each, longest first), then the tests marked ``slow``
+    (real jobs, seconds to a minute each) by their unit's measured times (``DURATIONS``, :func:`interleaved`), then
+    the unit tests, which fill the end. Within a unit, the collection order."""
+    measured = _measured()
+    wall_s: dict[str, float] = {}
+    cpu_s: dict[str, float] = {}
     for item in items:
         unit = _unit(item.nodeid)
-        unit_s[unit] = unit_s.get(unit, 0.0) + float(measured.get(item.nodeid, DEFAULT_DURATION_S))
+        wall, cpu = measured.get(item.nodeid, (DEFAULT_DURATION_S, WAITER_CPU_SHARE * DEFAULT_DURATION_S))
+        wall_s[unit] = wall_s.get(unit, 0.0) + wall
+        cpu_s[unit] = cpu_s.get(unit, 0.0) + cpu
+    slow = {_unit(item.nodeid) for item in items
+            if item.get_closest_marker("slow") is not None and item.path.name not in SAME_WORKER}
+    rank = {unit: n for n, unit in enumerate(interleaved([(u, wall_s[u], cpu_s[u]) for u in sorted(slow)]))}
 
     def key(item: pytest.Item) -> tuple[int, float, str]:
         unit = _unit(item.nodeid)
         if item.path.name in SAME_WORKER:
-            return 0, -unit_s[unit], unit
-        if item.get_closest_marker("slow") is not None:
-            return 1, -unit_s[unit], unit
+            return 0, -wall_s[unit], unit
+        if unit in rank:
+            return 1, float(rank[unit]), unit
         return 2, 0.0, ""
 
     items.sort(key=key)
 
 
-_recorded: dict[str, float] = {}
+_recorded: dict[str, list[float]] = {}  # nodeid: [wall_s, cpu_s]
+_cpu_at_start: dict[str, float] = {}
+
+
+def _cpu_now_s() -> float:
+    import resource
+
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    if item.config.getoption("--record-durations"):
+        _cpu_at_start[item.nodeid] = _cpu_now_s()
+    yield
+    if item.nodeid in _cpu_at_start:
+        _recorded.setdefault(item.nodeid, [0.0, 0.0])[1] = _cpu_now_s() - _cpu_at_start.pop(item.nodeid)
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    _recorded[report.nodeid] = _recorded.get(report.nodeid, 0.0) + report.duration
+    _recorded.setdefault(report.nodeid, [0.0, 0.0])[0] += report.duration
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
@@ -114,11 +170,12 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     if worker:
         path.with_name(f"{path.name}.{worker}").write_text(json.dumps(_recorded))
         return
-    merged: dict[str, float] = dict(_recorded)
+    merged: dict[str, list[float]] = dict(_recorded)  # the controller's reports carry no CPU time: the workers' do
     for part_file in path.parent.glob(f"{path.name}.gw*"):
         merged.update(json.loads(part_file.read_text()))
         part_file.unlink()
-    path.write_text(json.dumps({k: round(v, 1) for k, v in sorted(merged.items())}, indent=0) + "\n")
+    lines = (f"{json.dumps(nodeid)}: [{wall:.1f}, {cpu:.1f}]" for nodeid, (wall, cpu) in sorted(merged.items()))
+    path.write_text("{\n" + ",\n".join(lines) + "\n}\n")
 
 
 @pytest.fixture(autouse=True)
