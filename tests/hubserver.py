@@ -158,6 +158,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             hub._log(method, path, 0)
             return
         status = 500
+        hub._begin()
         try:
             body = self._read_body()
             fault = hub._take_fault(method, path)
@@ -175,7 +176,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             payload = {"error": err.message}
         except Exception as err:  # a bug in the server: answer 500 rather than hang the client
             status, headers, payload = 500, {"X-Error-Message": repr(err)}, {"error": repr(err)}
-        hub._log(method, path, status)
+        finally:
+            hub._log(method, path, status)
+            hub._end()
         self._send(method, status, payload, headers)
 
     def _send(self, method: str, status: int, payload: Any, headers: dict[str, str]) -> None:
@@ -234,6 +237,8 @@ class HubServer:
     def __init__(self, *, seed: bool = True) -> None:
         self._state = HubState()
         self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)  # notified when the last request in progress is answered
+        self._in_progress = 0
         self._faults: list[_Fault] = []
         self._wake = threading.Event()
         self._down = False
@@ -337,13 +342,28 @@ class HubServer:
         with self._lock:
             self._faults.append(_Fault(status, count, methods, path_contains, latency_s, headers))
 
-    def reset_faults(self) -> None:
-        """Remove every fault, wake requests waiting on injected latency, and come back up."""
+    def reset_faults(self, settle_s: float = 5.0) -> None:
+        """Remove every fault, wake requests waiting on injected latency, and come back up.
+
+        Waits up to ``settle_s`` seconds for the requests in progress (those just woken) to be logged, so that
+        a request a test gave up on is not logged into the next test's ``requests``.
+        """
         with self._lock:
             self._faults.clear()
             self._down = False
             self._wake.set()
             self._wake = threading.Event()
+            self._idle.wait_for(lambda: self._in_progress == 0, timeout=settle_s)
+
+    def _begin(self) -> None:
+        with self._lock:
+            self._in_progress += 1
+
+    def _end(self) -> None:
+        with self._lock:
+            self._in_progress -= 1
+            if self._in_progress == 0:
+                self._idle.notify_all()
 
     def set_down(self, down: bool = True) -> None:
         """While down, every connection and request is dropped without an answer."""

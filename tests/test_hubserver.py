@@ -276,6 +276,19 @@ def test_injected_latency_and_down_server_fail_fast(hub):
     assert 0 in {r.status for r in hub.requests}
 
 
+def test_a_request_woken_by_reset_is_logged_before_reset_returns(hub):
+    """A request a test gave up on (its client timed out during injected latency) must not be logged into the
+    next test's ``requests``: ``reset_faults`` returns once the woken request is logged."""
+    url = f"{hub.url}/api/models/acme/tiny-gpt2"
+    with httpx.Client() as client:
+        hub.inject(latency_s=30, methods=("GET",))
+        with pytest.raises(httpx.ReadTimeout):
+            client.get(url, timeout=0.2)
+        hub.requests.clear()
+        hub.reset_faults()
+        assert [(r.method, r.path) for r in hub.requests] == [("GET", "/api/models/acme/tiny-gpt2")]
+
+
 def test_subprocess_configured_by_environment(hub, tmp_path):
     code = ("from huggingface_hub import hf_hub_download, whoami; import json, sys;"
             "p = hf_hub_download('alice/existing-model', 'config.json');"
