@@ -105,7 +105,7 @@ class PlanMachine(RuleBasedStateMachine):
     driver_factory: Callable[..., Any] = NewDriver
     #: the invariants checked (all by default); a run against an older plan checks one at a time
     checks: frozenset[str] = frozenset({"bound", "in_time", "secured", "supersede", "finished", "kill_bound",
-                                        "stalled", "estimate", "waits"})
+                                        "stalled", "estimate", "waits", "follows"})
 
     def __init__(self) -> None:
         super().__init__()
@@ -118,6 +118,7 @@ class PlanMachine(RuleBasedStateMachine):
         self.job_running = True
         self.finished = False  # the job ended having trained to its end, nothing decided against it
         self.signalled = self.failed = False
+        self.asked = self.answered = False  # the job was asked for a save (deadline, signal); it answered
         self.violations: list[str] = []
 
     @initialize(deadline_s=st.sampled_from([None, 60.0, 120.0, 400.0, 3600.0]),
@@ -183,6 +184,7 @@ class PlanMachine(RuleBasedStateMachine):
         # a save at a step saved before is that checkpoint again (ckpt(): same path and mtime), of the same size
         size = self.pusher.sizes.setdefault(str(ckpt(self.step).path), size)
         info = ckpt(self.step, size_bytes=size)
+        self.answered = self.answered or (self.asked and requested is True)
         self._record(self.driver.checkpoint(info, requested), self.clock.now)
 
     @rule(seconds=st.sampled_from([0.5, 1.0, 3.0, 10.0, 30.0, 90.0]))
@@ -192,6 +194,7 @@ class PlanMachine(RuleBasedStateMachine):
             self.clock.advance(TICK_S)
             now = self.clock.now
             if self.job_running and self.decided is None and self.driver.deadline_due(now):
+                self.asked = self.asked or self.can_save
                 self._record(self.driver.deadline_near(self.can_save), now)
             self._record(self.driver.tick(), now)
             self._check_decided_in_time()
@@ -208,6 +211,7 @@ class PlanMachine(RuleBasedStateMachine):
     def signal(self, signum: int) -> None:
         self.signalled = True
         self.signal_kill_at = min(self.signal_kill_at, self.clock.now + self.grace_s)
+        self.asked = self.asked or (self.can_save and self.job_running and self.decided is None)
         self._record(self.driver.signal(signum, self.can_save and self.job_running), self.clock.now)
 
     @precondition(lambda self: self.job_running and self.decided is None)
@@ -293,6 +297,19 @@ class PlanMachine(RuleBasedStateMachine):
         ends = [h.result for h in self.pusher.started if h.args.get("local_dir") == path and h.result is not None]
         if not any(r.ok for r in ends):
             self._violate("secured", f"secured names {path}, whose push never ended well ({ends})")
+
+    @invariant()
+    def follows_the_job_until_it_stops(self) -> None:
+        """Securing for the deadline or a signal goes on while the job runs and has not answered: a job that
+        cannot be asked, or that was asked and did not answer, goes on saving until it is stopped at ``secure_by``,
+        and each of those saves is secured (the plan ending early left them all on the machine)."""
+        if not hasattr(self, "driver") or self.driver.busy or not self.job_running or self.answered:
+            return
+        if self.decided not in ("TIMEOUT", "INTERRUPTED") or self.failed or self.taint_from is not None:
+            return
+        if self.clock.now < self.driver.secure_by - TICK_S:
+            self._violate("follows", f"securing ended at {self.clock.now:.1f} while the job runs on unanswered, "
+                          f"{self.driver.secure_by - self.clock.now:.1f}s before secure_by: its next saves are lost")
 
     @invariant()
     def finished_is_never_timeout(self) -> None:

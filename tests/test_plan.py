@@ -739,3 +739,36 @@ def test_the_answer_is_waited_for_only_until_the_wait_for_it_ends(clock: FakeClo
     plan.on(CheckpointSeen(ckpt(30), requested=False))
     run_until(plan, clock, 40.0)  # no answer comes: the wait's end ends securing, before the grace is over
     assert plan.state is State.DONE and clock.now <= 20.0 - SAFETY_S + 0.11 and secured_step(plan) == 30
+
+
+def test_a_job_asked_too_early_to_tell_that_never_answers_has_every_later_save_secured(clock: FakeClock) -> None:
+    # seen at load 5 (a nanoGPT-shaped loop without the API, still starting at the deadline's request): asked, it
+    # saved ckpt.pt on its own (found, requested None), that save was secured and securing ended; its 13 later saves
+    # before the guard stopped it were never pushed
+    pusher = FakePusher(clock, rate=lambda now: 2e6)  # 0.5 s per push
+    plan = make(clock, pusher, deadline_at=60.0, interval_s=600.0)
+    clock.now = 35.0
+    actions = plan.on(DeadlineNear(can_save=True))  # too early to tell: asked
+    assert RequestSave() in actions
+    clock.advance(2.0)
+    seen(plan, ckpt(10))
+    run_until(plan, clock, 40.0)
+    assert secured_step(plan) == 10 and plan.state is State.AWAITING_SAVE  # the job runs on: followed
+    for step, at in ((20, 42.0), (30, 47.0)):
+        clock.now = at
+        seen(plan, ckpt(step))
+        run_until(plan, clock, at + 2.0)
+    assert [h.args["step"] for h in pusher.started] == [10, 20, 30] and secured_step(plan) == 30
+    clock.now = 56.5
+    plan.on(JobExited(ok=False))  # stopped by the guard at secure_by - STOP_BEFORE_S
+    assert plan.state is State.DONE
+
+
+def test_a_job_that_answers_ends_securing_with_its_answer(clock: FakeClock) -> None:
+    pusher = FakePusher(clock)
+    plan = make(clock, pusher, deadline_at=60.0)
+    clock.now = 35.0
+    plan.on(DeadlineNear(can_save=True))
+    plan.on(CheckpointSeen(ckpt(40), requested=True))
+    run_until(plan, clock, 45.0)
+    assert secured_step(plan) == 40 and plan.state is State.DONE and clock.now < 45.0

@@ -13,7 +13,8 @@ States::
 
     WATCHING -- deadline near / signal (job can save) --> AWAITING_SAVE -- fresh save / wait over --> SECURING
     WATCHING -- signal (job cannot save) --> AWAITING_SAVE (the signal is forwarded; what the job writes is pushed)
-    SECURING -- push done, job cannot save and still runs --> AWAITING_SAVE (its next save is pushed too)
+    SECURING -- push done, job cannot save (or was asked and has not answered) and still runs --> AWAITING_SAVE
+        (its next save is pushed too, until secure_by)
     SECURING -- push done of a save the job made on its own (not the answer), job still runs --> AWAITING_SAVE
         (until the wait for the answer is over: the requested save is newer and is secured too)
     WATCHING -- failure --> SECURING (the newest complete checkpoint saved before the failure)
@@ -183,6 +184,7 @@ class Plan:
         self._follow_saves = False
         self._answer_by: float | None = None  # the job was asked to save: its answer is waited for until then
         self._answer_pending = False  # the save secured (or being secured) was not the job's answer
+        self._unanswered = False  # the job was asked and has not answered: its saves are followed until secure_by
         self._job_ended = False
         self._complete = False
         self._training_started = False
@@ -333,6 +335,8 @@ class Plan:
             # a save the job made on its own (a periodic one under way when asked) is secured, and the answer to
             # the request still waited for; the answer ends that wait
             self._answer_pending = not event.requested
+            if event.requested:
+                self._unanswered = False
         if self._state is State.AWAITING_SAVE and (_step(info) > self._awaiting_after_step or rewritten):
             # a fresh save: a later step, or the same file saved over in place (nanoGPT's ckpt.pt, step unknown)
             self._wait_save_until = None
@@ -412,6 +416,7 @@ class Plan:
             self._wait_save_until = None
             self._follow_saves = False
             self._answer_pending = False
+            self._unanswered = False
             self._state = State.SECURING
             actions += self._secure_newest(now)
         return actions
@@ -439,6 +444,7 @@ class Plan:
         self._wait_save_until = None
         self._follow_saves = False
         self._answer_pending = False
+        self._unanswered = False
         self._final_files = event.final_files
         if self._pusher is None or not self._final_output_dir:
             if self._push is None:
@@ -576,6 +582,7 @@ class Plan:
         self._wait_save_until = now + max(0.5 * left_s, left_s - reserve_s, 0.0)
         if can_save:
             self._answer_by = self._wait_save_until
+            self._unanswered = True
             log.info("waiting up to %.0fs for the job's checkpoint", self._wait_save_until - now)
             return [RequestSave()]
         self._follow_saves = True
@@ -590,7 +597,10 @@ class Plan:
     def _follow(self, now: float) -> bool:
         """A job that cannot be asked to save runs on until it is stopped (or ends): wait for its next save
         instead of ending securing; ``secure_by`` still ends it. A job that was asked and made a save of its own
-        first (``CheckpointSeen.requested`` False) is waited for likewise, until the wait for its answer ends."""
+        first (``CheckpointSeen.requested`` False) is waited for likewise, until the wait for its answer ends. A
+        job that was asked and has not answered (asked while too early to tell whether it can: a loop without the
+        API still starting, whose saves are found, ``requested`` None) runs on until its stop as well: each newer
+        save it makes before ``secure_by`` is secured too, not only the first one."""
         if self._answer_pending and not self._job_ended and self._pusher is not None and self._answer_by is not None \
                 and now < min(self._answer_by, self.secure_by):
             self._state = State.AWAITING_SAVE
@@ -600,7 +610,8 @@ class Plan:
                      "the answer", self._answer_by - now)
             self._answer_pending = False  # waited for once: the next save or the wait's end decides
             return True
-        if not self._follow_saves or self._job_ended or self._pusher is None or now >= self.secure_by:
+        if not (self._follow_saves or self._unanswered) or self._job_ended or self._pusher is None \
+                or now >= self.secure_by:
             return False
         self._state = State.AWAITING_SAVE
         self._awaiting_after_step = _step(self._newest)
