@@ -15,7 +15,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import JOBS, guard_env, kill_quietly, loaded_s, pid_alive, run_guard, signal_when, start_guard
+from conftest import JOBS, GuardRun, guard_env, kill_quietly, loaded_s, pid_alive, run_guard, signal_when, start_guard
 
 pytestmark = [pytest.mark.slow]
 
@@ -185,8 +185,10 @@ def test_two_nodes_at_the_deadline_save_at_one_step_and_node_0_secures(tmp_path:
 def test_a_rank_stopped_while_the_other_trains_on_is_stalled(tmp_path: Path) -> None:
     pids = tmp_path / "pids"
     pids.mkdir()
-    # The stall timeout also covers the start (torch imports, no output): long enough for a loaded machine.
-    stall = loaded_s(15)
+    # The stall timeout also covers the two ranks' silent start (torch imports, the process group: before the first
+    # step the guard counts output, and there is none). The load can rise after the start, when the stretch was
+    # computed: in a run of the suite at load 5, a 19 s timeout came while both ranks were still importing torch.
+    stall = loaded_s(25)
     proc = start_guard([*FAST, "--stall-timeout", stall, "--", TORCHRUN, "--standalone", "--nproc-per-node", "2",
                         str(JOBS / "ddp_loop.py"), "--independent", "--step-s", "0.05", "--pid-dir", str(pids)])
     stopped = None
@@ -215,6 +217,9 @@ def test_a_rank_stopped_while_the_other_trains_on_is_stalled(tmp_path: Path) -> 
     verdict = [line for line in stdout.splitlines() if line.startswith("VERDICT:")][-1]
     assert verdict.startswith("VERDICT: FAIL reason=stalled exit=5 "), (seen + stderr)[-3000:]
     assert " rank=1" in verdict
+    fields = GuardRun(proc.returncode, stdout, stderr).fields()
+    assert "rank 1 gave no stack when asked" in fields["hint"]  # SIGSTOP: it cannot answer the dump
+    assert "main thread waits in" not in fields["hint"]  # rank 0's stack is not quoted as rank 1's
     # the stall timeout, then the stack dump and the stop (the whole took 62.6 s in a run at load 5-6)
     assert time.monotonic() - started < float(stall.removesuffix("s")) + 45
     assert "rank 1: no training step for" in stderr

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -108,6 +107,7 @@ def test_an_abort_after_training_completed_and_saved_is_a_pass_with_a_warning_an
     assert "process group destroyed while a collective was pending" in fields["warning"]
     assert (dest / "model.safetensors").exists()  # the final push happened
     assert "OOM killer" not in run.stdout
+    assert "@" not in fields["pushed"] and fields["pushed"].startswith(str(dest))  # a folder renders as the folder
 
 
 def test_an_abort_after_training_with_no_final_save_stays_killed(tmp_path: Path) -> None:
@@ -258,41 +258,3 @@ def test_a_trainer_on_hf_jobs_with_no_destination_fails_preflight_destination(tm
     assert local.fields().get("check") != "destination", local.stdout + local.stderr[-2000:]
 
 
-# -- a stall hint quotes the stalled rank's stack, or says it has none ---------------------------------------------
-
-
-def test_a_stopped_rank_is_said_to_have_no_stack_and_rank_0s_is_not_quoted_as_its(tmp_path: Path) -> None:
-    torchrun = str(Path(sys.executable).with_name("torchrun"))
-    pids = tmp_path / "pids"
-    pids.mkdir()
-    # the stall timeout also covers the two ranks' silent start (torch imports, the process group): stretched on a
-    # loaded machine, where a fixed 15 s was once called a stall before the first step and rank 1 was gone
-    proc = start_guard(["--no-preflight", "--grace", "8s", "--stall-timeout", loaded_s(15), "--", torchrun,
-                        "--standalone", "--nproc-per-node", "2", str(JOBS / "ddp_loop.py"), "--independent",
-                        "--step-s", "0.05", "--pid-dir", str(pids)], cwd=tmp_path)
-    stopped = None
-    try:
-        deadline = time.monotonic() + 90
-        seen = ""
-        while "sanity pass" not in seen and time.monotonic() < deadline and proc.poll() is None:
-            seen += proc.stderr.readline()
-        while len(list(pids.iterdir())) < 2 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        time.sleep(1.0)
-        stopped = int((pids / "rank1.pid").read_text())
-        try:
-            os.kill(stopped, signal.SIGSTOP)
-        except ProcessLookupError:
-            stopped = None
-            kill_quietly(proc)
-            pytest.fail("rank 1 ended before it could be stopped: " + (seen + proc.communicate(timeout=30)[1])[-3000:])
-        stdout, stderr = proc.communicate(timeout=120)
-    finally:
-        kill_quietly(proc)
-        if stopped is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(stopped, signal.SIGKILL)
-    fields = GuardRun(proc.returncode, stdout, stderr).fields()
-    assert (fields["reason"], fields["rank"]) == ("stalled", "1"), (seen + stderr)[-3000:]
-    assert "rank 1 gave no stack when asked" in fields["hint"]
-    assert "main thread waits in" not in fields["hint"]  # rank 0's stack is not rank 1's

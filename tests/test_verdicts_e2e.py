@@ -123,22 +123,16 @@ def test_trainer_saves_are_counted_in_the_heartbeat(tmp_path: Path) -> None:
 # -- 4. an exit 0 that is not a finished run ---------------------------------------------------------------------
 
 
-def test_a_swallowed_trainer_error_is_incomplete_with_the_cause(tmp_path: Path) -> None:
-    run = run_guard([str(JOBS / "swallowed.py"), "--output-dir", str(tmp_path / "out"), "--fail-at", "29"])
-    assert run.returncode == 7, run.stdout[-1500:] + run.stderr[-3000:]
-    fields = run.fields()
-    assert (fields["status"], fields["reason"]) == ("FAIL", "incomplete")
-    assert "No space left on device" in fields["hint"]  # the root of the chain, not the wrapper's message
-    assert "step 29 of 200" in fields["hint"]
-
-
-def test_an_incomplete_run_secures_the_checkpoint_saved_before_it(tmp_path: Path) -> None:
+def test_a_swallowed_trainer_error_is_incomplete_with_the_cause_and_the_checkpoint_before_it_secured(
+        tmp_path: Path) -> None:
     dest = tmp_path / "dest"
     run = run_guard(["--push-to", str(dest), str(JOBS / "swallowed.py"), "--output-dir", str(tmp_path / "out"),
                      "--fail-at", "29", "--save-steps", "10"])
     assert run.returncode == 7, run.stdout[-1500:] + run.stderr[-3000:]
     fields = run.fields()
-    assert (fields["reason"], fields["secured"]) == ("incomplete", "yes"), run.verdict
+    assert (fields["status"], fields["reason"], fields["secured"]) == ("FAIL", "incomplete", "yes"), run.verdict
+    assert "No space left on device" in fields["hint"]  # the root of the chain, not the wrapper's message
+    assert "step 29 of 200" in fields["hint"]
     assert fields["checkpoint"].endswith("checkpoint-20"), run.verdict
     assert (dest / "last-checkpoint" / "trainer_state.json").is_file()
     assert not (dest / "model.safetensors").exists()  # not pushed as a final model
