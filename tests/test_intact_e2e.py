@@ -150,19 +150,6 @@ def test_checkpoint_folders_of_a_plain_loop_are_found_and_secured_whole(tmp_path
     assert step > 60, stderr[-3000:]  # not only the first save
 
 
-def test_accelerate_automatic_naming_is_found_and_secured_whole(tmp_path: Path) -> None:
-    pytest.importorskip("accelerate")
-    out, dest = tmp_path / "project", tmp_path / "dest"
-    proc = start_guard([*FAST, "--push-to", str(dest), str(JOBS / "accelerate_auto.py"), str(out), "--every", "60",
-                        "--step_s", "0.05"], cwd=tmp_path)
-    _, stderr = signal_when(proc, lambda: secured_step(dest) is not None, signal.SIGTERM, wait_s=120)
-    assert proc.returncode == 75, stderr[-3000:]
-    assert f"output folder: {out / 'checkpoints'} (" in stderr
-    names = {p.name for p in (dest / "last-checkpoint").iterdir()}
-    # the whole folder: the model accelerate writes with safetensors and the RNG state it writes last included
-    assert {"model.safetensors", "optimizer.bin", "scheduler.bin", "random_states_0.pkl"} <= names, names
-
-
 def test_a_save_to_an_open_file_object_is_secured(tmp_path: Path) -> None:
     # word_language_model: --save model.pt names a file (not a folder), torch.save(model, f) to an open file
     dest = tmp_path / "dest"
@@ -209,7 +196,7 @@ def test_a_save_file_in_the_working_folder_is_the_final_model_and_a_later_load_n
     assert "resumed_from" in fields and "did not load the resumed checkpoint" in fields["hint"], fields
 
 
-def test_accelerate_automatic_naming_resumes_from_the_secured_folder_not_a_half_written_newer_one(
+def test_accelerate_automatic_naming_is_secured_whole_and_resumed_from_not_a_half_written_newer_one(
         tmp_path: Path) -> None:
     # checkpoint_N counts accelerate's saves (N is no step: the secured step is the agent's); the next run with
     # --resume on moves a half-written newer checkpoint_N out of checkpoints/ (load_state() takes the highest
@@ -228,6 +215,10 @@ def test_accelerate_automatic_naming_resumes_from_the_secured_folder_not_a_half_
     step = json.loads((dest / "last-checkpoint" / "guard_manifest.json").read_text())["step"]
     assert step >= 100 and step % 100 == 0, step
     assert f"resumes from step {step}" in first.fields()["hint"]
+    assert f"output folder: {out / 'checkpoints'} (" in first.stderr  # found from accelerate's automatic naming
+    names = {p.name for p in (dest / "last-checkpoint").iterdir()}
+    # the whole folder: the model accelerate writes with safetensors and the RNG state it writes last included
+    assert {"model.safetensors", "optimizer.bin", "scheduler.bin", "random_states_0.pkl"} <= names, names
     newest = max((p for p in (out / "checkpoints").iterdir()), key=lambda p: int(p.name.split("_")[1]))
     half = out / "checkpoints" / f"checkpoint_{int(newest.name.split('_')[1]) + 1}"
     half.mkdir()
