@@ -229,3 +229,32 @@ def test_the_job_starts_before_the_policies_are_imported(tmp_path: Path) -> None
     policies = {"guard.secure.securing", "guard.secure.plan", "guard.secure.events", "guard.run.supervisor",
                 "guard.run.watchdog", "guard.observe.telemetry", "guard.observe.alerts"}
     assert not loaded & policies
+
+
+def test_the_jobs_first_lines_pass_through_while_the_policies_are_built(tmp_path: Path) -> None:
+    """The job's output is passed through from its start (``pipes.EarlyRelay``), not held in the pipe until the
+    loop runs: with the policies' build held back until the job's first line reached the guard's stdout (a file
+    here), the line does get there, and every line once, in order, after the hand-over too."""
+    probe, out = tmp_path / "probe.py", tmp_path / "out.txt"
+    probe.write_text(
+        "import sys, time\n"
+        "from pathlib import Path\n"
+        "from guard.run import cli, stages\n"
+        "build = stages._supervisor\n"
+        "def held(*args, **kwargs):\n"
+        "    end = time.monotonic() + 30\n"
+        f"    while b'first' not in Path({str(out)!r}).read_bytes() and time.monotonic() < end:\n"
+        "        time.sleep(0.05)\n"
+        f"    print('SEEN DURING BUILD', b'first' in Path({str(out)!r}).read_bytes(), file=sys.stderr)\n"
+        "    return build(*args, **kwargs)\n"
+        "stages._supervisor = held\n"
+        "job = 'import time; print(\"first\", flush=True); time.sleep(0.5); print(\"second\", flush=True)'\n"
+        "sys.exit(cli.main(['--no-preflight', '--', sys.executable, '-c', job]))\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GUARD_")}
+    with out.open("wb") as stdout:
+        done = subprocess.run([sys.executable, str(probe)], stdout=stdout, stderr=subprocess.PIPE, text=True,
+                              env=env, timeout=90)
+    assert done.returncode == 0, done.stderr
+    assert "SEEN DURING BUILD True" in done.stderr
+    lines = out.read_text().splitlines()
+    assert lines[:2] == ["first", "second"] and lines[2].startswith("VERDICT: PASS"), lines

@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import os
 import selectors
+import threading
+import time
+from collections.abc import Callable
 from typing import Literal
 
 from guard.core.masking import Masker
 from guard.run.output import LINES, OutputEvents, StreamFilter
 from guard.run.writer import OutputWriter, pump_all, writer_for
 
-__all__ = ["PARTIAL_FLUSH_S", "JobOutput"]
+__all__ = ["PARTIAL_FLUSH_S", "EarlyRelay", "JobOutput"]
 
 PARTIAL_FLUSH_S = 0.1  # an unfinished line is written after this long without a newline
 #: One read of a job's pipe: a Python job writes 64 KiB at a time (the agent's ``STDOUT_CHUNK_BYTES``). Reads of
@@ -92,6 +95,15 @@ class JobOutput:
             self.partial_since.pop(fd, None)
         return "data"
 
+    def move_to(self, selector: selectors.BaseSelector) -> None:
+        """Read the job's pipes through ``selector`` from now on (the loop's, after ``EarlyRelay``'s own): the
+        pipes registered in the old one move; those paused for backpressure are registered when they resume."""
+        pipes = [key.fd for key in self._sel.get_map().values() if key.data == PIPE]
+        for fd in pipes:
+            self._sel.unregister(fd)
+            selector.register(fd, selectors.EVENT_READ, PIPE)
+        self._sel = selector
+
     @property
     def open(self) -> bool:
         """Some pipe of the job is still open (read, or paused for backpressure)."""
@@ -158,3 +170,70 @@ class JobOutput:
         """Put the outputs' flags back (what is left was written by ``finish``)."""
         for writer in self.writers.values():
             writer.close(timeout_s=0)
+
+
+RELAY_POLL_S = 0.01  # how often the early relay looks at its stop flag while the job is silent
+
+
+class EarlyRelay:
+    """The job's output passed through on a thread of its own while the loop's policies are imported and built.
+
+    The job is started before securing, the watchdog and telemetry exist (``guard.run.start``); without this its
+    first lines waited in the pipes until the loop ran (about 50-100 ms of the guard's start-up). The relay reads
+    the pipes of ``output`` through a selector of its own, filters and writes them exactly as the loop does (the
+    same ``JobOutput``: masking, loss parsing, the non-blocking writers, backpressure), and stops at
+    ``hand_over``, after which the loop reads the same pipes with the same filters. Nothing here blocks: reads
+    follow ``select``, writes go to the non-blocking writers, and the thread looks at its stop flag every
+    ``RELAY_POLL_S`` seconds, so ``hand_over`` returns within about that long.
+
+    Args:
+        output: the job's output, its pipes added with ``selector``.
+        selector: the relay's own selector (``output``'s until the hand-over).
+        clock: monotonic seconds.
+
+    Attributes:
+        saw_output: the job wrote something (data or the end of a stream) while the relay ran.
+    """
+
+    def __init__(self, output: JobOutput, selector: selectors.BaseSelector,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.output = output
+        self._sel = selector
+        self._clock = clock
+        self._stop = threading.Event()
+        self.saw_output = False
+        self._thread = threading.Thread(target=self._run, name="guard-early-output", daemon=True)
+
+    def start(self) -> EarlyRelay:
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        output = self.output
+        while not self._stop.is_set():
+            for key, _ in self._sel.select(RELAY_POLL_S):
+                if self._stop.is_set():
+                    break
+                if key.data == PIPE and output.read(key.fd, self._clock()) != "none":
+                    self.saw_output = True
+            output.flush_partials(self._clock())
+            output.pump()
+            if not output.open:
+                return
+
+    def hand_over(self, selector: selectors.BaseSelector, timeout_s: float = 2.0) -> bool:
+        """Stop the relay and move the pipes to ``selector`` (the loop's); returns ``saw_output``. Waits for the
+        thread at most ``timeout_s`` seconds (it ends within about ``RELAY_POLL_S``: nothing it does blocks)."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+        self.output.move_to(selector)
+        self._sel.close()
+        return self.saw_output
+
+    def stop(self) -> None:
+        """Stop the relay without a hand-over (the loop will not run)."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(2.0)
+        self._sel.close()

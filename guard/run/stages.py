@@ -406,7 +406,7 @@ def run_job(config: Config, masker: Masker, started: float) -> RunResult:
 
         env_extra[protocol.ENV_RESUME_PATH] = str(fetched.path)
         env_extra[protocol.ENV_RESUME_STEP] = str(fetched.step or 0)
-    start = JobStart.of(config.command, {**config.environ, **env_extra}, config.settings.watch)
+    start = JobStart.of(config.command, {**config.environ, **env_extra}, config.settings.watch, masker=masker)
     start.begin()
     try:
         supervisor = _supervisor(config, masker, start, deadline=deadline, securer=securer, factory=factory,

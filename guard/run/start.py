@@ -3,11 +3,13 @@ process, before the loop's policies are built.
 
 ``stages.run_job`` starts the job as soon as its command and environment are known, and only then imports and
 builds securing, the watchdog and telemetry: those imports (about 60 ms of the guard's CPU) run while the job's
-interpreter starts on another core, instead of before it. Until the loop runs, the job's output waits in its pipes
-and the agents' connections in the socket's backlog; the signal handlers are installed before the job starts, so a
-signal in between is recorded like any other.
+interpreter starts on another core, instead of before it. Until the loop runs, the job's output is passed through
+by ``guard.run.pipes.EarlyRelay`` on a thread of its own (its first line is not held back by the guard's
+start-up), the agents' connections wait in the socket's backlog, and the signal handlers, installed before the job
+starts, record a signal like any other.
 
-This module imports only what starting needs (the channel, the process, the self-pipe), never the policies.
+This module imports only what starting needs (the channel, the process, the output pipes, the self-pipe), never the
+policies.
 """
 
 from __future__ import annotations
@@ -21,8 +23,10 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from guard.core.cgroup import CgroupMemory
+from guard.core.masking import Masker
 from guard.errors import SupervisorError
 from guard.run.channel import AgentChannel, job_env
+from guard.run.pipes import EarlyRelay, JobOutput
 from guard.run.process import JobProcess, Spawner, cgroup_memory, set_subreaper
 from guard.run.wakeup import LoopSignals
 
@@ -46,6 +50,9 @@ class JobStart:
             ``--grace`` in seconds), passed in its environment.
         spawner: ``subprocess.Popen`` or a stand-in (tests inject faults here); default ``subprocess.Popen``.
         clock: monotonic seconds. wall: wall-clock seconds (``time.time``).
+        masker: the secret masker; given, ``begin()`` passes the job's output through at once (``EarlyRelay``,
+            to ``out_fd`` and ``err_fd``, default 1 and 2) until the loop takes it over (``output``); None: the
+            output waits in the pipes until the loop reads them.
 
     Attributes:
         selector, channel, wakeup: what the loop watches (``wakeup``: ``LoopSignals``, its ``signals`` list).
@@ -53,11 +60,13 @@ class JobStart:
         started_s: monotonic seconds just before the job was started (None before). started_wall_s: the same
             instant in wall-clock seconds: files written from then on are this run's.
         cgroup_start: the cgroup's memory figures just before the start (its ``oom_kill`` counter), or None.
+        output: the job's output (``JobOutput``) once ``begin()`` started the relay, else None.
     """
 
     def __init__(self, command: Sequence[str], environ: Mapping[str, str], *, sanity_steps: int, check_every: int,
                  grace_s: float, spawner: Spawner | None = None, clock: Callable[[], float] = time.monotonic,
-                 wall: Callable[[], float] = time.time) -> None:
+                 wall: Callable[[], float] = time.time, masker: Masker | None = None, out_fd: int = 1,
+                 err_fd: int = 2) -> None:
         self.command = list(command)
         self.environ = dict(environ)
         self.sanity_steps, self.check_every, self.grace_s = sanity_steps, check_every, grace_s
@@ -70,14 +79,18 @@ class JobStart:
         self.started_s: float | None = None
         self.started_wall_s: float | None = None
         self.cgroup_start: CgroupMemory | None = None
+        self.masker, self.out_fd, self.err_fd = masker, out_fd, err_fd
+        self.output: JobOutput | None = None
+        self._relay: EarlyRelay | None = None
 
     @classmethod
     def of(cls, command: Sequence[str], environ: Mapping[str, str], watch: WatchSettings, *,
-           spawner: Spawner | None = None, clock: Callable[[], float] = time.monotonic) -> JobStart:
+           spawner: Spawner | None = None, clock: Callable[[], float] = time.monotonic, masker: Masker | None = None,
+           out_fd: int = 1, err_fd: int = 2) -> JobStart:
         """The start of a job with the agent's settings taken from the loop's part of the settings (``watch``:
         ``sanity_steps``, ``check_every``, ``grace_s``)."""
         return cls(command, environ, sanity_steps=watch.sanity_steps, check_every=watch.check_every,
-                   grace_s=watch.grace_s, spawner=spawner, clock=clock)
+                   grace_s=watch.grace_s, spawner=spawner, clock=clock, masker=masker, out_fd=out_fd, err_fd=err_fd)
 
     def begin(self) -> JobProcess:
         """Install the loop's signal handlers, open the agent socket, start the job; returns it. A second call
@@ -105,8 +118,20 @@ class JobStart:
             raise SupervisorError(f"cannot start the job {self.command[0]!r}: {exc.strerror or exc}",
                                   hint="check the command and that it is executable and on PATH") from exc
         self.job = job
+        if self.masker is not None:
+            relay_selector = selectors.DefaultSelector()
+            self.output = JobOutput(relay_selector, self.masker, self.out_fd)
+            self.output.add(job.stdout_fd, self.out_fd, label="stdout")
+            self.output.add(job.stderr_fd, self.err_fd, label="stderr")
+            self._relay = EarlyRelay(self.output, relay_selector, clock=self.clock).start()
         log.info("job started: pid %d, command: %s", job.pid, " ".join(self.command))
         return job
+
+    def hand_over(self) -> bool:
+        """The loop takes the job's output over from the early relay: its pipes move to ``selector``. Returns
+        whether the job wrote anything meanwhile (False without a relay)."""
+        relay, self._relay = self._relay, None
+        return relay.hand_over(self.selector) if relay is not None else False
 
     def abort(self) -> None:
         """The loop will not run (the guard failed before it): SIGKILL the job's process group, reap it, close
@@ -121,7 +146,10 @@ class JobStart:
         self.close()
 
     def close(self) -> None:
-        """Close the agent socket, restore the signal handlers, close the selector."""
+        """Stop the early relay, close the agent socket, restore the signal handlers, close the selector."""
+        relay, self._relay = self._relay, None
+        if relay is not None:
+            relay.stop()
         self.channel.close()
         self.wakeup.close()
         self.selector.close()

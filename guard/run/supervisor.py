@@ -102,14 +102,15 @@ class Supervisor:
         self.out_fd, self.err_fd = out_fd, err_fd
         self.settings = watch = config.settings.watch  # the loop's part of the settings
         self.job_start = start or JobStart.of(config.command, {**config.environ, **(env_extra or {})}, watch,
-                                              spawner=spawner, clock=clock)
+                                              spawner=spawner, clock=clock, masker=masker, out_fd=out_fd,
+                                              err_fd=err_fd)
         self.started = self.job_start.started_s if self.job_start.started_s is not None else clock()
         self.state = RunState()
         self.watchdog = Watchdog.from_settings(self.state, self.started, watch,
                                                expected_primary=expected_primary(config.environ, config.command))
         self.escalation = Escalation(watch.grace_s)
         self._sel = self.job_start.selector
-        self.output = JobOutput(self._sel, masker, out_fd)
+        self.output = JobOutput(self._sel, masker, out_fd)  # the relay's, once the job started (``_start``)
         self.channel = self.job_start.channel
         self.link = LoopLink(self.state, watch, channel=self.channel, watchdog=self.watchdog,
                              escalation=self.escalation, heartbeat=heartbeat,
@@ -149,8 +150,15 @@ class Supervisor:
         if self.securer is not None:
             assert self.job_start.started_wall_s is not None
             self.securer.before_start(started_wall_s=self.job_start.started_wall_s)
-        self.output.add(job.stdout_fd, self.out_fd, label="stdout")
-        self.output.add(job.stderr_fd, self.err_fd, label="stderr")
+        if self.job_start.output is None:  # started without the early relay: the loop reads the pipes from the start
+            self.output.add(job.stdout_fd, self.out_fd, label="stdout")
+            self.output.add(job.stderr_fd, self.err_fd, label="stderr")
+            return
+        self.output = self.job_start.output  # the same filters and writers: what they hold goes on from here
+        if self.job_start.hand_over():  # what the job wrote meanwhile counts as if the loop had read it now
+            now = self.clock()
+            self.watchdog.on_output(now)
+            self.dispatch.after_output(now, self.output.events)
 
     def _teardown(self) -> None:
         self.executor.thaw()
