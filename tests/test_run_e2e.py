@@ -210,3 +210,17 @@ def test_report_json_is_written(tmp_path: Path) -> None:
     assert data["step"] == 4 and data["loss"] == "nan"
     assert len(data["sanity"]) == 3 and data["hint"]
     assert run.returncode == 4
+
+
+def test_a_silent_job_that_reports_and_exits_at_once_has_its_reports_read(tmp_path: Path) -> None:
+    # the job's pipes reach their end before the loop's first turn (the early relay read them): what its agent sent
+    # before it exited is still read, not dropped with the loop's end
+    import json
+
+    report = tmp_path / "report.json"
+    job = "import guard\nfor step in range(1, 8):\n    guard.report(step=step, loss=1.0 / step)\n"
+    run = run_guard(["--no-preflight", "--report", str(report), "--", sys.executable, "-c", job])
+    assert run.returncode == 0, run.stderr[-2000:]
+    details = json.loads(report.read_text())["details"]
+    assert details["sanity_status"] == "passed", details
+    assert run.fields()["step"] == "7"

@@ -50,6 +50,7 @@ log = logging.getLogger("guard.supervisor")
 
 WRITE_RETRY_S = 0.01  # while output waits for a paused reader: how often the loop tries again
 MIN_TURN_S = 0.02  # the shortest wait between two turns of the timers when a policy says "now" again
+AGENT_ROUNDS_AT_EXIT = 20  # at the job's exit: selects (timeout 0) to read what its agents sent before it
 
 
 class Supervisor:
@@ -186,6 +187,9 @@ class Supervisor:
             while self.signals:
                 self.dispatch.on_signal(self.signals.pop(0), now)
             if job.poll() is not None and self.upkeep.job_exited(now):
+                # what the agents sent before the exit comes first (a short job may have ended, its output read to
+                # the end by the early relay, before the loop's first turn accepted its agent)
+                self._read_agents(rounds=AGENT_ROUNDS_AT_EXIT)
                 self._on_job_exit(now)
                 busy = True
             if self.upkeep.reap(now, self.wakeup.child_exited):
@@ -210,9 +214,10 @@ class Supervisor:
         elif kind == "wakeup":
             self.wakeup.drain()
 
-    def _read_agents(self) -> None:
-        """New agents and their messages already waiting, read now: bounded, never blocks (timeout 0)."""
-        for _ in range(3):  # accept, then read the hello
+    def _read_agents(self, rounds: int = 3) -> None:
+        """New agents and their messages already waiting, read now: at most ``rounds`` selects, each with timeout 0
+        (never blocks; the default: accept, then read the hello)."""
+        for _ in range(rounds):
             ready = [key for key, _ in self._sel.select(0) if key.data in ("listen", "agent")]
             if not ready:
                 break
