@@ -772,3 +772,23 @@ def test_a_job_that_answers_ends_securing_with_its_answer(clock: FakeClock) -> N
     plan.on(CheckpointSeen(ckpt(40), requested=True))
     run_until(plan, clock, 45.0)
     assert secured_step(plan) == 40 and plan.state is State.DONE and clock.now < 45.0
+
+
+@pytest.mark.parametrize("requested", [None, False])
+def test_after_the_wait_for_an_answer_ends_the_jobs_later_saves_are_secured_too(clock: FakeClock,
+                                                                                 requested: bool | None) -> None:
+    # the order of a run at load 5: asked, the job (no API, found too early to tell) did not answer within the
+    # wait; the newest older save was secured instead and securing ended, though the job ran on and saved 13 more
+    # times before its stop
+    pusher = FakePusher(clock, rate=lambda now: 100e6)
+    plan = make(clock, pusher, deadline_at=60.0, background=False)
+    seen(plan, ckpt(5, size_bytes=200_000_000))  # not pushed in the background: the fallback
+    clock.now = 35.0
+    assert RequestSave() in plan.on(DeadlineNear(can_save=True))
+    run_until(plan, clock, 52.0)  # the wait ends, the fallback is secured
+    assert secured_step(plan) == 5 and plan.state is State.AWAITING_SAVE
+    for step, at in ((10, 52.0), (20, 54.0)):
+        clock.now = at
+        plan.on(CheckpointSeen(ckpt(step), requested=requested))
+        run_until(plan, clock, at + 1.5)
+    assert [h.args["step"] for h in pusher.started] == [5, 10, 20] and secured_step(plan) == 20
