@@ -222,6 +222,12 @@ class GuardRun:
         return {"status": parts[0], **dict(p.split("=", 1) for p in parts[1:])}
 
 
+def load_factor() -> float:
+    """How much busier than one runnable process per core the machine is (``os.getloadavg``'s one-minute figure
+    over the cores), at least 1."""
+    return max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1))
+
+
 def loaded_s(seconds: float, *, start_s: float | None = None) -> str:
     """A budget of ``seconds`` for a job's start-up and first steps, as a guard duration (``"15s"``), stretched in
     proportion on a machine busier than one runnable process per core (``os.getloadavg``'s one-minute figure): at
@@ -231,8 +237,7 @@ def loaded_s(seconds: float, *, start_s: float | None = None) -> str:
 
     ``start_s``: the part of ``seconds`` that is start-up (the rest is the test's own timing, e.g. a margin and a
     slow answer, and is not stretched); default all of it."""
-    cores = os.cpu_count() or 1
-    factor = max(1.0, os.getloadavg()[0] / cores)
+    factor = load_factor()
     stretched = seconds if start_s is None else min(start_s, seconds)
     return f"{math.ceil(seconds + stretched * (factor - 1.0))}s"
 
@@ -260,9 +265,10 @@ def guard_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 def run_guard(args: list[str], *, env: dict[str, str] | None = None, cwd: Path | None = None,
               timeout_s: float = 120) -> GuardRun:
-    """Run ``python -m guard ARGS`` to its end; returns exit code, stdout and stderr."""
+    """Run ``python -m guard ARGS`` to its end; returns exit code, stdout and stderr. ``timeout_s``, the net
+    under a hung run, stretches with the load like the budgets that ``loaded_s`` gives the run."""
     proc = subprocess.run([sys.executable, "-m", "guard", *args], capture_output=True, text=True,
-                          env=guard_env(env), cwd=cwd, timeout=timeout_s)
+                          env=guard_env(env), cwd=cwd, timeout=timeout_s * load_factor())
     return GuardRun(proc.returncode, proc.stdout, proc.stderr)
 
 

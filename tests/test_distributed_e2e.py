@@ -209,7 +209,7 @@ def test_a_rank_stopped_while_the_other_trains_on_is_stalled(tmp_path: Path) -> 
             out, err = proc.communicate(timeout=30)
             raise AssertionError(f"rank 1 (pid {stopped}) is gone:\n{seen}{err[:3000]}{out}") from None
         started = time.monotonic()
-        stdout, stderr = proc.communicate(timeout=90)
+        stdout, stderr = proc.communicate(timeout=float(stall.removesuffix("s")) + 90)  # the stall, then the stop
     finally:
         kill_quietly(proc)
         if stopped is not None and pid_alive(stopped):
