@@ -50,9 +50,8 @@ class JobStart:
             ``--grace`` in seconds), passed in its environment.
         spawner: ``subprocess.Popen`` or a stand-in (tests inject faults here); default ``subprocess.Popen``.
         clock: monotonic seconds. wall: wall-clock seconds (``time.time``).
-        masker: the secret masker; given, ``begin()`` passes the job's output through at once (``EarlyRelay``,
-            to ``out_fd`` and ``err_fd``, default 1 and 2) until the loop takes it over (``output``); None: the
-            output waits in the pipes until the loop reads them.
+        masker: the secret masker of the job's output, which ``begin()`` passes through at once (``EarlyRelay``,
+            to ``out_fd`` and ``err_fd``, default 1 and 2) until the loop takes it over (``hand_over``).
 
     Attributes:
         selector, channel, wakeup: what the loop watches (``wakeup``: ``LoopSignals``, its ``signals`` list).
@@ -60,13 +59,12 @@ class JobStart:
         started_s: monotonic seconds just before the job was started (None before). started_wall_s: the same
             instant in wall-clock seconds: files written from then on are this run's.
         cgroup_start: the cgroup's memory figures just before the start (its ``oom_kill`` counter), or None.
-        output: the job's output (``JobOutput``) once ``begin()`` started the relay, else None.
+        output: the job's output (``JobOutput``): the relay's until ``hand_over``, then the loop's.
     """
 
     def __init__(self, command: Sequence[str], environ: Mapping[str, str], *, sanity_steps: int, check_every: int,
                  grace_s: float, spawner: Spawner | None = None, clock: Callable[[], float] = time.monotonic,
-                 wall: Callable[[], float] = time.time, masker: Masker | None = None, out_fd: int = 1,
-                 err_fd: int = 2) -> None:
+                 wall: Callable[[], float] = time.time, masker: Masker, out_fd: int = 1, err_fd: int = 2) -> None:
         self.command = list(command)
         self.environ = dict(environ)
         self.sanity_steps, self.check_every, self.grace_s = sanity_steps, check_every, grace_s
@@ -79,13 +77,15 @@ class JobStart:
         self.started_s: float | None = None
         self.started_wall_s: float | None = None
         self.cgroup_start: CgroupMemory | None = None
-        self.masker, self.out_fd, self.err_fd = masker, out_fd, err_fd
-        self.output: JobOutput | None = None
+        self.out_fd, self.err_fd = out_fd, err_fd
+        self._relay_selector = selectors.DefaultSelector()  # the relay's, closed by it (or by close() if unused)
+        self.output = JobOutput(self._relay_selector, masker, out_fd)
         self._relay: EarlyRelay | None = None
+        self._relayed = False  # the relay was started (it owns its selector from then on)
 
     @classmethod
     def of(cls, command: Sequence[str], environ: Mapping[str, str], watch: WatchSettings, *,
-           spawner: Spawner | None = None, clock: Callable[[], float] = time.monotonic, masker: Masker | None = None,
+           masker: Masker, spawner: Spawner | None = None, clock: Callable[[], float] = time.monotonic,
            out_fd: int = 1, err_fd: int = 2) -> JobStart:
         """The start of a job with the agent's settings taken from the loop's part of the settings (``watch``:
         ``sanity_steps``, ``check_every``, ``grace_s``)."""
@@ -118,18 +118,16 @@ class JobStart:
             raise SupervisorError(f"cannot start the job {self.command[0]!r}: {exc.strerror or exc}",
                                   hint="check the command and that it is executable and on PATH") from exc
         self.job = job
-        if self.masker is not None:
-            relay_selector = selectors.DefaultSelector()
-            self.output = JobOutput(relay_selector, self.masker, self.out_fd)
-            self.output.add(job.stdout_fd, self.out_fd, label="stdout")
-            self.output.add(job.stderr_fd, self.err_fd, label="stderr")
-            self._relay = EarlyRelay(self.output, relay_selector, clock=self.clock).start()
+        self.output.add(job.stdout_fd, self.out_fd, label="stdout")
+        self.output.add(job.stderr_fd, self.err_fd, label="stderr")
+        self._relay = EarlyRelay(self.output, self._relay_selector, clock=self.clock).start()
+        self._relayed = True
         log.info("job started: pid %d, command: %s", job.pid, " ".join(self.command))
         return job
 
     def hand_over(self) -> bool:
         """The loop takes the job's output over from the early relay: its pipes move to ``selector``. Returns
-        whether the job wrote anything meanwhile (False without a relay)."""
+        whether the job wrote anything meanwhile (False once handed over already)."""
         relay, self._relay = self._relay, None
         return relay.hand_over(self.selector) if relay is not None else False
 
@@ -150,6 +148,8 @@ class JobStart:
         relay, self._relay = self._relay, None
         if relay is not None:
             relay.stop()
+        elif not self._relayed:
+            self._relay_selector.close()  # the job never started
         self.channel.close()
         self.wakeup.close()
         self.selector.close()

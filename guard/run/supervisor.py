@@ -31,7 +31,6 @@ from guard.run.config import Config
 from guard.run.dispatch import Dispatch
 from guard.run.executor import Executor
 from guard.run.joblink import LoopLink
-from guard.run.pipes import JobOutput
 from guard.run.process import Spawner
 from guard.run.ranks import configured_node_rank, expected_primary
 from guard.run.start import JobStart
@@ -67,7 +66,8 @@ class Supervisor:
         securer: the securing flow, or None.
         env_extra: variables added to the job's environment.
         heartbeat: heartbeat lines, the projection, trackio; or None.
-        out_fd, err_fd: file descriptors for the job's stdout and stderr (default 1 and 2).
+        out_fd, err_fd: file descriptors for the job's stdout and stderr (default 1 and 2), for the start the
+            supervisor makes (a ``start`` given has its own).
         start: the job's start (``guard.run.start.JobStart``), begun already when the caller started the job
             before building the policies; None: the supervisor makes one from ``config`` and begins it in ``run``.
 
@@ -100,10 +100,9 @@ class Supervisor:
         self.clock = clock
         self.securer = securer
         self.heartbeat = heartbeat
-        self.out_fd, self.err_fd = out_fd, err_fd
         self.settings = watch = config.settings.watch  # the loop's part of the settings
         self.job_start = start or JobStart.of(config.command, {**config.environ, **(env_extra or {})}, watch,
-                                              spawner=spawner, clock=clock, masker=masker, out_fd=out_fd,
+                                              masker=masker, spawner=spawner, clock=clock, out_fd=out_fd,
                                               err_fd=err_fd)
         self.started = self.job_start.started_s if self.job_start.started_s is not None else clock()
         self.state = RunState()
@@ -111,7 +110,7 @@ class Supervisor:
                                                expected_primary=expected_primary(config.environ, config.command))
         self.escalation = Escalation(watch.grace_s)
         self._sel = self.job_start.selector
-        self.output = JobOutput(self._sel, masker, out_fd)  # the relay's, once the job started (``_start``)
+        self.output = self.job_start.output  # passed through by the early relay from the job's start, then here
         self.channel = self.job_start.channel
         self.link = LoopLink(self.state, watch, channel=self.channel, watchdog=self.watchdog,
                              escalation=self.escalation, heartbeat=heartbeat,
@@ -147,15 +146,10 @@ class Supervisor:
         return result
 
     def _start(self) -> None:
-        job = self.link.job = self.job_start.begin()  # a no-op when the caller began it
+        self.link.job = self.job_start.begin()  # a no-op when the caller began it
         if self.securer is not None:
             assert self.job_start.started_wall_s is not None
             self.securer.before_start(started_wall_s=self.job_start.started_wall_s)
-        if self.job_start.output is None:  # started without the early relay: the loop reads the pipes from the start
-            self.output.add(job.stdout_fd, self.out_fd, label="stdout")
-            self.output.add(job.stderr_fd, self.err_fd, label="stderr")
-            return
-        self.output = self.job_start.output  # the same filters and writers: what they hold goes on from here
         if self.job_start.hand_over():  # what the job wrote meanwhile counts as if the loop had read it now
             now = self.clock()
             self.watchdog.on_output(now)
