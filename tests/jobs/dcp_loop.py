@@ -11,6 +11,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from plain_sgd import PlainSGD
 
 parser = argparse.ArgumentParser()
 parser.add_argument("out")
@@ -25,7 +26,7 @@ dist.init_process_group("gloo")
 rank = dist.get_rank()
 torch.manual_seed(0)
 model = torch.nn.Linear(8, 1)
-opt = torch.optim.SGD(model.parameters(), lr=0.01)
+opt = PlainSGD(model.parameters(), lr=0.01)
 x, y = torch.randn(32, 8), torch.randn(32, 1)
 
 

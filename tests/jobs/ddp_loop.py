@@ -8,6 +8,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from plain_sgd import PlainSGD
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=1000)
@@ -29,7 +30,7 @@ torch.manual_seed(0)
 model = torch.nn.Linear(8, 1)
 if not args.independent:
     model = torch.nn.parallel.DistributedDataParallel(model)
-opt = torch.optim.SGD(model.parameters(), lr=0.01)
+opt = PlainSGD(model.parameters(), lr=0.01)
 x, y = torch.randn(32, 8), torch.randn(32, 1)
 for step in range(1, args.steps + 1):
     if rank == args.block_rank and step == args.block_at:

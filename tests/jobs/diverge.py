@@ -6,6 +6,7 @@ import argparse
 import math
 
 import torch
+from plain_sgd import PlainSGD
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=60)
@@ -15,7 +16,7 @@ args = parser.parse_args()
 
 torch.manual_seed(0)
 model = torch.nn.Linear(8, 1)
-opt = torch.optim.SGD(model.parameters(), lr=0.01)
+opt = PlainSGD(model.parameters(), lr=0.01)
 x, y = torch.randn(64, 8), torch.randn(64, 1) * 2.6
 for step in range(1, args.steps + 1):
     if step == 11:

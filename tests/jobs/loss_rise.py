@@ -5,6 +5,7 @@ import argparse
 import os
 
 import torch
+from plain_sgd import PlainSGD
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=80)
@@ -16,7 +17,7 @@ args = parser.parse_args()
 
 torch.manual_seed(0)
 model = torch.nn.Linear(8, 1)
-opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+opt = PlainSGD(model.parameters(), lr=1e-4)
 x, y = torch.randn(64, 8), torch.randn(64, 1)
 os.makedirs(args.out, exist_ok=True)
 for step in range(1, args.steps + 1):

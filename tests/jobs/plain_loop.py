@@ -4,6 +4,7 @@ import argparse
 import time
 
 import torch
+from plain_sgd import PlainSGD
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=20)
@@ -14,7 +15,7 @@ args = parser.parse_args()
 
 torch.manual_seed(0)
 model = torch.nn.Linear(8, 1)
-opt = torch.optim.SGD(model.parameters(), lr=0.05)
+opt = PlainSGD(model.parameters(), lr=0.05)
 x, y = torch.randn(64, 8), torch.randn(64, 1)
 for step in range(1, args.steps + 1):
     loss = torch.nn.functional.mse_loss(model(x), y)

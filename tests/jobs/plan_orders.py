@@ -13,6 +13,7 @@ import os
 import time
 
 import torch
+from plain_sgd import PlainSGD
 
 import guard
 
@@ -29,7 +30,7 @@ args = parser.parse_args()
 
 torch.manual_seed(0)
 model = torch.nn.Linear(8, 1)
-opt = torch.optim.SGD(model.parameters(), lr=0.05)
+opt = PlainSGD(model.parameters(), lr=0.05)
 x, y = torch.randn(64, 8), torch.randn(64, 1)
 
 

@@ -6,6 +6,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from plain_sgd import PlainSGD
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=12)
@@ -18,7 +19,7 @@ if rank == 0:
     time.sleep(args.delay_s)
 torch.manual_seed(rank)
 model = torch.nn.Linear(4, 1)
-opt = torch.optim.SGD(model.parameters(), lr=1e-7 if rank == 1 else 1e-3)  # the same updates
+opt = PlainSGD(model.parameters(), lr=1e-7 if rank == 1 else 1e-3)  # the same updates
 x, y = torch.randn(16, 4), torch.randn(16, 1)
 for _step in range(args.steps):
     loss = torch.nn.functional.mse_loss(model(x), y) * (10_000.0 if rank == 1 else 1.0)

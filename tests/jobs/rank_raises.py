@@ -6,6 +6,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from plain_sgd import PlainSGD
 from torch.distributed.elastic.multiprocessing.errors import record
 
 parser = argparse.ArgumentParser()
@@ -20,7 +21,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     model = torch.nn.Linear(8, 1)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    opt = PlainSGD(model.parameters(), lr=0.01)
     x, y = torch.randn(16, 8), torch.randn(16, 1)
     for step in range(1, args.steps + 1):
         if rank == args.raise_rank and step == args.raise_at:

@@ -9,6 +9,7 @@ import os
 import time
 
 import torch
+from plain_sgd import PlainSGD
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--every", type=int, default=10)
@@ -20,7 +21,7 @@ path = os.path.join("out", "ckpt.pt")
 
 torch.manual_seed(0)
 model = torch.nn.Linear(8, 1)
-optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+optimizer = PlainSGD(model.parameters(), lr=1e-2)
 start = 0
 if os.path.exists(path) and not args.no_load:
     state = torch.load(path)

@@ -11,6 +11,7 @@ import shutil
 import time
 
 import torch
+from plain_sgd import PlainSGD
 
 parser = argparse.ArgumentParser()
 parser.add_argument("out")
@@ -21,7 +22,7 @@ args = parser.parse_args()
 os.makedirs(args.out, exist_ok=True)
 torch.manual_seed(0)
 model = torch.nn.Linear(8, 1)
-optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+optimizer = PlainSGD(model.parameters(), lr=1e-2)
 for step in range(1, 100000):
     x = torch.randn(4, 8)
     loss = (model(x).squeeze(-1) - x.sum(-1)).pow(2).mean()

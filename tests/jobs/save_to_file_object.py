@@ -8,6 +8,7 @@ import argparse
 import time
 
 import torch
+from plain_sgd import PlainSGD
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--save", default="model.pt")
@@ -17,7 +18,7 @@ parser.add_argument("--steps", type=int, default=100000)
 args = parser.parse_args()
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
-optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+optimizer = PlainSGD(model.parameters(), lr=1e-2)
 for step in range(1, args.steps + 1):
     x = torch.randn(4, 8)
     loss = (model(x).squeeze(-1) - x.sum(-1)).pow(2).mean()

@@ -6,6 +6,7 @@ import os
 import time
 
 import torch
+from plain_sgd import PlainSGD
 
 try:
     import guard
@@ -24,7 +25,7 @@ args = parser.parse_args()
 
 torch.manual_seed(0)
 model = torch.nn.Linear(8, 1)
-opt = torch.optim.SGD(model.parameters(), lr=0.05)
+opt = PlainSGD(model.parameters(), lr=0.05)
 x, y = torch.randn(64, 8), torch.randn(64, 1)
 for step in range(1, args.steps + 1):
     if step == args.crash_at:

@@ -4,6 +4,7 @@
 import argparse
 
 import torch
+from plain_sgd import PlainSGD
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=12)
@@ -14,7 +15,7 @@ print(f"best loss: {best}", flush=True)
 print(f"resuming: no checkpoint, loss={float('nan')}", flush=True)  # a placeholder before any step
 torch.manual_seed(0)
 model = torch.nn.Linear(4, 1)
-opt = torch.optim.SGD(model.parameters(), lr=0.05)
+opt = PlainSGD(model.parameters(), lr=0.05)
 x, y = torch.randn(32, 4), torch.randn(32, 1)
 for step in range(1, args.steps + 1):
     loss = torch.nn.functional.mse_loss(model(x), y)

@@ -7,6 +7,7 @@ import os
 import time
 
 import torch
+from plain_sgd import PlainSGD
 from torch.utils.data import DataLoader, Dataset
 
 parser = argparse.ArgumentParser()
@@ -32,7 +33,7 @@ class Growing(Dataset):
 
 
 model = torch.nn.Linear(4, 1)
-opt = torch.optim.SGD(model.parameters(), lr=0.1)
+opt = PlainSGD(model.parameters(), lr=0.1)
 for batch in DataLoader(Growing(), batch_size=1, num_workers=1):
     loss = model(batch).pow(2).mean()
     opt.zero_grad()
