@@ -32,6 +32,7 @@ def _run(argv: list[str], cwd: Path, env: dict[str, str] | None = None) -> subpr
 def workspace(tmp_path: Path) -> Path:
     (tmp_path / "guard.py").write_text(USER_GUARD)
     shutil.copy(JOBS / "plain_loop.py", tmp_path / "train.py")
+    shutil.copy(JOBS / "plain_sgd.py", tmp_path / "plain_sgd.py")  # the job's own module, beside it
     return tmp_path
 
 
