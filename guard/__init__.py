@@ -20,9 +20,12 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any
 
 from .core.version import __version__  # relative: this package may be loaded under a private name
+
+TYPE_CHECKING = False  # typing's own flag, without importing typing in every job process (see protocol.py)
+if TYPE_CHECKING:
+    from typing import Any
 
 #: The private name the job's ``sitecustomize`` loads this package under (never ``guard``, which a project's own
 #: ``guard.py`` may be); the agent of the process lives in ``PRIVATE_NAME + ".inside.agent"``.

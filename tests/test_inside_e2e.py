@@ -33,6 +33,22 @@ def test_a_project_with_its_own_guard_py_gets_its_own_module(tmp_path: Path) -> 
     assert run.fields()["status"] == "PASS", run.stderr
 
 
+#: Modules a bare ``python -c pass`` does not import and the agent must not bring into every process of a job:
+#: ``typing`` alone is 4-5 ms of each start (``-X importtime``), ``inspect`` (with ``ast``, ``dis``) more.
+HEAVY_AT_START = ("typing", "inspect", "dataclasses", "importlib.abc", "ast")
+
+
+def test_the_agent_brings_no_heavy_module_into_a_jobs_start(tmp_path: Path) -> None:
+    script = _write(tmp_path / "train.py", f"""\
+        import sys
+        print("agent loaded:", "_jobguard.inside.agent" in sys.modules)
+        print("heavy:", [m for m in {HEAVY_AT_START!r} if m in sys.modules])
+    """)
+    run = run_guard([str(script)], cwd=tmp_path)
+    assert "agent loaded: True" in run.stdout, run.stderr
+    assert "heavy: []" in run.stdout, run.stdout
+
+
 def test_the_public_api_reaches_the_agent_loaded_under_the_private_name(tmp_path: Path) -> None:
     # A script that imports jobguard's guard: guard.report() talks to the one agent of the process (a NaN it
     # reports ends the run), and no second copy of the agent is imported.

@@ -26,12 +26,15 @@ import socket
 import sys
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
 
 from ... import protocol
 from ..settings import AgentSettings, agent_settings
 from . import _core
 from ._core import _warn_once, get, root_cause
+
+TYPE_CHECKING = False  # typing's own flag, without importing typing in every job process (see protocol.py)
+if TYPE_CHECKING:
+    from typing import Any
 
 __all__ = ["Agent", "get", "install", "root_cause"]
 

@@ -9,9 +9,12 @@ import os
 import sys
 import threading
 from collections.abc import Callable
-from typing import Any
 
 from ..settings import AgentSettings, agent_settings
+
+TYPE_CHECKING = False  # typing's own flag, without importing typing in every job process (see protocol.py)
+if TYPE_CHECKING:
+    from typing import Any
 
 __all__ = ["bind", "get", "multiprocessing_role", "root_cause"]
 

@@ -21,7 +21,10 @@ import queue
 import sys
 import threading
 from collections.abc import Mapping
-from typing import Any, Protocol
+
+TYPE_CHECKING = False  # typing's own flag, without importing typing in every job process (see protocol.py)
+if TYPE_CHECKING:
+    from typing import Any, Protocol
 
 __all__ = ["KEY", "DistRelay", "store_key"]
 
@@ -35,14 +38,15 @@ def store_key(environ: Mapping[str, str] | None = None) -> str:
     return f"{KEY}/{restart if restart.isdigit() else 0}"
 
 
-class _RelayAgent(Protocol):
-    """What the relay needs of ``_core.Agent`` (a protocol: this module imports nothing of the agent's)."""
+if TYPE_CHECKING:
+    class _RelayAgent(Protocol):
+        """What the relay needs of ``_core.Agent`` (a protocol: this module imports nothing of the agent's)."""
 
-    checkpoint_request: dict[str, Any] | None
+        checkpoint_request: dict[str, Any] | None
 
-    def send(self, message: dict[str, Any]) -> bool: ...
+        def send(self, message: dict[str, Any]) -> bool: ...
 
-    def warn(self, text: str) -> None: ...
+        def warn(self, text: str) -> None: ...
 
 
 class DistRelay:

@@ -48,7 +48,10 @@ import functools
 import os
 import time
 from collections.abc import Callable
-from typing import Any
+
+TYPE_CHECKING = False  # typing's own flag, without importing typing in every job process (see protocol.py)
+if TYPE_CHECKING:
+    from typing import Any
 
 __all__ = ["patch", "patch_accelerate", "patch_dataloader", "patch_deepspeed", "patch_optimizer"]
 

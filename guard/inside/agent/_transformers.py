@@ -29,9 +29,12 @@ from __future__ import annotations
 import functools
 import os
 import time
-from typing import TYPE_CHECKING, Any
 
 from ... import protocol
+
+TYPE_CHECKING = False  # typing's own flag, without importing typing in every job process (see protocol.py)
+if TYPE_CHECKING:
+    from typing import Any
 
 if TYPE_CHECKING:
     Agent = Any  # guard.inside.agent.Agent: that package imports this module, so it is not imported here
