@@ -101,7 +101,8 @@ def test_a_trainer_stopped_at_the_deadline_does_not_run_the_code_after_train(tmp
     for i, line in enumerate(lines):
         if ": still being written" in line:
             folder = line.split("[guard] ", 1)[-1].split(": still being written", 1)[0].split()[-1]
-            known = [line for line in lines[:i] if f"{folder} counts:" in line or f"securing {folder} " in line]
+            known = [earlier for earlier in lines[:i]
+                     if f"{folder} counts:" in earlier or f"securing {folder} " in earlier]
             assert not known, (line, known)
     assert (tmp_path / "dest" / "last-checkpoint" / "trainer_state.json").is_file()
 

@@ -36,7 +36,6 @@ TYPE_CHECKING = False  # typing's own flag, without importing typing in every jo
 if TYPE_CHECKING:
     from typing import Any
 
-if TYPE_CHECKING:
     Agent = Any  # guard.inside.agent.Agent: that package imports this module, so it is not imported here
 
 __all__ = ["patch", "patch_arguments"]
