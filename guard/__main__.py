@@ -1,8 +1,6 @@
 """``python -m guard``: see ``guard.run.cli``."""
 
-import sys
-
-from guard.run.cli import main
+from guard.run.cli import entry
 
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

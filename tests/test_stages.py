@@ -258,3 +258,25 @@ def test_the_jobs_first_lines_pass_through_while_the_policies_are_built(tmp_path
     assert "SEEN DURING BUILD True" in done.stderr
     lines = out.read_text().splitlines()
     assert lines[:2] == ["first", "second"] and lines[2].startswith("VERDICT: PASS"), lines
+
+
+def test_a_run_ends_without_scanning_proc_when_the_guard_has_no_child_left(tmp_path: Path) -> None:
+    """After a clean job's exit the guard has no child: the end of the run (the reaper, the last checks that the
+    job's tree is gone) does not list the machine's processes (psutil reads every ``/proc/PID/stat``; it is not
+    even imported), and ``python -m guard``'s exit skips the interpreter's finalization but loses nothing: the
+    guard's lines, the job's and the VERDICT are all there, with the exit code."""
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        "import sys\n"
+        "from guard.run import cli\n"
+        "code = cli.main(['--no-preflight', '--', sys.executable, '-c', 'print(\"hello\")'])\n"
+        "print('PSUTIL', 'psutil' in sys.modules)\n"
+        "print('buffered, not flushed', end='')\n"  # what leave() must flush before os._exit
+        "cli.leave(code + 3)\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GUARD_")}
+    done = subprocess.run([sys.executable, str(probe)], capture_output=True, text=True, env=env, timeout=60)
+    assert done.returncode == 3, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == "hello" and lines[1].startswith("VERDICT: PASS"), lines
+    assert "PSUTIL False" in lines and lines[-1] == "buffered, not flushed", lines
+    assert "[guard] job exited: 0" in done.stderr

@@ -391,6 +391,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         wait_for_webhooks(AFTER_VERDICT_WAIT_S)
     if stages.abandoned_work:  # preflight left running after a signal: end its children, do not wait at exit
         _end_children()
-        logging.shutdown()
-        os._exit(code)
+        leave(code)
     return code
+
+
+def leave(code: int) -> NoReturn:
+    """End the guard process with ``code`` now: the log's handlers and the standard streams flushed, then
+    ``os._exit``, without the interpreter's finalization (20 ms of tearing down some 200 modules, after the VERDICT,
+    on every run). Only once ``main`` returned: its threads are daemons with nothing left to do, its thread pools
+    joined, its temporary folders removed, and nothing of the guard registers an ``atexit`` handler."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            stream.flush()
+    os._exit(code)
+
+
+def entry() -> NoReturn:
+    """``python -m guard`` and the ``jobguard`` console script: ``main()``, then ``leave`` with its exit code."""
+    leave(main())

@@ -163,6 +163,20 @@ class JobProcess:
         """Zombies were seen at the last ``reap_orphans`` and wait for the next one."""
         return bool(self._zombies_seen)
 
+    @staticmethod
+    def _no_children() -> bool:
+        """The guard has no child at all, live or zombie (``waitid(P_ALL, WNOHANG | WNOWAIT)`` fails with
+        ``ECHILD``; it reaps nothing). Then nothing of the job's tree is left to find: every process of it is a child
+        of the guard or under one (the guard is their subreaper), so the ``/proc`` scans of ``psutil`` (one read of
+        every process's ``stat`` on the machine, and psutil's import on the first) are skipped."""
+        try:
+            os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:
+            return True
+        except OSError:
+            return False
+        return False
+
     def reap_orphans(self, *, final: bool = False) -> int:
         """Reap zombies re-parented to the guard (it is a subreaper, or PID 1). Returns how many were reaped.
 
@@ -171,6 +185,9 @@ class JobProcess:
         zombie at the previous call (a child that a thread of the guard waits for without registering it is gone by
         then). ``final=True`` (at the guard's exit, when no thread of the guard runs a subprocess) reaps every zombie.
         """
+        if self._no_children():
+            self._zombies_seen = set()
+            return 0
         try:
             children = psutil.Process().children()
         except psutil.Error:
@@ -203,6 +220,8 @@ class JobProcess:
         guard's own processes (``GuardChildren.not_jobs``: the securing workers, helper subprocesses) or what they
         started."""
         found: dict[int, psutil.Process] = {}
+        if self._no_children():
+            return []
         owned = self.children.not_jobs()
         try:
             for proc in psutil.Process().children(recursive=True):
