@@ -146,8 +146,11 @@ needs_torch = pytest.mark.skipif(torch is None, reason="torch is not installed")
 
 @pytest.fixture
 def syncs(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """Counts every way a tensor's value reaches the host (``item``, ``float()``, ``bool()``, ``tolist``)."""
+    """Counts every way a tensor's value reaches the host (``item``, ``float()``, ``bool()``, ``tolist``). The
+    tensors stand for a device's (a GPU's): ``is_cpu`` is False, so the agent treats them as one's, where reading a
+    value is a host-device sync (a CPU tensor's loss is read at once: there is nothing to sync)."""
     calls: list[str] = []
+    monkeypatch.setattr(torch.Tensor, "is_cpu", property(lambda self: False))
     for name in ("item", "__float__", "__bool__", "tolist", "__int__", "numpy"):
         original = getattr(torch.Tensor, name)
 
@@ -178,6 +181,21 @@ def test_tensor_losses_have_no_host_sync_per_step_after_the_sanity_pass(syncs: l
     assert sum(per_step) <= sanity + 2 * len(flush_steps)
     assert _steps(fake) == [(1, 1, True), (2, 1, True), (3, 1, True)] + [(s, every, True) for s in sorted(flush_steps)]
     assert fake.sent[-1]["loss"] == pytest.approx(5.0 - 43 * 0.01)
+
+
+@needs_torch
+def test_a_cpu_tensors_loss_is_read_at_once_and_its_nan_sent_at_its_step() -> None:
+    """On the CPU there is no device to sync with: the loss is read at its step (one ``item()``, no buffer copy), a
+    finite window is still one message every ``check_every`` steps, and a NaN is sent at its own step, at once."""
+    fake = FakeAgent()
+    watch = LossWatch(fake, sanity_steps=2, check_every=5)  # type: ignore[arg-type]
+    for step in range(1, 8):
+        watch.observe(torch.tensor(1.0 / step, requires_grad=True) * 1.0, None, "backward")
+    assert _steps(fake) == [(1, 1, True), (2, 1, True), (7, 5, True)]
+    assert watch._buffer is None  # nothing copied on a device
+    watch.observe(torch.tensor(math.nan), None, "backward")  # step 8, inside the next window
+    assert _steps(fake)[-1] == (8, 1, False) and math.isnan(fake.sent[-1]["loss"])
+    assert fake.waits == 1
 
 
 @needs_torch
