@@ -1,15 +1,25 @@
-"""A tiny CPU training loop with ~10 ms steps (2 cores, one torch thread), for ``bench_run.py``'s step overhead.
+"""A tiny CPU training loop with ~7-10 ms steps (one torch thread), for ``bench_run.py``'s step overhead.
 
 It times only its own loop (``time.perf_counter`` around the steps, after the model is built and one warm-up
 step is done) and prints it as the last line: ``bench: steps=N loop_s=SECONDS cpu_s=SECONDS step_ms=MS ...``,
 so that start-up (interpreter, torch import, the guard) does not count. Nothing is printed inside the loop: output
-costs are measured by ``print_lines.py``. ``cpu_s`` is the process's CPU time over the loop (``time.process_time``): it
-shows the agent's own work per step even when other processes share the cores.
+costs are measured by ``print_lines.py``. ``cpu_s`` is the process's CPU time over the loop (``time.process_time``,
+every thread of the process).
 
-Run: ``python benchmarks/jobs/train_loop.py [--steps 300] [--hidden 512] [--batch 256] [--threads 1]``
+With ``--gate PATH`` the loop runs in turns, ``--segment-steps`` steps at a time, each when the benchmark says so:
+the job connects to the Unix socket ``PATH``, says ``hello LABEL``, then for every ``g`` it reads runs one segment
+and answers ``seg WALL_S CPU_S``; ``q`` ends it. Two jobs (one plain, one guarded) pinned to the same core
+(``--cpu``: every thread of the process, with ``os.sched_setaffinity``) so take turns every few tens of
+milliseconds, and both see the machine at the same speed. The CPU time the process used while it waited for its
+turn (its other threads: under the guard, the agent's) is counted as ``wait_cpu_s``.
+
+Run: ``python benchmarks/jobs/train_loop.py [--steps 300] [--hidden 512] [--batch 256] [--threads 1]
+[--gate PATH --label NAME --cpu N --segment-steps 10]``
 """
 
 import argparse
+import os
+import socket
 import time
 
 import torch
@@ -19,6 +29,10 @@ parser.add_argument("--steps", type=int, default=300)
 parser.add_argument("--hidden", type=int, default=512)
 parser.add_argument("--batch", type=int, default=256)
 parser.add_argument("--threads", type=int, default=1)
+parser.add_argument("--gate", help="run in turns, told by the benchmark on this Unix socket")
+parser.add_argument("--label", default="job")
+parser.add_argument("--cpu", type=int, help="pin every thread of this process to this CPU")
+parser.add_argument("--segment-steps", type=int, default=10)
 args = parser.parse_args()
 
 torch.set_num_threads(args.threads)
@@ -41,10 +55,40 @@ def step() -> torch.Tensor:
     return loss
 
 
-step()  # warm-up: first-call allocations; under the guard this is the first sanity step
-started, cpu_started = time.perf_counter(), time.process_time()
-for _ in range(args.steps):
-    loss = step()
-loop_s, cpu_s = time.perf_counter() - started, time.process_time() - cpu_started
-print(f"bench: steps={args.steps} loop_s={loop_s:.6f} cpu_s={cpu_s:.6f} step_ms={loop_s / args.steps * 1000:.3f} "
-      f"final_loss={loss.item():.4f}", flush=True)
+loss = step()  # warm-up: first-call allocations; under the guard this is the first sanity step
+if args.cpu is not None:
+    for task in os.listdir("/proc/self/task"):  # every thread there is now (the agent's too), not only this one
+        try:
+            os.sched_setaffinity(int(task), {args.cpu})
+        except OSError:
+            pass
+if args.gate is None:
+    started, cpu_started = time.perf_counter(), time.process_time()
+    for _ in range(args.steps):
+        loss = step()
+    loop_s, cpu_s = time.perf_counter() - started, time.process_time() - cpu_started
+    wait_cpu_s = 0.0
+else:
+    gate = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    gate.connect(args.gate)
+    gate.sendall(f"hello {args.label}\n".encode())
+    loop_s = cpu_s = wait_cpu_s = 0.0
+    done = 0
+    while True:
+        waited = time.process_time()
+        order = gate.recv(1)
+        wait_cpu_s += time.process_time() - waited
+        if order != b"g":  # "q", or the benchmark is gone
+            break
+        count = min(args.segment_steps, args.steps - done)
+        started, cpu_started = time.perf_counter(), time.process_time()
+        for _ in range(count):
+            loss = step()
+        seg_s, seg_cpu_s = time.perf_counter() - started, time.process_time() - cpu_started
+        loop_s, cpu_s, done = loop_s + seg_s, cpu_s + seg_cpu_s, done + count
+        gate.sendall(f"seg {seg_s:.6f} {seg_cpu_s:.6f}\n".encode())
+    gate.close()
+    if done != args.steps:
+        raise SystemExit(f"train_loop: the gate closed after {done} of {args.steps} steps")
+print(f"bench: steps={args.steps} loop_s={loop_s:.6f} cpu_s={cpu_s:.6f} wait_cpu_s={wait_cpu_s:.6f} "
+      f"step_ms={loop_s / args.steps * 1000:.3f} final_loss={loss.item():.4f}", flush=True)
