@@ -280,3 +280,16 @@ def test_a_run_ends_without_scanning_proc_when_the_guard_has_no_child_left(tmp_p
     assert lines[0] == "hello" and lines[1].startswith("VERDICT: PASS"), lines
     assert "PSUTIL False" in lines and lines[-1] == "buffered, not flushed", lines
     assert "[guard] job exited: 0" in done.stderr
+
+
+def test_a_profiled_guard_still_ends_through_the_interpreter_so_the_profile_is_written(tmp_path: Path) -> None:
+    """``python -m cProfile -o F -m guard ...`` writes F when the interpreter ends; the guard's fast exit
+    (``os._exit``) would lose it, so under a profiler ``leave`` exits through ``SystemExit`` (whose code cProfile's
+    ``runctx`` itself swallows: its exit status is 0 whatever the script's)."""
+    stats = tmp_path / "guard.prof"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GUARD_")}
+    done = subprocess.run([sys.executable, "-m", "cProfile", "-o", str(stats), "-m", "guard", "--no-preflight", "--",
+                           sys.executable, "-c", "raise SystemExit(3)"],
+                          capture_output=True, text=True, env=env, timeout=60)
+    assert done.stdout.splitlines()[-1].startswith("VERDICT: FAIL"), (done.stdout, done.stderr)
+    assert stats.stat().st_size > 0

@@ -399,11 +399,18 @@ def leave(code: int) -> NoReturn:
     """End the guard process with ``code`` now: the log's handlers and the standard streams flushed, then
     ``os._exit``, without the interpreter's finalization (20 ms of tearing down some 200 modules, after the VERDICT,
     on every run). Only once ``main`` returned: its threads are daemons with nothing left to do, its thread pools
-    joined, its temporary folders removed, and nothing of the guard registers an ``atexit`` handler."""
+    joined, its temporary folders removed, and nothing of the guard registers an ``atexit`` handler. Under a
+    profiler or a tracer (``python -m cProfile -m guard``, coverage: ``sys.getprofile()``/``sys.gettrace()`` set),
+    which write their results when the interpreter ends, it is ``sys.exit(code)`` instead.
+
+    Raises:
+        SystemExit: under a profiler or a tracer, with ``code``."""
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError, ValueError, AttributeError):
             stream.flush()
+    if sys.getprofile() is not None or sys.gettrace() is not None:
+        sys.exit(code)
     os._exit(code)
 
 
