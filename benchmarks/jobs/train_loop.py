@@ -6,23 +6,18 @@ so that start-up (interpreter, torch import, the guard) does not count. Nothing 
 costs are measured by ``print_lines.py``. ``cpu_s`` is the process's CPU time over the loop (``time.process_time``,
 every thread of the process).
 
-With ``--gate PATH`` the loop runs in turns, ``--segment-steps`` steps at a time, each when the benchmark says so:
-the job connects to the Unix socket ``PATH``, says ``hello LABEL``, then for every ``g`` it reads runs one segment
-and answers ``seg WALL_S CPU_S``; ``q`` ends it. Two jobs (one plain, one guarded) pinned to the same core
-(``--cpu``: every thread of the process, with ``os.sched_setaffinity``) so take turns every few tens of
-milliseconds, and both see the machine at the same speed. The CPU time the process used while it waited for its
-turn (its other threads: under the guard, the agent's) is counted as ``wait_cpu_s``.
+With ``--gate PATH`` the loop runs in turns, ``--segment-steps`` steps at a time, each when the benchmark says so
+(``gate.py``, the protocol on the Unix socket ``PATH``); ``--cpu`` pins every thread of the process to one core.
 
 Run: ``python benchmarks/jobs/train_loop.py [--steps 300] [--hidden 512] [--batch 256] [--threads 1]
 [--gate PATH --label NAME --cpu N --segment-steps 10]``
 """
 
 import argparse
-import os
-import socket
 import time
 
 import torch
+from gate import Gate, pin_threads
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=300)
@@ -57,11 +52,7 @@ def step() -> torch.Tensor:
 
 loss = step()  # warm-up: first-call allocations; under the guard this is the first sanity step
 if args.cpu is not None:
-    for task in os.listdir("/proc/self/task"):  # every thread there is now (the agent's too), not only this one
-        try:
-            os.sched_setaffinity(int(task), {args.cpu})
-        except OSError:
-            pass
+    pin_threads(args.cpu)
 if args.gate is None:
     started, cpu_started = time.perf_counter(), time.process_time()
     for _ in range(args.steps):
@@ -69,25 +60,19 @@ if args.gate is None:
     loop_s, cpu_s = time.perf_counter() - started, time.process_time() - cpu_started
     wait_cpu_s = 0.0
 else:
-    gate = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    gate.connect(args.gate)
-    gate.sendall(f"hello {args.label}\n".encode())
-    loop_s = cpu_s = wait_cpu_s = 0.0
+    gate = Gate(args.gate, args.label)
+    loop_s = cpu_s = 0.0
     done = 0
-    while True:
-        waited = time.process_time()
-        order = gate.recv(1)
-        wait_cpu_s += time.process_time() - waited
-        if order != b"g":  # "q", or the benchmark is gone
-            break
+    while gate.wait():
         count = min(args.segment_steps, args.steps - done)
         started, cpu_started = time.perf_counter(), time.process_time()
         for _ in range(count):
             loss = step()
         seg_s, seg_cpu_s = time.perf_counter() - started, time.process_time() - cpu_started
         loop_s, cpu_s, done = loop_s + seg_s, cpu_s + seg_cpu_s, done + count
-        gate.sendall(f"seg {seg_s:.6f} {seg_cpu_s:.6f}\n".encode())
+        gate.done(seg_s, seg_cpu_s)
     gate.close()
+    wait_cpu_s = gate.wait_cpu_s
     if done != args.steps:
         raise SystemExit(f"train_loop: the gate closed after {done} of {args.steps} steps")
 print(f"bench: steps={args.steps} loop_s={loop_s:.6f} cpu_s={cpu_s:.6f} wait_cpu_s={wait_cpu_s:.6f} "
