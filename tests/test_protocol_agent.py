@@ -184,16 +184,22 @@ def test_tensor_losses_have_no_host_sync_per_step_after_the_sanity_pass(syncs: l
 
 
 @needs_torch
-def test_a_cpu_tensors_loss_is_read_at_once_and_its_nan_sent_at_its_step() -> None:
-    """On the CPU there is no device to sync with: the loss is read at its step (one ``item()``, no buffer copy), a
-    finite window is still one message every ``check_every`` steps, and a NaN is sent at its own step, at once."""
+def test_a_cpu_tensors_loss_is_read_at_its_step_and_its_nan_sent_with_the_window() -> None:
+    """On the CPU there is no device to sync with: the loss is read at its step (one ``item()``, no buffer copy),
+    yet kept in the ``check_every`` window as a device loss is: a finite window is one message every ``check_every``
+    steps, and a NaN is sent when its window is read, naming its own step and value (the same on every device)."""
     fake = FakeAgent()
     watch = LossWatch(fake, sanity_steps=2, check_every=5)  # type: ignore[arg-type]
     for step in range(1, 8):
         watch.observe(torch.tensor(1.0 / step, requires_grad=True) * 1.0, None, "backward")
     assert _steps(fake) == [(1, 1, True), (2, 1, True), (7, 5, True)]
     assert watch._buffer is None  # nothing copied on a device
-    watch.observe(torch.tensor(math.nan), None, "backward")  # step 8, inside the next window
+    assert all(isinstance(value, float) for _, value in watch._kept) or not watch._kept
+    watch.observe(torch.tensor(math.nan), None, "backward")  # step 8: the window 8..12
+    assert isinstance(watch._kept[-1][1], float) and math.isnan(watch._kept[-1][1])  # read at its step
+    assert len(fake.sent) == 3  # not sent before its window is read
+    for _ in range(4):
+        watch.observe(torch.tensor(0.5), None, "backward")
     assert _steps(fake)[-1] == (8, 1, False) and math.isnan(fake.sent[-1]["loss"])
     assert fake.waits == 1
 

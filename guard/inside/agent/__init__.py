@@ -73,7 +73,7 @@ class LossWatch:
 
     After the sanity pass a device tensor's loss is copied into a small buffer on its device (no host-device sync;
     see ``_copy``) and every ``check_every`` steps the kept losses are read in one transfer; a CPU tensor's loss is
-    read at once (no transfer to save) and, like a float loss, sent at once when it is not finite. So the first
+    read at once with ``item()`` (no transfer to save; cheaper than the copy) and kept in the same window. So the first
     non-finite step between two reads is known exactly: its message carries that step and its non-finite value
     (``n=1``), while a finite window's message carries the last step and loss and ``n`` (the steps it covers).
     Float losses (``guard.report(loss=2.3)``) cost nothing to check: a non-finite one is sent at once.
@@ -102,17 +102,18 @@ class LossWatch:
             value = float(loss) if is_float else float(loss.detach().float().item())
             self._send(self.step, value, math.isfinite(value), 1, source)
             return
-        if not is_float and getattr(loss, "is_cpu", False):
-            # A CPU tensor: read now (no device, no sync: one ``item()``, ~10 µs in a real loop's step, where the
-            # buffer copy below costs ~45 µs: four tensor ops with the step's caches cold), checked like a float.
-            try:
-                loss, is_float = float(loss.item()), True
-            except (RuntimeError, TypeError, ValueError):  # an unusual tensor: kept as below
-                pass
         if is_float:
             self._kept.append((self.step, float(loss)))
             if not math.isfinite(loss):
                 self._bad_float = True
+        elif getattr(loss, "is_cpu", False):
+            # A CPU tensor: its value read now (no device, no sync: one ``item()``, ~10 us in a real loop's step,
+            # where the buffer copy below costs ~45 us: four tensor ops with the step's caches cold), then kept in
+            # the window like a device loss's copy, so that a NaN is read every ``check_every`` steps on every device.
+            try:
+                self._kept.append((self.step, float(loss.item())))
+            except (RuntimeError, TypeError, ValueError):  # an unusual tensor: copied as a device loss is
+                self._kept.append((self.step, self._copy(loss)))
         else:
             self._kept.append((self.step, self._copy(loss)))
         if len(self._kept) >= self.check_every or self._bad_float:
