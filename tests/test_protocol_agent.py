@@ -148,7 +148,7 @@ needs_torch = pytest.mark.skipif(torch is None, reason="torch is not installed")
 def syncs(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Counts every way a tensor's value reaches the host (``item``, ``float()``, ``bool()``, ``tolist``). The
     tensors stand for a device's (a GPU's): ``is_cpu`` is False, so the agent treats them as one's, where reading a
-    value is a host-device sync (a CPU tensor's loss is read at once: there is nothing to sync)."""
+    value is a host-device sync (a CPU tensor's loss is read at its step: there is nothing to sync)."""
     calls: list[str] = []
     monkeypatch.setattr(torch.Tensor, "is_cpu", property(lambda self: False))
     for name in ("item", "__float__", "__bool__", "tolist", "__int__", "numpy"):

@@ -10,6 +10,7 @@ other threads: under the guard, the agent's) is kept as ``wait_cpu_s`` and charg
 import os
 import socket
 import time
+from collections.abc import Callable
 
 
 def pin_threads(cpu: int) -> None:
@@ -42,3 +43,22 @@ class Gate:
 
     def close(self) -> None:
         self.sock.close()
+
+
+def run_in_turns(gate: Gate, total: int, per_turn: int, work: Callable[[int, int], None]) -> tuple[float, float]:
+    """Run ``work(start, count)`` over ``total`` units, ``per_turn`` a turn, each when ``gate`` says so; answer each
+    turn's wall and CPU seconds. Returns the turns' summed (wall_s, cpu_s). Raises SystemExit when the gate closed
+    before ``total`` units were done."""
+    wall_s = cpu_s = 0.0
+    done = 0
+    while gate.wait():
+        count = min(per_turn, total - done)
+        started, cpu_started = time.perf_counter(), time.process_time()
+        work(done, count)
+        turn_s, turn_cpu_s = time.perf_counter() - started, time.process_time() - cpu_started
+        wall_s, cpu_s, done = wall_s + turn_s, cpu_s + turn_cpu_s, done + count
+        gate.done(turn_s, turn_cpu_s)
+    gate.close()
+    if done != total:
+        raise SystemExit(f"the gate closed after {done} of {total}")
+    return wall_s, cpu_s

@@ -11,9 +11,8 @@ Run: ``python benchmarks/jobs/print_lines.py [--lines 1000000] [--gate PATH --la
 
 import argparse
 import sys
-import time
 
-from gate import Gate, pin_threads
+from gate import Gate, pin_threads, run_in_turns
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--lines", type=int, default=1_000_000)
@@ -34,16 +33,11 @@ if args.gate is None:
 else:
     if args.cpu is not None:
         pin_threads(args.cpu)
-    gate = Gate(args.gate, args.label)
-    done = 0
-    while gate.wait():
-        count = min(args.segment_lines, args.lines - done)
-        started, cpu_started = time.perf_counter(), time.process_time()
-        write(done, done + count)
+
+    def turn(start: int, count: int) -> None:
+        write(start, start + count)
         sys.stdout.flush()
-        gate.done(time.perf_counter() - started, time.process_time() - cpu_started)
-        done += count
-    gate.close()
-    if done != args.lines:
-        raise SystemExit(f"print_lines: the gate closed after {done} of {args.lines} lines")
+
+    gate = Gate(args.gate, args.label)
+    run_in_turns(gate, args.lines, args.segment_lines, turn)
     print(f"bench: wait_cpu_s={gate.wait_cpu_s:.6f}", file=sys.stderr, flush=True)

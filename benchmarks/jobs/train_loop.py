@@ -17,7 +17,7 @@ import argparse
 import time
 
 import torch
-from gate import Gate, pin_threads
+from gate import Gate, pin_threads, run_in_turns
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=300)
@@ -60,20 +60,13 @@ if args.gate is None:
     loop_s, cpu_s = time.perf_counter() - started, time.process_time() - cpu_started
     wait_cpu_s = 0.0
 else:
-    gate = Gate(args.gate, args.label)
-    loop_s = cpu_s = 0.0
-    done = 0
-    while gate.wait():
-        count = min(args.segment_steps, args.steps - done)
-        started, cpu_started = time.perf_counter(), time.process_time()
+    def steps(start: int, count: int) -> None:
+        global loss
         for _ in range(count):
             loss = step()
-        seg_s, seg_cpu_s = time.perf_counter() - started, time.process_time() - cpu_started
-        loop_s, cpu_s, done = loop_s + seg_s, cpu_s + seg_cpu_s, done + count
-        gate.done(seg_s, seg_cpu_s)
-    gate.close()
+
+    gate = Gate(args.gate, args.label)
+    loop_s, cpu_s = run_in_turns(gate, args.steps, args.segment_steps, steps)
     wait_cpu_s = gate.wait_cpu_s
-    if done != args.steps:
-        raise SystemExit(f"train_loop: the gate closed after {done} of {args.steps} steps")
 print(f"bench: steps={args.steps} loop_s={loop_s:.6f} cpu_s={cpu_s:.6f} wait_cpu_s={wait_cpu_s:.6f} "
       f"step_ms={loop_s / args.steps * 1000:.3f} final_loss={loss.item():.4f}", flush=True)
