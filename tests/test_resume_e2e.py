@@ -63,7 +63,9 @@ def stop_when_ready(args: list[str], *, ready: str, env: dict[str, str] | None =
 
 
 @pytest.mark.hub
-def test_trainer_resumes_from_the_secured_step_and_ends_at_max_steps(hub: HubServer, tmp_path: Path) -> None:
+def test_trainer_resumes_from_the_secured_step_and_ends_at_max_steps_and_a_damaged_copy_is_refused(
+        hub: HubServer, tmp_path: Path) -> None:
+    # one secured run serves both halves: the resume from it, then the same checkpoint damaged on the server
     env = hub.env(token=TOKENS["write"], hf_home=tmp_path / "hf")
     first = stop_when_ready([*FAST, "--push-to", "alice/resumable", str(JOBS / "slow_trainer.py"), "--output-dir",
                              str(tmp_path / "run1"), "--step-s", "0.05", "--max-steps", str(MAX_STEPS),
@@ -84,6 +86,25 @@ def test_trainer_resumes_from_the_secured_step_and_ends_at_max_steps(hub: HubSer
     assert fields["step"] == str(MAX_STEPS)
     assert fields["resumed_from"].startswith(str(tmp_path / "run2" / f"checkpoint-{secured_step}"))
 
+    # the secured checkpoint's weights damaged on the server (in every commit that holds them: a resume fetches at
+    # the commit its record names, and the secured checkpoint is now run 2's first save): runs on a fresh machine
+    # (an empty Hugging Face cache; run 2's holds intact copies) refuse it, and start fresh when asked to
+    for commit in hub.commits("alice/resumable"):
+        if "last-checkpoint/model.safetensors" in commit.files:
+            hub.corrupt("alice/resumable", "last-checkpoint/model.safetensors", revision=commit.oid)
+    env = hub.env(token=TOKENS["write"], hf_home=tmp_path / "hf-fresh")
+    refused = run_guard([*FAST, "--resume", "on", "--push-to", "alice/resumable", "--output-dir",
+                         str(tmp_path / "run3"), str(JOBS / "slow_trainer.py"), "--output-dir", str(tmp_path / "run3")],
+                        env=env, timeout_s=60)
+    assert refused.returncode == 3, refused.stderr[-3000:]
+    assert refused.fields()["check"] == "resume"
+    assert "train_begin" not in refused.stdout
+    fresh = run_guard([*FAST, "--resume", "if-valid", "--push-to", "alice/resumable", "--output-dir",
+                       str(tmp_path / "run4"), str(JOBS / "slow_trainer.py"), "--output-dir", str(tmp_path / "run4"),
+                       "--step-s", "0", "--max-steps", "5", "--save-steps", "100"], env=env, timeout_s=60)
+    assert fresh.returncode == 0, fresh.stderr[-3000:]
+    assert "train_begin global_step=0" in fresh.stdout
+
 
 def test_custom_loop_resumes_through_resume_path(tmp_path: Path) -> None:
     dest = tmp_path / "dest"
@@ -100,26 +121,6 @@ def test_custom_loop_resumes_through_resume_path(tmp_path: Path) -> None:
     assert f"at step {step}" in second.stdout
     assert "resumed_from=" in second.verdict
     assert second.fields()["step"] == str(step + 5)  # the .backward() count continues from the checkpoint
-
-
-@pytest.mark.hub
-def test_a_damaged_checkpoint_on_the_server_is_refused(hub: HubServer, tmp_path: Path) -> None:
-    env = hub.env(token=TOKENS["write"], hf_home=tmp_path / "hf")
-    first = stop_when_ready([*FAST, "--push-to", "alice/damaged", str(JOBS / "slow_trainer.py"), "--output-dir",
-                             str(tmp_path / "run1"), "--step-s", "0.05", "--save-steps", "20"],
-                            ready="checkpoint saved by the job", env=env)
-    assert first.returncode == 75, first.stderr[-3000:]
-    hub.corrupt("alice/damaged", "last-checkpoint/model.safetensors")
-    second = run_guard([*FAST, "--resume", "on", "--push-to", "alice/damaged", "--output-dir", str(tmp_path / "run2"),
-                        str(JOBS / "slow_trainer.py"), "--output-dir", str(tmp_path / "run2")], env=env, timeout_s=60)
-    assert second.returncode == 3, second.stderr[-3000:]
-    assert second.fields()["check"] == "resume"
-    assert "train_begin" not in second.stdout
-    fresh = run_guard([*FAST, "--resume", "if-valid", "--push-to", "alice/damaged", "--output-dir",
-                       str(tmp_path / "run3"), str(JOBS / "slow_trainer.py"), "--output-dir", str(tmp_path / "run3"),
-                       "--step-s", "0", "--max-steps", "5", "--save-steps", "100"], env=env, timeout_s=60)
-    assert fresh.returncode == 0, fresh.stderr[-3000:]
-    assert "train_begin global_step=0" in fresh.stdout
 
 
 def test_requeue_runs_scontrol_after_the_verdict_and_survives_slurms_sigterm(tmp_path: Path) -> None:

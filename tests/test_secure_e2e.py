@@ -34,7 +34,10 @@ def sha256s(folder: Path) -> dict[str, str]:
 
 
 @pytest.mark.hub
-def test_slow_trainer_with_a_40s_timeout_is_secured_on_the_hub(hub: HubServer, tmp_path: Path) -> None:
+def test_slow_trainer_with_a_40s_timeout_is_secured_on_the_hub_through_its_500s(hub: HubServer,
+                                                                                 tmp_path: Path) -> None:
+    # the Hub answers the first two commits with 500: they are retried, and the deadline holds all the same
+    hub.inject(status=500, count=2, methods=("POST",), path_contains="/commit/")
     out = tmp_path / "out"
     started = time.monotonic()
     run = run_guard([*FAST, "--timeout", "40s", "--push-to", "hf://alice/slow-run", str(JOBS / "slow_trainer.py"),
@@ -44,6 +47,7 @@ def test_slow_trainer_with_a_40s_timeout_is_secured_on_the_hub(hub: HubServer, t
     fields = run.fields()
     assert (fields["status"], fields["reason"], fields["secured"]) == ("TIMEOUT", "deadline", "yes")
     assert took_s < 40
+    assert sum(r.status == 500 for r in hub.requests) == 2 and "attempt" in run.stderr
     local = Path(fields["checkpoint"])
     remote = hub.repo_files("alice/slow-run")
     on_server = {path[len("last-checkpoint/"):]: hashlib.sha256(data).hexdigest()
@@ -93,7 +97,9 @@ def test_custom_loop_with_the_api_and_a_folder_destination(tmp_path: Path) -> No
     # The budget is sized to this machine's load now: a loaded 2-core machine can take 20 s and more to import torch
     # and make the loop's first step, and a deadline before that leaves nothing to secure.
     ready_s = time_to_first_step(tmp_path / "warmup")
-    timeout_s, margin_s = round(max(16.0, 3 * ready_s + 10)), round(max(5.0, ready_s + 3))
+    # The guard asks for the save at deadline - margin: that leaves the loop 1.5 x its start-up measured now, plus
+    # 5 s, to reach its first step (it trains flat out, a core's worth of CPU, until the deadline).
+    timeout_s, margin_s = round(max(14.0, 2.5 * ready_s + 8)), round(max(5.0, ready_s + 3))
     run = run_guard([*FAST, "--timeout", f"{timeout_s}s", "--margin", f"{margin_s}s", "--push-to", str(dest),
                      str(REPO / "examples" / "train_loop.py"), "--steps", "100000", "--save-every", "100000",
                      "--output-dir", str(tmp_path / "out")], timeout_s=timeout_s + 60)
@@ -105,17 +111,6 @@ def test_custom_loop_with_the_api_and_a_folder_destination(tmp_path: Path) -> No
     local = Path(fields["checkpoint"])
     assert local.name == f"checkpoint-{manifest['step']}"
     assert {k: v for k, v in sha256s(secured).items() if k != "guard_manifest.json"} == sha256s(local)
-
-
-@pytest.mark.hub
-def test_hub_500s_then_success(hub: HubServer, tmp_path: Path) -> None:
-    hub.inject(status=500, count=2, methods=("POST",), path_contains="/commit/")
-    run = run_guard([*FAST, "--timeout", "30s", "--margin", "12s", "--push-to", "alice/flaky",
-                     str(JOBS / "slow_trainer.py"), "--output-dir", str(tmp_path / "out"), "--step-s", "0.05"],
-                    env=hub_env(hub, tmp_path), timeout_s=90)
-    assert run.returncode == 75, run.stderr[-3000:]
-    assert sum(r.status == 500 for r in hub.requests) == 2
-    assert "attempt" in run.stderr
 
 
 @pytest.mark.hub
