@@ -109,3 +109,9 @@ class PushFailedError(HubError):
     ) -> None:
         super().__init__(message, destination=destination, hint=hint)
         self.attempts = attempts
+
+
+class CheckpointRewrittenError(PushFailedError):
+    """A checkpoint's file was written again (in place, or replaced) after the save it was reported for, before or
+    while it was copied: it no longer holds that step, so it is never secured under it. The job's newer save is
+    reported on its own and secured under its own step."""

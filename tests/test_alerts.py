@@ -116,12 +116,28 @@ def test_the_alert_of_a_throughput_drop() -> None:
 
 
 def push(kind: str, step: int | None, ok: bool, *, error: str | None = None, killed: bool = False,
-         pushed: str | None = "hf://acme/run@abc123", running: bool = False) -> SimpleNamespace:
+         pushed: str | None = "hf://acme/run@abc123", running: bool = False, rewritten: bool = False
+         ) -> SimpleNamespace:
     """A push as ``Plan.report()`` shows it (``secure.plan.PushView``)."""
     return SimpleNamespace(kind=kind, step=step, path=f"/out/checkpoint-{step}" if step is not None else None,
                            running=running, ok=ok and not running, killed=killed,
                            pushed=pushed if ok and not running else None, destination="hf://acme/run",
-                           error=error, hint=None)
+                           error=error, hint=None, rewritten=rewritten)
+
+
+def test_pushes_refused_because_the_job_saved_over_them_are_not_failing_pushes() -> None:
+    # a loop that saves ckpt.pt in place: each push the next save overtook is refused, and the newer one secured
+    alerts, rec = make()
+    plan: Any = FakePlan(trigger=None, state=SimpleNamespace(name="WATCHING"), history=[], secured=None)
+    for step in (10, 20, 30):
+        plan.history.append(push("background", step, False, rewritten=True,
+                                 error=f"cannot secure checkpoint step {step}: out/ckpt.pt was rewritten"))
+        alerts.on_securing(plan, step + 1)
+    assert rec.alerts == []
+    plan.history.append(push("background", 40, False, error="HTTP 500 from the Hub"))
+    plan.history.append(push("background", 50, False, error="HTTP 503 from the Hub"))
+    alerts.on_securing(plan, 51)
+    assert [t for t, _, _, _ in rec.alerts] == ["pushes keep failing"]  # two real failures in a row still warn
 
 
 class FakePlan(SimpleNamespace):

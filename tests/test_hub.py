@@ -522,3 +522,42 @@ def test_a_push_logs_its_progress_in_bytes(tmp_path: Path, caplog: pytest.LogCap
         finally:
             guard.observe.telemetry.Progress = original  # type: ignore[misc]
     assert seen and seen == sorted(seen) and seen[-1] >= 3_000_000
+
+
+@pytest.mark.hub
+@pytest.mark.parametrize("kind", ["folder", "hub"])
+def test_a_file_written_again_after_its_save_is_never_secured_under_that_step(kind, request, tmp_path, monkeypatch):
+    # ckpt.pt saved at step 30 (the push gets that save's mtime), then saved again in place with step 50: the push
+    # of step 30 is refused, before its copy starts and also when the rewrite lands between that check and the copy
+    # (the copy's own first stat catches it); secured under step 30 it would hold step 50
+    import torch
+
+    from guard.errors import CheckpointRewrittenError
+    from guard.secure import hub
+
+    out, dest = tmp_path / "out", tmp_path / "dest"
+    out.mkdir()
+    ckpt = out / "ckpt.pt"
+    torch.save({"step": 30}, ckpt)
+    os.utime(ckpt, (1000.0, 1000.0))
+    torch.save({"step": 50}, ckpt)
+    os.utime(ckpt, (1005.0, 1005.0))
+    if kind == "folder":
+        securer = Securer(str(dest))
+    else:
+        hub_server, repo_id = request.getfixturevalue("hub"), request.getfixturevalue("repo_id")
+        securer = Securer(repo_id, api=request.getfixturevalue("api"))
+    with pytest.raises(CheckpointRewrittenError, match=r"was rewritten after that save \(modified 5.0s later\)"):
+        securer.push_checkpoint(out, step=30, files=["ckpt.pt"], saved_by_s=1000.0, deadline=time.monotonic() + 60)
+    monkeypatch.setattr(hub, "rewritten_after", lambda *args, **kwargs: None)  # the rewrite came after that check
+    with pytest.raises(CheckpointRewrittenError, match="no longer holds step 30"):
+        securer.push_checkpoint(out, step=30, files=["ckpt.pt"], saved_by_s=1000.0, deadline=time.monotonic() + 60)
+    if kind == "hub":
+        assert not remote_checkpoint(hub_server, repo_id)  # nothing uploaded either time
+        securer.push_checkpoint(out, step=50, files=["ckpt.pt"], saved_by_s=1005.0, deadline=time.monotonic() + 60)
+        assert remote_manifest(hub_server, repo_id)["step"] == 50
+        return
+    assert not (dest / "last-checkpoint").exists()
+    securer.push_checkpoint(out, step=50, files=["ckpt.pt"], saved_by_s=1005.0, deadline=time.monotonic() + 60)
+    assert json.loads((dest / "last-checkpoint" / MANIFEST_NAME).read_text())["step"] == 50
+    assert torch.load(dest / "last-checkpoint" / "ckpt.pt")["step"] == 50

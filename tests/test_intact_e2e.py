@@ -16,6 +16,40 @@ pytestmark = [pytest.mark.slow]
 FAST = ["--skip-check", "python=imports are checked by the other tests"]
 
 
+def test_a_file_saved_over_many_times_a_second_is_secured_under_the_step_it_holds(tmp_path: Path) -> None:
+    # out/ckpt.pt saved in place every 10 steps (about every 0.12 s, near the time a push takes to start), each save
+    # secured in the background: a push that starts after the next save overwrote the file is refused, and a newer
+    # save is secured under its own step. Before, a file rewritten between its report and the copy was secured under
+    # the older step (manifest step 30 over step-50 weights, seen in a run of the suite), and the next run's step-30
+    # save then replaced it as newer. The secured copy is read while the run goes on: each pair of its record and
+    # its file read between two equal readings of the record.
+    import json
+
+    dest = tmp_path / "dest"
+    secured = dest / "last-checkpoint"
+    pairs: list[tuple[int, int]] = []
+
+    def sample() -> bool:
+        try:
+            record = (secured / "guard_manifest.json").read_text()
+            held = int(torch.load(secured / "ckpt.pt")["step"])
+            if (secured / "guard_manifest.json").read_text() == record:
+                pairs.append((int(json.loads(record)["step"]), held))
+        except (OSError, ValueError, RuntimeError, KeyError):  # swapped while read: the next sample
+            pass
+        return len(pairs) >= 40 and pairs[-1][0] >= 100 and len({step for step, _ in pairs}) >= 3
+
+    proc = start_guard([*FAST, "--push-to", str(dest), str(JOBS / "resuming_loop.py"), "--every", "10", "--step_s",
+                        "0.01"], cwd=tmp_path)
+    stdout, stderr = signal_when(proc, sample, signal.SIGTERM, wait_s=90)
+    assert proc.returncode == 75, stderr[-3000:]
+    assert len(pairs) >= 40 and [pair for pair in pairs if pair[0] != pair[1]] == [], (pairs, stderr[-3000:])
+    assert len({step for step, _ in pairs}) >= 3  # several saves secured while it was read
+    held = int(torch.load(secured / "ckpt.pt")["step"])
+    assert secured_step(dest) == held, stderr[-3000:]
+    assert f"resumes from step {held}" in GuardRun(proc.returncode, stdout, stderr).fields()["hint"]
+
+
 def test_a_checkpoint_rewritten_in_place_on_sigterm_never_replaces_the_secured_copy(tmp_path: Path) -> None:
     # The job's SIGTERM handler rewrites ckpt.pt chunk by chunk over 20 s, longer than --grace 8s: the file is cut
     # short when the guard would push it (petuum/adaptdl #70). The secured copy stays the good save and loads.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import signal
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -792,3 +793,36 @@ def test_after_the_wait_for_an_answer_ends_the_jobs_later_saves_are_secured_too(
         plan.on(CheckpointSeen(ckpt(step), requested=requested))
         run_until(plan, clock, at + 1.5)
     assert [h.args["step"] for h in pusher.started] == [5, 10, 20] and secured_step(plan) == 20
+
+
+def test_a_save_written_over_before_its_push_is_refused_and_the_newer_one_secured_under_its_own_step(
+        clock: FakeClock, caplog: pytest.LogCaptureFixture) -> None:
+    # A loop that saves ckpt.pt in place: each push carries the mtime of the save it was reported for, so that a
+    # file written again since then is refused by the push instead of secured under the older step (a step-50
+    # content secured as step 30 let the next run's step-30 save replace it as "newer").
+    from fakes import FakeResult
+
+    from guard.secure.report import REWRITTEN
+
+    pusher = FakePusher(clock, overhead_s=2.0)
+    plan = make(clock, pusher)
+
+    def in_place(step: int) -> CheckpointInfo:
+        return CheckpointInfo(path=Path("/out/ckpt.pt"), step=step, size_bytes=1000, files=("ckpt.pt",),
+                              newest_mtime_s=100.0 + step, root=Path("/out"))
+
+    seen(plan, in_place(30))
+    first = pusher.started[0]
+    assert first.args["saved_by_s"] == 130.0  # without a non-finite loss too
+    seen(plan, in_place(40))  # queued behind the running push
+    first.result = FakeResult("push_checkpoint", False, error="cannot secure checkpoint step 30: /out/ckpt.pt was "
+                              "rewritten after that save", error_type=REWRITTEN)
+    with caplog.at_level(logging.INFO, logger="guard"):
+        run_until(plan, clock, 10.0)
+    assert [h.args["step"] for h in pusher.started] == [30, 40]
+    assert pusher.started[1].args["saved_by_s"] == 140.0
+    report = plan.report()
+    assert secured_step(plan) == 40 and report.error is None
+    assert report.history[0].rewritten and not report.history[1].rewritten
+    refused = [r for r in caplog.records if "rewritten after that save" in r.getMessage()]
+    assert [r.levelno for r in refused] == [logging.INFO]  # not the destination's failure: no error line

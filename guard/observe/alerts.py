@@ -354,7 +354,7 @@ class Alerts:
                 self.send(f"secured:{at}:{where}", "info", f"checkpoint secured: step {at}", f"{name} at {where}",
                           step=at)
             return
-        if view.killed or view.kind == "resumed":
+        if view.killed or view.kind == "resumed" or view.rewritten:  # a newer save of the job's replaced it
             return
         self._failed_in_a_row += 1
         error = str(view.error or "")

@@ -30,6 +30,7 @@ import errno
 import hashlib
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -41,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from guard.errors import HubError, PushFailedError, UsageError
+from guard.errors import CheckpointRewrittenError, HubError, PushFailedError, UsageError
 from guard.secure.checkpoints import is_marked_suspect, rewritten_after
 from guard.secure.hubhttp import (
     PROGRESS,
@@ -568,16 +569,17 @@ class Securer:
             files: the files to secure, relative to ``local_dir`` (``CheckpointInfo.files``: a set of loose model
                 files in an output folder); default: every file of the folder.
             saved_by_s: the newest file mtime (epoch seconds) when the checkpoint was seen complete
-                (``CheckpointInfo.newest_mtime_s``); a file modified after it was rewritten in place (a loop that
-                saves ``ckpt.pt`` again) and is no longer that checkpoint: the push fails rather than secure it
-                under the old step. None: not checked.
+                (``CheckpointInfo.newest_mtime_s``); a file modified after it, up to the end of the copy, was
+                rewritten in place (a loop that saves ``ckpt.pt`` again) and is no longer that checkpoint: the
+                push fails rather than secure it under the old step. None: not checked.
 
         Returns:
             The verified ``PushResult`` (``revision``: Hub commit id, or the ``last-checkpoint`` folder).
 
         Raises:
             PushFailedError: no time left, a non-retryable Hub error (auth, permission), a local read error,
-                or the retries ran out of time; its message lists every attempt.
+                or the retries ran out of time; its message lists every attempt. ``CheckpointRewrittenError``
+                (a subclass): a file was written again after ``saved_by_s``.
         """
         folder = Path(local_dir)
         if files is None:
@@ -598,25 +600,39 @@ class Securer:
             # before every attempt: a retry after "changed while copied" must not secure the next save as this step
             rewritten = rewritten_after(folder, files, saved_by_s) if saved_by_s is not None else None
             if rewritten is not None:
-                rel, later_s = rewritten
-                raise PushFailedError(f"cannot secure {what}: {folder / rel} was rewritten after that save (modified "
-                                      f"{later_s:.1f}s later), so it no longer holds step {step}",
-                                      destination=str(self.destination),
-                                      hint="the job overwrites its checkpoint in place; save each checkpoint under a "
-                                           "new name (e.g. ckpt-STEP.pt) so an older good one survives a later bad "
-                                           "save")
+                raise self._rewritten(what, folder / rewritten[0], rewritten[1], step)
             _refuse_torn(what, folder, files, "local", str(self.destination))
 
         still_that_save()
         message = CHECKPOINT_COMMIT_TITLE.format(step=step)
 
+        def unchanged_since_save(before: dict[str, tuple[int, int, int]]) -> None:
+            # the signatures a copy starts from (compared again after it) must still be that save's: a rewrite
+            # between the check above and the copy's start is caught here, one during the copy by the comparison
+            if saved_by_s is None:
+                return
+            for rel in files:
+                if rel not in before:
+                    raise self._rewritten(what, folder / rel, math.inf, step)
+                if before[rel][1] / 1e9 > saved_by_s + 1e-3:
+                    raise self._rewritten(what, folder / rel, before[rel][1] / 1e9 - saved_by_s, step)
+
         def attempt() -> str:
             still_that_save()
             if self.destination.kind == "folder":
-                return self._folder_push_checkpoint(folder, files, step)
-            return self._hub_push(folder, files, f"{CHECKPOINT_FOLDER}/", message, replace=True, record_step=step)
+                return self._folder_push_checkpoint(folder, files, step, unchanged_since_save)
+            return self._hub_push(folder, files, f"{CHECKPOINT_FOLDER}/", message, replace=True, record_step=step,
+                                  check_before=unchanged_since_save)
 
         return self._push(what, folder, files, step, attempt, deadline)
+
+    def _rewritten(self, what: str, path: Path, later_s: float, step: int) -> CheckpointRewrittenError:
+        when = "missing now" if math.isinf(later_s) else f"modified {later_s:.1f}s later"
+        return CheckpointRewrittenError(
+            f"cannot secure {what}: {path} was rewritten after that save ({when}), so it no longer holds step {step}",
+            destination=str(self.destination),
+            hint="the job saves its checkpoint in place; its newer save is secured under its own step (save each "
+                 "checkpoint under a new name, e.g. ckpt-STEP.pt, so an older good one survives a later bad save)")
 
     def push_final(self, output_dir: str | os.PathLike[str], *, files: Collection[str] | None = None,
                    deadline: float) -> PushResult:
@@ -826,7 +842,8 @@ class Securer:
         return self._api
 
     def _hub_push(self, folder: Path, files: list[str], prefix: str, message: str, *, replace: bool,
-                  record_step: int | None = None) -> str:
+                  record_step: int | None = None,
+                  check_before: Callable[[dict[str, tuple[int, int, int]]], None] | None = None) -> str:
         """One commit of ``files``, verified; with ``record_step`` (a checkpoint), that commit is titled
         ``UPLOAD_COMMIT_TITLE`` and, once every file verified, a second commit adds the manifest under the record's
         title (``CHECKPOINT_COMMIT_TITLE``, on top of exactly the verified commit): a commit that failed
@@ -840,6 +857,8 @@ class Securer:
             api.create_repo(repo_id, repo_type=repo_type, private=True, exist_ok=True)
             self._repo_ready = True
         before = _signatures(folder, files)
+        if check_before is not None:
+            check_before(before)
         adds = [CommitOperationAdd(path_in_repo=prefix + rel, path_or_fileobj=str(folder / rel)) for rel in files]
         deletes: list[CommitOperationDelete] = []
         if replace:
@@ -1001,7 +1020,8 @@ class Securer:
 
     # -- folders ----------------------------------------------------------------------------------------------
 
-    def _folder_push_checkpoint(self, folder: Path, files: list[str], step: int) -> str:
+    def _folder_push_checkpoint(self, folder: Path, files: list[str], step: int,
+                                check_before: Callable[[dict[str, tuple[int, int, int]]], None]) -> str:
         root = self.destination.path
         assert root is not None
         root.mkdir(parents=True, exist_ok=True)
@@ -1010,6 +1030,7 @@ class Securer:
         staging = _staging_dir(f".{CHECKPOINT_FOLDER}.tmp-{os.getpid()}-", root)
         try:
             before = _signatures(folder, files)
+            check_before(before)
             previous = _manifest_files(target)
             sums: dict[str, tuple[int, str]] = {}
             linked: list[str] = []

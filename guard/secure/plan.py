@@ -82,7 +82,7 @@ from guard.secure.events import (
     Tick,
     TrainingStarted,
 )
-from guard.secure.report import EndedHandle, PlanReport, PriorPush, PushRecord, PushView, State
+from guard.secure.report import REWRITTEN, EndedHandle, PlanReport, PriorPush, PushRecord, PushView, State
 
 __all__ = ["LATE_REQUEST_S", "SAFETY_S", "STOP_BEFORE_S", "TRANSITIONS", "Action", "Plan", "PlanReport",
            "PriorPush", "PushView", "State", "bound_s"]
@@ -705,9 +705,11 @@ class Plan:
                  " in the background" if kind == "background" else "", deadline - now)
         handle = self._pusher.start("push_checkpoint", {
             "local_dir": str(info.folder), "step": info.step or 0, "files": list(info.files),
-            # after a NaN, a file rewritten since its save holds the bad weights: refuse it (Securer.push_checkpoint);
-            # otherwise a rewrite is a newer save of the same training, whole by format (checked by the push)
-            "saved_by_s": info.newest_mtime_s if self._bad_from_step is not None else None}, deadline)
+            # a file written again since this save (a loop that saves ckpt.pt in place) no longer holds its step:
+            # the push refuses it (Securer.push_checkpoint), and the newer save, reported on its own, is secured
+            # under its own step. Secured under this one it named a step its content was not (the next run's
+            # lower-step saves then replaced it as "newer"); after a NaN the rewrite holds the bad weights.
+            "saved_by_s": info.newest_mtime_s}, deadline)
         self._push = PushRecord(kind, info, handle, now)
         self._history.append(self._push)
         return [StartPush(kind, str(info.path), info.step, deadline, estimate_s)]
@@ -760,10 +762,14 @@ class Plan:
                 log.info("secured and verified: %s (step %s, %.1f MB in %.1fs)", result.pushed,
                          record.info.step if record.info else None, result.size_bytes / 1e6, result.elapsed_s)
         else:
-            log.error("%s", result.error)
+            rewritten = getattr(result, "error_type", None) == REWRITTEN and self._bad_from_step is None
+            if rewritten:  # the job saved over it again: not the destination's failure; its newer save follows
+                log.info("%s: its newer save is secured instead", result.error)
+            else:
+                log.error("%s", result.error)
             if not getattr(result, "killed", False):
                 self._estimator.discard_push_progress()  # an error is not a rate measurement
-            if record.kind != "background":
+            if record.kind != "background" and not rewritten:
                 self._error = record
         if self._state is State.FINAL_PUSH:
             if self._final_pending and now < self.secure_by:

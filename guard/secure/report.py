@@ -24,6 +24,11 @@ class State(enum.Enum):
 
 
 
+#: ``WorkResult.error_type`` of a push refused because the job wrote the checkpoint again after that save
+#: (``guard.errors.CheckpointRewrittenError``, by name: nothing here imports the error classes)
+REWRITTEN = "CheckpointRewrittenError"
+
+
 @dataclass(frozen=True)
 class PriorPush:
     """A checkpoint the destination already holds, verified when it was fetched: the one a resumed run started
@@ -82,14 +87,16 @@ class PushRecord:
             elapsed_s=float(getattr(result, "elapsed_s", 0.0) or 0.0) if result is not None else 0.0,
             attempts=int(getattr(result, "attempts", 0) or 0) if result is not None else 0,
             error=getattr(result, "error", None) if result is not None else None,
-            hint=getattr(result, "hint", None) if result is not None else None)
+            hint=getattr(result, "hint", None) if result is not None else None,
+            rewritten=bool(result is not None and getattr(result, "error_type", None) == REWRITTEN))
 
 
 @dataclass(frozen=True)
 class PushView:
     """One push as the report shows it: what (``kind``, ``path``, ``step``) and how it ended (``running`` while it
     runs; ``ok``, ``killed``, ``pushed`` = ``DEST@REVISION``, ``destination``, ``files`` count, ``size_bytes``,
-    ``elapsed_s``, ``attempts``, ``error``, ``hint``)."""
+    ``elapsed_s``, ``attempts``, ``error``, ``hint``; ``rewritten``: refused because the job wrote the checkpoint
+    again after that save, see ``REWRITTEN``)."""
 
     kind: str
     path: str | None
@@ -106,6 +113,7 @@ class PushView:
     attempts: int
     error: str | None
     hint: str | None
+    rewritten: bool = False
 
 
 @dataclass(frozen=True)
