@@ -77,6 +77,7 @@ class FakeHandle:
     fail: bool = False
     stalled: bool = False
     stalled_at: float | None = None  # when a running push stopped moving bytes (None: from its start)
+    rewritten: bool = False  # refused: the job saved over the checkpoint after that save (CheckpointRewrittenError)
     result: FakeResult | None = None
 
     @property
@@ -97,6 +98,9 @@ class FakeHandle:
             size = self.pusher.size_of(self.args)
             self.result = (FakeResult(self.op, False, error="push failed: HTTP 403", error_type="PushFailedError",
                                       elapsed_s=now - self.started) if self.fail else
+                           FakeResult(self.op, False, error="cannot secure it: rewritten after that save",
+                                      error_type="CheckpointRewrittenError", elapsed_s=now - self.started)
+                           if self.rewritten else
                            FakeResult(self.op, True, size, now - self.started, step=self.args.get("step")))
             self.pusher.ended.append(self)
             return self.result
@@ -122,6 +126,7 @@ class FakePusher:
     overhead_s: float = 1.0
     fail_next: bool = False
     stall_next: bool = False
+    rewritten_next: bool = False
     started: list[FakeHandle] = field(default_factory=list)
     ended: list[FakeHandle] = field(default_factory=list)
     killed: list[FakeHandle] = field(default_factory=list)
@@ -133,8 +138,8 @@ class FakePusher:
         now = self.clock()
         duration = self.overhead_s + self.size_of(args) / max(self.rate(now), 1.0)
         handle = FakeHandle(self, op, dict(args), deadline, now, duration, fail=self.fail_next,
-                            stalled=self.stall_next)
-        self.fail_next = self.stall_next = False
+                            stalled=self.stall_next, rewritten=self.rewritten_next)
+        self.fail_next = self.stall_next = self.rewritten_next = False
         self.started.append(handle)
         return handle
 

@@ -105,7 +105,7 @@ class PlanMachine(RuleBasedStateMachine):
     driver_factory: Callable[..., Any] = NewDriver
     #: the invariants checked (all by default); a run against an older plan checks one at a time
     checks: frozenset[str] = frozenset({"bound", "in_time", "secured", "supersede", "finished", "kill_bound",
-                                        "stalled", "estimate", "waits", "follows"})
+                                        "stalled", "estimate", "waits", "follows", "labelled"})
 
     def __init__(self) -> None:
         super().__init__()
@@ -235,6 +235,12 @@ class PlanMachine(RuleBasedStateMachine):
         self.pusher.fail_next = True
 
     @rule()
+    def push_refused_as_rewritten(self) -> None:
+        """The next push finds its file saved over since the save it was started for (a loop that saves ckpt.pt in
+        place) and is refused (``CheckpointRewrittenError``)."""
+        self.pusher.rewritten_next = True
+
+    @rule()
     def push_stalls(self) -> None:
         """The running push (else the next one) moves no byte from now on and never ends on its own (a commit the
         Hub never answers)."""
@@ -297,6 +303,18 @@ class PlanMachine(RuleBasedStateMachine):
         ends = [h.result for h in self.pusher.started if h.args.get("local_dir") == path and h.result is not None]
         if not any(r.ok for r in ends):
             self._violate("secured", f"secured names {path}, whose push never ended well ({ends})")
+
+    @invariant()
+    def every_push_carries_its_saves_mtime(self) -> None:
+        """Every checkpoint push names the mtime of the save it is for (``ckpt(step)``: ``step`` seconds), so that
+        the push refuses a file saved over since, whatever came before (a non-finite loss or none): secured under
+        this step, a later save's content would be named by an older step."""
+        if not hasattr(self, "driver"):
+            return
+        for handle in self.pusher.started:
+            if handle.op == "push_checkpoint" and handle.args.get("saved_by_s") != float(handle.args["step"]):
+                self._violate("labelled", f"the push of step {handle.args['step']} carries saved_by_s "
+                              f"{handle.args.get('saved_by_s')}, not its save's mtime {float(handle.args['step'])}")
 
     @invariant()
     def follows_the_job_until_it_stops(self) -> None:
