@@ -273,7 +273,6 @@ def test_sigterm_while_rank_1_writes_its_part_waits_for_it_and_every_rank_saves_
     assert (secured / "rng_state_0.pth").exists() and (secured / "rng_state_1.pth").exists(), stderr[-3000:]
     saves = [(rank, int(step)) for rank, step in re.findall(r"rank (\d): saved at step (\d+)", stdout)]
     newest = max(step for _, step in saves)
-    assert {rank for rank, step in saves if step == newest} == {"0", "1"}, saves
-    assert {rank: step for rank, step in saves} == {"0": newest, "1": newest}, saves  # no save after it
+    assert {rank: step for rank, step in saves} == {"0": newest, "1": newest}, saves  # each rank's last save
     assert newest > 40 and json.loads((secured / "trainer_state.json").read_text())["global_step"] == newest
     assert "INTERRUPTED reason=signal exit=75" in stdout and "secured=yes" in stdout and proc.returncode == 75

@@ -23,7 +23,6 @@ class State(enum.Enum):
     DONE = "done"
 
 
-
 #: ``WorkResult.error_type`` of a push refused because the job wrote the checkpoint again after that save
 #: (``guard.errors.CheckpointRewrittenError``, by name: nothing here imports the error classes)
 REWRITTEN = "CheckpointRewrittenError"
