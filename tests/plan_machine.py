@@ -31,6 +31,7 @@ from guard.secure.events import (
     KillPush,
     SignalReceived,
     StartPush,
+    StopJob,
     Tainted,
     Tick,
 )
@@ -120,6 +121,7 @@ class PlanMachine(RuleBasedStateMachine):
         self.signalled = self.failed = False
         self.asked = self.answered = False  # the job was asked for a save (deadline, signal); it answered
         self.violations: list[str] = []
+        self.stop_at = math.inf  # the guard SIGKILLs the job by then (the plan's StopJob: at + grace_s)
 
     @initialize(deadline_s=st.sampled_from([None, 60.0, 120.0, 400.0, 3600.0]),
                 grace_s=st.sampled_from([5.0, 10.0, 30.0, 90.0]), can_save=st.booleans(),
@@ -142,6 +144,8 @@ class PlanMachine(RuleBasedStateMachine):
         for action in actions:
             if isinstance(action, Decide) and self.decided is None:
                 self.decided = action.status
+            if isinstance(action, StopJob):  # an earlier stop already set stands
+                self.stop_at = min(self.stop_at, action.at + action.grace_s)
         # a suspect push is killed whatever its timing (a taint): not a supersede
         kills = [a for a in actions if isinstance(a, KillPush) and a.why not in ("deadline", "killed", "suspect")]
         starts = [a for a in actions if isinstance(a, StartPush)]
@@ -197,6 +201,9 @@ class PlanMachine(RuleBasedStateMachine):
                 self.asked = self.asked or self.can_save
                 self._record(self.driver.deadline_near(self.can_save), now)
             self._record(self.driver.tick(), now)
+            if self.job_running and now >= self.stop_at:  # the supervisor stopped it: it is gone, not saving on
+                self.job_running = False
+                self._record(self.driver.job_exit(ok=False, complete=False), now)
             self._check_decided_in_time()
             self._check_waits(now)
 

@@ -549,9 +549,19 @@ def test_a_file_written_again_after_its_save_is_never_secured_under_that_step(ki
         securer = Securer(repo_id, api=request.getfixturevalue("api"))
     with pytest.raises(CheckpointRewrittenError, match=r"was rewritten after that save \(modified 5.0s later\)"):
         securer.push_checkpoint(out, step=30, files=["ckpt.pt"], saved_by_s=1000.0, deadline=time.monotonic() + 60)
-    monkeypatch.setattr(hub, "rewritten_after", lambda *args, **kwargs: None)  # the rewrite came after that check
+    signatures = hub._signatures
+
+    def rewritten_as_the_copy_starts(folder, files):
+        # the job's next save lands as the copy takes its first signatures (after the check before the push)
+        torch.save({"step": 50}, ckpt)
+        os.utime(ckpt, (1005.0, 1005.0))
+        return signatures(folder, files)
+
+    os.utime(ckpt, (1000.0, 1000.0))  # the file as the step-30 save left it, for the check before the push
+    monkeypatch.setattr(hub, "_signatures", rewritten_as_the_copy_starts)
     with pytest.raises(CheckpointRewrittenError, match="no longer holds step 30"):
         securer.push_checkpoint(out, step=30, files=["ckpt.pt"], saved_by_s=1000.0, deadline=time.monotonic() + 60)
+    monkeypatch.setattr(hub, "_signatures", signatures)
     if kind == "hub":
         assert not remote_checkpoint(hub_server, repo_id)  # nothing uploaded either time
         securer.push_checkpoint(out, step=50, files=["ckpt.pt"], saved_by_s=1005.0, deadline=time.monotonic() + 60)

@@ -597,7 +597,9 @@ class Securer:
                                   hint="resume from the secured checkpoint saved before the non-finite loss")
 
         def still_that_save() -> None:
-            # before every attempt: a retry after "changed while copied" must not secure the next save as this step
+            # before the push and in every attempt once the copy's first signatures are taken (compared again after
+            # the copy): a rewrite before them is seen here, one after them by that comparison, so a retry after
+            # "changed while copied" never secures the next save as this step
             rewritten = rewritten_after(folder, files, saved_by_s) if saved_by_s is not None else None
             if rewritten is not None:
                 raise self._rewritten(what, folder / rewritten[0], rewritten[1], step)
@@ -606,23 +608,11 @@ class Securer:
         still_that_save()
         message = CHECKPOINT_COMMIT_TITLE.format(step=step)
 
-        def unchanged_since_save(before: dict[str, tuple[int, int, int]]) -> None:
-            # the signatures a copy starts from (compared again after it) must still be that save's: a rewrite
-            # between the check above and the copy's start is caught here, one during the copy by the comparison
-            if saved_by_s is None:
-                return
-            for rel in files:
-                if rel not in before:
-                    raise self._rewritten(what, folder / rel, math.inf, step)
-                if before[rel][1] / 1e9 > saved_by_s + 1e-3:
-                    raise self._rewritten(what, folder / rel, before[rel][1] / 1e9 - saved_by_s, step)
-
         def attempt() -> str:
-            still_that_save()
             if self.destination.kind == "folder":
-                return self._folder_push_checkpoint(folder, files, step, unchanged_since_save)
+                return self._folder_push_checkpoint(folder, files, step, still_that_save)
             return self._hub_push(folder, files, f"{CHECKPOINT_FOLDER}/", message, replace=True, record_step=step,
-                                  check_before=unchanged_since_save)
+                                  check_before=still_that_save)
 
         return self._push(what, folder, files, step, attempt, deadline)
 
@@ -843,7 +833,7 @@ class Securer:
 
     def _hub_push(self, folder: Path, files: list[str], prefix: str, message: str, *, replace: bool,
                   record_step: int | None = None,
-                  check_before: Callable[[dict[str, tuple[int, int, int]]], None] | None = None) -> str:
+                  check_before: Callable[[], None] | None = None) -> str:
         """One commit of ``files``, verified; with ``record_step`` (a checkpoint), that commit is titled
         ``UPLOAD_COMMIT_TITLE`` and, once every file verified, a second commit adds the manifest under the record's
         title (``CHECKPOINT_COMMIT_TITLE``, on top of exactly the verified commit): a commit that failed
@@ -858,7 +848,7 @@ class Securer:
             self._repo_ready = True
         before = _signatures(folder, files)
         if check_before is not None:
-            check_before(before)
+            check_before()
         adds = [CommitOperationAdd(path_in_repo=prefix + rel, path_or_fileobj=str(folder / rel)) for rel in files]
         deletes: list[CommitOperationDelete] = []
         if replace:
@@ -1021,7 +1011,7 @@ class Securer:
     # -- folders ----------------------------------------------------------------------------------------------
 
     def _folder_push_checkpoint(self, folder: Path, files: list[str], step: int,
-                                check_before: Callable[[dict[str, tuple[int, int, int]]], None]) -> str:
+                                check_before: Callable[[], None]) -> str:
         root = self.destination.path
         assert root is not None
         root.mkdir(parents=True, exist_ok=True)
@@ -1030,7 +1020,7 @@ class Securer:
         staging = _staging_dir(f".{CHECKPOINT_FOLDER}.tmp-{os.getpid()}-", root)
         try:
             before = _signatures(folder, files)
-            check_before(before)
+            check_before()
             previous = _manifest_files(target)
             sums: dict[str, tuple[int, str]] = {}
             linked: list[str] = []
