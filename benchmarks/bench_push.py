@@ -49,7 +49,10 @@ def main() -> int:
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory(prefix="bench-push-") as tmp, HubServer() as hub:
-        os.environ.update({**client_env(hub.url), "HF_HOME": str(Path(tmp) / "hf")})
+        # Xet off (plain LFS): every round pushes the same checkpoint, and hf_xet's chunk cache would send nothing
+        # after the first round (a 40 MB round took 0.25 s with it); bench_destinations.py has the Xet row, with a
+        # new checkpoint each round.
+        os.environ.update({**client_env(hub.url, xet=False), "HF_HOME": str(Path(tmp) / "hf")})
         from huggingface_hub import HfApi  # after HF_ENDPOINT is set
 
         from guard.secure.hub import Securer, install_request_bounds

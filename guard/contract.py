@@ -33,12 +33,14 @@ __all__ = [
     "EXIT_GUARD_ERROR",
     "EXIT_INCOMPLETE",
     "EXIT_NON_FINITE",
+    "EXIT_OWN_CODE_TAKEN",
     "EXIT_PREFLIGHT",
     "EXIT_PUSH_FAILED",
     "EXIT_SECURED",
     "EXIT_STALLED",
     "EXIT_TIMEOUT_UNSECURED",
     "EXIT_USAGE",
+    "TABLE_EXIT_CODES",
     "ExitCode",
     "Reason",
     "RunResult",
@@ -47,6 +49,7 @@ __all__ = [
     "Verdict",
     "parse_verdict",
     "render_line",
+    "settle_exit_code",
     "signal_name",
     "write_report",
 ]
@@ -135,6 +138,14 @@ EXIT_GUARD_ERROR = ExitCode.GUARD_ERROR
 EXIT_SECURED = ExitCode.SECURED
 EXIT_TIMEOUT_UNSECURED = ExitCode.TIMEOUT_UNSECURED
 
+#: The exit codes of the contract's table that mean something of their own (2-7, 70, 75, 124). A job that exits with one
+#: of them by itself is reported with ``EXIT_OWN_CODE_TAKEN`` and its own code in ``job_exit=``, so that a scheduler
+#: rule on the guard's codes (requeue on 75, fail fast on 2, 3, 4) never reads a crash as "secured, resume".
+TABLE_EXIT_CODES = frozenset(int(code) for code in ExitCode if code != ExitCode.OK)
+#: The guard's exit code for a job's own exit code that is one of ``TABLE_EXIT_CODES`` (contract: "1 when that code
+#: is one of this table's").
+EXIT_OWN_CODE_TAKEN = 1
+
 STATUSES = tuple(status.value for status in Status)
 REASONS = tuple(reason.value for reason in Reason)
 #: Optional keys, in the order they are written.
@@ -148,6 +159,7 @@ OPTIONAL_KEYS = (
     "pushed",
     "secured",
     "resumed_from",
+    "job_exit",
     "signal",
     "check",
     "warning",
@@ -194,6 +206,44 @@ class RunResult:
     def __post_init__(self) -> None:
         if self.status not in STATUSES:
             raise ValueError(f"unknown status {self.status!r}")
+
+
+def settle_exit_code(result: RunResult) -> RunResult:
+    """Make ``result``'s exit code mean one thing only (contract, the table of exit codes); returns ``result``.
+
+    - ``crash`` and ``oom`` carry the job's own exit code: when it is one of ``TABLE_EXIT_CODES`` (a job that exits
+      4, 75 or 124 by itself), the guard exits ``EXIT_OWN_CODE_TAKEN`` (1) and keeps the job's code in ``job_exit=``
+      and in the report's ``details["job_exit_code"]``.
+    - 75 means "the newest checkpoint is secured": a result with exit 75 whose ``secured=`` is not ``yes`` exits
+      124 (``TIMEOUT``) or 128 + its signal (``INTERRUPTED``), and ``EXIT_OWN_CODE_TAKEN`` for any other status.
+
+    Called once, on the way to the VERDICT (``guard.run.cli``), whatever built the result.
+    """
+    code = int(result.exit_code)
+    if str(result.reason) in (Reason.CRASH.value, Reason.OOM.value) and code in TABLE_EXIT_CODES:
+        result.extra.setdefault("job_exit", code)
+        result.details.setdefault("job_exit_code", code)
+        result.exit_code = EXIT_OWN_CODE_TAKEN
+        log.info("the job's own exit code %d is one of the guard's (2-7, 70, 75, 124): exit %d, job_exit=%d", code,
+                 EXIT_OWN_CODE_TAKEN, code)
+    elif code == ExitCode.SECURED and _format_value(result.extra.get("secured")) != "yes":
+        if str(result.status) == Status.TIMEOUT.value:
+            result.exit_code = ExitCode.TIMEOUT_UNSECURED
+        elif str(result.status) == Status.INTERRUPTED.value and (signum := _signal_number(result.extra)) is not None:
+            result.exit_code = 128 + signum
+        else:
+            result.exit_code = EXIT_OWN_CODE_TAKEN
+        log.warning("exit 75 without secured=yes: exit %d instead (75 always means a secured checkpoint)",
+                    int(result.exit_code))
+    return result
+
+
+def _signal_number(extra: Mapping[str, Any]) -> int | None:
+    name = extra.get("signal")
+    try:
+        return int(signal.Signals[str(name)]) if name else None
+    except KeyError:
+        return None
 
 
 def _format_value(value: Any) -> str:

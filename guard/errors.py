@@ -11,11 +11,13 @@ from __future__ import annotations
 __all__ = [
     "BudgetError",
     "ConfigError",
+    "DestinationError",
     "GuardError",
     "HubError",
     "PreflightError",
     "PushFailedError",
     "SupervisorError",
+    "TransientDestinationError",
     "UsageError",
 ]
 
@@ -91,6 +93,21 @@ class HubError(GuardError):
     def __init__(self, message: str, *, destination: str | None = None, hint: str | None = None) -> None:
         super().__init__(message, hint=hint)
         self.destination = destination
+
+
+class DestinationError(HubError):
+    """A destination's verb (``guard.secure.dest.base.Store``) could not finish: refused, unreachable, a file that
+    does not verify there, or its deadline passed. ``transient`` says whether the same call may succeed if tried
+    again; only the caller decides about retrying."""
+
+    transient: bool = False
+
+
+class TransientDestinationError(DestinationError):
+    """A destination's verb failed in a way that a retry may fix: a reset or timeout, HTTP 408/429/5xx, S3's
+    ``503 SlowDown``, a write that lost a race to another writer."""
+
+    transient = True
 
 
 class PushFailedError(HubError):

@@ -21,7 +21,8 @@ Agent -> supervisor (``t``):
 ``training_args``   the same fields as ``trainer_config`` (no max_steps, no has_eval_dataset), sent when
                     ``TrainingArguments`` is built (before the job's data work); the agent waits for ``ack``
 ``checkpoint_saved`` path, step, save_s, requested, zero (from the world's process zero)
-``file_saved``      path (absolute), step (the agent's step count), save_s: ``torch.save`` to a named file returned
+``file_saved``      path (absolute), step (the agent's step count), save_s: ``torch.save`` to a named file returned;
+                    size, mtime_ns, inode: the file's signature right after the save (absent when it cannot be read)
 ``api``             name: the script called ``guard.<name>()`` for the first time (``should_checkpoint``,
                     ``checkpoint_saved``, ``should_stop``)
 ``exception``       exc_type, message, root (the job's uncaught exception, from ``sys.excepthook``)
@@ -35,6 +36,8 @@ Agent -> supervisor (``t``):
                     without where (the last step counted, for the VERDICT's step=)
 ``count``           step: the agent's step count, sent from its flusher thread every 0.1 s while it moves (no loss,
                     nothing read from the device): the VERDICT's step= when a signal kills the job between two reads
+``relayed``         signal, origin, at_step: this rank adopted, from the job's store, a checkpoint request another
+                    node's guard sent for a termination signal it received (``origin``: that node)
 ``replay``          n: CUDA-graph replays since the last such message (sent every ``check_every``); progress without
                     a loss (a replayed step calls no ``.backward()``), so not a stall
 
@@ -42,7 +45,8 @@ Supervisor -> agent (``t``):
 
 ``ack``             go on (after ``trainer_config`` or ``training_args``)
 ``checkpoint``      save a checkpoint now (at the next step end); ``stop`` (bool): then end training; ``at_step``
-                    (several ranks): save at that step, so that every rank saves at the same one
+                    (several ranks): save at that step, so that every rank saves at the same one; ``origin``,
+                    ``signal`` (a node other than 0 that received a termination signal): published to every rank
 ``stop``            end training cleanly at the next step end
 ``dump``            print every thread's stack, answer ``progress`` (the job looks hung)
 """

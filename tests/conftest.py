@@ -26,8 +26,9 @@ JOBS = Path(__file__).resolve().parent / "jobs"
 #: ``build/`` in it: two at once fail with "File exists"). A test class is one unit (its tests share an expensive
 #: fixture, set up once). Every other test is a unit of its own, so that a long file's tests spread over the workers
 #: (each worker sets a file's module-scoped servers up once; they listen on free ports).
-SAME_WORKER = {"test_distributed_e2e.py": "torchrun", "test_preflight_launch.py": "torchrun",
-               "test_slurm_e2e.py": "slurm", "test_install_e2e.py": "wheel"}
+SAME_WORKER = {"test_distributed_e2e.py": "torchrun", "test_multinode_e2e.py": "torchrun",
+               "test_preflight_launch.py": "torchrun",
+               "test_slurm_e2e.py": "slurm", "test_slurm2_e2e.py": "slurm", "test_install_e2e.py": "wheel"}
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -183,12 +184,16 @@ def _isolated_env(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.
     """No real tokens, no real Hub, a private HF cache; GUARD_* from the developer's shell never leak in."""
     home = tmp_path_factory.mktemp("hfhome")
     for name in list(os.environ):
-        if name.startswith("GUARD_") or name in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "SLURM_JOB_ID",
+        if name.startswith(("GUARD_", "AWS_")) or name in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "SLURM_JOB_ID",
                                                  "JOB_ID", "KUBERNETES_SERVICE_HOST"):
             monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("HF_HOME", str(home))
     monkeypatch.setenv("HF_HUB_DISABLE_TELEMETRY", "1")
-    monkeypatch.setenv("HF_HUB_DISABLE_XET", "1")
+    # No AWS credentials or profiles of the developer's, and no instance metadata lookups (tests/s3server.py)
+    monkeypatch.setenv("AWS_CONFIG_FILE", os.devnull)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", os.devnull)
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    monkeypatch.delenv("HF_HUB_DISABLE_XET", raising=False)  # the client's default: Xet on (tests/xetcas.py)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
     # One intra-op thread per torch process: the workers' jobs share the machine's cores. torch's default, a thread

@@ -16,7 +16,7 @@ import time
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
-from tests.hubstate import CommitRecord, HttpError, HubState, Identity, Repo
+from tests.hubstate import CommitRecord, HttpError, HubState, Identity, Repo, StoredFile
 
 if TYPE_CHECKING:
     from http.server import BaseHTTPRequestHandler
@@ -52,6 +52,8 @@ class Routes:
         raw, method = self.raw, self.method
         if raw[0] == "_lfs" and method == "PUT" and len(raw) == 2:
             return self.lfs_put(raw[1])  # presigned-style URL: no Authorization header, the id is the secret
+        if raw[0] == "cas" and self.hub.xet:
+            return self.hub.cas.route(self, raw[1:])  # the Xet storage: its own access tokens (tests/xetcas.py)
         self.ident = HubState.identify(self.headers.get("Authorization"))
         if raw[0] == "api" and len(raw) >= 2:
             return self.route_api(raw[1:])
@@ -106,12 +108,27 @@ class Routes:
 
     def xet_token(self, repo_type: str, repo_id: str, *, write: bool) -> tuple[int, Any, dict[str, str]]:
         """Xet connection info (``huggingface_hub.utils._xet``: headers ``X-Xet-Cas-Url``, ``X-Xet-Access-Token``,
-        ``X-Xet-Token-Expiration``) pointing at ``hub.xet_storage_url``; 501 while none is set."""
+        ``X-Xet-Token-Expiration``; the body ``{casUrl, accessToken, exp}`` of hub-docs ``docs/xet/auth.md``).
+
+        ``hub.xet`` False: 404 with no error code, as a Hub without Xet answers (an unknown route; huggingface_hub
+        #4507). ``hub.xet_storage_url`` set (``silent_xet_storage``): that URL. Else this server's own storage
+        (``/cas``, ``tests/xetcas.py``) with a token scoped to the repo, after the same checks as a read or a
+        write of the repo."""
+        if not self.hub.xet:
+            raise HttpError(404, "Not Found")
+        with self.state.lock:
+            if write:
+                self.state.writable_repo(repo_type, repo_id, self.ident)
+            else:
+                HubState.check_gate(self.state.get_repo(repo_type, repo_id, self.ident), self.ident)
         url = self.hub.xet_storage_url
-        if url is None:
-            raise HttpError(501, "xet is not supported by the local Hub: set HF_HUB_DISABLE_XET=1")
-        return 200, {}, {"X-Xet-Cas-Url": url, "X-Xet-Access-Token": "xet-local-token",
-                         "X-Xet-Token-Expiration": str(int(time.time()) + 3600)}
+        if url is not None:
+            token, expires = "xet-local-token", int(time.time()) + 3600
+        else:
+            url = f"{self.hub.url}/cas"
+            token, expires = self.hub.cas.mint(repo_type, repo_id, write=write)
+        return 200, {"casUrl": url, "accessToken": token, "exp": expires}, {
+            "X-Xet-Cas-Url": url, "X-Xet-Access-Token": token, "X-Xet-Token-Expiration": str(expires)}
 
     # -- repos ------------------------------------------------------------------------------------------------
 
@@ -229,7 +246,11 @@ class Routes:
     def _entry(self, repo: Repo, record: CommitRecord, path: str, expand: bool) -> dict | None:
         if path in record.files:
             stored = record.files[path]
-            return stored.entry(path, repo.commits[stored.commit] if expand else None)
+            item = stored.entry(path, repo.commits[stored.commit] if expand else None)
+            xet_hash = self._xet_hash(stored) if stored.lfs and self.hub.xet_storage_url is None else None
+            if xet_hash is not None:
+                item["xetHash"] = xet_hash  # as the real Hub lists a Xet-backed file
+            return item
         if path in self._folders(record.files):
             oid = self.state.new_oid(record.oid, path)
             return {"type": "directory", "oid": oid, "size": 0, "path": path}
@@ -269,10 +290,11 @@ class Routes:
         headers = {"X-Repo-Commit": record.oid, "ETag": f'"{etag}"', "Accept-Ranges": "bytes"}
         if stored.lfs:
             headers.update({"X-Linked-Etag": f'"{etag}"', "X-Linked-Size": str(stored.size)})
-            if self.hub.xet_storage_url is not None:
+            xet_hash = self._xet_hash(stored)
+            if xet_hash is not None:
                 # Xet-backed, as on the real Hub: the client downloads through hf_xet from the storage the read
                 # token route names (``huggingface_hub.utils._xet.parse_xet_file_data_from_response``).
-                headers.update({"X-Xet-Hash": stored.sha256, "X-Xet-Refresh-Route":
+                headers.update({"X-Xet-Hash": xet_hash, "X-Xet-Refresh-Route":
                                 f"{self.hub.url}/api/{repo_type}s/{repo_id}/xet-read-token/{record.oid}"})
         data = memoryview(stored.data)
         match = re.fullmatch(r"bytes=(\d*)-(\d*)", self.headers.get("Range", ""))
@@ -284,6 +306,22 @@ class Routes:
             headers["Content-Range"] = f"bytes {start}-{end}/{len(data)}"
             return 206, data[start:end + 1], headers
         return 200, data, headers
+
+    def _xet_hash(self, stored: StoredFile) -> str | None:
+        """The Xet file id the resolve answer names (``X-Xet-Hash``), or None: served over plain HTTP.
+
+        With ``silent_xet_storage`` every LFS file is named (the storage never answers anyway). Else a file
+        uploaded through this server's Xet storage, while the bytes served are the ones uploaded (``corrupt``
+        changes the served bytes only; its file is then served over plain HTTP, so that the client sees them).
+        Files uploaded over plain LFS have no xet hash (computing one takes BLAKE3, not in the standard library)."""
+        if not self.hub.xet:
+            return None
+        if self.hub.xet_storage_url is not None:
+            return stored.sha256
+        file_id = self.hub.cas.file_id_for(stored.sha256)
+        if file_id is None or self.state.lfs_store.get(stored.sha256) is not stored.data:
+            return None
+        return file_id
 
     # -- uploads ----------------------------------------------------------------------------------------------
 

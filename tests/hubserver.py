@@ -13,9 +13,9 @@ How tests point the client here (chosen: **in-process, endpoint passed explicitl
   ``HfApi(endpoint=hub.url, token=TOKENS["write"])`` and its methods (``api.hf_hub_download``,
   ``api.snapshot_download`` pass ``endpoint`` through). Never patch ``constants.ENDPOINT``.
 - ``HF_HUB_DISABLE_XET`` and ``HF_HUB_DISABLE_TELEMETRY`` are read on each call: in-process tests set
-  ``huggingface_hub.constants.HF_HUB_DISABLE_XET = True`` (xet uploads cannot work here) and
-  ``HF_HUB_DISABLE_TELEMETRY = True`` (``with client_constants():``); ``client_env()`` gives the environment for
-  code imported later.
+  ``huggingface_hub.constants.HF_HUB_DISABLE_XET = False`` (Xet on, the client's default; ``xet=False`` for a
+  test of the plain LFS path) and ``HF_HUB_DISABLE_TELEMETRY = True`` (``with client_constants():``);
+  ``client_env()`` gives the environment for code imported later.
 - Subprocesses (the guard end to end) get ``hub.env(token=...)`` merged into their environment, which sets
   ``HF_ENDPOINT`` before their first import.
 
@@ -31,7 +31,12 @@ answer ``status`` (default: write methods); ``inject(latency_s=...)`` delays eve
 at once as a connection error (``RemoteProtocolError``/``ReadError``). ``requests`` logs ``(method, path, status)``
 of every request (status 0: dropped while down).
 
-Not implemented: pagination (``Link: rel="next"``), multipart LFS transfers, pull requests, xet (501).
+Xet: the server is also the Hub's Xet storage (``tests/xetcas.py``, under ``/cas``), so ``hf_xet`` uploads and
+downloads LFS files through it; the same faults apply to its routes (``path_contains="/cas/"``). ``xet = False``
+answers the Xet token routes as a Hub without Xet does (404); ``silent_xet_storage()`` names a storage that never
+answers. Files uploaded over plain LFS are served over plain HTTP (no ``X-Xet-Hash``).
+
+Not implemented: pagination (``Link: rel="next"``), multipart LFS transfers, pull requests.
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ from urllib.parse import urlsplit
 
 from tests.hubroutes import Routes
 from tests.hubstate import TOKENS, CommitRecord, HttpError, HubState, Repo
+from tests.xetcas import XetCas
 
 __all__ = ["TOKENS", "CommitRecord", "HubServer", "RequestRecord", "client_constants", "client_env"]
 
@@ -57,29 +63,34 @@ _TINY_GPT2_CONFIG = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
                      "n_layer": 1, "n_positions": 64, "vocab_size": 64, "bos_token_id": 0, "eos_token_id": 0}
 
 
-def client_env(hub_url: str | None = None) -> dict[str, str]:
+def client_env(hub_url: str | None = None, *, xet: bool = True) -> dict[str, str]:
     """Environment for ``huggingface_hub`` talking to the local server (set it before the first import).
 
+    Args:
+        hub_url: the server's URL (``HF_ENDPOINT``), if given.
+        xet: False turns the client's Xet transfer off (``HF_HUB_DISABLE_XET=1``); default on, the client's own
+            default (an empty ``HF_HUB_DISABLE_XET`` is false: it overrides a ``1`` inherited from the shell).
+
     Returns:
-        ``HF_HUB_DISABLE_XET=1``, ``HF_HUB_DISABLE_TELEMETRY=1``, ``HF_HUB_OFFLINE=0`` and, when given,
+        ``HF_HUB_DISABLE_XET``, ``HF_HUB_DISABLE_TELEMETRY=1``, ``HF_HUB_OFFLINE=0`` and, when given,
         ``HF_ENDPOINT``.
     """
-    env = {"HF_HUB_DISABLE_XET": "1", "HF_HUB_DISABLE_TELEMETRY": "1", "HF_HUB_OFFLINE": "0"}
+    env = {"HF_HUB_DISABLE_XET": "" if xet else "1", "HF_HUB_DISABLE_TELEMETRY": "1", "HF_HUB_OFFLINE": "0"}
     if hub_url:
         env["HF_ENDPOINT"] = hub_url
     return env
 
 
 @contextlib.contextmanager
-def client_constants() -> Iterator[None]:
-    """Set, for the ``with`` block, the ``huggingface_hub.constants`` that are read on each call: xet off (the
-    local Hub cannot take xet uploads), telemetry off (no calls to other hosts), offline mode off (the tests'
-    conftest sets ``HF_HUB_OFFLINE=1`` against the real Hub). Restores them afterwards."""
+def client_constants(*, xet: bool = True) -> Iterator[None]:
+    """Set, for the ``with`` block, the ``huggingface_hub.constants`` that are read on each call: Xet on (the
+    client's default; ``xet=False`` turns it off), telemetry off (no calls to other hosts), offline mode off (the
+    tests' conftest sets ``HF_HUB_OFFLINE=1`` against the real Hub). Restores them afterwards."""
     from huggingface_hub import constants
 
     names = ("HF_HUB_DISABLE_XET", "HF_HUB_DISABLE_TELEMETRY", "HF_HUB_OFFLINE")
     saved = {name: getattr(constants, name) for name in names}
-    for name, value in zip(names, (True, True, False), strict=True):
+    for name, value in zip(names, (not xet, True, False), strict=True):
         setattr(constants, name, value)
     try:
         yield
@@ -247,7 +258,11 @@ class HubServer:
         self._thread: threading.Thread | None = None
         self.requests: list[RequestRecord] = []
         self.url = ""
-        self.xet_storage_url: str | None = None  # answered by the xet token routes (None: 501)
+        #: Xet: True serves it (the token routes and ``/cas``, tests/xetcas.py); False answers the token routes 404,
+        #: as a Hub without Xet does (huggingface_hub #4507)
+        self.xet = True
+        self.cas = XetCas()
+        self.xet_storage_url: str | None = None  # another storage the token routes name (silent_xet_storage)
         self._silent: list[socket.socket] = []
         if seed:
             self._seed()
@@ -308,9 +323,11 @@ class HubServer:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def env(self, *, token: str | None = None, hf_home: str | os.PathLike[str] | None = None) -> dict[str, str]:
-        """Environment variables that point a new process's ``huggingface_hub`` here (merge into ``os.environ``)."""
-        env = client_env(self.url)
+    def env(self, *, token: str | None = None, hf_home: str | os.PathLike[str] | None = None,
+            xet: bool = True) -> dict[str, str]:
+        """Environment variables that point a new process's ``huggingface_hub`` here (merge into ``os.environ``);
+        ``xet=False`` turns the client's Xet transfer off (``client_env``)."""
+        env = client_env(self.url, xet=xet)
         if token is not None:
             env["HF_TOKEN"] = token
         if hf_home is not None:
@@ -381,6 +398,16 @@ class HubServer:
     def _log(self, method: str, path: str, status: int) -> None:
         with self._lock:
             self.requests.append(RequestRecord(method, path, status))
+
+    def _xet_uploaded(self, repo: tuple[str, str], files: dict[str, bytes]) -> None:
+        """Files a shard registered through a write token of ``repo`` ((type, id)): sha256 -> bytes. They become
+        LFS objects of the repo, which a commit's ``lfsFile`` then names by that sha256."""
+        with self._state.lock:
+            for sha256, data in files.items():
+                self._state.lfs_store.setdefault(sha256, data)
+            found = self._state.repos.get((repo[0], repo[1]))
+            if found is not None:
+                found.lfs_oids.update(files)
 
     # -- helpers for tests ------------------------------------------------------------------------------------
 

@@ -103,16 +103,20 @@ def test_throughput_watch_quiet_when_steady_slow_at_first_or_off() -> None:
         assert off.add(now, step) is None
 
 
-def test_the_alert_of_a_throughput_drop() -> None:
+def test_the_alert_of_a_throughput_drop(caplog: pytest.LogCaptureFixture) -> None:
     alerts, rec = make()
     now, step = 0.0, 0
-    for i in range(500):
-        now += 1.0
-        step += 10 if i < 250 else 2
-        alerts.on_rate(now, step)
+    with caplog.at_level(logging.WARNING, logger="guard.alerts"):
+        for i in range(500):
+            now += 1.0
+            step += 10 if i < 250 else 2
+            alerts.on_rate(now, step)
     [(title, text, level, _)] = rec.alerts
     assert title.startswith("throughput dropped to ") and level == "warn"
     assert text is not None and "under 0.5x the run's median 10 steps/s" in text
+    # in the guard's own log too, once, at WARNING (issue 36: it was at DEBUG only)
+    [record] = [r for r in caplog.records if "throughput dropped" in r.getMessage()]
+    assert record.levelno == logging.WARNING and "TORCH_LOGS=recompiles" in record.getMessage()
 
 
 def push(kind: str, step: int | None, ok: bool, *, error: str | None = None, killed: bool = False,
@@ -145,9 +149,29 @@ class FakePlan(SimpleNamespace):
     ``has_pusher=False``)."""
 
     has_pusher = True
+    non_finite_from_step: int | None = None
 
     def report(self) -> FakePlan:
         return self
+
+
+def test_a_revoked_push_is_not_secured_and_a_refused_suspect_push_is_no_network_failure() -> None:
+    """Issue 33: alerts called a later-revoked push "secured" and refused suspect pushes network failures."""
+    alerts, rec = make()
+    plan: Any = FakePlan(trigger=None, state=SimpleNamespace(name="WATCHING"), history=[], secured=None)
+    plan.history.append(push("background", 100, True))
+    alerts.on_securing(plan, 101)
+    plan.non_finite_from_step = 107
+    plan.history.append(push("background", 108, True))  # pushed before the window's NaN was read: not secured
+    plan.history.append(push("background", 110, False, error="cannot secure checkpoint step 110: /out/ckpt.pt is "
+                             "marked suspect (saved after the first non-finite loss): never pushed"))
+    plan.history.append(push("background", 120, False, error="HTTP 503 from the Hub"))
+    alerts.on_securing(plan, 121)
+    assert [t for t, _, _, _ in rec.alerts] == ["checkpoint secured: step 100"]  # one 503 alone: no warning
+    plan.non_finite_from_step = 90  # a witness read late: the step-100 push no longer counts
+    alerts.on_securing(plan, 122)
+    assert [(t, lvl) for t, _, lvl, _ in rec.alerts][1:] == [
+        ("checkpoint of step 100 no longer counts as secured", "warn")]
 
 
 def test_securing_started_secured_checkpoints_and_failing_pushes() -> None:

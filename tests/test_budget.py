@@ -515,9 +515,15 @@ def test_margin_is_logged_when_it_changes_by_more_than_a_few_percent(caplog):
         estimator.observe_step(0.5)  # 97.5 -> 98.25: under 5 %, not logged
         estimator.observe_push(1e9, 10.0)  # 100 MB/s: 1 GB push now 10 s -> logged
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("margin now")]
-    assert lines[0] == "margin now 98s ((save 5.0s + push 50.0s of 1000 MB at 20.0 MB/s) x1.5 + 15s)"
+    assert lines[0] == ("margin now 98s ((save 5.0s + push 50.0s of 1000 MB (a guess: no checkpoint seen yet) at "
+                        "20.0 MB/s) x1.5 + 15s)")
     assert len(lines) == 2
-    assert lines[1] == "margin now 38s ((step 0.5s + save 5.0s + push 10.0s of 1000 MB at 100.0 MB/s) x1.5 + 15s)"
+    assert lines[1] == ("margin now 38s ((step 0.5s + save 5.0s + push 10.0s of 1000 MB (a guess: no checkpoint seen "
+                        "yet) at 100.0 MB/s) x1.5 + 15s)")
+    estimator.observe_size(20e6)
+    assert "of 20 MB (the newest checkpoint seen on disk)" in estimator.estimate().describe()
+    estimator.observe_save(0.5, 21e6)
+    assert "of 21 MB (the last save)" in estimator.estimate().describe()
 
 
 def test_a_capped_margin_says_so() -> None:

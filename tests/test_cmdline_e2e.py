@@ -27,12 +27,12 @@ def test_a_secret_after_an_option_with_a_space_is_masked_in_the_guards_lines_and
 
 def test_a_verdict_after_a_carriage_return_is_escaped_like_one_at_a_line_start() -> None:
     proc = subprocess.run([sys.executable, "-m", "guard", "--no-preflight", str(JOBS / "fake_verdict.py"),
-                           "--code", "3"], capture_output=True, env=guard_env(), timeout=120)
+                           "--code", "9"], capture_output=True, env=guard_env(), timeout=120)
     stdout = proc.stdout.decode()  # bytes as written: text mode would turn the \r into \n
     assert "\r[job] VERDICT: PASS" in stdout, repr(stdout)
     for piece in stdout.splitlines():  # splits at \r as terminals do: no job line reads as the guard's
         assert not piece.startswith("VERDICT: PASS"), repr(piece)
-    assert proc.returncode == 3 and stdout.splitlines()[-1].startswith("VERDICT: FAIL reason=crash")
+    assert proc.returncode == 9 and stdout.splitlines()[-1].startswith("VERDICT: FAIL reason=crash")
 
 
 def test_bare_launch_smoke_means_on_and_a_misplaced_value_gets_its_options_usage_error(tmp_path: Path) -> None:

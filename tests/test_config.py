@@ -478,3 +478,22 @@ def test_the_loop_hands_each_component_its_settings_part() -> None:
         assert sup.link.check_every == 3 and sup.watchdog.sanity_steps == config.settings.watch.sanity_steps
     finally:
         sup._sel.close()
+
+
+@pytest.mark.parametrize(("argv", "fix"), [(["--timeout", "10", "minutes", "train.py"], "--timeout 10m"),
+                                           (["--stall-timeout", "2", "h", "train.py"], "--stall-timeout 2h")])
+def test_a_duration_with_a_space_before_its_unit_names_the_option_and_the_forms(
+        argv: list[str], fix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 36: `--timeout 10 minutes` said "script not found: minutes"."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text("pass\n")
+    with pytest.raises(UsageError) as info:
+        build_config(argv, {})
+    assert info.value.option == argv[0] and "accepted: whole seconds" in info.value.message
+    assert info.value.hint == f"write {fix}"
+
+
+def test_a_script_named_like_a_unit_still_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "m").write_text("pass\n")
+    assert build_config(["--timeout", "10", "m"], {}).script == Path("m")

@@ -170,3 +170,124 @@ def test_a_final_model_listing_that_never_returns_delays_the_verdict_never_withh
     assert (result.status, result.reason) == ("FAIL", "killed")  # not taken for a PASS with a final model
     monkeypatch.setattr(hub, "holds_final_model", lambda folder: True)
     assert job_result(state, JobExit(-signal.SIGABRT), config()).status == "PASS"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The cause across ranks and nodes (guard/run/causes.py)
+# ---------------------------------------------------------------------------------------------------------------
+
+#: torchrun's failure summary as it printed it for a rank SIGKILLed on node 1 (torch 2.13, two nodes of one rank).
+SUMMARY = b"""torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+======================================================
+../job.py FAILED
+------------------------------------------------------
+Failures:
+  <NO_OTHER_FAILURES>
+------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-12-03_16:59:33
+  host      : localhost
+  rank      : 1 (local_rank: 0)
+  exitcode  : -9 (pid: 14479)  (SIGKILL)
+  error_file: <N/A>
+  traceback : Signal 9 (SIGKILL) received by PID 14479
+======================================================
+"""
+RESET = ("RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:17821: "
+         "Connection reset by peer.")
+
+
+def summary_facts(text: bytes, *, chunk: int = 17) -> JobFacts:
+    from guard.core.masking import Masker
+    from guard.run.output import StreamFilter
+
+    stream = StreamFilter(Masker([]))
+    for i in range(0, len(text), chunk):  # the summary in pieces, as a pipe may hand it over
+        stream.feed(text[i:i + chunk])
+    stream.close()
+    return JobFacts(rank_exits=dict(stream.events.rank_exits))
+
+
+def test_a_rank_killed_by_a_signal_is_the_cause_not_its_peers_connection_reset() -> None:
+    state = trained()
+    state.facts = summary_facts(b"[rank0]: Traceback (most recent call last):\n[rank0]: " + RESET.encode() + b"\n"
+                                + SUMMARY)
+    assert state.facts.rank_exits == {1: -9}
+    state.facts.rank_exceptions = {0: RESET}
+    result = job_result(state, JobExit(1, node_rank=1), config())
+    assert (result.status, result.reason, result.exit_code) == ("FAIL", "killed", 137)
+    assert (result.extra["rank"], result.extra["signal"], result.extra["node"]) == (1, "SIGKILL", 1)
+    assert "rank 1 on node 1 died of SIGKILL" in (result.hint or "") and "Connection reset" not in (result.hint or "")
+
+
+def test_a_hard_signal_is_named_before_the_launchers_sigterm_of_the_others() -> None:
+    text = SUMMARY.replace(b"Failures:\n  <NO_OTHER_FAILURES>", b"Failures:\n[1]:\n  rank      : 0 (local_rank: 0)\n"
+                           b"  exitcode  : -15 (pid: 1)\n  error_file: <N/A>")
+    facts = summary_facts(text, chunk=5)
+    assert facts.rank_exits == {0: -15, 1: -9}
+    result = job_result(RunState(facts=facts), JobExit(1), config())
+    assert (result.reason, result.extra["rank"], result.extra["signal"]) == ("killed", 1, "SIGKILL")
+
+
+def test_a_lost_peer_is_a_consequence_and_says_where_to_look() -> None:
+    state = trained()
+    state.facts.rank_exceptions = {0: RESET}
+    result = job_result(state, JobExit(1, node_rank=0), config())
+    assert (result.reason, result.exit_code, result.extra["rank"]) == ("crash", 1, 0)
+    assert "a consequence, not the cause" in (result.hint or "") and "that node's VERDICT" in (result.hint or "")
+
+
+def test_a_collective_timeout_names_the_late_rank() -> None:
+    state = trained()
+    state.facts.ranks_seen = {0, 1, 2}
+    waited = "RuntimeError: [gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 5000ms for recv operation"
+    state.facts.rank_exceptions = {0: waited, 2: waited}
+    result = job_result(state, JobExit(1), config())
+    assert (result.reason, result.extra["rank"], result.extra["waited"]) == ("crash", 1, 0)
+    assert "waiting for rank 1, which never reached it" in (result.hint or "")
+    state.facts.rank_exceptions[1] = waited  # every rank here waited: the late one is elsewhere
+    result = job_result(state, JobExit(1), config())
+    assert result.extra["rank"] == 0 and "on another node" in (result.hint or "")
+
+
+def test_a_hang_at_teardown_after_the_final_save_is_complete_not_one_to_resume() -> None:
+    state = trained(steps=20)
+    state.facts.train_end = {"step": 20, "max_steps": 20, "stopped": True}
+    state.facts.checkpoints = [{"path": "out/checkpoint-20", "step": 20}]
+    state.facts.hang_where = "barrier (distributed_c10d.py:4812)"
+    state.outcome = Outcome("FAIL", "stalled", 5, hint="resume")
+    result = job_result(state, JobExit(-signal.SIGKILL), config())
+    assert (result.status, result.exit_code) == ("PASS", 0)
+    assert "hung at teardown in barrier" in result.extra["warning"]
+    state.facts.checkpoints = []  # the final model not saved: a stall it stays
+    assert job_result(state, JobExit(-signal.SIGKILL), config()).reason == "stalled"
+
+
+def test_the_launchers_sigterm_of_the_other_ranks_is_never_the_cause() -> None:
+    # torch 2.13, --standalone --nproc-per-node 2: rank 0 raised, torchrun sent SIGTERM to rank 1 and lists it too
+    text = b"""Failures:
+[1]:
+  time      : 2026-12-03_17:51:07
+  host      : localhost
+  rank      : 1 (local_rank: 1)
+  exitcode  : -15 (pid: 13339)  (SIGTERM)
+  error_file: <N/A>
+  traceback : Signal 15 (SIGTERM) received by PID 13339
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-12-03_17:51:07
+  host      : localhost
+  rank      : 0 (local_rank: 0)
+  exitcode  : 1 (pid: 13338)
+  error_file: <N/A>
+"""
+    facts = summary_facts(text)
+    assert facts.rank_exits == {1: -15, 0: 1}
+    facts.rank_exceptions = {0: "ValueError: boom"}
+    result = job_result(RunState(facts=facts), JobExit(1), config())
+    assert (result.reason, result.exit_code, result.extra["rank"]) == ("crash", 1, 0)
+    assert "rank 0 raised ValueError: boom" in (result.hint or "")
+    alone = summary_facts(text.replace(b"exitcode  : 1 (pid", b"exitcode  : -15 (pid"))  # a SIGTERM from outside
+    assert job_result(RunState(facts=alone), JobExit(1), config()).extra["signal"] == "SIGTERM"

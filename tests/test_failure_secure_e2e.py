@@ -68,3 +68,20 @@ def test_a_job_killed_as_a_group_after_its_third_save_has_it_at_the_destination(
     assert "reason=killed" in verdict and "secured=yes" in verdict, verdict + stderr[-3000:]
     assert secured_step(tmp_path / "dest") >= 30
     assert "in the background" in stderr
+
+
+def test_a_save_inside_the_loss_window_after_the_nan_never_reaches_the_destination(tmp_path: Path) -> None:
+    """Issue 33: losses are read every --check-every steps; the saves of steps 17-19 come after step 17's NaN but
+    before the window 16-20 is read. They were pushed and recorded at once (the destination then held NaN weights
+    while the VERDICT named an older step); now a save is provisional until its step's losses are read."""
+    import torch
+
+    run = run_guard([*FAST[:-1], "5", "--push-interval", "0", "--push-to", str(tmp_path / "dest"),
+                     str(JOBS / "saving_loop.py"), "--output-dir", str(tmp_path / "out"), "--save-every", "1",
+                     "--nan-at", "17", "--step-s", "0.7"], timeout_s=120)
+    fields = run.fields()
+    assert (fields["status"], fields["reason"], run.returncode) == ("FAIL", "non_finite_loss", 4), run.stderr[-3000:]
+    assert fields["secured"] == "yes" and fields["checkpoint"].endswith("checkpoint-16"), run.stderr[-3000:]
+    assert secured_step(tmp_path / "dest") == 16
+    state = torch.load(tmp_path / "dest" / "last-checkpoint" / "model.pt")
+    assert state["step"] == 16 and all(torch.isfinite(t).all() for t in state["model"].values())

@@ -106,6 +106,20 @@ def test_an_unreachable_hub_is_named_in_the_hint(hub, api, tmp_path) -> None:
 
 
 @pytest.mark.hub
+def test_a_hub_without_xet_storage_is_named_in_the_hint_with_HF_HUB_DISABLE_XET(hub, api, tmp_path) -> None:
+    # hf_xet is used whatever the Hub says; a Hub without Xet answers its token route 404 (huggingface_hub #4507)
+    hub.xet = False
+    try:
+        with pytest.raises(PushFailedError) as info:
+            Securer(f"alice/run-{uuid.uuid4().hex[:8]}", api=api).push_checkpoint(
+                checkpoint(tmp_path, 3), step=3, deadline=time.monotonic() + 60)
+    finally:
+        hub.xet = True
+    assert "HF_HUB_DISABLE_XET=1" in (info.value.hint or ""), (info.value.message, info.value.hint)
+    assert info.value.attempts == 1  # no retry: the same request would get the same answer
+
+
+@pytest.mark.hub
 def test_a_commit_that_never_answers_is_logged_as_no_progress_and_retried(hub, api, tmp_path, monkeypatch,
                                                                           caplog) -> None:
     from guard.secure import hubhttp

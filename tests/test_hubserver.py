@@ -3,10 +3,13 @@ see the module docstring of ``tests/hubserver.py``) and, once, from a subprocess
 
 from __future__ import annotations
 
+import array
 import hashlib
 import http.client
 import json
 import os
+import random
+import struct
 import subprocess
 import sys
 import uuid
@@ -14,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import xetcas
 from tests.hubserver import TOKENS, HubServer, client_constants
 
 hf = pytest.importorskip("huggingface_hub")
@@ -177,7 +181,9 @@ def test_unchanged_upload_makes_no_commit_and_no_lfs_transfer(hub, api, folder):
     hub.requests.clear()
     again = api.upload_folder(repo_id=repo_id, folder_path=folder)
     assert again.oid == first.oid
-    assert not [r for r in hub.requests if r.method == "PUT" or "/commit/" in r.path]
+    # no data sent again: no LFS PUT, no Xet xorb (hf_xet hashes while it uploads, so it still registers a shard
+    # naming the known chunks before the client sees that nothing changed)
+    assert not [r for r in hub.requests if r.method == "PUT" or "/commit/" in r.path or "/xorbs/" in r.path]
 
 
 def test_commit_deletes_and_history(hub, api, folder):
@@ -297,3 +303,195 @@ def test_subprocess_configured_by_environment(hub, tmp_path):
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout.strip().splitlines()[-1]) == {"user": "alice", "type": "gpt2"}
+
+
+# -- Xet storage (tests/xetcas.py) ----------------------------------------------------------------------------
+
+
+def xet_steps(hub: HubServer) -> list[str]:
+    """The requests of an upload, named by their route, repeats of one route in a row counted once."""
+    names = ("preupload", "xet-write-token", "/cas/v1/chunks/", "/cas/v1/xorb-grants/", "/cas/v1/xorbs/",
+             "/cas/v2/shards", "/commit/", "_lfs")
+    steps: list[str] = []
+    for request in hub.requests:
+        name = next((n.strip("/").split("/")[-1] for n in names if n in request.path), request.path)
+        if not steps or steps[-1] != name:
+            steps.append(name)
+    return steps
+
+
+def test_xet_upload_of_a_few_mb_goes_through_the_storage_and_records_the_clients_sha256(hub, api):
+    repo_id = new_repo_id()
+    api.create_repo(repo_id)
+    data = os.urandom(3_000_000)
+    hub.requests.clear()
+    api.upload_file(path_or_fileobj=data, path_in_repo="weights.bin", repo_id=repo_id)
+    # the order shared/reference/object-stores.md lists for huggingface_hub 2.4 + hf_xet 1.8; no LFS PUT
+    assert xet_steps(hub) == ["preupload", "xet-write-token", "chunks", "xorb-grants", "xorbs", "shards", "commit"]
+    assert [r.status for r in hub.requests if "/cas/v1/chunks/" in r.path] == [404] * len(
+        [r for r in hub.requests if "/cas/v1/chunks/" in r.path])  # no dedupe against other uploads
+    (entry,) = api.get_paths_info(repo_id, ["weights.bin"])
+    assert entry.lfs.sha256 == hashlib.sha256(data).hexdigest() and entry.size == len(data)
+    assert entry.xet_hash == hub.cas.file_id_for(entry.lfs.sha256) and len(entry.xet_hash) == 64
+    assert hub.repo_files(repo_id)["weights.bin"] == data
+
+
+def test_xet_upload_of_many_small_files_stores_each_one(hub, api, tmp_path):
+    root = tmp_path / "many"
+    sizes = {f"shard-{i:03d}/part.bin": 4_000 + 97 * i for i in range(150)}
+    for rel, size in sizes.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes(os.urandom(size))
+    repo_id = new_repo_id()
+    api.create_repo(repo_id)
+    hub.requests.clear()
+    api.upload_folder(repo_id=repo_id, folder_path=root)
+    files = hub.repo_files(repo_id)
+    assert all(files[rel] == (root / rel).read_bytes() for rel in sizes)
+    xorbs = [r for r in hub.requests if "/cas/v1/xorbs/" in r.path]
+    assert 1 <= len(xorbs) < len(sizes) // 10  # small files share xorbs
+    entries = api.get_paths_info(repo_id, list(sizes))
+    assert {e.path: e.lfs.sha256 for e in entries} == {
+        rel: hashlib.sha256((root / rel).read_bytes()).hexdigest() for rel in sizes}
+
+
+def test_xet_compressed_chunks_are_decoded_by_the_storage(hub, api):
+    rng = random.Random(7)
+    files = {"model.safetensors": array.array("f", (rng.gauss(0.0, 0.02) for _ in range(300_000))).tobytes(),
+             "log.bin": b"".join(b"step %d loss %.4f\n" % (i, rng.random()) for i in range(40_000))}
+    repo_id = new_repo_id()
+    api.create_repo(repo_id)
+    schemes = set()
+    for name, data in files.items():  # one upload each: hf_xet picks a xorb's compression from its first chunks
+        before = set(hub.cas.xorbs)
+        api.upload_file(path_or_fileobj=data, path_in_repo=name, repo_id=repo_id)
+        schemes |= {chunk.scheme for key in set(hub.cas.xorbs) - before for chunk in hub.cas.xorbs[key].chunks}
+        assert hub.repo_files(repo_id)[name] == data
+    assert {1, 2} <= schemes, schemes  # weights-like floats: byte grouping + LZ4; text: LZ4; both decoded
+
+
+def test_xet_download_round_trip_and_a_byte_range_of_the_reconstruction(hub, api, tmp_path):
+    repo_id = new_repo_id()
+    api.create_repo(repo_id, private=True)
+    data = os.urandom(2_500_000)
+    api.upload_file(path_or_fileobj=data, path_in_repo="w.bin", repo_id=repo_id)
+    hub.requests.clear()
+    path = api.hf_hub_download(repo_id, "w.bin", cache_dir=tmp_path / "cache")
+    assert Path(path).read_bytes() == data
+    assert any("/cas/v2/reconstructions/" in r.path for r in hub.requests)
+    assert any("/cas/xorb-data/" in r.path and r.status == 206 for r in hub.requests)
+    assert not [r for r in hub.requests if r.method == "GET" and "/resolve/" in r.path]  # the bytes came via Xet
+
+    file_id = hub.cas.file_id_for(hashlib.sha256(data).hexdigest())
+    auth = {"Authorization": f"Bearer {TOKENS['write']}"}
+    token = httpx.get(f"{hub.url}/api/models/{repo_id}/xet-read-token/main", headers=auth).headers
+    xet_auth = {"Authorization": f"Bearer {token['X-Xet-Access-Token']}"}
+    first, last = 1_000_003, 1_700_000
+    for version, key in (("v2", "xorbs"), ("v1", "fetch_info")):
+        answer = httpx.get(f"{token['X-Xet-Cas-Url']}/{version}/reconstructions/{file_id}",
+                           headers={**xet_auth, "Range": f"bytes={first}-{last}"}).json()
+        assert set(answer) == {"offset_into_first_range", "terms", key}
+    chunks: dict[tuple[str, int], bytes] = {}
+    for xorb_hash, entries in answer_v2(hub, file_id, xet_auth, first, last)["xorbs"].items():
+        for entry in entries:
+            (span,) = entry["ranges"]
+            got = httpx.get(entry["url"], headers={"Range": f"bytes={span['bytes']['start']}-{span['bytes']['end']}"})
+            assert got.status_code == 206
+            refs = xetcas.parse_xorb(got.content)
+            assert len(refs) == span["chunks"]["end"] - span["chunks"]["start"]
+            for index, ref in enumerate(refs, span["chunks"]["start"]):
+                chunks[(xorb_hash, index)] = xetcas.decode_chunk(got.content, ref)
+    answer = answer_v2(hub, file_id, xet_auth, first, last)
+    rebuilt = b"".join(chunks[(t["hash"], i)] for t in answer["terms"]
+                       for i in range(t["range"]["start"], t["range"]["end"]))
+    skip = answer["offset_into_first_range"]
+    assert rebuilt[skip:skip + last - first + 1] == data[first:last + 1]
+    missing = httpx.get(f"{token['X-Xet-Cas-Url']}/v2/reconstructions/{file_id}", headers=auth)
+    assert missing.status_code == 401  # a Hub token is not a Xet token
+
+
+def answer_v2(hub: HubServer, file_id: str, xet_auth: dict[str, str], first: int, last: int) -> dict:
+    return httpx.get(f"{hub.url}/cas/v2/reconstructions/{file_id}",
+                     headers={**xet_auth, "Range": f"bytes={first}-{last}"}).json()
+
+
+def shard(file_hash: bytes, term: xetcas.Term, sha256: bytes) -> bytes:
+    """A one-file, one-term upload shard (hub-docs docs/xet/shard.md: header, file info with the metadata
+    extension, bookend, empty CAS info, bookend; no footer)."""
+    bookend = b"\xff" * 32 + b"\0" * 16
+    header = b"\x48" * 32 + struct.pack("<QQ", 2, 0)
+    entry = xetcas.hash_from_str(term.xorb) + struct.pack("<IIII", 0, term.size, term.start, term.end)
+    ext = xetcas.hash_from_str(sha256.hex()) + b"\0" * 16  # stored like the other hashes (tests/xetcas.py)
+    return header + file_hash + struct.pack("<II8x", 1 << 30, 1) + entry + ext + bookend + bookend
+
+
+def test_a_shard_naming_an_unknown_xorb_or_another_sha256_is_refused(hub, api):
+    repo_id = new_repo_id()
+    api.create_repo(repo_id)
+    data = os.urandom(50_000)
+    api.upload_file(path_or_fileobj=data, path_in_repo="w.bin", repo_id=repo_id)
+    uploaded = hub.cas.files[hub.cas.file_id_for(hashlib.sha256(data).hexdigest())]
+    assert xetcas.hash_from_str(xetcas.hash_to_str(bytes(range(32)))) == bytes(range(32))
+    auth = {"Authorization": f"Bearer {TOKENS['write']}"}
+    token = httpx.get(f"{hub.url}/api/models/{repo_id}/xet-write-token/main", headers=auth).headers
+    xet_auth = {"Authorization": f"Bearer {token['X-Xet-Access-Token']}"}
+    (term,) = uploaded.terms
+    unknown = term._replace(xorb="ab" * 32)
+    for body, why in ((shard(b"\1" * 32, unknown, hashlib.sha256(data).digest()), "not uploaded"),
+                      (shard(b"\1" * 32, term, hashlib.sha256(b"other bytes").digest()), "sha256")):
+        streamed = httpx.post(f"{hub.url}/cas/v2/shards", content=body, headers=xet_auth)
+        events = [json.loads(line) for line in streamed.text.splitlines()]
+        assert streamed.status_code == 200 and events[-1]["type"] == "error" and why in events[-1]["message"]
+        plain = httpx.post(f"{hub.url}/cas/v1/shards", content=body, headers=xet_auth)
+        assert plain.status_code == 400 and why in plain.headers["X-Error-Message"]
+    good = httpx.post(f"{hub.url}/cas/v2/shards", content=shard(b"\1" * 32, term, hashlib.sha256(data).digest()),
+                      headers=xet_auth)
+    assert good.text.splitlines()[-1] == '{"type": "result", "result": 1}'  # the same terms, the right sha256
+    read = httpx.get(f"{hub.url}/api/models/{repo_id}/xet-read-token/main", headers=auth).headers
+    refused = httpx.post(f"{hub.url}/cas/v2/shards", content=b"",
+                         headers={"Authorization": f"Bearer {read['X-Xet-Access-Token']}"})
+    assert refused.status_code == 403  # a read token cannot upload
+
+
+def test_a_hub_without_xet_answers_the_token_route_404_and_plain_lfs_still_works(hub, api):
+    repo_id = new_repo_id()
+    api.create_repo(repo_id)
+    hub.xet = False
+    try:
+        with pytest.raises(Exception, match=r"404.*xet-write-token"):  # hf_xet's error: huggingface_hub #4507
+            api.upload_file(path_or_fileobj=os.urandom(20_000), path_in_repo="w.bin", repo_id=repo_id)
+        with client_constants(xet=False):  # the remedy the guard's hint names: HF_HUB_DISABLE_XET=1
+            api.upload_file(path_or_fileobj=b"\0" + os.urandom(20_000), path_in_repo="w.bin", repo_id=repo_id)
+    finally:
+        hub.xet = True
+    assert any(r.method == "PUT" and r.path.startswith("/_lfs/") for r in hub.requests)
+    assert len(hub.repo_files(repo_id)["w.bin"]) == 20_001
+
+
+def test_lz4_blocks_and_frames_decode_with_overlapping_matches():
+    # a block: 3 literals "abc", then a match 3 back of 4 + 2 bytes (overlapping itself), then the last literal "d"
+    block = bytes([0x32]) + b"abc" + bytes([3, 0]) + bytes([0x10]) + b"d"
+    assert xetcas.lz4_decompress(block) == b"abcabcabcd"
+    # the frame format (magic, FLG with block independence, BD, header checksum), one compressed block, end mark
+    frame = bytes.fromhex("04224d18") + bytes([0x60, 0x40, 0x82]) + len(block).to_bytes(4, "little") + block + \
+        b"\0\0\0\0"
+    assert xetcas.lz4_decompress(frame) == b"abcabcabcd"
+    with pytest.raises(ValueError):
+        xetcas.lz4_decompress(bytes([0x32]) + b"abc" + bytes([9, 0]) + bytes([0x10]) + b"d")  # offset too far back
+    assert xetcas._ungroup4(b"AEI" + b"BFJ" + b"CG" + b"DH") == b"ABCDEFGHIJ"
+
+
+def test_the_deprecated_v1_reconstruction_serves_the_real_client(hub, api, tmp_path):
+    repo_id = new_repo_id()
+    api.create_repo(repo_id)
+    data = os.urandom(1_500_000)
+    api.upload_file(path_or_fileobj=data, path_in_repo="w.bin", repo_id=repo_id)
+    (tmp_path / "expected").write_bytes(data)
+    hub.requests.clear()
+    code = (f"from huggingface_hub import hf_hub_download; p = hf_hub_download({repo_id!r}, 'w.bin');"
+            f"print(open(p, 'rb').read() == open({str(tmp_path / 'expected')!r}, 'rb').read())")
+    env = {**os.environ, **hub.env(token=TOKENS["write"], hf_home=tmp_path / "hf"),
+           "HF_XET_CLIENT_RECONSTRUCTION_API_VERSION": "1"}  # hf_xet's switch to the v1 route
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip().splitlines()[-1] == "True", done.stderr[-2000:]
+    assert any("/cas/v1/reconstructions/" in r.path and r.status == 200 for r in hub.requests)

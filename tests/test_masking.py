@@ -218,3 +218,12 @@ def test_the_rare_byte_gate_masks_what_a_search_of_every_form_masks() -> None:
         ungated = Masker(secrets)
         ungated._gated = [(b"", form) for form in forms]  # b"" is in every bytes: every form searched
         assert masked == ungated.mask(data)
+
+
+def test_a_trackio_write_token_in_a_url_is_masked() -> None:
+    """Issue 36: trackio's dashboard URL (``trackio.show()``, ``trackio show``) carries a key that lets anyone log
+    to the project; the guard masks it in everything it writes."""
+    masker = Masker()
+    line = "* Trackio UI: http://127.0.0.1:7860/?project=jobguard&write_token=Zq7_kLm9-0aBcDeF1234&x=1\n"
+    assert masker.mask_text(line) == "* Trackio UI: http://127.0.0.1:7860/?project=jobguard&write_token=***&x=1\n"
+    assert masker.mask_text("write_token=short") == "write_token=short"  # not a key: under 8 characters

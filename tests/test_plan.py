@@ -26,8 +26,10 @@ from guard.secure.events import (
     JobExited,
     KillPush,
     MarkSuspect,
+    ReadThrough,
     RequestSave,
     SignalReceived,
+    StartPush,
     StopJob,
     Tainted,
     Tick,
@@ -446,18 +448,6 @@ def test_the_request_then_nan_before_the_save_stops_waiting_and_keeps_the_older_
     assert plan.state is State.DONE and secured_step(plan) == 50
 
 
-def test_a_taint_after_a_background_push_of_a_later_save_takes_it_back(clock: FakeClock) -> None:
-    pusher = FakePusher(clock)
-    plan = make(clock, pusher, deadline_at=None)
-    seen(plan, ckpt(10))
-    run_until(plan, clock, 3.0)
-    seen(plan, ckpt(20))
-    run_until(plan, clock, 6.0)
-    assert secured_step(plan) == 20
-    actions = plan.on(Tainted(15))
-    assert MarkSuspect("/out/checkpoint-20", 20, 15) in actions and secured_step(plan) == 10
-
-
 def test_a_running_push_of_a_suspect_save_is_killed(clock: FakeClock) -> None:
     pusher = FakePusher(clock, rate=lambda now: 0.05e6)
     plan = make(clock, pusher, deadline_at=None)
@@ -691,11 +681,12 @@ def test_at_the_deadline_a_newer_complete_checkpoint_that_fits_replaces_the_olde
     plan.on(TrainingStarted())
     plan.on(DeadlineNear(can_save=True))
     clock.now = 980.0
-    seen(plan, ckpt(570, size_bytes=big))  # 21 s: would end after secure_by (998.5)
+    seen(plan, ckpt(570, size_bytes=big))  # would end after secure_by (998.5) by the measured rate: not started
+    assert [h.args["step"] for h in pusher.started] == [500]
     run_until(plan, clock, 986.5)
     assert plan.secure_by - clock.now == pytest.approx(12.0)
     actions = seen(plan, ckpt(597, size_bytes=small))  # complete, 12 s left, costs about 3 s
-    assert any(isinstance(a, KillPush) and a.why == "superseded" for a in actions)
+    assert any(isinstance(a, StartPush) and a.step == 597 for a in actions)
     run_until(plan, clock, 1000.0)
     assert secured_step(plan) == 597
     assert plan.state is State.DONE and all(h.result is not None for h in pusher.started)
@@ -826,3 +817,86 @@ def test_a_save_written_over_before_its_push_is_refused_and_the_newer_one_secure
     assert report.history[0].rewritten and not report.history[1].rewritten
     refused = [r for r in caplog.records if "rewritten after that save" in r.getMessage()]
     assert [r.levelno for r in refused] == [logging.INFO]  # not the destination's failure: no error line
+
+
+# -- a push is provisional until its step's losses are read (issue 33) ----------------------------------------------
+
+
+def test_a_save_past_the_losses_read_is_held_until_its_step_is_read(clock: FakeClock) -> None:
+    pusher = FakePusher(clock)
+    plan = make(clock, pusher, deadline_at=None)
+    plan.on(ReadThrough(100))
+    assert seen(plan, ckpt(108)) == [] and pusher.started == []  # the window 101-110 is not read yet
+    actions = plan.on(ReadThrough(110))
+    assert [a.step for a in actions if isinstance(a, StartPush)] == [108]
+    run_until(plan, clock, 5.0)
+    assert secured_step(plan) == 108
+
+
+def test_a_nan_read_after_a_save_in_its_window_makes_the_held_save_suspect(clock: FakeClock) -> None:
+    """The NaN-window push: ``checkpoint-108`` is reported before the window holding step 107's NaN is read."""
+    pusher = FakePusher(clock)
+    plan = make(clock, pusher, deadline_at=None)
+    plan.on(ReadThrough(100))
+    seen(plan, ckpt(100))
+    run_until(plan, clock, 3.0)
+    seen(plan, ckpt(105))
+    seen(plan, ckpt(108))
+    actions = plan.on(Tainted(107))
+    assert [a.step for a in actions if isinstance(a, MarkSuspect)] == [108]
+    assert [h.args["step"] for h in pusher.started] == [100, 105]  # 105: before the NaN, read with it
+    plan.on(Failure("non_finite_loss"))
+    run_until(plan, clock, 10.0)
+    assert secured_step(plan) == 105 and all(h.args["step"] != 108 for h in pusher.started)
+
+
+def test_the_saves_held_are_taken_when_the_job_exits(clock: FakeClock) -> None:
+    pusher = FakePusher(clock)
+    plan = make(clock, pusher, deadline_at=None, final=None)
+    plan.on(ReadThrough(10))
+    seen(plan, ckpt(20))
+    assert pusher.started == []
+    plan.on(JobExited(ok=False))  # no more losses will be read
+    run_until(plan, clock, 5.0)
+    assert [h.args["step"] for h in pusher.started] == [20]
+
+
+def test_a_save_in_another_unit_is_taken_at_the_second_read_after_it(clock: FakeClock) -> None:
+    """``ckpt-32000.pt`` named by samples: two reads sent after the save cover it, whatever its number says."""
+    pusher = FakePusher(clock)
+    plan = make(clock, pusher, deadline_at=None)
+    plan.on(ReadThrough(10))
+    seen(plan, ckpt(32000))
+    plan.on(ReadThrough(20))
+    assert pusher.started == []
+    plan.on(ReadThrough(30))
+    assert [h.args["step"] for h in pusher.started] == [32000]
+
+
+def test_a_save_with_non_finite_weights_taints_its_step(clock: FakeClock) -> None:
+    """The weights are a witness (ModernBERT #233: the loss stayed finite, the weights went NaN)."""
+    pusher = FakePusher(clock)
+    plan = make(clock, pusher, deadline_at=None)
+    actions = plan.on(CheckpointSeen(ckpt(30), finite=False))
+    assert any(isinstance(a, MarkSuspect) and a.step == 30 for a in actions) and pusher.started == []
+    assert plan.report().non_finite_from_step == 30
+    seen(plan, ckpt(40))
+    assert pusher.started == []
+
+
+def test_a_taint_that_reaches_a_recorded_push_puts_the_newest_good_checkpoint_back(clock: FakeClock) -> None:
+    """A witness read late (a rank behind, the job's exit) names a step the destination's record is from: the
+    newest good checkpoint is pushed over it, and nothing counts as secured until that push ends well."""
+    pusher = FakePusher(clock)
+    plan = make(clock, pusher, deadline_at=None)
+    seen(plan, ckpt(10))
+    run_until(plan, clock, 3.0)
+    seen(plan, ckpt(20))
+    run_until(plan, clock, 6.0)
+    assert secured_step(plan) == 20
+    actions = plan.on(Tainted(15))
+    assert MarkSuspect("/out/checkpoint-20", 20, 15) in actions
+    assert [a.step for a in actions if isinstance(a, StartPush)] == [10]
+    assert secured_step(plan) is None  # the destination holds step 20 until the push of step 10 ends
+    run_until(plan, clock, 9.0)
+    assert secured_step(plan) == 10 and [h.args["step"] for h in pusher.started] == [10, 20, 10]

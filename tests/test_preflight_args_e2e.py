@@ -70,7 +70,9 @@ def test_a_guard_option_after_the_script_gets_a_hint_when_the_job_refuses_it(tmp
     job.write_text("import argparse\np = argparse.ArgumentParser()\np.add_argument('--steps', type=int)\n"
                    "p.parse_args()\n")
     run = run_guard(["--no-preflight", str(job), "--timeout", "1h"])
-    assert run.returncode == 2 and run.fields()["reason"] == "crash", run.stderr
+    # the job's argparse exit 2 is the guard's usage code: exit 1, the job's own in job_exit=
+    assert run.returncode == 1 and run.fields()["reason"] == "crash", run.stderr
+    assert run.fields()["job_exit"] == "2"
     assert "guard options go before the script" in run.fields()["hint"]
     assert "--timeout, also a guard option" in run.stderr  # said at the start too
     assert "traceback" not in run.fields()["hint"]

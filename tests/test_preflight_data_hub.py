@@ -20,7 +20,7 @@ def _online_client(monkeypatch: pytest.MonkeyPatch) -> None:
     from huggingface_hub import constants
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-    monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", True)
+    monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", False)  # the client's default (tests/xetcas.py)
     monkeypatch.setattr(constants, "HF_HUB_DISABLE_TELEMETRY", True)
 
 

@@ -35,7 +35,7 @@ def _online_client(monkeypatch: pytest.MonkeyPatch) -> None:
     from huggingface_hub import constants
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-    monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", True)
+    monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", False)  # the client's default (tests/xetcas.py)
     monkeypatch.setattr(constants, "HF_HUB_DISABLE_TELEMETRY", True)
 
 
@@ -180,6 +180,25 @@ def test_slow_repo_answers_are_bounded(hub: HubServer, tmp_path: Path) -> None:
     rows = check_hub_repos([RepoRef("model", "acme/tiny-gpt2", "script")], environ=environ(hub, tmp_path, "write"),
                            probe=probe(hub, tmp_path, "write", timeout_s=0.3))[0]
     assert rows[0].status == "warn" and "no answer from the Hub in 0.3 s" in rows[0].seen
+
+
+def test_a_required_repo_the_hub_cannot_confirm_fails_and_a_script_id_warns(tmp_path: Path) -> None:
+    """Issue 36: with the Hub unreachable, --require-model was a warning and `jobguard preflight` passed, so a
+    mistyped id reached the GPU job."""
+    import socket
+
+    from huggingface_hub import HfApi
+
+    with socket.socket() as free:  # a port nothing listens on: connection refused
+        free.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{free.getsockname()[1]}"
+    env = {"HF_ENDPOINT": url, "HF_HOME": str(tmp_path / "hf"), "HOME": str(tmp_path)}
+    rows, _ = check_hub_repos([RepoRef("model", "acme/tiny-gtp2", "--require-model"),
+                               RepoRef("dataset", "acme/tiny-txt", "named in train.py")],
+                              environ=env, probe=HubProbe(env, HfApi(endpoint=url), 3.0))
+    assert [r.status for r in rows] == ["fail", "warn"], rows
+    assert "cannot be connected to (--require-model)" in rows[0].seen
+    assert "--skip-check hub-repos=REASON" in (rows[0].hint or "")
 
 
 def test_space_privacy_is_read_from_the_hub(hub: HubServer, tmp_path: Path) -> None:

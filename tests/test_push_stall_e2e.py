@@ -50,7 +50,6 @@ def test_a_push_hung_on_xet_storage_is_logged_and_replaced_by_the_newer_checkpoi
     with HubServer() as hub:
         hub.silent_xet_storage()
         env = hub.env(token=TOKENS["write"], hf_home=tmp_path / "hf")
-        env["HF_HUB_DISABLE_XET"] = ""  # the conftest default is 1: Xet stays ON here (empty is false)
         run = run_guard([*FAST, "--timeout", "45s", "--margin", "8s", "--push-to", "alice/stall-xet",
                          "--push-interval", "0", "--push-stall", "3s", *LOOP, "--output-dir", str(tmp_path / "out")],
                         env=env, timeout_s=120)

@@ -179,7 +179,7 @@ def test_accelerates_save_counted_folders_compare_by_number_not_by_step(tmp_path
     monkeypatch.chdir(tmp_path)
     saved = Path("project") / "checkpoints"
     dest = Securer(str(tmp_path / "dest"))
-    monkeypatch.setattr("guard.secure.checkpoints.check_files", lambda folder, files: [])
+    monkeypatch.setattr("guard.secure.checkpoints.check_files", lambda folder, files, **kw: [])
     dest.push_checkpoint(accelerate_save(saved, 2), step=300, deadline=math.inf)
     newer = accelerate_save(saved, 3)
     chosen = resume.choose(saved, dest, deadline=deadline(), abort=lambda: False)

@@ -79,3 +79,27 @@ def test_preflight_reports_the_limit_scontrol_gives(tmp_path: Path) -> None:
     assert not any("no timeout known" in line for line in budget_rows)
     distributed = [line for line in run.stderr.splitlines() if " distributed " in line]
     assert distributed and not any("launcher detected" in line for line in distributed), distributed
+
+
+def test_a_timeout_counts_from_slurms_start_time_the_same_on_every_node(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    # Slurm 22.05 gives no SLURM_JOB_START_TIME: --timeout counts from scontrol's StartTime, which every node's guard
+    # reads alike, not from each guard's own start (a stand-in scontrol here).
+    import time
+
+    from guard.run.cli import build_config
+    from guard.run.platform import detect
+    from guard.run.stages import resolve_budget
+
+    start, end = int(time.time()) - 40, int(time.time()) + 3600
+    scontrol = tmp_path / "scontrol"
+    scontrol.write_text(f"#!/bin/sh\necho 'JobId=99 JobName=x TimeLimit=01:00:40 StartTime={start} EndTime={end}'\n")
+    scontrol.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    env = {"PATH": os.environ["PATH"], "SLURM_JOB_ID": "99", "SLURM_PROCID": "0", "SLURM_NODEID": "1"}
+    config = build_config(["--timeout", "10m", "--", "true"], env)
+    deadline = resolve_budget(config, detect(env))
+    assert (deadline.started_at_s, deadline.deadline_s) == (start, start + 600), deadline
+    assert deadline.source == "--timeout 10m from scontrol StartTime" and deadline.exact
+    given = build_config(["--timeout", "10m", "--started-at", str(start + 5), "--", "true"], env)
+    assert resolve_budget(given, detect(env)).deadline_s == start + 605  # --started-at stays the user's word

@@ -169,6 +169,14 @@ def test_requeue_runs_scontrol_only_after_a_secured_stop_under_slurm(tmp_path: P
         secured = RunResult("TIMEOUT", "deadline", 75, 1.0)
         stages.requeue(slurm, secured, runner=runner)
         assert calls == [["scontrol", "requeue", "77"]] and secured.details["requeue"] == "requeued"
+        # many nodes: node 0's guard requeues (once the others said their VERDICT), never another node's too
+        node1 = config(tmp_path, "--requeue", env={**os.environ, "SLURM_JOB_ID": "77", "SLURM_NODEID": "1",
+                                                   "SLURM_NNODES": "2"})
+        stages.requeue(node1, RunResult("TIMEOUT", "deadline", 75, 1.0), runner=runner)
+        node0 = config(tmp_path, "--requeue", env={**os.environ, "SLURM_JOB_ID": "77", "SLURM_NODEID": "0",
+                                                   "SLURM_NNODES": "2"})
+        stages.requeue(node0, RunResult("TIMEOUT", "deadline", 75, 1.0), runner=runner)
+        assert calls == [["scontrol", "requeue", "77"]] * 2
     finally:
         signal.signal(signal.SIGTERM, old)
 

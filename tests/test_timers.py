@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 from guard.run.timers import Escalation, StallWatch
 
 
@@ -65,3 +67,25 @@ def test_escalation_with_its_own_grace() -> None:
     esc.start(0.0, grace_s=5.0)
     assert esc.due_at() == 5.0
     assert esc.kill_due(5.0)
+
+
+def test_no_sigkill_and_no_line_for_a_job_that_ended_within_its_grace(caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 36: "job exited: signal SIGTERM" was followed by "did not end within 1s of SIGTERM: SIGKILL"."""
+    from types import SimpleNamespace
+
+    from guard.run.upkeep import Upkeep
+
+    sent: list[int] = []
+    job = SimpleNamespace(alive=lambda: False, signal_all=sent.append)
+    escalation = Escalation(1.0)
+    escalation.start(0.0)
+    link = SimpleNamespace(job=job, escalation=escalation, settings=SimpleNamespace(grace_s=1.0))
+    upkeep = Upkeep(link, started=0.0)  # type: ignore[arg-type]
+    with caplog.at_level("INFO", logger="guard.supervisor"):
+        upkeep.stop_stragglers(2.0)
+    assert sent == [] and "did not end within" not in caplog.text
+    job.alive = lambda: True  # one that still runs gets it
+    escalation.killed = False
+    with caplog.at_level("INFO", logger="guard.supervisor"):
+        upkeep.stop_stragglers(2.0)
+    assert sent == [9] and "did not end within 1s of SIGTERM" in caplog.text

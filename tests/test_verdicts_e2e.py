@@ -49,7 +49,8 @@ def test_verdict_starts_a_line_after_an_unterminated_progress_bar_in_a_merged_lo
 def test_verdict_starts_a_line_on_stdout_alone(tmp_path: Path) -> None:
     run = run_guard([str(JOBS / "unterminated.py"), "--code", "3"])
     last = run.stdout.split("\n")[-2]
-    assert last.startswith("VERDICT: FAIL reason=crash exit=3"), repr(run.stdout[-300:])
+    assert last.startswith("VERDICT: FAIL reason=crash exit=1"), repr(run.stdout[-300:])  # 3 is preflight's code
+    assert "job_exit=3" in last
     assert run.stdout.split("\n")[-3].endswith("loss=0.5")
 
 

@@ -258,3 +258,45 @@ def test_the_node_rank_from_the_environment_or_the_launcher() -> None:
     assert configured_node_rank({"SLURM_NODEID": "2"}, ["python", "train.py"]) == 2
     assert configured_node_rank({}, ["torchrun", "--nnodes", "2", "--node-rank", "1", "train.py"]) == 1
     assert configured_node_rank({}, ["python", "train.py"]) is None
+
+
+def test_a_loss_that_never_changes_is_named_once() -> None:
+    """Issue 36 (visual_prompting #7: the optimizer held a copy of the parameters): a loss exactly the same for
+    --loss-rise-steps steps is a warning, never a verdict."""
+    state = RunState()
+    dog = Watchdog(state, 0.0, sanity_steps=3, stall_timeout_s=60.0, loss_rise_steps=5)
+    for step in range(1, 5):
+        assert dog.on_step(float(step), step, 0.6931).decisions == []
+        assert state.progress.flat is None  # 4 equal losses: not yet
+    dog.on_step(5.0, 5, 0.6931)
+    assert state.progress.flat == {"since": 1, "step": 5, "loss": 0.6931}
+    dog.on_step(6.0, 6, 0.5)
+    assert state.progress.flat["step"] == 5 and state.outcome is None
+
+
+def test_losses_that_move_or_sit_at_zero_are_not_flat() -> None:
+    state = RunState()
+    dog = Watchdog(state, 0.0, sanity_steps=3, stall_timeout_s=60.0, loss_rise_steps=5)
+    for step in range(1, 30):
+        dog.on_step(float(step), step, 1.0 if step % 4 else 1.1)  # equal runs of 3, broken
+    zero_state = RunState()
+    zero = Watchdog(zero_state, 0.0, sanity_steps=3, stall_timeout_s=60.0, loss_rise_steps=5)
+    for step in range(1, 30):
+        zero.on_step(float(step), step, 0.0)  # the agent's loss_zero witness, not this warning
+    assert state.progress.flat is None and zero_state.progress.flat is None
+
+
+def test_a_loss_that_explodes_at_the_first_update_is_named() -> None:
+    # TRL's sft.py with a learning rate of 50 (measured): 3.13, then 2.0e4 and on; the median of the first five
+    # losses was 1.7e4, so the explosion was measured against itself and the run ended PASS.
+    dog, state = make()
+    for step, loss in enumerate((3.13, 2.009e4, 6520.0, 1.746e4, 2.295e4, 3.0e4), start=1):
+        dog.on_step(float(step), step, loss)
+    assert state.progress.exploded == {"step": 2, "loss": 2.009e4, "early": 3.13}
+
+
+def test_a_loss_falling_fast_in_its_first_steps_is_no_explosion() -> None:
+    dog, state = make()
+    for step, loss in enumerate((9.0, 4.0, 1.0, 0.5, 0.4, 0.45, 0.6, 2.0), start=1):
+        dog.on_step(float(step), step, loss)
+    assert state.progress.exploded is None

@@ -1,7 +1,10 @@
-"""End to end with the Hub's default transfer (Xet) left on, against storage that accepts and never answers."""
+"""End to end with the Hub's default transfer (Xet) left on: against the local Hub's own Xet storage
+(tests/xetcas.py: pushes, verification and resume go through hf_xet), against storage that accepts and never answers
+(``silent_xet_storage``: the time bounds), and against a Hub without Xet (the hint names HF_HUB_DISABLE_XET=1)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -11,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import JOBS, GuardRun, kill_quietly, start_guard, wait_own_cpu_s
+from conftest import JOBS, GuardRun, kill_quietly, load_factor, run_guard, start_guard, wait_own_cpu_s
 
 from tests.hubserver import TOKENS, HubServer, client_constants
 
@@ -28,10 +31,7 @@ def hung_xet_hub():
 
 
 def xet_env(hub: HubServer, tmp_path: Path) -> dict[str, str]:
-    env = hub.env(token=TOKENS["write"], hf_home=tmp_path / "hf")
-    env.pop("HF_HUB_DISABLE_XET", None)
-    env["HF_HUB_DISABLE_XET"] = ""  # the conftest default is 1: Xet stays ON here (empty is false)
-    return env
+    return hub.env(token=TOKENS["write"], hf_home=tmp_path / "hf")  # Xet on: the client's default
 
 
 def run_timed(args: list[str], env: dict[str, str]) -> tuple[GuardRun, float, float]:
@@ -136,8 +136,9 @@ def test_a_signal_during_the_final_push_ends_within_grace(hung_xet_hub: HubServe
 # -- the resume fetch through Xet ---------------------------------------------------------------------------------
 
 
-def secure_a_checkpoint(hub: HubServer, repo_id: str, tmp_path: Path, step: int = 20) -> None:
-    """A checkpoint secured the guard's way (commit ``guard: checkpoint step N``), pushed over LFS (Xet off)."""
+def secure_a_checkpoint(hub: HubServer, repo_id: str, tmp_path: Path, step: int = 20, *, xet: bool = False) -> None:
+    """A checkpoint secured the guard's way (commit ``guard: checkpoint step N``), pushed over LFS (``xet=False``:
+    the silent storage takes nothing) or through the local Hub's Xet storage."""
     from huggingface_hub import HfApi
 
     from guard.secure.hub import Securer
@@ -146,7 +147,7 @@ def secure_a_checkpoint(hub: HubServer, repo_id: str, tmp_path: Path, step: int 
     folder.mkdir(parents=True)
     (folder / "model.safetensors").write_bytes(os.urandom(2_000_000))
     (folder / "trainer_state.json").write_text(json.dumps({"global_step": step}))
-    with client_constants():
+    with client_constants(xet=xet):
         api = HfApi(endpoint=hub.url, token=TOKENS["write"])
         Securer(repo_id, api=api).push_checkpoint(folder, step=step, deadline=time.monotonic() + 60)
 
@@ -188,3 +189,91 @@ def test_a_signal_during_the_resume_fetch_on_xet_ends_within_grace(hung_xet_hub:
     assert verdict.startswith("VERDICT: INTERRUPTED reason=signal") and "exit=143" in verdict, verdict + stderr[-3000:]
     assert proc.returncode == 143
     assert "step 5 done" not in stdout
+
+
+# -- the local Hub's own Xet storage (tests/xetcas.py) -------------------------------------------------------------
+
+
+@pytest.fixture
+def xet_hub():
+    with HubServer() as server:
+        yield server
+
+
+def test_a_run_secured_through_xet_passes_its_verification(xet_hub: HubServer, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    run = run_guard([*FAST, "--grace", "10s", "--push-to", "hf://alice/xet-final", str(JOBS / "slow_trainer.py"),
+                     "--output-dir", str(out), "--step-s", "0", "--max-steps", "12", "--save-steps", "5"],
+                    env=xet_env(xet_hub, tmp_path), timeout_s=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.fields()["status"] == "PASS" and "pushed" in run.fields(), run.verdict
+    # the bytes went through Xet (xorbs and shards), never a plain LFS upload
+    assert any("/cas/v1/xorbs/" in r.path and r.status == 200 for r in xet_hub.requests)
+    assert not [r for r in xet_hub.requests if r.method == "PUT"]
+    remote = xet_hub.repo_files("alice/xet-final")
+    assert remote["model.safetensors"] == (out / "model.safetensors").read_bytes()
+    # the guard's verification compared the sha256 hf_xet computed with the one get_paths_info returns
+    checkpoint = {p: d for p, d in remote.items() if p.startswith("last-checkpoint/")}
+    manifest = json.loads(checkpoint.pop("last-checkpoint/guard_manifest.json"))
+    assert {f"last-checkpoint/{rel}": entry["sha256"] for rel, entry in manifest["files"].items()} == \
+        {path: hashlib.sha256(data).hexdigest() for path, data in checkpoint.items()}
+
+
+def test_a_hub_without_xet_fails_the_push_with_a_hint_naming_HF_HUB_DISABLE_XET(xet_hub: HubServer,
+                                                                                tmp_path: Path) -> None:
+    xet_hub.xet = False  # its xet-write-token route answers 404 (huggingface_hub #4507)
+    args = [*FAST, "--grace", "10s", "--background-push", "off", "--push-to", "hf://alice/no-xet",
+            str(JOBS / "slow_trainer.py"), "--step-s", "0", "--max-steps", "6", "--save-steps", "100"]
+    run = run_guard([*args, "--output-dir", str(tmp_path / "out")], env=xet_env(xet_hub, tmp_path), timeout_s=120)
+    fields = run.fields()
+    assert (fields["status"], fields["reason"]) == ("FAIL", "push_failed"), run.stdout[-2000:] + run.stderr[-3000:]
+    assert "HF_HUB_DISABLE_XET=1" in fields["hint"], fields
+    assert any("xet-write-token" in r.path and r.status == 404 for r in xet_hub.requests)
+    # the remedy the hint names: the same run with HF_HUB_DISABLE_XET=1 uploads over plain LFS and passes
+    env = xet_hub.env(token=TOKENS["write"], hf_home=tmp_path / "hf", xet=False)
+    again = run_guard([*args, "--output-dir", str(tmp_path / "out2")], env=env, timeout_s=120)
+    assert again.returncode == 0 and again.fields()["status"] == "PASS", again.stderr[-3000:]
+    assert any(r.method == "PUT" and r.path.startswith("/_lfs/") for r in xet_hub.requests)
+
+
+def test_a_resume_fetch_stalled_in_the_xet_storage_ends_before_the_deadline(xet_hub: HubServer,
+                                                                            tmp_path: Path) -> None:
+    secure_a_checkpoint(xet_hub, "alice/xet-stall", tmp_path, xet=True)
+    xet_hub.inject(latency_s=600, path_contains="/cas/xorb-data/")  # the storage stops sending the file's bytes
+    run, verdict_s, exited_s = run_timed(["--timeout", "30s", "--resume", "on", "--push-to", "alice/xet-stall",
+                                          "--output-dir", str(tmp_path / "out"), str(JOBS / "plain_loop.py"),
+                                          "--steps", "5"], env=xet_env(xet_hub, tmp_path))
+    assert any("/cas/v2/reconstructions/" in r.path and r.status == 200 for r in xet_hub.requests), \
+        "the download did not reach the Xet storage: " + run.stderr[-3000:]
+    assert verdict_s < 30 and exited_s < 30 + 3, (verdict_s, exited_s, run.stderr[-3000:])
+    fields = run.fields()
+    assert (fields["status"], fields["check"], run.returncode) == ("FAIL", "resume", 3), run.stderr[-3000:]
+    assert "did not finish" in run.stderr and "step 5 done" not in run.stdout
+    assert not list((tmp_path / "out").glob("checkpoint-*"))
+
+
+def test_without_a_deadline_a_stalled_xet_fetch_ends_at_the_stated_default(
+        xet_hub: HubServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """No --timeout: the resume's peek and fetch are bounded by ``stages.FETCH_LIMIT_S`` (900 s; shortened here),
+    said in the log, and a Xet download stalled in the storage is killed then (hf_xet alone retried a stalled
+    download for up to 15 minutes, xet-core #869)."""
+    from guard.run import stages
+    from guard.secure import budget, resume
+    from guard.secure.hub import Securer
+
+    secure_a_checkpoint(xet_hub, "alice/xet-nodeadline", tmp_path, xet=True)
+    for name, value in xet_env(xet_hub, tmp_path / "fetch").items():
+        monkeypatch.setenv(name, value)  # for the worker process
+    xet_hub.inject(latency_s=600, path_contains="/cas/xorb-data/")
+    limit_s = 15.0 * min(load_factor(), 3.0)
+    monkeypatch.setattr(stages, "FETCH_LIMIT_S", limit_s)
+    started = time.monotonic()
+    with caplog.at_level("INFO", logger="guard.stages"):
+        deadline = stages._fetch_deadline(budget.Deadline(time.time(), None, None, "none"))
+    assert f"may take up to {limit_s:.0f}s" in caplog.text
+    with pytest.raises(resume.FetchTimedOut):
+        resume.choose(tmp_path / "out", Securer("alice/xet-nodeadline", token=TOKENS["write"]), deadline=deadline,
+                      abort=lambda: False)
+    assert time.monotonic() - started < limit_s + 5
+    assert any("/cas/v2/reconstructions/" in r.path for r in xet_hub.requests)  # stalled in Xet's data phase
+    assert not list((tmp_path / "out").glob("checkpoint-*"))

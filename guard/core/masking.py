@@ -37,6 +37,9 @@ MASK = b"***"
 SECRET_NAME = re.compile(r"TOKEN|KEY|SECRET|PASSWORD", re.IGNORECASE)
 MIN_SECRET_LEN = 8
 HF_TOKEN = re.compile(rb"hf_[A-Za-z]{30,}")
+#: The value of a ``write_token`` query parameter: trackio's dashboard URL carries one (``trackio.show()`` prints
+#: ``...?write_token=...``, a key that lets anyone log to the project).
+WRITE_TOKEN = re.compile(rb"(?<=write_token=)[^&\s\"'<>#]{8,}")
 _HF_TAIL = re.compile(rb"h(?:f(?:_[A-Za-z]*)?)?$")
 
 
@@ -159,6 +162,8 @@ class Masker:
                 at = data.find(secret, at + 1)
         if b"_" in data and b"hf_" in data:
             spans += [match.span() for match in HF_TOKEN.finditer(data)]
+        if b"write_token=" in data:
+            spans += [match.span() for match in WRITE_TOKEN.finditer(data)]
         if not spans:
             return data
         spans.sort()

@@ -52,6 +52,8 @@ class Progress:
         exploded: ``{"step", "loss", "early"}`` when a finite loss exploded against its early level, else None.
         rose: ``{"since", "step", "loss", "early", "factor", "checkpoint", "checkpoint_step"}`` when the loss stayed
             above k x its early level for the window (``--loss-rise-factor``, ``--loss-rise-steps``), else None.
+        flat: ``{"since", "step", "loss"}`` when the loss stayed exactly the same for ``--loss-rise-steps`` steps
+            (the weights are not updated), else None.
     """
 
     step: int | None = None
@@ -61,6 +63,7 @@ class Progress:
     loss_source: str | None = None
     exploded: dict[str, Any] | None = None
     rose: dict[str, Any] | None = None
+    flat: dict[str, Any] | None = None
 
 
 @dataclass
@@ -92,6 +95,8 @@ class JobFacts:
         error_files: each rank's ``TORCHELASTIC_ERROR_FILE`` (torchrun's per-rank error file), from its ``hello``.
         worker_deaths: DataLoader workers torch said died (output lines, exception messages): pid -> the signal's
             description (``Killed``), or None (``exited unexpectedly``).
+        rank_exits: the failed ranks of torchrun's failure summary: rank -> exit code (negative: a signal).
+        ranks_seen: the global ranks whose agents said ``hello``.
     """
 
     trainer_config: dict[str, Any] | None = None
@@ -115,6 +120,8 @@ class JobFacts:
     rank_exceptions: dict[int, str] = field(default_factory=dict)
     error_files: dict[int, str] = field(default_factory=dict)
     last_stderr_line: str | None = None
+    rank_exits: dict[int, int] = field(default_factory=dict)
+    ranks_seen: set[int] = field(default_factory=set)
 
     @property
     def answers_checkpoints(self) -> bool:

@@ -56,6 +56,7 @@ WEBHOOK_WAIT_S = 0.3  # at the end: the most the VERDICT waits for alert POSTs s
 AFTER_VERDICT_WAIT_S = 2.0  # then, after the VERDICT, the most the guard's exit waits for them (silently)
 _RATE_LIMITED = re.compile(r"\b429\b|rate.?limit|too many requests", re.IGNORECASE)
 _ATTEMPTS = re.compile(r"\(attempts: (.*)\)")
+_SUSPECT = re.compile(r"marked suspect|saved after the first non-finite loss")  # a refusal, not the network
 
 
 class AlertTracker(Protocol):
@@ -242,6 +243,7 @@ class Alerts:
         self._keys: set[str] = set()
         self._next_record = 0
         self._failed_in_a_row = 0
+        self._alerted: set[int] = set()  # steps alerted as secured
 
     # -- sending -----------------------------------------------------------------------------------------------
 
@@ -317,10 +319,15 @@ class Alerts:
             return
         drop = self.throughput.add(now, step)
         if drop is not None:
-            self.warning("throughput", f"throughput dropped to {drop['rate']:.3g} steps/s",
-                         f"over the last {drop['window_s']:.0f}s, under {self.throughput.fraction:g}x the run's "
-                         f"median {drop['median']:.3g} steps/s", step=step,
-                         hint="look for a slow data loader, a throttled GPU, a full disk or another job on the node")
+            title = f"throughput dropped to {drop['rate']:.3g} steps/s"
+            text = (f"over the last {drop['window_s']:.0f}s, under {self.throughput.fraction:g}x the run's median "
+                    f"{drop['median']:.3g} steps/s")
+            hint = ("look for a slow data loader, a throttled GPU, a full disk, another job on the node, or "
+                    "torch.compile recompiling (TORCH_LOGS=recompiles)")
+            if self.warning("throughput", title, text, step=step, hint=hint):
+                # in the guard's own log too, not only in trackio or a webhook (vllm #27178: a step 5-8x slower after
+                # dynamo's recompile limit went unseen)
+                log.warning("%s at step %d (%s): %s", title, step, text, hint)
 
     def on_securing(self, plan: Any, step: int | None) -> None:
         """Poll the securing plan's snapshot (``secure.plan.Plan.report()``): securing started for the deadline or a
@@ -333,28 +340,39 @@ class Alerts:
             self.send(f"securing:{trigger}", "info", f"securing started: {why}",
                       "the guard secures the newest checkpoint before the job is stopped", step=step)
         history = report.history
+        bad_from = report.non_finite_from_step
         while self._next_record < len(history) and not history[self._next_record].running:
             view = history[self._next_record]
             self._next_record += 1
-            self._on_push(view)
+            self._on_push(view, bad_from)
+        if bad_from is not None:
+            for at in sorted(s for s in self._alerted if s >= bad_from):
+                self.send(f"revoked:{at}", "warn", f"checkpoint of step {at} no longer counts as secured",
+                          f"it was saved at or after the first non-finite loss (step {bad_from})", step=at,
+                          hint="resume from the checkpoint the VERDICT names")
         secured = report.secured
         if secured is not None and secured.step is not None:
             self.secured_step = int(secured.step)
 
-    def _on_push(self, view: Any) -> None:
-        """One push that is over (``secure.plan.PushView``)."""
+    def _on_push(self, view: Any, bad_from: int | None = None) -> None:
+        """One push that is over (``secure.plan.PushView``); ``bad_from``: the first non-finite step heard of (a
+        push of a save at or after it is neither secured nor a failure of the destination)."""
         at = view.step
+        suspect = bad_from is not None and at is not None and at >= bad_from
         if view.ok:
             self._failed_in_a_row = 0
             where = view.pushed or view.destination
             if view.kind == "final":
                 self.send(f"final:{where}", "info", "final model secured", f"at {where}")
-            else:
+            elif not suspect:
                 name = os.path.basename(os.path.normpath(str(view.path))) if view.path else "checkpoint"
-                self.send(f"secured:{at}:{where}", "info", f"checkpoint secured: step {at}", f"{name} at {where}",
-                          step=at)
+                if self.send(f"secured:{at}:{where}", "info", f"checkpoint secured: step {at}", f"{name} at {where}",
+                             step=at) and at is not None:
+                    self._alerted.add(int(at))
             return
         if view.killed or view.kind == "resumed" or view.rewritten:  # a newer save of the job's replaced it
+            return
+        if suspect or _SUSPECT.search(str(view.error or "")):  # refused: saved after the non-finite loss
             return
         self._failed_in_a_row += 1
         error = str(view.error or "")

@@ -17,7 +17,7 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from guard.preflight._common import NoAnswer, call_bounded, fmt_bytes, hf_offline, hf_token, one_line
 from guard.preflight._job import HubTarget
@@ -237,11 +237,18 @@ def _check_repo(ref: RepoRef, probe: HubProbe, *, want_size: bool) -> tuple[Chec
     name = "hub-repos"
     label = f"{ref.repo_type} {ref.repo_id}"
     no_token = "" if probe.token else " (no HF token was sent: a private repo looks missing without one)"
+    # A repo the command line requires (--require-model/--require-dataset) must be seen to exist: when the Hub
+    # cannot answer, the check fails (a mistyped id would otherwise reach the paid job); an id read from the script
+    # may be dead code, so there it is a warning.
+    required = ref.origin.startswith("--require-")
+    unsure: Literal["fail", "warn"] = "fail" if required else "warn"
+    unsure_hint = ("check HF_ENDPOINT and the network" + (
+        f"; {ref.origin} needs an answer: --skip-check hub-repos=REASON runs the job anyway" if required else ""))
     try:
         probe.call("auth_check", ref.repo_id, repo_type=ref.repo_type)
     except NoAnswer:
-        return CheckResult(name, "warn", f"{label}: no answer from the Hub in {probe.timeout_s:g} s",
-                           "check HF_ENDPOINT and the network"), None
+        return CheckResult(name, unsure, f"{label}: no answer from the Hub in {probe.timeout_s:g} s ({ref.origin})",
+                           unsure_hint), None
     except Exception as exc:  # noqa: BLE001 - mapped below
         kind = type(exc).__name__
         if kind == "GatedRepoError":
@@ -260,8 +267,10 @@ def _check_repo(ref: RepoRef, probe: HubProbe, *, want_size: bool) -> tuple[Chec
         if _status(exc) == 401:
             return CheckResult(name, "fail", f"{label}: the Hub refused the token (401)",
                                "create a new token at https://huggingface.co/settings/tokens"), None
-        return CheckResult(name, "warn", f"{label}: could not check: {one_line(exc, 200)}",
-                           "check HF_ENDPOINT and the network"), None
+        if (unreachable := _unreachable(exc)) is not None:
+            return CheckResult(name, unsure, f"{label}: the Hub at {_endpoint(probe.environ)} {unreachable} "
+                               f"({ref.origin})", unsure_hint), None
+        return CheckResult(name, unsure, f"{label}: could not check: {one_line(exc, 200)}", unsure_hint), None
     size = _model_size(ref, probe) if want_size else None
     size_text = f", weights {fmt_bytes(size)}" if size else ""
     return CheckResult(name, "pass", f"{label} accessible ({ref.origin}){size_text}"), size

@@ -21,13 +21,15 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from guard.contract import EXIT_GUARD_ERROR, RunResult, render_line, signal_name, write_report
+from guard.contract import EXIT_GUARD_ERROR, RunResult, render_line, settle_exit_code, signal_name, write_report
+from guard.core.durations import DURATION_FORMS
 from guard.core.masking import Masker, MaskingFilter, command_line_secrets, secret_values
 from guard.core.version import __version__
 from guard.errors import GuardError, PreflightError, UsageError
 from guard.run.config import OPTIONS, Config, debug_enabled, env_name, log_level, resolve, webhook_secrets
 from guard.run.output import LINES
 from guard.run.platform import detect
+from guard.run.process import AFTER_VERDICT
 from guard.run.writer import LogSink
 
 __all__ = ["build_config", "main"]
@@ -55,7 +57,8 @@ Exit codes (the last line on stdout is the VERDICT, with the same code in exit=)
   75   TIMEOUT/INTERRUPTED with the newest checkpoint secured (pushed= says where): resume from it
   124  TIMEOUT with nothing secured
   128+N  the job died of signal N (killed), or the guard got it and secured nothing (INTERRUPTED)
-  other  the job's own exit code (crash, oom)"""
+  other  the job's own exit code (crash, oom); 1 when that code is one of the above (2-7, 70, 75, 124),
+         the job's own then in job_exit="""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -93,6 +96,7 @@ def _split(argv: Sequence[str]) -> tuple[list[str], list[str], bool]:
         if token == "--":
             return list(argv[:i]), list(argv[i + 1 :]), True
         if not token.startswith("-") or token == "-":
+            _no_spaced_unit(argv, i)
             return list(argv[:i]), list(argv[i:]), False
         if token in takes_value:
             i += 1  # the option's value
@@ -107,6 +111,30 @@ def _split(argv: Sequence[str]) -> tuple[list[str], list[str], bool]:
             option.parse(argv[i + 1], option=token)  # raises that option's usage error (the accepted values)
         i += 1
     return list(argv), [], False
+
+
+#: Words that, after a DURATION option's number, say the user wrote the unit apart (``--timeout 10 minutes``).
+_UNIT_WORDS = frozenset({"s", "sec", "secs", "second", "seconds", "m", "min", "mins", "minute", "minutes", "h", "hr",
+                         "hrs", "hour", "hours", "d", "day", "days"})
+
+
+def _no_spaced_unit(argv: Sequence[str], at: int) -> None:
+    """``argv[at]``, taken as the script, is a unit word after a DURATION option's number (``--timeout 10
+    minutes``), and names no file here.
+
+    Raises:
+        UsageError: naming the option and the accepted forms (rather than "script not found: minutes").
+    """
+    word = argv[at]
+    if at < 2 or word.lower() not in _UNIT_WORDS or Path(word).exists():
+        return
+    flag, number = argv[at - 2], argv[at - 1]
+    option = next((o for o in OPTIONS if o.flag == flag and (o.metavar or "").startswith("DURATION")), None)
+    if option is None:
+        return
+    unit = word.lower()[0]
+    raise UsageError(f"{flag} {number} {word}: a DURATION is one word, with no space before its unit; accepted: "
+                     f"{DURATION_FORMS}", option=flag, hint=f"write {flag} {number}{unit}")
 
 
 def _misplaced_value(token: str) -> bool:
@@ -260,6 +288,7 @@ def _log_config(config: Config) -> None:
     if config.command:
         form = "script" if config.script else "command"
         log.info("job (%s form): %s", form, " ".join(config.command[1:] if config.script else config.command))
+    _log_node(config)
     rows = config.describe()
     width = max(len(flag) for flag, _, _ in rows)
     shown = [row for row in rows if row[2] != "default"]
@@ -268,6 +297,19 @@ def _log_config(config: Config) -> None:
                                                             for flag, value, source in shown) or "none, all defaults")
     log.debug("options (value, source):\n%s", "\n".join(
         f"[guard]   {flag:<{width}}  {value}  ({source})" for flag, value, source in rows))
+
+
+def _log_node(config: Config) -> None:
+    """This node's identity and where each part came from (``guard.run.nodes``); what disagreed, and a run id
+    that the other nodes cannot share."""
+    node = config.settings.secure.node
+    log.info("node: %s", node.describe())
+    for conflict in node.conflicts:
+        log.warning("node identity: %s", conflict)
+    if node.many and node.run_id_source == "default":
+        log.warning("%d nodes and no run id from the launcher or the scheduler: this node's run id %s is its own, "
+                    "so the nodes' parts of one checkpoint do not meet; give every node the same --run-id "
+                    "(e.g. the job's id)", node.nodes, node.run_id)
 
 
 #: Before the VERDICT, how long the guard waits for a paused stderr to take its buffered log lines (seconds).
@@ -283,6 +325,7 @@ def _log_lines_dropped() -> int:
 
 
 def _emit_verdict(result: RunResult, masker: Masker, report: str | None) -> int:
+    settle_exit_code(result)  # a job's own exit code never reads as one of the guard's (75: secured, resume)
     dropped = _log_lines_dropped()
     if dropped:
         result.extra.setdefault("log_lines_dropped", dropped)
@@ -346,6 +389,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from guard import watch
 
         return watch.main(args[1:])
+    AFTER_VERDICT.defer()  # the job's leftovers are waited for after the VERDICT, never before it
     subcommand = "preflight" if args[:1] == ["preflight"] else "run"
     if subcommand == "preflight":
         args = args[1:]
@@ -381,6 +425,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         result.details.setdefault("options", {flag: {"value": value, "source": source}
                                               for flag, value, source in config.describe()})
     code = _emit_verdict(result, masker, report)
+    AFTER_VERDICT.run()
     from guard.run import stages
 
     if config is not None and subcommand == "run":

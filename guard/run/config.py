@@ -22,6 +22,7 @@ from typing import Any
 from guard.core.durations import format_duration_s, parse_duration, parse_size
 from guard.errors import UsageError
 from guard.inside.settings import AgentSettings, agent_settings
+from guard.run.nodes import NodeIdentity, resolve_node
 from guard.secure.cadence import PUSH_STALL_S
 
 __all__ = [
@@ -69,6 +70,25 @@ def _parse_count(text: str, *, option: str) -> int:
         value = -1
     if value < 0:
         raise UsageError(f"{option}: {text!r} is not a whole number >= 0", option=option)
+    return value
+
+
+def _parse_nodes(text: str, *, option: str) -> int:
+    value = _parse_count(text, option=option)
+    if value < 1:
+        raise UsageError(f"{option}: {text!r} is not a node count (a whole number >= 1)", option=option)
+    return value
+
+
+#: A run id goes into paths at the destination (``.guard/staging/<run_id>/``): letters, digits, ``.``, ``_``, ``-``.
+RUN_ID_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}"
+
+
+def _parse_run_id(text: str, *, option: str) -> str:
+    value = str(text).strip()
+    if not re.fullmatch(RUN_ID_PATTERN, value):
+        raise UsageError(f"{option}: {text!r} is not a run id: 1-128 letters, digits, '.', '_' or '-', starting with "
+                         "a letter or digit", option=option, hint="e.g. --run-id $SLURM_JOB_ID")
     return value
 
 
@@ -232,6 +252,14 @@ OPTIONS: tuple[Option, ...] = (
     Option("push_to", "where secured checkpoints go: hf://NS/NAME, hf://datasets/NS/NAME, NS/NAME or a path",
            None, _parse_text, "DEST"),
     Option("output_dir", "where the job writes its checkpoints", None, _parse_text, "DIR"),
+    Option("node_rank", "this node's index in a many-node job (one guard per node); the launcher's arguments "
+           "(torchrun --node-rank, accelerate launch --machine_rank), Slurm (SLURM_NODEID) and Kubernetes "
+           "(JOB_COMPLETION_INDEX) come first", None, _parse_count, "N"),
+    Option("nodes", "the node count of a many-node job; the launcher's arguments (torchrun --nnodes, accelerate "
+           "launch --num_machines) and Slurm (SLURM_NNODES) come first", None, _parse_nodes, "N"),
+    Option("run_id", "this run's id, the same on every node (it names the run's parts at the destination); by "
+           "default torchrun --rdzv-id, Slurm's job id (and requeue count), else a new one per guard", None,
+           _parse_run_id, "ID"),
     Option("background_push", "with a destination, push each complete checkpoint as the job saves it: on, off",
            True, _parse_bool, "on|off"),
     Option("final_push_window", "with no deadline, how long the final push (upload, verification and its retries) "
@@ -281,10 +309,12 @@ OPTIONS: tuple[Option, ...] = (
            _parse_count, "N"),
     Option("max_skipped_steps", "optimizer steps in a row a GradScaler may skip (inf/NaN gradients: the fp16 loss "
            "scale collapsing) before the run fails as non_finite_loss; 0: off", 50, _parse_count, "N"),
-    Option("loss_rise_factor", "a loss above this many times its early level (the median of the first 5 steps) for "
-           "--loss-rise-steps steps in a row is a sustained rise: named once, a warning on the verdict; 0: off", 10.0,
+    Option("loss_rise_factor", "a loss above this many times its early level (the lower of the first loss and the "
+           "median of the first 5 steps) for --loss-rise-steps steps in a row is a sustained rise: named once, a "
+           "warning on the verdict; 0: off", 10.0,
            _parse_factor, "K"),
-    Option("loss_rise_steps", "training steps the loss must stay above --loss-rise-factor x its early level",
+    Option("loss_rise_steps", "training steps the loss must stay above --loss-rise-factor x its early level, or "
+           "exactly the same (the weights not updated), to be named in a warning",
            20, _parse_count, "N"),
     Option("heartbeat", "interval of the [guard] heartbeat line (0: off)", 300.0,
            lambda t, option: parse_duration(t, option=option), "DURATION"),
@@ -334,7 +364,8 @@ class Config:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "settings", run_settings(self.values, self.sources, command=self.command,
-                                                          script=self.script, script_args=self.script_args))
+                                                          script=self.script, script_args=self.script_args,
+                                                          environ=self.environ))
 
     def describe(self) -> list[tuple[str, str, str]]:
         """Rows ``(option, value, source)`` for the config log; secrets are masked by the caller's masker."""
@@ -403,6 +434,11 @@ class SecureSettings:
         resume: ``--resume`` mode (``on``, ``off``, ``if-valid``, ``auto``).
         requeue: ``--requeue``.
         final_push_window_s: ``--final-push-window`` in seconds (securing after a good end with no deadline).
+        run_id: this run's id, the same on every node of the job (``--run-id``, else the launcher's or Slurm's
+            id, else a new one: ``guard.run.nodes``).
+        node_rank: this node's index (``--node-rank`` and the sources before it, ``guard.run.nodes``); 0 on one node.
+        nodes: the job's node count; 1 on one node.
+        node: the whole :class:`guard.run.nodes.NodeIdentity` (where each value came from, what disagreed).
     """
 
     timeout_s: float | None
@@ -420,6 +456,10 @@ class SecureSettings:
     requeue: bool
     final_push_window_s: float
     push_stall_s: float = PUSH_STALL_S
+    run_id: str = ""
+    node_rank: int = 0
+    nodes: int = 1
+    node: NodeIdentity = field(default_factory=NodeIdentity)
 
 
 @dataclass(frozen=True)
@@ -482,13 +522,19 @@ def _option_label(name: str, sources: Mapping[str, str]) -> str:
 
 
 def run_settings(values: Mapping[str, Any], sources: Mapping[str, str], *, command: Sequence[str] = (),
-                 script: Path | None = None, script_args: Sequence[str] = ()) -> RunSettings:
-    """Build the typed settings from resolved ``values`` (see ``resolve``); the one place that reads them."""
+                 script: Path | None = None, script_args: Sequence[str] = (),
+                 environ: Mapping[str, str] | None = None) -> RunSettings:
+    """Build the typed settings from resolved ``values`` (see ``resolve``); the one place that reads them.
+    ``environ`` (default: empty) is where the node's identity is read from besides the options
+    (``guard.run.nodes.resolve_node``: the launcher's, Slurm's and Kubernetes' variables)."""
     def opt_float(name: str) -> float | None:
         value = values.get(name)
         return None if value is None else float(value)
 
     grace_s = float(values["grace"])
+    node = resolve_node(environ or {}, command, node_rank=values.get("node_rank"), nodes=values.get("nodes"),
+                        run_id=values.get("run_id"), node_rank_source=_option_label("node_rank", sources),
+                        nodes_source=_option_label("nodes", sources), run_id_source=_option_label("run_id", sources))
     watch = WatchSettings(sanity_steps=int(values["sanity_steps"]), check_every=int(values["check_every"]),
                           stall_timeout_s=float(values["stall_timeout"]), dry_run=bool(values["dry_run"]),
                           max_skipped_steps=int(values.get("max_skipped_steps") or 0), grace_s=grace_s,
@@ -502,7 +548,8 @@ def run_settings(values: Mapping[str, Any], sources: Mapping[str, str], *, comma
         background_push=bool(values["background_push"]), push_interval_s=float(values["push_interval"]),
         resume=str(values["resume"]), requeue=bool(values["requeue"]),
         final_push_window_s=float(values.get("final_push_window") or FINAL_PUSH_WINDOW_S),
-        push_stall_s=float(values.get("push_stall", PUSH_STALL_S)))
+        push_stall_s=float(values.get("push_stall", PUSH_STALL_S)), run_id=node.run_id, node_rank=node.node_rank,
+        nodes=node.nodes, node=node)
     min_free = values.get("min_free_disk")
     preflight = PreflightSettings(
         no_preflight=bool(values["no_preflight"]), require_env=tuple(values["require_env"]),

@@ -26,9 +26,11 @@ from typing import TYPE_CHECKING, Any
 from guard.contract import EXIT_GUARD_ERROR, EXIT_INCOMPLETE, RunResult, signal_name
 from guard.core.helpers import call_bounded
 from guard.core.state import JobFacts, RunState, died_after_training, incomplete_reason
+from guard.run.causes import is_peer_lost, is_timeout, late_ranks, peer_hint, signal_hint, signalled_rank, timeout_hint
 from guard.run.config import RunSettings, guard_options_in
 from guard.run.output import add_worker_deaths
 from guard.run.process import CgroupMemory, JobProcess, Survivor, cgroup_memory
+from guard.run.watchdog import flat_loss_text
 
 if TYPE_CHECKING:
     from guard.secure.securing import Securing
@@ -241,6 +243,35 @@ def cause_hint(facts: JobFacts, code: int, *, output_folder: str | None = None) 
             "Python): its last output lines say why")
 
 
+def _teardown_hang(facts: JobFacts, code: int | None) -> str | None:
+    """A stall after training completed and its final model was saved (``died_after_training``'s rules; a hang in
+    the last barrier or ``destroy_process_group``, pytorch #75097): the warning text, else None. Such a run is
+    complete, not one to resume."""
+    signalled = code if code is not None and code < 0 else -signal.SIGKILL  # stopped by the guard
+    if died_after_training(facts, signalled, lambda: _holds_final_model(_trainer_output(facts))) is None:
+        return None
+    end = facts.train_end or {}
+    where = f" in {facts.hang_where}" if facts.hang_where else ""
+    return (f"the job hung at teardown{where} after training completed ({end.get('step')} of "
+            f"{end.get('max_steps')} steps) and its final model was saved; the guard stopped it after --stall-timeout")
+
+
+def _rank_killed(killed: tuple[int, int], code: int, ended: JobExit, elapsed_s: float) -> RunResult:
+    """A rank that torchrun's failure summary says died of a signal nobody in the job sent: the cause (``killed``,
+    or ``oom`` when the cgroup's OOM kill counter rose), whatever its peers raised after it."""
+    rank, signum = killed
+    oom, why = _host_oom(ended, near_limit=False)
+    extra: dict[str, Any] = {"rank": rank, "signal": signal_name(signum), "job_exit": code}
+    if oom and signum == signal.SIGKILL:
+        log.error("rank %d was killed by the OOM killer (%s)", rank, why)
+        return RunResult("FAIL", "oom", 128 + signum, elapsed_s, extra=extra, hint=(
+            f"out of host memory: rank {rank} was killed ({why}): lower DataLoader num_workers or prefetch_factor, "
+            "stream or shard the dataset, or ask the platform for more memory"))
+    log.error("rank %d died of %s (the launcher's failure summary)", rank, signal_name(signum))
+    return RunResult("FAIL", "killed", 128 + signum, elapsed_s, extra=extra,
+                     hint=signal_hint(rank, signum, ended.node_rank))
+
+
 def job_result(state: RunState, ended: JobExit, settings: RunSettings, *,
                securer: Securing | None = None) -> RunResult:
     """Build the run's result from what the loop saw.
@@ -283,7 +314,11 @@ def job_result(state: RunState, ended: JobExit, settings: RunSettings, *,
         log.log(logging.ERROR if code != 0 else logging.DEBUG, "the job's last exception: %s", facts.last_exception)
 
     outcome = state.outcome
-    if outcome is not None:
+    if outcome is not None and outcome.reason == "stalled" and (hung := _teardown_hang(facts, code)) is not None:
+        log.warning("%s: the run counts as complete", hung)
+        result = RunResult("PASS", "ok", 0, elapsed_s, extra={"warning": hung})
+        details["teardown_hang"] = facts.hang_where or "unknown"
+    elif outcome is not None:
         result = RunResult(outcome.status, outcome.reason, int(outcome.exit_code or 0), elapsed_s,
                            hint=outcome.hint, extra=dict(outcome.extra))
         stuck = outcome.extra.get("rank")
@@ -314,7 +349,9 @@ def job_result(state: RunState, ended: JobExit, settings: RunSettings, *,
         result = RunResult("FAIL", worker[0], exit_code, elapsed_s, hint=worker[1])
     elif code is not None and code > 0:
         host_oom, why = (False, "") if facts.cuda_oom else _host_oom(ended, near_limit=False)
-        if facts.cuda_oom:
+        if not facts.cuda_oom and (killed := signalled_rank(facts)) is not None:
+            result = _rank_killed(killed, code, ended, elapsed_s)
+        elif facts.cuda_oom:
             result = RunResult("FAIL", "oom", code, elapsed_s, hint=(
                 "CUDA out of memory: lower the per-device batch size (keep the effective batch with gradient "
                 "accumulation), enable gradient checkpointing, use bf16, or pick a GPU with more memory"))
@@ -334,6 +371,13 @@ def job_result(state: RunState, ended: JobExit, settings: RunSettings, *,
             result = RunResult("FAIL", "crash", code, elapsed_s, extra={"rank": rank}, hint=(
                 f"rank {rank} raised {text} (the launcher's error only says that a rank failed): fix it and "
                 "rerun; its traceback is in the log, in the lines of that rank"))
+            if is_timeout(text):
+                late = late_ranks(facts)
+                result.hint = timeout_hint(rank, text, late)
+                if late:
+                    result.extra.update(rank=late[0], waited=rank)
+            elif is_peer_lost(text):
+                result.hint = peer_hint(rank, text)
         else:
             result = RunResult("FAIL", "crash", code, elapsed_s, hint=cause_hint(
                 facts, code, output_folder=_output_folder(facts, settings, securer)))
@@ -365,6 +409,10 @@ def job_result(state: RunState, ended: JobExit, settings: RunSettings, *,
             result.extra["warning"] = f"{result.extra['warning']}; {said}" if result.extra.get("warning") else said
         elif exploded is None:
             result.hint = f"{said}; then: {result.hint}" if result.hint else said
+    if progress.flat is not None and result.status == "PASS":
+        said = flat_loss_text(progress.flat)
+        details["loss_flat"] = progress.flat
+        result.extra["warning"] = f"{result.extra['warning']}; {said}" if result.extra.get("warning") else said
     result.step, result.loss, result.sanity = progress.step, progress.loss, list(progress.sanity)
     if result.reason == "non_finite_loss" and result.loss is not None and math.isfinite(result.loss):
         result.loss = None  # a finite loss never stands on a non_finite_loss verdict (a later step's echo)

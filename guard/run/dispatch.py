@@ -21,6 +21,7 @@ from guard.run.channel import AgentConn
 from guard.run.executor import Executor
 from guard.run.joblink import LoopLink, int_or_none
 from guard.run.output import OutputEvents
+from guard.run.relay import relay_signal, relayed_signal
 from guard.run.watchdog import SettingsCheck
 
 if TYPE_CHECKING:
@@ -59,6 +60,7 @@ class Dispatch:
         self.read_agents = read_agents
         self.securer = securer
         self.heartbeat = heartbeat
+        self.relayed = False  # another node's signal was handled here (``on_relayed``)
 
     def on_signal(self, signum: int, now: float) -> None:
         """A signal the guard received (``signum``): securing takes SIGTERM/SIGINT/SIGUSR1 when it runs; else the
@@ -66,6 +68,11 @@ class Dispatch:
         SIGKILL starts (``--grace``); one after an outcome stands kills the job now."""
         name = signal_name(signum)
         link = self.link
+        if self.state.outcome is None and link.follows_node_0 and relay_signal(link, signum, now):
+            self.executor.decide(Outcome("INTERRUPTED", "signal", 128 + signum, extra={"signal": name},
+                                         hint="the job was stopped by a signal sent to the guard; rerun it"),
+                                 stop=False)
+            return
         if self.securer is not None and self.securer.on_signal(link, signum, now):
             return
         if self.state.outcome is None:
@@ -80,6 +87,26 @@ class Dispatch:
             log.warning("%s received again: stopping the job now", name)
             link.signal_job(signal.SIGKILL)
 
+    def on_relayed(self, message: Message, now: float) -> None:
+        """Node ``origin``'s guard received a termination signal and every rank adopted its request to save and stop
+        (``guard.run.relay``): handled as if this guard had received it, once, without asking the job again (it
+        already saves at that step), and the job stopped at half the grace unless it ends first."""
+        signum, origin = relayed_signal(message), message.get("origin")
+        if self.relayed or signum is None or origin == self.link.node_rank or self.state.outcome is not None:
+            return
+        self.relayed = True
+        log.warning("%s on node %s: every rank saves at step %s and stops; handled here as if received",
+                    signal_name(signum), origin, message.get("at_step"))
+        if self.securer is not None:
+            self.securer.relayed = True  # the job already has its request: securing asks for no other step
+            if self.securer.on_signal(self.link, signum, now):
+                return
+        self.executor.decide(Outcome("INTERRUPTED", "signal", 128 + signum, extra={"signal": signal_name(signum)},
+                                     hint=f"node {origin} received {signal_name(signum)}; the job stopped on every "
+                                          "node: rerun it"), stop=False)
+        grace_s = self.link.settings.grace_s
+        self.link.stop_job_at(now + grace_s / 2, grace_s / 2)
+
     def on_message(self, fd: int, conn: AgentConn, message: Message) -> None:
         """One message from the agent on ``fd`` (its connection ``conn``; ``conn.info`` holds its hello)."""
         kind = message["t"]
@@ -92,6 +119,8 @@ class Dispatch:
             if facts.node_rank is None:
                 facts.node_rank = int_or_none(message.get("node_rank"))
             hello_rank = int_or_none(message.get("rank"))
+            if hello_rank is not None:
+                facts.ranks_seen.add(hello_rank)
             if hello_rank is not None and isinstance(message.get("error_file"), str):
                 facts.error_files[hello_rank] = message["error_file"]
             log.debug("agent connected: pid %s rank %s", message.get("pid"), message.get("rank"))
@@ -137,6 +166,8 @@ class Dispatch:
                                           step=int_or_none(message.get("step")))
         elif kind == "count":  # the agent's step count, every 0.1 s while it moves (the VERDICT's step=)
             self.watchdog.on_count(rank, int_or_none(message.get("step")))
+        elif kind == "relayed":  # another node's guard got a termination signal (guard/run/relay.py)
+            self.on_relayed(message, now)
         elif kind == "replay":  # CUDA-graph replays: steps without a loss, progress all the same
             self.watchdog.on_replay(now, rank)
         elif kind == "watching":
@@ -222,6 +253,8 @@ class Dispatch:
         facts.last_stderr_line = events.last_lines.get("stderr", facts.last_stderr_line)
         for rank, text in events.rank_exceptions.items():
             facts.rank_exceptions.setdefault(rank, text)
+        for rank, code in events.rank_exits.items():
+            facts.rank_exits.setdefault(rank, code)
         for pid, how in events.worker_deaths.items():
             if facts.worker_deaths.get(pid) is None:
                 facts.worker_deaths[pid] = how

@@ -28,11 +28,12 @@ __all__ = ["JOB_VERDICT_PREFIX", "LINES", "LineState", "OutputEvents", "StreamFi
 JOB_VERDICT_PREFIX = b"[job] "
 _VERDICT = b"VERDICT:"
 _LINE_VERDICT = re.compile(rb"(?m)^VERDICT:")
-_KEYWORDS = (b"loss", b"Loss", b"LOSS", b"Traceback", b"Error", b"Exception", b"Interrupt", b"VERDICT:")
+_KEYWORDS = (b"loss", b"Loss", b"LOSS", b"Traceback", b"Error", b"Exception", b"Interrupt", b"VERDICT:", b"exitcode",
+             b"local_rank")
 # The keywords other than ``loss``, each behind one byte it contains (a ``memchr`` pass, ~20x faster than a search
 # for a word): a chunk without a ``T`` holds no ``Traceback``. Same answer as searching every keyword.
 _GATED = ((b"L", (b"Loss", b"LOSS")), (b"T", (b"Traceback",)), (b"E", (b"Error", b"Exception")),
-          (b"I", (b"Interrupt",)), (b"V", (b"VERDICT:",)))
+          (b"I", (b"Interrupt",)), (b"V", (b"VERDICT:",)), (b"x", (b"exitcode",)), (b"_", (b"local_rank",)))
 
 
 def has_keyword(data: bytes) -> bool:
@@ -61,6 +62,11 @@ _EXC_LINE = re.compile(rb"^(?P<type>[A-Za-z_][\w.]*)(?::\s?(?P<msg>.*))?$")
 WORKER_DIED = re.compile(r"DataLoader worker \(pids?(?:\(s\))? (?P<pids>[\d, ]+)\) (?:is killed by signal: "
                          r"(?P<signal>[^.]+)\.|exited unexpectedly)")
 _RANK_LINE = re.compile(rb"^\[rank(?P<rank>\d+)\]:\s?(?P<rest>.*)$")
+#: torchrun's failure summary (``ChildFailedError``, torch/distributed/elastic/multiprocessing/errors/__init__.py
+#: ``format_msg``): per failed rank a ``rank : R (local_rank: L)`` line, then ``exitcode : C (pid: P)`` (C negative:
+#: the signal that ended it).
+_SUMMARY_RANK = re.compile(rb"^\s*rank\s*:\s*(?P<rank>\d+)\s*\(local_rank:\s*\d+\)")
+_SUMMARY_EXIT = re.compile(rb"^\s*exitcode\s*:\s*(?P<code>-?\d+)\b")
 _CUDA_OOM = (b"CUDA out of memory", b"OutOfMemoryError", b"CUDA error: out of memory")
 
 
@@ -153,6 +159,8 @@ class OutputEvents:
             output): rank -> ``"Type: message"`` (the first of a chain: the root cause).
         worker_deaths: DataLoader workers torch said died: pid -> the signal's description (``Killed``), or None
             (``exited unexpectedly``).
+        rank_exits: the failed ranks of torchrun's failure summary: global rank -> its exit code (negative: the
+            signal that ended it), in the order printed (the root cause first).
     """
 
     losses: list[tuple[int | None, float]] = field(default_factory=list)
@@ -163,6 +171,7 @@ class OutputEvents:
     worker_deaths: dict[int, str | None] = field(default_factory=dict)
     rank_exceptions: dict[int, str] = field(default_factory=dict)
     last_lines: dict[str, str] = field(default_factory=dict)
+    rank_exits: dict[int, int] = field(default_factory=dict)
 
 
 #: ``OutputEvents.last_lines`` keeps this many bytes of a line's end.
@@ -215,6 +224,7 @@ class StreamFilter:
         self._worker = False  # inside a DataLoader worker's "Original Traceback": its error is the root
         self._line_head = b""  # the part of the current line already written (for parsing), bounded
         self._rank_tracebacks: set[int] = set()  # ranks inside a "[rankN]: Traceback" block
+        self._summary_rank: int | None = None  # the rank of torchrun's failure summary whose exit code comes next
 
     @property
     def pending(self) -> bool:
@@ -296,6 +306,13 @@ class StreamFilter:
             self.events.cuda_oom = True
         if b"DataLoader worker (pid" in line:
             add_worker_deaths(self.events.worker_deaths, line.decode("utf-8", "replace"))
+        if b"local_rank" in line and (summary := _SUMMARY_RANK.match(line)):
+            self._summary_rank = int(summary["rank"])
+            return
+        if self._summary_rank is not None and b"exitcode" in line and (code := _SUMMARY_EXIT.match(line)):
+            self.events.rank_exits.setdefault(self._summary_rank, int(code["code"]))
+            self._summary_rank = None
+            return
         if line.startswith(b"[rank") and (ranked := _RANK_LINE.match(line)):
             rank, rest = int(ranked["rank"]), ranked["rest"]
             if rest.startswith(b"Traceback (most recent call last)"):

@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Any
 from guard.core.cgroup import CgroupMemory, cgroup_memory
 from guard.core.children import CHILDREN, JOB, GuardChildren
 
-__all__ = ["EXIT_STATUS_LOST", "KILL_WAIT_S", "CgroupMemory", "JobProcess", "Survivor", "cgroup_memory",
-           "set_subreaper"]
+__all__ = ["AFTER_VERDICT", "EXIT_STATUS_LOST", "KILL_SETTLE_S", "KILL_WAIT_S", "AfterVerdict", "CgroupMemory",
+           "JobProcess", "Survivor", "cgroup_memory", "set_subreaper"]
 
 log = logging.getLogger("guard.process")
 
@@ -49,6 +49,9 @@ Spawner = Callable[..., Any]
 #: After SIGKILL, how long the guard waits for the job's processes to go before it renders the verdict anyway
 #: (seconds): a process in uninterruptible sleep (``D``, e.g. after a GPU Xid error or an NFS hang) ignores it.
 KILL_WAIT_S = 10.0
+#: The shortest wait after SIGKILL, also when the platform's kill is nearer: the kernel needs a moment to end a process
+#: (seconds).
+KILL_SETTLE_S = 0.2
 #: ``JobProcess.returncode`` when the job's exit status was lost (``waitpid`` found no such child: something else
 #: reaped it): positive, so it never reads as a success (0) nor as a death by signal (negative).
 EXIT_STATUS_LOST = 70
@@ -101,6 +104,7 @@ class JobProcess:
         self.clock = clock
         self.children = children
         self.killed_at: float | None = None
+        self.abandon_by = float("inf")  # the latest time to stop waiting after SIGKILL (the platform's kill, less)
         self.status_lost = False
         self.survivors_left: list[Survivor] = []
         self.argv = list(argv)
@@ -297,8 +301,12 @@ class JobProcess:
 
 
     def abandon_at(self) -> float:
-        """When the guard stops waiting for the job's processes after SIGKILL (``math.inf`` before SIGKILL)."""
-        return self.killed_at + self.kill_wait_s if self.killed_at is not None else float("inf")
+        """When the guard stops waiting for the job's processes after SIGKILL (``math.inf`` before SIGKILL):
+        ``kill_wait_s`` after it, or ``abandon_by`` when that is sooner (the VERDICT is due before the platform's
+        kill), but never less than ``KILL_SETTLE_S`` after it."""
+        if self.killed_at is None:
+            return float("inf")
+        return min(self.killed_at + self.kill_wait_s, max(self.abandon_by, self.killed_at + KILL_SETTLE_S))
 
     def abandoned(self) -> bool:
         """True when SIGKILL was sent ``kill_wait_s`` ago and processes are still there; records them in
@@ -307,9 +315,10 @@ class JobProcess:
             return False
         if not self.survivors_left:
             self.survivors_left = self.survivors()
-            log.error("%d process(es) of the job outlived SIGKILL by %.0fs: %s; going on without them (a process "
+            log.error("%d process(es) of the job outlived SIGKILL by %.1fs: %s; going on without them (a process "
                       "in state disk-sleep (D) waits in the kernel: a GPU Xid error or a hung network filesystem)",
-                      len(self.survivors_left), self.kill_wait_s, ", ".join(map(str, self.survivors_left)))
+                      len(self.survivors_left), self.clock() - (self.killed_at or 0.0),
+                      ", ".join(map(str, self.survivors_left)))
         return True
 
     def survivors(self) -> list[Survivor]:
@@ -334,3 +343,42 @@ class JobProcess:
 def default_signals() -> tuple[signal.Signals, ...]:
     """The termination signals the guard handles: SIGTERM, SIGINT, SIGUSR1, SIGUSR2, SIGHUP."""
     return (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP)
+
+
+class AfterVerdict:
+    """Cleanups that wait until the VERDICT is out: the bounded wait for the job's leftover processes (a process in
+    ``D`` state may take long to go) must never delay the VERDICT past the platform's kill (contract: "never later
+    than the deadline").
+
+    ``guard.run.cli.main`` calls ``defer()`` before the run and ``run()`` after the VERDICT; without ``defer()`` (a
+    caller that drives the supervisor itself) a cleanup runs at once.
+    """
+
+    def __init__(self) -> None:
+        self.deferring = False
+        self._calls: list[Callable[[], None]] = []
+
+    def defer(self) -> None:
+        """From now on, ``call`` keeps its cleanups for ``run``."""
+        self.deferring = True
+
+    def call(self, cleanup: Callable[[], None]) -> None:
+        """Run ``cleanup`` now, or after the VERDICT when deferring."""
+        if self.deferring:
+            self._calls.append(cleanup)
+        else:
+            cleanup()
+
+    def run(self) -> None:
+        """Run the kept cleanups, oldest first (one that raises is logged; the others still run); stop deferring."""
+        calls, self._calls = self._calls, []
+        self.deferring = False
+        for cleanup in calls:
+            try:
+                cleanup()
+            except Exception:  # after the VERDICT: logged, never a second verdict
+                log.exception("cleanup after the VERDICT failed")
+
+
+#: The process's one ``AfterVerdict``.
+AFTER_VERDICT = AfterVerdict()

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from guard.secure.hub import Securer
     from guard.secure.resume import ResumeFrom
     from guard.secure.securing import Securing
+    from guard.secure.sharing import SharingProbe
 
 T = TypeVar("T")
 
@@ -152,6 +153,16 @@ def _slurm_deadline(deadline: budget.Deadline, config: Config, platform: Platfor
         return deadline
     if deadline.timeout_s is None and times.start_time_s is not None and times.start_time_s <= end_s:
         deadline = dataclasses.replace(deadline, started_at_s=times.start_time_s)  # the budget counts from StartTime
+    elif (times.start_time_s is not None and deadline.explicit_deadline_s is not None
+          and config.settings.secure.started_at is None and deadline.source.endswith("from guard start")):
+        # --timeout counts from the job's start (the contract): Slurm's StartTime, the same on every node of the
+        # job, rather than each node's guard start (they differ by the time each node took to get here)
+        start_s, timeout_s = min(times.start_time_s, deadline.started_at_s), float(config.settings.secure.timeout_s
+                                                                                   or deadline.timeout_s or 0.0)
+        explicit_s = start_s + timeout_s
+        deadline = dataclasses.replace(
+            deadline, started_at_s=start_s, timeout_s=timeout_s, deadline_s=explicit_s, explicit_deadline_s=explicit_s,
+            source=deadline.source.replace("from guard start", "from scontrol StartTime"), exact=True)
     return deadline.refreshed(end_s, refresher.last_source)
 
 
@@ -251,6 +262,16 @@ def requeue(config: Config, result: RunResult, *, runner: Any = None) -> None:
     job_id = config.environ.get("SLURM_JOB_ID")
     if not config.settings.secure.requeue or result.exit_code != 75 or not job_id:
         return
+    secure = config.settings.secure
+    if secure.nodes > 1:  # many nodes: node 0's guard requeues, once the others have said their VERDICT
+        if secure.node_rank != 0:
+            log.info("node %d: node 0's guard requeues the job", secure.node_rank)
+            return
+        output_dir, _ = output_folder(config)
+        if output_dir:
+            from guard.secure.sharing import await_others_done
+
+            await_others_done(output_dir, secure.run_id, wait_s=min(10.0, secure.grace_s / 2))
     run = runner or subprocess.run
     try:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # Slurm's SIGTERM to this instance must not cut the call
@@ -300,14 +321,16 @@ def _resume_folder(output_dir: str | None, report: PreflightReport | None) -> st
     return "guard-resume"
 
 
-#: Without a deadline, the resume fetch may take this long at most (seconds).
+#: Without a deadline, the resume fetch may take this long at most (seconds). A Xet download can stall for good
+#: (xet-core #869, #898); with a deadline the bound is half of the time left.
 FETCH_LIMIT_S = 900.0
 
 
 def _fetch_deadline(deadline: budget.Deadline) -> float:
     """When the resume's peek and fetch must be over (monotonic seconds): half of what is left of the budget
-    (the rest is for training and securing), else ``FETCH_LIMIT_S``."""
+    (the rest is for training and securing), else ``FETCH_LIMIT_S`` (logged: the bound a stalled fetch waits)."""
     if deadline.deadline_s is None:
+        log.info("resume: no deadline (--timeout): fetching the secured checkpoint may take up to %.0fs", FETCH_LIMIT_S)
         return time.monotonic() + FETCH_LIMIT_S
     return time.monotonic() + max(1.0, 0.5 * (deadline.deadline_s - time.time()))
 
@@ -334,8 +357,16 @@ def _resume(config: Config, securer: Securer | None, report: PreflightReport | N
         raise PreflightError("--resume needs a destination to fetch from", check="resume",
                              hint="pass --push-to DEST (the same as the run that secured the checkpoint)")
     folder = _resume_folder(output_dir, report)
+    fetch_by, abort = _fetch_deadline(deadline), lambda: bool(early.received)
+    secure = config.settings.secure
     try:
-        return resume.choose(folder, securer, deadline=_fetch_deadline(deadline), abort=lambda: bool(early.received))
+        if secure.nodes > 1:  # many nodes: a shared output folder is fetched into once (guard.secure.sharing)
+            from guard.secure.sharing import once_per_folder
+
+            return once_per_folder(folder, secure.run_id, secure.node_rank, "fetch",
+                                   lambda: resume.choose(folder, securer, deadline=fetch_by, abort=abort),
+                                   deadline=fetch_by, abort=abort)
+        return resume.choose(folder, securer, deadline=fetch_by, abort=abort)
     except resume.Interrupted:
         return None  # the caller sees early.received
     except GuardError as exc:
@@ -374,6 +405,33 @@ def run_job(config: Config, masker: Masker, started: float) -> RunResult:
                  "guard (guard options go before the script)", ", ".join(misplaced))
     output_dir, output_source = output_folder(config)
     log.info("output folder: %s (%s)", output_dir or "-", output_source)
+    sharing = _probe_sharing(config, output_dir)
+    try:
+        result = _run_job(config, masker, started, platform, output_dir, sharing)
+    finally:
+        if sharing is not None:
+            sharing.close()
+    if sharing is not None:
+        result.details["output_folder_shared"] = sharing.answer.shared
+    return result
+
+
+def _probe_sharing(config: Config, output_dir: str | None) -> SharingProbe | None:
+    """Many nodes and a known output folder: find out whether the nodes share it (``guard.secure.sharing``, on a
+    thread of its own); None otherwise."""
+    secure = config.settings.secure
+    if secure.nodes < 2:
+        return None
+    if not output_dir:
+        log.info("output folder shared by the nodes or not: not probed (no output folder known before the job)")
+        return None
+    from guard.secure.sharing import SharingProbe
+
+    return SharingProbe(output_dir, secure.run_id, secure.node_rank, secure.nodes).start()
+
+
+def _run_job(config: Config, masker: Masker, started: float, platform: PlatformInfo,
+             output_dir: str | None, sharing: SharingProbe | None) -> RunResult:
     _require_trackio(config)
     with EarlySignals() as early:
         deadline = resolve_budget(config, platform)
@@ -415,9 +473,20 @@ def run_job(config: Config, masker: Masker, started: float) -> RunResult:
         start.abort()  # the guard's own failure before the loop: no job is left behind
         raise
     result = supervisor.run()
+    if sharing is not None:  # many nodes, one output folder: node 0's word on what it secured (guard/run/relay.py)
+        from guard.run.relay import agree_with_node_0
+
+        secure = config.settings.secure
+        agree_with_node_0(result, shared=sharing.answer.shared, output_dir=output_dir, run_id=secure.run_id,
+                          node_rank=secure.node_rank, deadline_s=deadline.deadline_s, grace_s=secure.grace_s)
     if fetched is not None:
         result.extra["resumed_from"] = f"{fetched.path}@{fetched.revision}"
         state = getattr(supervisor, "state", None)
+        if result.reason == "incomplete" and state is not None and state.progress.step in (None, fetched.step):
+            # not an empty dataset: the resumed checkpoint was at (or past) the run's last step
+            result.hint = (f"the job resumed from {fetched.path} (step {fetched.step}) and trained no further step: "
+                           "that checkpoint is at or past the run's last step (max_steps), so nothing was left to "
+                           "train; raise max_steps to train further, or start a new run with --resume off")
         if state is not None and "resume_loaded" not in state.facts.api_used:  # the agent never saw it loaded
             result.details["resume_loaded"] = False
             note = (f"the job did not load the resumed checkpoint {fetched.path} (it started from scratch; steps "

@@ -112,7 +112,9 @@ class JobStart:
         self.cgroup_start = cgroup_memory()
         self.started_s, self.started_wall_s = self.clock(), self.wall()
         try:
-            job.start()
+            with self.wakeup.unmasked():  # the job gets the default signal mask, not the guard's
+                job.start()
+                self.wakeup.job_pid = job.pid
         except OSError as exc:
             self.close()
             raise SupervisorError(f"cannot start the job {self.command[0]!r}: {exc.strerror or exc}",

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import math
+import signal
 import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -31,11 +32,12 @@ from guard.run.config import Config
 from guard.run.dispatch import Dispatch
 from guard.run.executor import Executor
 from guard.run.joblink import LoopLink
-from guard.run.process import Spawner
+from guard.run.process import AFTER_VERDICT, Spawner
 from guard.run.ranks import configured_node_rank, expected_primary
 from guard.run.start import JobStart
 from guard.run.timers import Escalation
 from guard.run.upkeep import Upkeep
+from guard.run.wakeup import JobSignal
 from guard.run.watchdog import SettingsCheck, Watchdog
 
 if TYPE_CHECKING:
@@ -50,6 +52,13 @@ log = logging.getLogger("guard.supervisor")
 WRITE_RETRY_S = 0.01  # while output waits for a paused reader: how often the loop tries again
 MIN_TURN_S = 0.02  # the shortest wait between two turns of the timers when a policy says "now" again
 AGENT_ROUNDS_AT_EXIT = 20  # at the job's exit: selects (timeout 0) to read what its agents sent before it
+#: The VERDICT is out at least this long before the platform's kill (the deadline, or the end of --grace after a
+#: signal): the wait for the job's processes after SIGKILL ends then at the latest (seconds; at most a tenth of
+#: --grace).
+VERDICT_BEFORE_END_S = 1.0
+#: SIGKILL reaches a job still running at the latest this long before the platform's kill (seconds; at most a fifth
+#: of --grace), so that the wait after it fits before the VERDICT.
+KILL_BEFORE_END_S = 2.5
 
 
 class Supervisor:
@@ -114,7 +123,7 @@ class Supervisor:
         self.channel = self.job_start.channel
         self.link = LoopLink(self.state, watch, channel=self.channel, watchdog=self.watchdog,
                              escalation=self.escalation, heartbeat=heartbeat,
-                             configured_node_rank=configured_node_rank(config.environ, config.command))
+                             configured_node_rank=_node_rank(config))
         self.executor = Executor(self.link, clock=clock, masker=masker, securer=securer)
         self.dispatch = Dispatch(self.link, self.executor, clock=clock, masker=masker,
                                  settings_check=SettingsCheck(trainer_config_check), read_agents=self._read_agents,
@@ -122,6 +131,8 @@ class Supervisor:
         self.upkeep = Upkeep(self.link, started=self.started, securer=securer, heartbeat=heartbeat)
         self.wakeup = self.job_start.wakeup
         self.signals = self.wakeup.signals  # the handlers append, the loop pops
+        self.job_signals: list[JobSignal] = []  # termination signals a process of the job sent to the guard
+        self._signalled_at: float | None = None  # the first termination signal from outside (loop clock)
 
     def run(self) -> RunResult:
         """Run the job to its end; returns how it ended. Never raises for a failure of the job.
@@ -157,7 +168,8 @@ class Supervisor:
 
     def _teardown(self) -> None:
         self.executor.thaw()
-        self.link.kill_leftovers(self.clock)
+        # what the job left running is stopped after the VERDICT (a process in D state can take long to go)
+        AFTER_VERDICT.call(lambda: self.link.kill_leftovers(self.clock))
         self.output.close()
         self.job_start.close()
 
@@ -179,7 +191,11 @@ class Supervisor:
                     self._on_ready(key.fd, key.data)
             now = self.clock()
             while self.signals:
+                if self._signalled_at is None:
+                    self._signalled_at = now  # the platform's SIGKILL follows --grace after its first signal
                 self.dispatch.on_signal(self.signals.pop(0), now)
+            while self.wakeup.from_job:
+                self._on_job_signal(self.wakeup.from_job.pop(0))
             if job.poll() is not None and self.upkeep.job_exited(now):
                 # what the agents sent before the exit comes first (a short job may have ended, its output read to
                 # the end by the early relay, before the loop's first turn accepted its agent)
@@ -221,14 +237,56 @@ class Supervisor:
     def _next_due(self, now: float) -> float:
         link = self.link
         due = [self.watchdog.due_at(), self.output.due_at(), self.upkeep.due_at(),
-               link.stop_at if link.stop_at is not None else math.inf]
+               link.stop_at if link.stop_at is not None else math.inf, self._kill_by()]
         if self.securer is not None:
             due.append(self.securer.due_at(now))
         return min(due)
 
+    def end_at(self) -> float:
+        """The platform's kill in loop clock seconds (``math.inf``: none known): the deadline, or ``--grace`` after the
+        first termination signal from outside, whichever is sooner. The VERDICT is out before it."""
+        ends = [math.inf]
+        deadline_s = self.securer.deadline.deadline_s if self.securer is not None else None
+        if deadline_s is not None and self.securer is not None:
+            ends.append(self.clock() + (deadline_s - self.securer.wall()))
+        if self._signalled_at is not None:
+            ends.append(self._signalled_at + self.settings.grace_s)
+        return min(ends)
+
+    def _kill_by(self) -> float:
+        """When a job still running gets SIGKILL at the latest (``math.inf``: not due, or sent)."""
+        job = self.link.job
+        if job is None or job.killed_at is not None or job.returncode is not None or self.link.escalation.killed:
+            return math.inf
+        return self.end_at() - self._leads()[0]
+
+    def _leads(self) -> tuple[float, float]:
+        """How long before the platform's kill a running job gets SIGKILL, and the VERDICT is due (seconds):
+        ``KILL_BEFORE_END_S`` and ``VERDICT_BEFORE_END_S``, less with a short --grace (a fifth and a tenth of it), so
+        that a 3 s grace still gives the job most of it."""
+        grace_s = self.settings.grace_s
+        return min(KILL_BEFORE_END_S, 0.2 * grace_s), min(VERDICT_BEFORE_END_S, 0.1 * grace_s)
+
+    def _bound_by_end(self, now: float) -> None:
+        """Keep the end of the run before the platform's kill (``end_at``): SIGKILL a job still running shortly before
+        it, and stop waiting for processes that outlive SIGKILL shortly before that (``_leads``)."""
+        job, link = self.link.job, self.link
+        assert job is not None
+        end = self.end_at()
+        if math.isinf(end):
+            return
+        kill_lead_s, verdict_lead_s = self._leads()
+        job.abandon_by = end - verdict_lead_s
+        if now >= end - kill_lead_s and job.killed_at is None and job.alive():
+            log.warning("the platform's kill is %.1fs away and the job still runs: SIGKILL now", end - now)
+            link.escalation.start(now)
+            link.escalation.killed = True
+            job.signal_all(signal.SIGKILL)
+
     def _timers(self, now: float) -> None:
         job, link = self.link.job, self.link
         assert job is not None
+        self._bound_by_end(now)
         self.output.flush_partials(now)
         self.upkeep.run(now)
         self.executor.carry_out(self.watchdog.tick(now, link.live_ranks()), now)
@@ -258,6 +316,14 @@ class Supervisor:
         if self.securer is not None:
             self.securer.on_job_exit(self.link, now)
 
+    def _on_job_signal(self, sent: JobSignal) -> None:
+        """A termination signal a process of the job sent to the guard (a launcher's cleanup that signals its
+        parent): not a stop from outside, so no ``INTERRUPTED`` and nothing forwarded; the job's own end decides the
+        VERDICT, and its hint names the sender."""
+        self.job_signals.append(sent)
+        log.warning("%s from pid %d (%s), a process of the job itself: not a stop from outside, the job's end decides "
+                    "the VERDICT", signal_name(sent.signum), sent.pid, sent.name or "?")
+
     def _result(self) -> RunResult:
         from guard.run.diagnose import JobExit, job_result
 
@@ -265,4 +331,23 @@ class Supervisor:
         assert job is not None
         ended = JobExit.of(job, cgroup_start=self.job_start.cgroup_start, elapsed_s=self.clock() - self.started,
                            node_rank=self.link.node_rank)
-        return job_result(self.state, ended, self.config.settings, securer=self.securer)
+        result = job_result(self.state, ended, self.config.settings, securer=self.securer)
+        if self.job_signals:
+            sent = self.job_signals[0]
+            result.details["signals_from_job"] = [{"signal": signal_name(s.signum), "pid": s.pid, "name": s.name}
+                                                  for s in self.job_signals]
+            if result.status != "PASS":
+                said = (f"a process of the job (pid {sent.pid}, {sent.name or '?'}) sent {signal_name(sent.signum)} "
+                        "to the guard, its parent (a launcher's cleanup: kill 0, kill $PPID), so the job's failure "
+                        "is its own")
+                result.hint = f"{said}; {result.hint}" if result.hint else said
+        return result
+
+
+def _node_rank(config: Config) -> int | None:
+    """This node's rank as the settings have it (``guard.run.nodes``: the launcher, Slurm, Kubernetes,
+    ``--node-rank``), else as the guard's environment says (``NODE_RANK``, ``GROUP_RANK``), else None."""
+    node = config.settings.secure.node
+    if node.node_rank_source != "default":
+        return node.node_rank
+    return configured_node_rank(config.environ, config.command)

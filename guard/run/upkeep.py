@@ -116,7 +116,7 @@ class Upkeep:
         ``DRAIN_AFTER_EXIT_S`` after it exited (not while securing)."""
         job, link = self.job, self.link
         escalation = link.escalation
-        if escalation.kill_due(now):
+        if escalation.kill_due(now) and job.alive():  # a job that ended within its grace gets no SIGKILL, nor the line
             log.warning("the job did not end within %.0fs of SIGTERM (%s): SIGKILL", escalation.grace_s,
                         "--grace" if escalation.grace_s == link.settings.grace_s else "the time left")
             job.signal_all(signal.SIGKILL)

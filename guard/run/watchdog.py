@@ -17,6 +17,9 @@ the job, ask for stacks). It decides:
 - a sustained loss rise: the loss above ``--loss-rise-factor`` times its early level for ``--loss-rise-steps``
   steps in a row (named once in the log with the last checkpoint saved before the rise began; a ``warning=`` on a
   PASS, no verdict of its own).
+- a loss that never changes: exactly the same value for ``--loss-rise-steps`` steps in a row (the weights are not
+  updated: an optimizer holding other tensors than the model's, a learning rate of 0); named once in the log, a
+  ``warning=`` on a PASS.
 
 Only the primary rank's steps (the lowest rank seen) stand for the job's ``step`` and ``loss``; every rank is
 checked for non-finite losses.
@@ -39,16 +42,25 @@ from guard.run.timers import StallWatch
 if TYPE_CHECKING:
     from guard.preflight._models import CheckResult
 
-__all__ = ["EARLY_STEPS", "EXPLODE_FACTOR", "NAN_SETTLE_S", "Decision", "SettingsCheck", "StepResult", "Watchdog"]
+__all__ = ["EARLY_STEPS", "EXPLODE_FACTOR", "NAN_SETTLE_S", "Decision", "SettingsCheck", "StepResult", "Watchdog",
+           "flat_loss_text"]
 
 log = logging.getLogger("guard.supervisor")
 
-EXPLODE_FACTOR = 100.0  # a finite loss this many times its early level (the median of the first steps) exploded
+EXPLODE_FACTOR = 100.0  # a finite loss this many times its early level (Watchdog._early_level) exploded
 EARLY_STEPS = 5  # steps whose median is the loss's early level
 NAN_SETTLE_S = 2.0  # with several ranks, how long to wait for the others' reports before naming the first NaN
 #: Frames of torch.compile's machinery (a stall there is compilation, not a collective or I/O).
 _COMPILE_FRAMES = ("torch/_dynamo/", "torch/_inductor/", "_dynamo/", "_inductor/", "torch/_functorch/")
 STACKS_WAIT_S = 1.0  # after a stall: how long the agents have to print their stacks before the SIGTERM
+
+
+def flat_loss_text(flat: Mapping[str, Any]) -> str:
+    """The warning for a loss that never changes (``Progress.flat``), with its likely causes."""
+    return (f"the loss stayed exactly {flat['loss']:.6g} from step {flat['since']} to step {flat['step']}: the "
+            "weights are not being updated (the optimizer was built over other tensors than the model trains, e.g. "
+            "before the model was moved or rebuilt; a learning rate of 0; requires_grad off; optimizer.step() "
+            "never called)")
 
 
 @dataclass(frozen=True)
@@ -114,6 +126,7 @@ class Watchdog:
         self.loss_rise_factor = loss_rise_factor
         self.loss_rise_steps = max(1, loss_rise_steps)
         self.rise_since: tuple[int, float] | None = None  # (step, loss) where the loss first stood above k x early
+        self.flat_since: tuple[int, float] | None = None  # (step, loss) where the current run of equal losses began
         self.sanity_steps = sanity_steps
         self.stall_timeout_s = stall_timeout_s
         self.dry_run = dry_run
@@ -181,6 +194,7 @@ class Watchdog:
         progress.loss = value
         self._check_explosion(value)
         self._check_rise(value)
+        self._check_flat(value)
         self.stall.step(now)
         result.counted = True
         if not progress.sanity_done:
@@ -336,19 +350,29 @@ class Watchdog:
 
     def _check_explosion(self, value: float) -> None:
         """Name, once, a finite loss that exploded against its early level (in the spirit of Lightning's loss
-        spike detection): ``EXPLODE_FACTOR`` times the median of the first ``EARLY_STEPS`` losses."""
+        spike detection): ``EXPLODE_FACTOR`` times the early level (``_early_level``), checked from the second
+        loss on: a learning rate far too high explodes the loss at the first update (TRL's sft.py, lr 50: 3.13,
+        then 2.0e4), inside the steps whose median would otherwise be its level."""
         if len(self.early_losses) < EARLY_STEPS:
             self.early_losses.append(value)
-            return
         progress = self.state.progress
-        if progress.exploded is not None:
+        if progress.exploded is not None or len(self.early_losses) < 2:
             return
-        early = sorted(self.early_losses)[len(self.early_losses) // 2]
+        early = self._early_level()
         if abs(value) > EXPLODE_FACTOR * max(abs(early), 1e-6):
             progress.exploded = {"step": progress.step, "loss": value, "early": early}
-            log.warning("the loss exploded: %.6g at step %s, %.0fx its early level %.4g (the median of the first %d "
-                        "steps): the run is diverging; lower the learning rate, add warmup or clip gradients",
+            log.warning("the loss exploded: %.6g at step %s, %.0fx its early level %.4g (the lower of the first "
+                        "loss and the median of the first %d steps): the run is diverging; lower the learning rate, "
+                        "add warmup or clip gradients",
                         value, progress.step, abs(value) / max(abs(early), 1e-6), early, EARLY_STEPS)
+
+    def _early_level(self) -> float:
+        """The loss's early level: the lower of the first loss (taken before any update, the model's own starting
+        point) and the median of the first ``EARLY_STEPS`` losses, so that losses that already exploded inside
+        those steps do not become the level they are measured against."""
+        median = sorted(self.early_losses)[len(self.early_losses) // 2]
+        first = self.early_losses[0]
+        return min(first, median) if first > 0 and median > 0 else median
 
     def _check_rise(self, value: float) -> None:
         """Name, once, a loss that stays above ``loss_rise_factor`` times its early level (the median of the first
@@ -358,7 +382,7 @@ class Watchdog:
         k = self.loss_rise_factor
         if not k or progress.rose is not None or len(self.early_losses) < EARLY_STEPS or progress.step is None:
             return
-        early = sorted(self.early_losses)[len(self.early_losses) // 2]
+        early = self._early_level()
         if early <= 0 or value <= k * early:
             self.rise_since = None
             return
@@ -376,9 +400,26 @@ class Watchdog:
                          "checkpoint_step": last.get("step") if last else None}
         where = (f"the last checkpoint before it: {last['path']} (step {last['step']})" if last
                  else "no checkpoint was saved before it")
-        log.warning("the loss rose and stayed up: above %gx its early level %.4g (the median of the first %d steps) "
+        log.warning("the loss rose and stayed up: above %gx its early level %.4g (the lower of the first loss "
+                    "and the median of the first %d steps) "
                     "since step %d (%.6g), now %.6g at step %d (--loss-rise-factor %g, --loss-rise-steps %d); %s",
                     k, early, EARLY_STEPS, began, first, value, progress.step, k, self.loss_rise_steps, where)
+
+    def _check_flat(self, value: float) -> None:
+        """Name, once, a loss that stays exactly the same for ``loss_rise_steps`` steps (0.0 excepted: a loss stuck
+        at zero is the agent's witness of its own). Losses of different batches differ when the weights move; the
+        same value step after step means they do not."""
+        progress = self.state.progress
+        if progress.flat is not None or progress.step is None or value == 0.0 or self.loss_rise_steps < 2:
+            return
+        if self.flat_since is None or self.flat_since[1] != value:
+            self.flat_since = (progress.step, value)
+            return
+        began = self.flat_since[0]
+        if progress.step - began + 1 < self.loss_rise_steps:
+            return
+        progress.flat = {"since": began, "step": progress.step, "loss": value}
+        log.warning("%s", flat_loss_text(progress.flat))
 
     def _sanity_passed(self) -> list[Decision]:
         progress = self.state.progress

@@ -297,6 +297,7 @@ class MarginEstimate:
     floored: bool = False
     overhead_s: float = 0.0
     capped_s: float | None = None  # the cap (half a short budget) when it applied
+    size_source: str = ""  # where ``size_bytes`` came from (MarginEstimator.size_source)
 
     def describe(self) -> str:
         """One line for the log: ``"margin now 98s ((save 5.0s + push 50.0s of 1000 MB at 20.0 MB/s) x1.5 + 15s)"``."""
@@ -305,8 +306,9 @@ class MarginEstimate:
         step = f"step {self.step_s:.1f}s + " if self.step_s > 0 else ""
         limit = (f", capped at half the budget ({self.capped_s:.0f}s)" if self.capped_s is not None
                  else ", the floor" if self.floored else "")
+        source = f" ({self.size_source})" if self.size_source else ""
         return (f"margin now {self.margin_s:.0f}s (({step}save {self.save_s:.1f}s + push {self.push_s:.1f}s of "
-                f"{self.size_bytes / _MB:.0f} MB at {self.push_bytes_per_s / _MB:.1f} MB/s) "
+                f"{self.size_bytes / _MB:.0f} MB{source} at {self.push_bytes_per_s / _MB:.1f} MB/s) "
                 f"x{self.safety_factor:g} + {self.overhead_s:.0f}s{limit})")
 
 
@@ -457,6 +459,15 @@ class MarginEstimator:
         return self.default_size_bytes
 
     @property
+    def size_source(self) -> str:
+        """Where ``expected_size_bytes`` comes from, for the margin's log line."""
+        if self._seen_size_bytes:
+            return "the last save" if self._saves else "the newest checkpoint seen on disk"
+        if self.size_hint_bytes:
+            return "the model's weights and optimizer state"
+        return "a guess: no checkpoint seen yet"
+
+    @property
     def push_bytes_per_s(self) -> float:
         """The push throughput in bytes per second: the slowest recent push (else the default), lowered by a push
         that runs longer than that rate allows."""
@@ -505,7 +516,7 @@ class MarginEstimator:
         save_s, push_s = self.save_estimate_s(size), self.push_estimate_s(size)
         if self.fixed_margin_s is not None:
             return MarginEstimate(self.fixed_margin_s, step_s, save_s, push_s, size, self.push_bytes_per_s,
-                                  self.safety_factor, fixed=True)
+                                  self.safety_factor, fixed=True, size_source=self.size_source)
         raw_s = (step_s + save_s + push_s) * self.safety_factor + self.overhead_s
         margin_s = max(raw_s, self.floor_s)
         capped = False
@@ -513,7 +524,7 @@ class MarginEstimator:
             margin_s, capped = self.max_margin_s, True
         return MarginEstimate(margin_s, step_s, save_s, push_s, size, self.push_bytes_per_s,
                               self.safety_factor, floored=raw_s < self.floor_s, overhead_s=self.overhead_s,
-                              capped_s=self.max_margin_s if capped else None)
+                              capped_s=self.max_margin_s if capped else None, size_source=self.size_source)
 
     def margin_s(self) -> float:
         """Seconds to keep free before the deadline for the final step, save and push."""

@@ -46,6 +46,7 @@ file's content; a link that points outside it (or to a folder, or nowhere) is le
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -57,7 +58,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from guard.errors import SupervisorError
-from guard.secure.formats import DISTCP_METADATA, check_files, recorded_step
+from guard.secure.formats import DISTCP_METADATA, check_files, missing_required, recorded_step, requires
 
 __all__ = [
     "GUARD_MARKER_NAME",
@@ -91,6 +92,11 @@ INCOMPLETE_SENTINEL_NAME = "checkpoint-is-incomplete.txt"
 
 #: Folder names whose N is a step: the Trainer's ``checkpoint-N``, accelerate's ``checkpoint_N`` and ``step_N``.
 _FOLDER_RE = re.compile(r"(?:checkpoint-|checkpoint_|step_|global_step)([0-9]+)")
+#: Other folder names whose N is a step, counted only when the folder holds a sharded format (DCP ``.metadata`` or
+#: ``*.distcp``, Megatron's ``metadata.json``, DeepSpeed's per-rank files): torchtitan's ``step-N``, Megatron's
+#: ``iter_NNNNNNN``, ``ckpt-N``/``ckpt_N``.
+_SHARDED_FOLDER_RE = re.compile(r"(?:step-|iter_|iter-|ckpt-|ckpt_)([0-9]+)")
+_SHARDED_FILE_RE = re.compile(r".*\.distcp|\.metadata|metadata\.json|.*_model_states\.pt|.*_optim_states\.pt")
 #: DeepSpeed's ``save_checkpoint`` writes ``OUT/global_stepN/`` and then ``OUT/latest`` naming it.
 DEEPSPEED_LATEST_NAME = "latest"
 _ACCELERATE_RNG_RE = re.compile(r"random_states_[0-9]+\.pkl")
@@ -140,6 +146,13 @@ class CheckpointInfo:
         recorded: the step the checkpoint records itself when ``step`` is the guard's count or unknown: ``(key,
             value)`` from a ``torch.save``d dict's top level (``formats.recorded_step``: nanoGPT's 0-based
             ``iter_num``...), for the hints, which speak of the step the job resumes from; else None.
+        source: the folder the job saved the files in when ``root`` is a copy of them (``guard.secure.snapshots``:
+            a file saved in place faster than a push starts), for the record's placement; else None.
+        requires: what the checkpoint's own format says it must hold, ``((rel, least size in bytes), ...)``
+            (``formats.requires``: a DCP ``.metadata``'s shards, DeepSpeed's per-rank files, per-rank RNG files);
+            empty when its format names nothing.
+        part: the files here do not satisfy ``requires`` by themselves: this node's part of a checkpoint whose
+            other parts lie on other nodes' disks (only found when the scan is told the job has several nodes).
     """
 
     path: Path
@@ -151,6 +164,9 @@ class CheckpointInfo:
     step_source: str | None = None
     admitted_by: str | None = None
     recorded: tuple[str, int] | None = None
+    source: Path | None = None
+    requires: tuple[tuple[str, int], ...] = ()
+    part: bool = False
 
     @property
     def folder(self) -> Path:
@@ -265,8 +281,11 @@ def every_rank_marked(files: Collection[str], name: str, world_size: int) -> boo
         and _missing_ranks(files, world_size) is None
 
 
-def _check(path: Path, now_s: float, stable_for_s: float, stat: StatFn,
-           reported: bool = False, world_size: int = 1) -> tuple[dict[str, tuple[int, float]], str | None]:
+def _check(path: Path, now_s: float, stable_for_s: float, stat: StatFn, reported: bool = False, world_size: int = 1,
+           parts: bool = False) -> tuple[dict[str, tuple[int, float]], str | None]:
+    """``(files, why not complete)`` of a checkpoint folder (see the module docstring); ``parts``: the job has
+    several nodes, each with its own disk: what other nodes hold (other ranks' files, shards a ``.metadata`` names)
+    may be missing here (the folder is then a part, ``newest_complete``)."""
     try:
         first = _walk(path, stat)
     except FileNotFoundError:
@@ -281,19 +300,20 @@ def _check(path: Path, now_s: float, stable_for_s: float, stat: StatFn,
         return first, None  # the job said the save is done (Trainer on_save, checkpoint_saved): no mtime rule
     accelerate = not path.name.startswith("checkpoint-") and any(_ACCELERATE_RNG_RE.fullmatch(n) for n in first)
     distcp = DISTCP_METADATA in first or any(n.endswith(".distcp") for n in first)
-    if distcp and DISTCP_METADATA not in first:
+    if distcp and DISTCP_METADATA not in first and not parts:
         return first, f"no {DISTCP_METADATA} (a torch.distributed.checkpoint save writes it last)"
     if path.name.startswith("global_step"):
         why = _deepspeed_unfinished(path)
         if why is not None:
             return first, why
-    marked = (TRAINER_STATE_NAME in first or GUARD_MARKER_NAME in first or accelerate or distcp
+    sharded = any(_SHARDED_FILE_RE.fullmatch(n.rsplit("/", 1)[-1]) for n in first)
+    marked = (TRAINER_STATE_NAME in first or GUARD_MARKER_NAME in first or accelerate or distcp or sharded
               or path.name.startswith("global_step"))
     if not marked and any(_TRAINER_OR_ACCELERATE.fullmatch(n.rsplit("/", 1)[-1]) for n in first):
         return first, f"no {TRAINER_STATE_NAME} or {GUARD_MARKER_NAME} (save not finished)"
     if not marked and not any(_is_model_file(n.rsplit("/", 1)[-1]) for n in first):
         return first, "no model file"
-    missing = _missing_ranks(first, world_size)
+    missing = None if parts else _missing_ranks(first, world_size)
     if missing is not None:
         return first, missing
     # a folder of a plain loop (``checkpoint-20/model.pt``): complete once settled and whole by format (below)
@@ -307,9 +327,15 @@ def _check(path: Path, now_s: float, stable_for_s: float, stat: StatFn,
     if second != first:
         changed = sorted(set(first.items()) ^ set(second.items()))
         return second, f"still being written ({changed[0][0]} changed while scanning)"
-    problems = check_files(path, sorted(first))
+    problems = check_files(path, sorted(first), parts=parts)
     if problems:
         return first, f"not whole by format ({problems[0]})"
+    lacking = missing_required(requires(path, world_size=world_size if world_size > 1 else None),
+                               {rel: size for rel, (size, _) in first.items()})
+    if lacking and not parts:
+        more = f" and {len(lacking) - 1} more" if len(lacking) > 1 else ""
+        return first, f"incomplete by its format: {lacking[0]}{more} (a rank's part still being written, or on " \
+                      "another node's disk)"
     return first, None
 
 
@@ -364,8 +390,9 @@ def _log_admitted(info: CheckpointInfo, stable_for_s: float) -> None:
         log.info("checkpoint %s counts: the checkpoint this run resumed from (fetched or inspected whole before the "
                  "job started)", info.path)
     else:
-        log.info("checkpoint %s counts: written by other means, unchanged for %.1fs and every file whole by "
-                 "format", info.path, stable_for_s)
+        # the scan's own rule, whoever wrote the files (the scan does not know which saves the agent saw return:
+        # never "written by other means", which a file the guard saw saved contradicted)
+        log.info("checkpoint %s counts: every file unchanged for %.1fs and whole by format", info.path, stable_for_s)
 
 
 def _folder_step(path: Path, name_step: int) -> tuple[int, str]:
@@ -410,7 +437,7 @@ def newest_complete(output_dir: str | os.PathLike[str], *, now_s: float, stable_
                     reported: Collection[str] = (), loose: bool = True, since_s: float | None = None,
                     resumed: Collection[str] = (), world_size: int = 1,
                     waiting: Mapping[str, str] | None = None,
-                    steps: Mapping[str, int] | None = None) -> CheckpointInfo | None:
+                    steps: Mapping[str, int] | None = None, parts: bool = False) -> CheckpointInfo | None:
     """The newest complete checkpoint under ``output_dir`` (see the module docstring for what counts).
 
     Folders newer than the one returned that are skipped are logged with the reason (still being written, no state
@@ -443,6 +470,10 @@ def newest_complete(output_dir: str | os.PathLike[str], *, now_s: float, stable_
         steps: folder path -> its step as the guard counts it (the agent's step at the job's ``torch.save`` into
             it), for folders whose N is not that step (accelerate's automatic ``checkpoint_N`` counts saves); they
             are ordered and returned by it (``step_source`` ``"reported"``).
+        parts: the job runs on several nodes, each with its own disk: a folder whose format names files it does
+            not hold (another node's shards or ranks' files) is returned as this node's part (``part`` True,
+            ``requires`` what the format names), checked as a union by the caller; default False (such a folder is
+            incomplete). Other folder names (``step-N``, ``iter_N``) count when they hold a sharded format.
 
     Returns:
         The :class:`CheckpointInfo`, or None when there is none (or ``output_dir`` does not exist).
@@ -460,11 +491,13 @@ def newest_complete(output_dir: str | os.PathLike[str], *, now_s: float, stable_
     kept = {os.path.realpath(p) for p in resumed}
     known = {os.path.realpath(p): s for p, s in (steps or {}).items()}
     candidates = sorted(((known.get(os.path.realpath(base / name), int(m.group(1))), name) for name in names
-                         if (m := _FOLDER_RE.fullmatch(name))), reverse=True)
+                         if (m := _FOLDER_RE.fullmatch(name) or _SHARDED_FOLDER_RE.fullmatch(name))), reverse=True)
     for step, name in candidates:
         path = base / name
         if not path.is_dir() or path.is_symlink():
             continue
+        if not _FOLDER_RE.fullmatch(name) and not _holds_sharded(path):
+            continue  # a step-N folder of no sharded format: not a checkpoint of a known layout
         told = os.path.realpath(path) in said
         fetched = not told and os.path.realpath(path) in kept and _placed_before(path, since_s, stat)
         files: dict[str, tuple[int, float]]
@@ -472,7 +505,8 @@ def newest_complete(output_dir: str | os.PathLike[str], *, now_s: float, stable_
         if is_marked_suspect(path):
             files, reason = {}, "marked suspect (saved after the first non-finite loss): never resumed or pushed"
         else:
-            files, reason = _check(path, now_s, stable_for_s, stat, reported=told or fetched, world_size=world_size)
+            files, reason = _check(path, now_s, stable_for_s, stat, reported=told or fetched, world_size=world_size,
+                                   parts=parts)
         pending = (waiting or {}).get(os.path.realpath(path))
         if reason is None and pending is not None and not every_rank_marked(files, name, world_size):
             reason = pending
@@ -482,6 +516,9 @@ def newest_complete(output_dir: str | os.PathLike[str], *, now_s: float, stable_
             found, source = (step, "reported") if os.path.realpath(path) in known else _folder_step(path, step)
             info = _info(path, files, found, step_source=source,
                          admitted_by="reported" if told else "resumed" if fetched else "settled")
+            required = requires(path, world_size=world_size if world_size > 1 else None)
+            lacking = missing_required(required, {rel: size for rel, (size, _) in files.items()})
+            info = dataclasses.replace(info, requires=tuple(sorted(required.items())), part=bool(lacking))
             _log_admitted(info, stable_for_s)
             return info
         if seen is None or (str(path), reason) not in seen:
@@ -490,6 +527,14 @@ def newest_complete(output_dir: str | os.PathLike[str], *, now_s: float, stable_
                 seen.add((str(path), reason))
     return loose_files(base, now_s=now_s, stable_for_s=stable_for_s, stat=stat, since_s=since_s, resumed=kept,
                        seen=seen) if loose else None
+
+
+def _holds_sharded(path: Path) -> bool:
+    """The folder holds a file of a sharded format at its top (``_SHARDED_FILE_RE``)."""
+    try:
+        return any(_SHARDED_FILE_RE.fullmatch(name) for name in os.listdir(path))
+    except OSError:
+        return False
 
 
 def _is_scratch(name: str) -> bool:

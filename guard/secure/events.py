@@ -30,6 +30,7 @@ __all__ = [
     "OutputDirKnown",
     "PushHandle",
     "Pusher",
+    "ReadThrough",
     "RequestSave",
     "RunOver",
     "SignalReceived",
@@ -70,10 +71,22 @@ class CheckpointSeen:
 
     ``requested``: the job said the save answered the guard's checkpoint request (True) or was its own, e.g. a
     periodic save already under way when the request came (False); None when not known (found on disk, a
-    ``torch.save`` the agent saw)."""
+    ``torch.save`` the agent saw).
+
+    ``finite``: False when the agent saw a tensor of it that is not finite (``file_saved``'s ``finite``: the weights
+    are a witness, whatever the loss said): suspect from its step on, never pushed; None when not checked."""
 
     info: CheckpointInfo
     requested: bool | None = None
+    finite: bool | None = None
+
+
+@dataclass(frozen=True)
+class ReadThrough:
+    """The losses of every training rank were read, all finite, through optimizer step ``step``: a save at or
+    before it is no longer provisional (a save after it waits for its step's losses, ``Plan``'s hold)."""
+
+    step: int
 
 
 @dataclass(frozen=True)
@@ -173,8 +186,8 @@ class RunOver:
     """The guard is about to write its VERDICT: a push still running is killed."""
 
 
-Event = (CheckpointSeen | AlreadySecured | TrainingStarted | DeadlineNear | DeadlineMoved | SignalReceived | Failure
-         | Tainted | JobExited | DestinationKnown | OutputDirKnown | Tick | RunOver)
+Event = (CheckpointSeen | ReadThrough | AlreadySecured | TrainingStarted | DeadlineNear | DeadlineMoved
+         | SignalReceived | Failure | Tainted | JobExited | DestinationKnown | OutputDirKnown | Tick | RunOver)
 
 
 # -- actions -----------------------------------------------------------------------------------------------------

@@ -34,14 +34,15 @@ import logging
 import os
 import pickle
 import pickletools
+import re
 import struct
 import zipfile
 from collections.abc import Iterable
 from pathlib import Path
 from typing import IO, Any
 
-__all__ = ["DISTCP_METADATA", "MODEL_SUFFIXES", "RECORDED_STEP_KEYS", "check_file", "check_files", "kind_of",
-           "recorded_step"]
+__all__ = ["DISTCP_METADATA", "MEGATRON_COMMON", "MEGATRON_METADATA", "MODEL_SUFFIXES", "RECORDED_STEP_KEYS",
+           "check_file", "check_files", "kind_of", "missing_required", "recorded_step", "requires"]
 
 log = logging.getLogger("guard.formats")
 
@@ -148,10 +149,9 @@ RECORDED_STEP_KEYS = ("iter_num", "global_step", "step", "iteration")
 _DATA_PKL_LIMIT = 64 << 20  # a data.pkl larger than this (a dict of many small Python objects) is not read
 
 
-def recorded_step(path: str | os.PathLike[str]) -> tuple[str, int] | None:
-    """The step a ``torch.save``d dict records itself: ``(key, value)`` for the first of ``RECORDED_STEP_KEYS`` that
-    its top level holds as a non-negative int, else None (another format, no such key, unreadable). Reads only the
-    zip's ``data.pkl`` record, with the stub unpickler (no tensor bytes, no code of the file run); never raises."""
+def _top_level(path: str | os.PathLike[str]) -> dict[Any, Any] | None:
+    """The top-level dict of a ``torch.save``d zip, read from its ``data.pkl`` with the stub unpickler (no tensor
+    bytes, no code of the file run), or None (another format, not a dict, unreadable); never raises."""
     try:
         where = Path(path)
         if kind_of(where) != "torch-zip":
@@ -165,7 +165,15 @@ def recorded_step(path: str | os.PathLike[str]) -> tuple[str, int] | None:
                 obj = _StubUnpickler(handle).load()
     except Exception:  # noqa: BLE001 - a file of any content: never an error here
         return None
-    if not isinstance(obj, dict):
+    return obj if isinstance(obj, dict) else None
+
+
+def recorded_step(path: str | os.PathLike[str]) -> tuple[str, int] | None:
+    """The step a ``torch.save``d dict records itself: ``(key, value)`` for the first of ``RECORDED_STEP_KEYS`` that
+    its top level holds as a non-negative int, else None (another format, no such key, unreadable). Reads only the
+    zip's ``data.pkl`` record, with the stub unpickler (no tensor bytes, no code of the file run); never raises."""
+    obj = _top_level(path)
+    if obj is None:
         return None
     for key in RECORDED_STEP_KEYS:
         value = obj.get(key)
@@ -341,9 +349,11 @@ def _storage_records(metadata: Any) -> list[tuple[str, int, int]]:
     return out
 
 
-def _check_distcp(folder: Path, names: list[str]) -> list[str]:
+def _check_distcp(folder: Path, names: list[str], parts: bool = False) -> list[str]:
     shards = sorted(n for n in names if n.endswith(".distcp"))
     if DISTCP_METADATA not in names:
+        if parts:
+            return []  # another node's disk holds the coordinator's .metadata
         return [f"{DISTCP_METADATA} missing: the torch.distributed.checkpoint save is not finished "
                 f"({len(shards)} shards written)"]
     try:
@@ -362,7 +372,8 @@ def _check_distcp(folder: Path, names: list[str]) -> list[str]:
         try:
             size_bytes = (folder / rel).stat().st_size
         except OSError:
-            problems.append(f"{rel}, named by {DISTCP_METADATA}, is missing")
+            if not parts:  # with parts: on another node's disk (checked as a union, formats.requires)
+                problems.append(f"{rel}, named by {DISTCP_METADATA}, is missing")
             continue
         if size_bytes < end:
             problems.append(f"{rel} has {size_bytes} bytes, {DISTCP_METADATA} records data up to byte {end}: "
@@ -370,10 +381,12 @@ def _check_distcp(folder: Path, names: list[str]) -> list[str]:
     return problems
 
 
-def check_files(folder: str | os.PathLike[str], files: Iterable[str]) -> list[str]:
+def check_files(folder: str | os.PathLike[str], files: Iterable[str], *, parts: bool = False) -> list[str]:
     """Structural problems of a checkpoint's ``files`` (relative POSIX paths under ``folder``), as
     ``"REL: why"`` lines; empty when every file is whole. ``*.distcp`` shards are checked as a set per folder
-    against its ``.metadata`` (every shard named, every record inside its shard)."""
+    against its ``.metadata`` (every shard named, every record inside its shard). ``parts``: this node's part of a
+    checkpoint spread over several nodes' disks: a ``.metadata`` or shard that is not here is not a problem (the
+    union is checked against ``requires``), a shard cut short here still is."""
     base = Path(folder)
     problems: list[str] = []
     by_dir: dict[str, list[str]] = {}
@@ -386,5 +399,130 @@ def check_files(folder: str | os.PathLike[str], files: Iterable[str]) -> list[st
     for parent, names in sorted(by_dir.items()):
         if any(n.endswith(".distcp") for n in names) or DISTCP_METADATA in names:
             prefix = f"{parent}/" if parent else ""
-            problems += [f"{prefix}{line}" for line in _check_distcp(base / parent, names)]
+            problems += [f"{prefix}{line}" for line in _check_distcp(base / parent, names, parts)]
     return problems
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Sharded layouts: what a checkpoint's own manifest says must be there (on one node, or as the union of the nodes')
+# ---------------------------------------------------------------------------------------------------------------
+
+#: Megatron dist-checkpointing's metadata file (``megatron/core/dist_checkpointing/core.py``, ``CONFIG_FNAME``)
+#: and the common state rank 0 saves beside the shards (``serialization.py``, ``COMMON_STATE_FNAME``).
+MEGATRON_METADATA = "metadata.json"
+MEGATRON_COMMON = "common.pt"
+#: DeepSpeed's per-rank files (``deepspeed/runtime/engine.py``: ``_get_ckpt_name``, ``_get_zero_ckpt_name``):
+#: model states per model-parallel rank (ZeRO-3: per data-parallel rank too), ZeRO optimizer states per
+#: data-parallel rank (``bf16_`` with the BF16 optimizer).
+_DS_MODEL_RE = re.compile(r"(?:zero_pp_rank_([0-9]+)_)?mp_rank_([0-9]+)_model_states\.pt")
+_DS_OPTIM_RE = re.compile(r"(bf16_)?zero_pp_rank_([0-9]+)_mp_rank_([0-9]+)_optim_states\.pt")
+#: One file per rank: the Trainer's ``rng_state_<r>.pth`` (``Trainer._save_rng_state``), accelerate's
+#: ``random_states_<r>.pkl`` (``accelerate/checkpointing.py``).
+_RANK_FILE_RE = re.compile(r"(rng_state_|random_states_)([0-9]+)\.(pth|pkl)")
+
+
+def requires(folder: str | os.PathLike[str], *, world_size: int | None = None) -> dict[str, int]:
+    """What the checkpoint folder's own format says it must hold: ``{relative posix path: least size in bytes}``.
+
+    Read from what is there, so that the parts on several nodes can be checked as a union (the requirement found
+    in any node's part, satisfied by the files of all of them):
+
+    - a ``torch.distributed.checkpoint`` set (a folder holding ``.metadata`` or ``*.distcp`` shards; Megatron's
+      ``torch_dist`` backend too): the ``.metadata`` the coordinator writes last, and every ``relative_path`` its
+      ``storage_data`` names, with at least ``offset + length`` bytes (``torch/distributed/checkpoint/
+      filesystem.py``);
+    - Megatron dist-checkpointing (``metadata.json`` naming a ``sharded_backend``): also ``common.pt``;
+    - DeepSpeed (``*_model_states.pt``, ``*_optim_states.pt``): every model-parallel rank's model states and every
+      data-parallel rank's ZeRO optimizer file, the world sizes read from a model-states file's ``dp_world_size``
+      and ``mp_world_size`` (``DeepSpeedEngine._save_checkpoint``), else from the highest rank seen;
+    - per-rank files of the Trainer (``rng_state_<r>.pth``) and accelerate (``random_states_<r>.pkl``): one for
+      every rank below ``world_size`` (default: the highest rank seen, plus one).
+
+    Files no format names are not listed (a plain folder: ``{}``); subfolders are read too (a Trainer's
+    ``global_stepN/`` under ``checkpoint-N/``). Never raises: an unreadable folder requires nothing.
+    """
+    base = Path(folder)
+    out: dict[str, int] = {}
+    try:
+        walked = [(Path(root), sorted(names)) for root, _, names in os.walk(base)]
+    except OSError:
+        return out
+    for root, names in walked:
+        prefix = "" if root == base else root.relative_to(base).as_posix() + "/"
+        for rel, least in _requires_here(root, names, world_size).items():
+            out[prefix + rel] = max(out.get(prefix + rel, 0), least)
+    return out
+
+
+def _requires_here(folder: Path, names: list[str], world_size: int | None) -> dict[str, int]:
+    """``requires`` for the files of one folder (not its subfolders)."""
+    out: dict[str, int] = {}
+    if DISTCP_METADATA in names or any(name.endswith(".distcp") for name in names):
+        out[DISTCP_METADATA] = 1
+        try:
+            with open(folder / DISTCP_METADATA, "rb") as file:
+                records = _storage_records(_StubUnpickler(file).load())
+        except Exception:  # noqa: BLE001 - cut short: the check of its files says so
+            records = []
+        for rel, offset, length in records:
+            out[rel] = max(out.get(rel, 1), offset + length)
+    if MEGATRON_METADATA in names:
+        try:
+            meta = json.loads((folder / MEGATRON_METADATA).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            meta = None
+        if isinstance(meta, dict) and "sharded_backend" in meta:
+            out[MEGATRON_METADATA] = 1
+            out[MEGATRON_COMMON] = 1
+    out.update(_deepspeed_requires(folder, names))
+    by_kind: dict[tuple[str, str], int] = {}
+    for name in names:
+        if (m := _RANK_FILE_RE.fullmatch(name)) is not None:
+            key = (m[1], m[3])
+            by_kind[key] = max(by_kind.get(key, 0), int(m[2]) + 1)
+    for (stem, suffix), seen in by_kind.items():
+        for rank in range(max(seen, world_size or 0)):
+            out[f"{stem}{rank}.{suffix}"] = 1
+    return out
+
+
+def _deepspeed_requires(folder: Path, names: list[str]) -> dict[str, int]:
+    """DeepSpeed's per-rank files a tag folder must hold (see ``requires``)."""
+    models = [(m, name) for name in names if (m := _DS_MODEL_RE.fullmatch(name)) is not None]
+    optims = [m for name in names if (m := _DS_OPTIM_RE.fullmatch(name)) is not None]
+    if not models and not optims:
+        return {}
+    dp = max([int(m[2]) + 1 for m in optims] + [int(m[1]) + 1 for m, _ in models if m[1] is not None] + [1])
+    mp = max([int(m[3]) + 1 for m in optims] + [int(m[2]) + 1 for m, _ in models] + [1])
+    for _, name in models:
+        state = _top_level(folder / name) or {}
+        dp_said, mp_said = state.get("dp_world_size"), state.get("mp_world_size")
+        if isinstance(dp_said, int) and dp_said > 0:
+            dp = max(dp, dp_said)
+        if isinstance(mp_said, int) and mp_said > 0:
+            mp = max(mp, mp_said)
+        break  # every rank's model states say the same
+    zero3 = any(m[1] is not None for m, _ in models)
+    out = {}
+    for m_rank in range(mp):
+        if zero3:
+            out.update({f"zero_pp_rank_{r}_mp_rank_{m_rank:02d}_model_states.pt": 1 for r in range(dp)})
+        else:
+            out[f"mp_rank_{m_rank:02d}_model_states.pt"] = 1
+        if optims:
+            bf16 = "bf16_" if any(m[1] for m in optims) else ""
+            out.update({f"{bf16}zero_pp_rank_{r}_mp_rank_{m_rank:02d}_optim_states.pt": 1 for r in range(dp)})
+    return out
+
+
+def missing_required(required: dict[str, int], present: dict[str, int]) -> list[str]:
+    """What ``required`` (``requires``' answer, or the union of several nodes') lacks in ``present`` (``{rel:
+    size}``, the union of the nodes' files): ``"REL (missing)"`` or ``"REL (N of M bytes)"`` lines, sorted."""
+    out = []
+    for rel, least in sorted(required.items()):
+        size = present.get(rel)
+        if size is None:
+            out.append(f"{rel} (missing)")
+        elif size < least:
+            out.append(f"{rel} ({size} of {least} bytes)")
+    return out

@@ -555,7 +555,8 @@ class Securer:
     # -- public API -------------------------------------------------------------------------------------------
 
     def push_checkpoint(self, local_dir: str | os.PathLike[str], *, step: int, deadline: float,
-                        files: list[str] | None = None, saved_by_s: float | None = None) -> PushResult:
+                        files: list[str] | None = None, saved_by_s: float | None = None,
+                        source: str | None = None) -> PushResult:
         """Secure a complete checkpoint folder as ``DEST/last-checkpoint/`` (replacing the previous one), verified.
 
         The Hub commit is titled ``guard: checkpoint step N`` (``CHECKPOINT_COMMIT_TITLE``): that title is the
@@ -572,6 +573,8 @@ class Securer:
                 (``CheckpointInfo.newest_mtime_s``); a file modified after it, up to the end of the copy, was
                 rewritten in place (a loop that saves ``ckpt.pt`` again) and is no longer that checkpoint: the
                 push fails rather than secure it under the old step. None: not checked.
+            source: the folder the job saved the files in when ``local_dir`` is a copy of them
+                (``guard.secure.snapshots``): the record's ``source`` and placement; default ``local_dir``.
 
         Returns:
             The verified ``PushResult`` (``revision``: Hub commit id, or the ``last-checkpoint`` folder).
@@ -606,13 +609,14 @@ class Securer:
             _refuse_torn(what, folder, files, "local", str(self.destination))
 
         still_that_save()
+        placed = Path(source) if source else folder
         message = CHECKPOINT_COMMIT_TITLE.format(step=step)
 
         def attempt() -> str:
             if self.destination.kind == "folder":
-                return self._folder_push_checkpoint(folder, files, step, still_that_save)
+                return self._folder_push_checkpoint(folder, files, step, still_that_save, placed)
             return self._hub_push(folder, files, f"{CHECKPOINT_FOLDER}/", message, replace=True, record_step=step,
-                                  check_before=still_that_save)
+                                  check_before=still_that_save, placed=placed)
 
         return self._push(what, folder, files, step, attempt, deadline)
 
@@ -832,8 +836,8 @@ class Securer:
         return self._api
 
     def _hub_push(self, folder: Path, files: list[str], prefix: str, message: str, *, replace: bool,
-                  record_step: int | None = None,
-                  check_before: Callable[[], None] | None = None) -> str:
+                  record_step: int | None = None, check_before: Callable[[], None] | None = None,
+                  placed: Path | None = None) -> str:
         """One commit of ``files``, verified; with ``record_step`` (a checkpoint), that commit is titled
         ``UPLOAD_COMMIT_TITLE`` and, once every file verified, a second commit adds the manifest under the record's
         title (``CHECKPOINT_COMMIT_TITLE``, on top of exactly the verified commit): a commit that failed
@@ -871,7 +875,8 @@ class Securer:
         _refuse_torn(message.removeprefix("guard: "), folder, files, "uploaded", str(self.destination))
         if record_step is None:
             return info.oid
-        manifest = {"step": record_step, "source": str(folder), **_placement(folder), "verified_commit": info.oid,
+        placed = placed or folder
+        manifest = {"step": record_step, "source": str(placed), **_placement(placed), "verified_commit": info.oid,
                     "files": {op.path_in_repo[len(prefix):]: {"size": op.upload_info.size,
                                                                "sha256": op.upload_info.sha256.hex()}
                               for op in adds}}
@@ -1011,7 +1016,7 @@ class Securer:
     # -- folders ----------------------------------------------------------------------------------------------
 
     def _folder_push_checkpoint(self, folder: Path, files: list[str], step: int,
-                                check_before: Callable[[], None]) -> str:
+                                check_before: Callable[[], None], placed: Path | None = None) -> str:
         root = self.destination.path
         assert root is not None
         root.mkdir(parents=True, exist_ok=True)
@@ -1044,7 +1049,8 @@ class Securer:
                 raise Mismatch([f"{rel} changed while it was copied" for rel in changed])
             # the copy that would become the secured one, checked by format before anything is swapped
             _refuse_torn(f"checkpoint step {step}", staging, files, "copied", str(self.destination))
-            manifest = {"step": step, "source": str(folder), **_placement(folder),
+            placed = placed or folder
+            manifest = {"step": step, "source": str(placed), **_placement(placed),
                         "files": {rel: {"size": size, "sha256": sha} for rel, (size, sha) in sums.items()}}
             with open(staging / MANIFEST_NAME, "w") as out:
                 json.dump(manifest, out, indent=1)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -282,7 +283,17 @@ def cause_hint(cause: str, *, retry_after: float | None = None) -> str | None:
     return None
 
 
+#: A Hub without Xet storage answers the Xet token route 404 (or 501), and ``hf_xet`` (used whenever it is installed,
+#: whatever the Hub) then fails with ``... (404 Not Found), domain: .../xet-write-token/main`` (huggingface_hub #4507).
+_NO_XET = re.compile(r"\b(404|501)\b.*xet-(write|read)-token|xet-(write|read)-token.*\b(404|501)\b")
+
+
 def fatal_hint(description: str) -> str:
+    """The hint for a push that failed for good with ``description`` (``classify``'s text)."""
+    if _NO_XET.search(description):
+        return ("this Hub has no Xet storage (its xet-write-token route answered 404), and huggingface_hub uploads "
+                "through Xet whenever hf_xet is installed: set HF_HUB_DISABLE_XET=1 to upload over plain HTTP "
+                "(LFS) instead; the checkpoint is still on local disk")
     if description.startswith("HTTP 401"):
         return "set HF_TOKEN to a valid token that can write to the destination"
     if description.startswith(("HTTP 403", "HTTP 404")):

@@ -27,6 +27,17 @@ States::
 failure, ``now + allowance`` for a final push, none for the deadline itself. The job's stop (``StopJob``), the
 wait for its save and every push's deadline derive from it.
 
+**A push is provisional until its step's losses are read** (``ReadThrough``). Losses are read every
+``--check-every`` steps; a save made inside that window, reported at once, may come after the first non-finite loss
+that the window's read will show. While losses are being read (a ``ReadThrough`` came), a save of a step past the
+last one read finite is held, neither pushed nor secured, until its step is read (then it is taken as any save),
+a taint makes it suspect, or no more losses can come (the job's exit, a failure). A save whose tensors the agent saw
+non-finite (``CheckpointSeen.finite`` False) taints every save from its step on.
+
+**A push that cannot finish is not started.** Once a push was measured, a push whose estimate
+(``budget.MarginEstimator.secure_estimate_s``) exceeds the time left before its own deadline is not started
+(logged with both figures): killed at ``secure_by`` it would only have left the destination in doubt.
+
 **A taint in every state.** ``Tainted(N)``: every save at or after step N is suspect (``MarkSuspect``), never pushed,
 never secured; a running push of one is killed, a secured one is replaced by the newest good one secured before.
 
@@ -73,6 +84,7 @@ from guard.secure.events import (
     MarkSuspect,
     OutputDirKnown,
     Pusher,
+    ReadThrough,
     RequestSave,
     RunOver,
     SignalReceived,
@@ -192,6 +204,9 @@ class Plan:
         self._history: list[PushRecord] = []
         self._seen: list[CheckpointInfo] = []
         self._ignored: list[str] = []
+        self._read_through: int | None = None  # losses read finite through this step (every rank), None: none yet
+        self._held: list[tuple[CheckpointSeen, int]] = []  # saves past _read_through, with _reads when held
+        self._reads = 0  # ReadThrough events so far
 
     # -- the one entry ----------------------------------------------------------------------------------------
 
@@ -313,9 +328,26 @@ class Plan:
         return self._shortened(before, now)
 
     def _on_checkpoint(self, event: CheckpointSeen, now: float) -> list[Action]:
+        return self._checkpoint(event, now, hold=True)
+
+    def _checkpoint(self, event: CheckpointSeen, now: float, *, hold: bool) -> list[Action]:
+        """A save, held while provisional (``hold``; False: released, its step counts as read)."""
         info = event.info
+        if event.finite is False:
+            if info.step is None:
+                log.warning("checkpoint %s holds a tensor that is not finite: never pushed", info.path)
+                return []
+            log.warning("checkpoint %s (step %s) holds a tensor that is not finite: suspect from step %s on",
+                        info.path, info.step, info.step)
+            return self._on_taint(Tainted(info.step), now) + self._mark(info, why="saved at or after")
         if self._is_suspect(info):
             return self._mark(info, why="saved after")
+        if hold and self._provisional(info):
+            if all(not _same(info, held.info) for held, _ in self._held):
+                log.info("checkpoint %s (step %s): held until the losses through its step are read (read through "
+                         "step %s)", info.path, info.step, self._read_through)
+                self._held.append((event, self._reads))
+            return []
         newest = self._newest
         if newest is not None and (_step(info) < _step(newest) or _same(info, newest)):
             return []
@@ -344,6 +376,33 @@ class Plan:
         if self._state is State.SECURING:
             return self._secure_newest(now)
         return []
+
+    def _provisional(self, info: CheckpointInfo) -> bool:
+        """``info`` waits for its step's losses: losses are being read, not yet through its step, and more can
+        come (the job runs and has not failed)."""
+        return (not self._job_ended and self._failure_reason is None and self._read_through is not None
+                and info.step is not None and info.step > self._read_through)
+
+    def _on_read_through(self, event: ReadThrough, now: float) -> list[Action]:
+        """The losses were read finite through ``event.step``: the saves held up to it are taken, oldest first."""
+        self._reads += 1
+        self._read_through = max(event.step, self._read_through if self._read_through is not None else event.step)
+        through = self._read_through
+        # a read sent after the save covers it whatever its step's unit (a save named by samples or epochs): the
+        # second one since it was held (the first may be another rank's, behind)
+        return self._release(lambda held, reads: _step(held.info) <= through or self._reads - reads >= 2, now)
+
+    def _release(self, ready: Callable[[CheckpointSeen, int], bool], now: float) -> list[Action]:
+        """The held saves for which ``ready(event, reads when held)`` says so go through ``_on_checkpoint`` again,
+        oldest first."""
+        ripe = [held for held, reads in self._held if ready(held, reads)]
+        if not ripe:
+            return []
+        self._held = [(held, reads) for held, reads in self._held if not ready(held, reads)]
+        actions: list[Action] = []
+        for held in sorted(ripe, key=lambda held: _step(held.info)):
+            actions += self._checkpoint(held, now, hold=False)
+        return actions
 
     def _on_deadline_near(self, event: DeadlineNear, now: float) -> list[Action]:
         """The deadline is within the margin: ask for a fresh checkpoint (or secure the newest) before it. A job
@@ -385,7 +444,8 @@ class Plan:
         self._failure_reason = event.reason
         self._window_end = min(self._window_end, (now if event.at is None else min(now, event.at)) + self._grace_s)
         self._state = State.SECURING
-        return self._secure_newest(now)
+        held = self._release(lambda event, reads: True, now)  # no more losses will be read: the saves held go
+        return held + self._secure_newest(now)
 
     def _on_taint(self, event: Tainted, now: float) -> list[Action]:
         """The loss went non-finite at ``from_step``: in every state, every save at or after it is suspect."""
@@ -395,20 +455,22 @@ class Plan:
         self._bad_from_step = first
         log.warning("the loss went non-finite at step %d: checkpoints saved from then on are suspect", first)
         actions: list[Action] = []
-        for info in self._seen:
+        for info in self._seen + [held.info for held, _ in self._held]:
             if self._is_suspect(info):
                 actions += self._mark(info, why="saved after")
+        self._held = [(held, reads) for held, reads in self._held if not self._is_suspect(held.info)]
         if self._queued is not None and self._is_suspect(self._queued):
             self._queued = None
         if self._newest is not None and self._is_suspect(self._newest):
             self._newest = self._older_than(first)
-        if self._secured is not None and self._is_suspect(self._secured.info):
-            self._secured = self._good_secured(first)
+        restore = self._secured is not None and self._is_suspect(self._secured.info)
         running = self._push
         if running is not None and running.info is not None and self._is_suspect(running.info):
             actions += self._kill("suspect")
             if self._state is State.SECURING:
                 actions += self._secure_newest(now)
+        if restore:
+            actions += self._restore(now)
         if self._state is State.AWAITING_SAVE:
             # the save it waits for would be saved after the non-finite loss: secure the newest good one now
             log.warning("the checkpoint the guard asked for would be saved after the non-finite loss: securing the "
@@ -419,12 +481,20 @@ class Plan:
             self._unanswered = False
             self._state = State.SECURING
             actions += self._secure_newest(now)
-        return actions
+        # the read that found step ``first`` read the steps before it in its window: the saves held before it
+        if self._read_through is not None:
+            self._read_through = max(self._read_through, first - 1)
+        return actions + self._release(lambda event, reads: _step(event.info) < first, now)
 
     def _on_job_exit(self, event: JobExited, now: float) -> list[Action]:
         """The job's main process ended. Training complete (and no non-finite loss): ``PASS`` with its final
         push, whatever securing had begun; else what it saved is secured."""
         self._job_ended = True
+        # no more losses will be read: the saves held are taken (a taint read at the end came before the exit)
+        held = self._release(lambda event, reads: True, now)
+        return held + self._job_exit(event, now)
+
+    def _job_exit(self, event: JobExited, now: float) -> list[Action]:
         finished = event.ok and (event.complete or self._state is State.WATCHING) and self._bad_from_step is None
         if finished and self._trigger in (None, "deadline") and self._state is not State.FINAL_PUSH:
             return self._finished(event, now)
@@ -634,6 +704,25 @@ class Plan:
         good = self._good_secured(step)
         return good.info if good is not None else None
 
+    def _restore(self, now: float) -> list[Action]:
+        """The destination's record names a save from at or after the first non-finite loss: the newest good
+        checkpoint is pushed over it again (nothing counts as secured until that push ends well)."""
+        held = self._secured
+        self._secured = None
+        target = self._newest
+        log.warning("the destination holds %s, saved at or after the first non-finite loss: %s",
+                    held.info.path if held is not None and held.info is not None else "a suspect save",
+                    f"pushing {target.path} (step {target.step}) over it" if target is not None and self._pusher
+                    else "no older good checkpoint to put back; nothing counts as secured")
+        if self._pusher is None or target is None or self._push is not None:
+            return []
+        if self._state is State.WATCHING:
+            self._queued = None
+            return self._start("background", target, self._background_deadline(now), now)
+        if self._state is State.SECURING:
+            return self._secure_newest(now)
+        return []
+
     def _good_secured(self, step: int) -> PushRecord | None:
         """The newest verified push of a checkpoint saved before ``step`` (the resumed one included), or None."""
         candidates = [p for p in self._history if p.info is not None and p.kind != "final" and p.result is not None
@@ -690,7 +779,22 @@ class Plan:
                 running.kind = "securing"
                 return []
             actions += self._kill("superseded")
+        elif not self._fits(target, self.secure_by, now):
+            if self._job_ended:
+                self._state = State.DONE  # nothing newer will come
+            return []  # a newer, smaller save may still fit; secure_by ends the wait
         return actions + self._start("securing", target, self.secure_by, now)
+
+    def _fits(self, info: CheckpointInfo, deadline: float, now: float) -> bool:
+        """A push of ``info`` may start: no push was measured yet (the estimate is a guess), or its estimate fits
+        before ``deadline``. Logged when not."""
+        need_s = self._estimate_s(info)
+        if self._measured_push_s is None or need_s <= deadline - now:
+            return True
+        log.warning("not pushing %s (step %s): about %.1fs needed (measured pushes), %.1fs left; a push killed at "
+                    "the end of its window would leave the destination in doubt", info.path, info.step, need_s,
+                    max(0.0, deadline - now))
+        return False
 
     def _background_deadline(self, now: float) -> float:
         """A background push may take 3x its estimate plus a minute, and never past ``secure_by``."""
@@ -709,7 +813,9 @@ class Plan:
             # the push refuses it (Securer.push_checkpoint), and the newer save, reported on its own, is secured
             # under its own step. Secured under this one it named a step its content was not (the next run's
             # lower-step saves then replaced it as "newer"); after a NaN the rewrite holds the bad weights.
-            "saved_by_s": info.newest_mtime_s}, deadline)
+            "saved_by_s": info.newest_mtime_s,
+            # a snapshot's record names the folder the job saved in (guard.secure.snapshots)
+            **({"source": str(info.source)} if info.source is not None else {})}, deadline)
         self._push = PushRecord(kind, info, handle, now)
         self._history.append(self._push)
         return [StartPush(kind, str(info.path), info.step, deadline, estimate_s)]
@@ -756,9 +862,12 @@ class Plan:
             elif self._is_suspect(record.info):
                 log.warning("the push of %s ended, but it was saved after the first non-finite loss: not secured",
                             record.info.path if record.info else "?")
+                self._secured = record  # what the destination holds now, until _restore replaces it
+                restored = self._restore(now)
+                if restored:
+                    return restored
             else:
-                if self._secured is None or _step(record.info) >= _step(self._secured.info):
-                    self._secured = record
+                self._secured = record  # the destination's record now names it (its swap, its commit)
                 log.info("secured and verified: %s (step %s, %.1f MB in %.1fs)", result.pushed,
                          record.info.step if record.info else None, result.size_bytes / 1e6, result.elapsed_s)
         else:
@@ -795,7 +904,8 @@ class Plan:
 
 def _build_table() -> dict[tuple[State, type[Any]], Handler]:
     everywhere: dict[type[Any], Handler] = {
-        CheckpointSeen: Plan._on_checkpoint, Tainted: Plan._on_taint, Tick: Plan._on_tick,
+        CheckpointSeen: Plan._on_checkpoint, ReadThrough: Plan._on_read_through, Tainted: Plan._on_taint,
+        Tick: Plan._on_tick,
         RunOver: Plan._on_run_over, DeadlineMoved: Plan._on_deadline_moved, DestinationKnown: Plan._on_destination,
         OutputDirKnown: Plan._on_output_dir, AlreadySecured: Plan._on_already_secured,
         TrainingStarted: Plan._on_training_started, JobExited: Plan._on_job_exit,

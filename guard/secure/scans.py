@@ -27,7 +27,7 @@ from typing import Any
 
 from guard.core.helpers import Pending, Submitter
 from guard.errors import GuardError
-from guard.secure import checkpoints, layout
+from guard.secure import checkpoints, layout, snapshots
 from guard.secure.checkpoints import CheckpointInfo, StatFn
 
 __all__ = ["Disk", "FileSeen", "Port", "ReportSeen", "ScanAsked", "ScanFound"]
@@ -90,6 +90,8 @@ class ScanAsked:
         stable_for_s: the settle rule's time (0 after the job exited 0: nothing writes any more).
         waiting: ``(folder, reason)`` of reported folders some ranks' parts are missing from (skipped unless their
             layout says every rank wrote: ``checkpoints.newest_complete``'s ``waiting``).
+        parts: the job has several nodes, each with its own disk: a folder holding this node's part of a sharded
+            checkpoint is found (``CheckpointInfo.part``; ``checkpoints.newest_complete``'s ``parts``).
     """
 
     output_dir: str
@@ -103,6 +105,7 @@ class ScanAsked:
     world_size: int = 1
     waiting: tuple[tuple[str, str], ...] = ()
     stable_for_s: float = checkpoints.STABLE_FOR_S
+    parts: bool = False
 
 
 @dataclass(frozen=True)
@@ -165,6 +168,7 @@ class Disk:
         #: optimizer.bin, scheduler.bin, ...): automatic ``checkpoint_N`` counts saves, and a script's own ``step_N``
         #: may not go on from the resumed step (accelerate's complete_nlp_example after a resume mid-epoch)
         self.save_count_steps: dict[Path, int] = {}
+        self.snapshots = snapshots.Snapshots(stat)  # copies of the files saved in place faster than a push starts
 
     def scan(self, asked: ScanAsked) -> ScanFound:
         """Scan the output folder (``checkpoints.newest_complete``); raises OSError as it does."""
@@ -173,7 +177,8 @@ class Disk:
                                             steps={str(p): s for p, s in self.save_count_steps.items()},
                                             reported=set(asked.reported), loose=asked.loose,
                                             since_s=asked.since_s, resumed=asked.resumed,
-                                            world_size=asked.world_size, waiting=dict(asked.waiting))
+                                            world_size=asked.world_size, waiting=dict(asked.waiting),
+                                            parts=asked.parts)
         unchanged = {key(info): checkpoints.rewritten_after(info.folder, info.files, info.newest_mtime_s,
                                                             stat=self.stat) is None for info in asked.known}
         final_model = holds_files = None
@@ -229,12 +234,19 @@ class Disk:
         except GuardError as exc:
             return ReportSeen(path, describe_error=exc)
 
-    def file_saved(self, path: str, step: int | None, output_dir: str | None, rank: int | None = None) -> FileSeen:
+    def file_saved(self, path: str, step: int | None, output_dir: str | None, rank: int | None = None,
+                   signature: snapshots.Signature | None = None) -> FileSeen:
         """A file ``torch.save`` wrote: the output folder it names when ``output_dir`` is None
         (``layout.output_dir_of_save``), and its checkpoint (``checkpoints.SavedFiles``) when it lies in the output
         folder. A save into accelerate's ``checkpoint_N``/``step_N`` by rank 0 (``rank`` None or 0) records the
-        agent's ``step`` for that folder (N counts saves there, not steps)."""
+        agent's ``step`` for that folder (N counts saves there, not steps).
+
+        ``signature``: ``(size, mtime_ns, inode)`` the agent reported right after the save. A file that no longer
+        has it was saved again since (that save's report follows): no checkpoint. A file saved in place again
+        within ``snapshots.SNAPSHOT_BELOW_S`` is copied now and its checkpoint is the copy
+        (``snapshots.Snapshots.take``)."""
         where = Path(path)
+        wanted = self.snapshots.saved(Path(os.path.abspath(path)), step, signature)
         if _SAVE_COUNT_RE.fullmatch(where.parent.name) and isinstance(step, int) and rank in (None, 0):
             self.save_count_steps[where.parent.resolve()] = step
         named = None
@@ -244,7 +256,12 @@ class Disk:
                 named = output_dir = str(learnt)
         if output_dir is None or not where.resolve().is_relative_to(Path(output_dir).resolve()):
             return FileSeen(named)
-        return FileSeen(named, self.saved_files.add(where, step, stat=self.stat))
+        info = self.saved_files.add(where, step, stat=self.stat)
+        if info is None or not all(self.snapshots.current(info.folder / rel) for rel in info.files):
+            return FileSeen(named)  # gone, or saved again since: its newer save is reported on its own
+        if wanted:
+            info = self.snapshots.take(info)
+        return FileSeen(named, info)
 
     def describe(self, path: str, step: int | None) -> CheckpointInfo:
         """``checkpoints.describe`` through the seam's ``stat`` (a reported folder once every rank's part is in);

@@ -29,7 +29,7 @@ from guard.contract import RunResult, signal_name
 from guard.core.helpers import FS_HELPERS, Submitter
 from guard.core.state import Message, Outcome, RunState, died_after_training, incomplete_reason
 from guard.errors import GuardError
-from guard.secure import budget, checkpoints, layout, scans, worker
+from guard.secure import budget, checkpoints, layout, scans, snapshots, worker
 from guard.secure.cadence import PUSH_STALL_S, PUSH_TIME_FACTOR, background_interval_s
 from guard.secure.events import (
     Action,
@@ -46,6 +46,7 @@ from guard.secure.events import (
     MarkSuspect,
     OutputDirKnown,
     Pusher,
+    ReadThrough,
     RequestSave,
     RunOver,
     SignalReceived,
@@ -236,8 +237,10 @@ class Securing:
         self._save_logged = False
         self._training_seen = False
         self._signalled = False  # a signal was forwarded to the job: its end is no finished training
+        self.relayed = False  # many nodes: every rank already has another node's request (guard/run/relay.py)
         self.started_s: float | None = None  # the job's start (epoch s): older checkpoints are an earlier run's
         self.resumed_paths: set[str] = set()
+        self._not_finite: set[str] = set()  # paths (files and their folders) the agent saw saved with a bad tensor
         if deadline.deadline_s is not None:
             log.info("deadline: %s (%s from now; %s)", time.strftime("%Y-%m-%d %H:%M:%S %Z",
                      time.localtime(deadline.deadline_s)),
@@ -278,7 +281,10 @@ class Securing:
         now on."""
         self._fed.append(info)
         del self._fed[:-KNOWN_CHECKED]
-        self._feed(sup, CheckpointSeen(info, requested=requested), now)
+        bad = self._not_finite
+        finite = False if bad and (str(info.path) in bad or any(str(info.folder / rel) in bad for rel in info.files)) \
+            else None
+        self._feed(sup, CheckpointSeen(info, requested=requested, finite=finite), now)
 
     def _still_unchanged(self, info: checkpoints.CheckpointInfo) -> bool:
         """The plan's ``unchanged``, answered on the loop without a stat: False when a checkpoint fed later shares
@@ -472,6 +478,12 @@ class Securing:
                 sup.signal_job(action.signum)
 
     def _request_save(self, sup: JobLink) -> None:
+        # --- many nodes (guard/run/relay.py): another node's signal already asked every rank for one step ---
+        if self.relayed:
+            log.info("the job already saves at the step another node's guard asked for (a signal there); waiting "
+                     "for that save")
+            return
+        # --- end many nodes ---
         if sup.follows_node_0:
             self.follower = True
             log.info("node %s: node 0's guard asks for the checkpoint (through the job's store); waiting for the "
@@ -567,6 +579,11 @@ class Securing:
         if self.last_step_at is not None:
             self.estimator.observe_step(now - self.last_step_at)
         self.last_step_at = now
+        progress = sup.state.progress
+        if progress.loss_source == "agent" and progress.step is not None:
+            # this read was finite (only those are counted): the losses are read through the slowest rank's step
+            steps = sup.rank_steps()
+            self._feed(sup, ReadThrough(min(steps.values()) if steps else progress.step), now)
 
     def on_file_saved(self, sup: JobLink, message: Message) -> None:
         """The agent saw ``torch.save`` write a file (a loop that may never use the guard's API): complete (the call
@@ -575,6 +592,7 @@ class Securing:
         if not path:
             return
         self.port.submit(self.disk.file_saved, str(path), message.get("step"), self.output_dir, message.get("rank"),
+                         snapshots.signature_of(message),
                          apply=lambda seen, error: self._file_seen(message, seen, error))
         self._pump(sup, self.clock())
 
@@ -589,6 +607,13 @@ class Securing:
             self._feed(sup, OutputDirKnown(self.output_dir))
             log.info("output folder: %s (where the job saves with torch.save)", self.output_dir)
         info = seen.info
+        if message.get("finite") is False:  # the agent saw a tensor of it that is not finite (file_saved)
+            where = Path(str(message["path"]))
+            folder = {str(where.parent)} if self.output_dir is None or where.parent != Path(self.output_dir) else set()
+            self._not_finite |= {str(where), *folder} | (
+                {str(info.path), *(str(info.folder / rel) for rel in info.files)} if info is not None else set())
+            log.warning("the job saved %s with a tensor that is not finite (%s): never secured", where,
+                        message.get("bad_tensor") or "?")
         if info is None:
             return
         if message.get("save_s"):

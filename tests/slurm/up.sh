@@ -25,29 +25,8 @@ fail() { say "$*"; exit 1; }
 mkdir -p "$(dirname "$STATE")"
 touch "$STATE"
 
-if ! command -v slurmctld >/dev/null || ! command -v slurmd >/dev/null || ! command -v munged >/dev/null \
-        || ! command -v sbatch >/dev/null; then
-    command -v apt-get >/dev/null || fail "no apt-get: install slurm-wlm and munge by hand"
-    say "installing slurm-wlm munge"
-    DEBIAN_FRONTEND=noninteractive apt-get update -q >/dev/null || fail "apt-get update failed"
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -q slurm-wlm munge >/dev/null \
-        || fail "apt-get install slurm-wlm munge failed"
-fi
-
-# munge: a key, its folders owned by munge, the daemon running as munge.
-mkdir -p /etc/munge /var/lib/munge /var/log/munge /run/munge
-if [ ! -s /etc/munge/munge.key ]; then
-    dd if=/dev/urandom of=/etc/munge/munge.key bs=1024 count=1 status=none
-fi
-chown munge:munge /etc/munge /etc/munge/munge.key /var/lib/munge /var/log/munge /run/munge
-chmod 0400 /etc/munge/munge.key
-if ! munge -n 2>/dev/null | unmunge >/dev/null 2>&1; then
-    say "starting munged"
-    su -s /bin/sh munge -c /usr/sbin/munged
-    echo munged >> "$STATE"
-    for _ in $(seq 50); do munge -n 2>/dev/null | unmunge >/dev/null 2>&1 && break; sleep 0.1; done
-fi
-munge -n | unmunge | grep -q "STATUS: *Success" || fail "munge does not work (munge -n | unmunge)"
+# the packages and munge (shared by every cluster here: started only when it does not answer)
+. "$(dirname "$0")/common.sh"
 
 # slurm.conf for this host, unless someone else's is there.
 HOST=$(hostname)
@@ -59,30 +38,14 @@ if [ ! -f "$CONF" ] || head -n1 "$CONF" | grep -qF "$MARK"; then
 $MARK
 ClusterName=jobguard
 SlurmctldHost=$HOST
-AuthType=auth/munge
-AuthInfo=cred_expire=30
-CredType=cred/munge
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
-SlurmUser=root
-SlurmdUser=root
+$(common_conf)
 StateSaveLocation=/var/spool/slurmctld
 SlurmdSpoolDir=/var/spool/slurmd
 SlurmctldPidFile=/run/slurmctld.pid
 SlurmdPidFile=/run/slurmd.pid
 SlurmctldLogFile=/var/log/slurm/slurmctld.log
 SlurmdLogFile=/var/log/slurm/slurmd.log
-SchedulerType=sched/backfill
-SchedulerParameters=sched_interval=5,bf_interval=5
-SelectType=select/cons_tres
-SelectTypeParameters=CR_Core
-AccountingStorageType=accounting_storage/none
-JobCompType=jobcomp/none
-JobAcctGatherType=jobacct_gather/none
-ReturnToService=2
-JobRequeue=1
 KillWait=30
-MinJobAge=300
 NodeName=$HOST CPUs=$CPUS RealMemory=$MEM_MB State=UNKNOWN
 PartitionName=debug Nodes=$HOST Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
 CONF
@@ -105,7 +68,7 @@ if ! scontrol ping 2>/dev/null | grep -q "is UP"; then
     for _ in $(seq 100); do scontrol ping 2>/dev/null | grep -q "is UP" && break; sleep 0.2; done
 fi
 scontrol ping | grep -q "is UP" || fail "slurmctld does not answer (see /var/log/slurm/slurmctld.log)"
-if ! pgrep -x slurmd >/dev/null; then
+if ! { [ -s /run/slurmd.pid ] && kill -0 "$(cat /run/slurmd.pid)" 2>/dev/null; }; then  # its own (up2.sh's differ)
     say "starting slurmd"
     slurmd
     echo slurmd >> "$STATE"

@@ -413,8 +413,14 @@ class Agent:
         self.saved_paths.add(os.path.realpath(path))
         if self.trainer or self.api_used & {"should_checkpoint", "checkpoint_saved"}:
             return  # the script reports its own checkpoints: a file of one is not a checkpoint yet
-        self.send({"t": "file_saved", "path": os.path.abspath(path), "step": self.watch.step,
-                   "save_s": round(save_s, 3)})
+        message: dict[str, Any] = {"t": "file_saved", "path": os.path.abspath(path), "step": self.watch.step,
+                                   "save_s": round(save_s, 3)}
+        try:  # the save's signature: the guard holds its copy of the file to exactly this save
+            st = os.stat(path)
+            message.update(size=st.st_size, mtime_ns=st.st_mtime_ns, inode=st.st_ino)
+        except OSError:
+            pass
+        self.send(message)
         self._probe_sigterm_handler()
 
     def end_process(self) -> None:

@@ -7,6 +7,11 @@ store every ``check_every`` steps (``Store.check``, a non-blocking round trip) a
 ranks save at the same step and collective saves do not deadlock. Without an initialized process group, or when
 the store cannot be reached, nothing happens here and each machine's guard asks its own ranks.
 
+A termination signal that reaches one node only (a spot node reclaimed, one pod evicted) takes the same path the
+other way: that node's guard sends its ranks a request with ``origin`` (its node) and ``signal``, which they publish;
+every rank adopts it, and the agents of the other nodes tell their guard (``relayed``), which then handles the
+signal as if it had received it: every node saves at one step, stops, and says the same.
+
 Rank 0's ``store.set`` runs on a thread of its own (``guard-relay``), never on the agent's reader thread: a store
 that hangs (its host gone, a network partition) must not keep ``stop`` and ``dump`` from being read. The key
 carries the elastic restart (``TORCHELASTIC_RESTART_COUNT``, set by torchrun for each attempt): after a restart
@@ -84,8 +89,8 @@ class DistRelay:
     def publish(self, request: dict[str, Any]) -> None:
         """On global rank 0: put the guard's request where every rank will see it. Returns at once: the write
         runs on the relay's own thread (called from the agent's reader thread, which must go on reading)."""
-        if self.store is None or self.rank != 0:
-            return
+        if self.store is None or (self.rank != 0 and request.get("origin") is None):
+            return  # rank 0 relays node 0's requests; any rank one its own node's guard sent for a signal there
         self._outbox.put(json.dumps(request))
         if self._writer is None:
             self._writer = threading.Thread(target=self._write_forever, name="guard-relay", daemon=True)
@@ -123,3 +128,6 @@ class DistRelay:
             return
         self.handled.add(marker)
         self.agent.checkpoint_request = request
+        if request.get("signal"):  # another node's guard got a termination signal: this node's guard must know
+            self.agent.send({"t": "relayed", "signal": request["signal"], "origin": request.get("origin"),
+                             "at_step": request.get("at_step")})

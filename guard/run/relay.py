@@ -1,0 +1,95 @@
+"""A termination signal on one node of many, handled on every node through the job's own store.
+
+A spot node reclaimed or one pod evicted signals one node's guard only. Forwarded there at once, the signal would
+kill that node's ranks mid-step and leave every other node's ranks with a connection reset (a crash, in another
+story). Instead, when this node's ranks share the job's store (``LoopLink.follows_node_0``) and answer checkpoint
+requests, its guard asks them to save at one step ahead of every rank and stop, with ``origin`` and ``signal`` in
+the request: they publish it in the store (``guard.inside.agent._dist``), every rank of the job adopts it, and the
+other nodes' agents tell their guards (``relayed``), which handle the signal as if they had received it. Each node
+stops its job at half the grace at the latest, so the VERDICT still comes within the grace.
+
+With a shared output folder, node 0's guard secures the one checkpoint every node wrote into it: the other nodes'
+guards take its word for it (``agree_with_node_0``), so that every node's VERDICT says the same ``secured=`` and
+exit code (75 on all when it is secured).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import signal
+import time
+
+from guard.contract import ExitCode, RunResult, signal_name
+from guard.run.joblink import LoopLink
+from guard.secure.sharing import SECURED_KEYS, await_secured, post_secured
+
+__all__ = ["agree_with_node_0", "relay_signal", "relayed_signal"]
+
+log = logging.getLogger("guard.relay")
+
+
+def relay_signal(link: LoopLink, signum: int, now: float) -> bool:
+    """Ask every rank of the job, through this node's ranks and the store, to save one step ahead and stop, for
+    ``signum`` received here; the stop here comes at half the grace unless the job ends first. Returns False (and
+    does nothing) on node 0 (it decides for every node anyway), without a store, or when the job does not answer
+    checkpoint requests."""
+    if not link.follows_node_0 or not link.state.facts.answers_checkpoints:
+        return False
+    ahead = (link.newest_rank_step() or 0) + 2 * link.check_every + 2
+    request = {"t": "checkpoint", "stop": True, "at_step": ahead, "origin": link.node_rank,
+               "signal": signal_name(signum)}
+    if not link.broadcast(request):
+        return False
+    grace_s = link.settings.grace_s
+    log.warning("%s received on node %s: every rank of the job saves at step %d and stops (through the job's "
+                "store); stopping this node's job in %.0fs at the latest", signal_name(signum), link.node_rank, ahead,
+                grace_s / 2)
+    link.stop_job_at(now + grace_s / 2, grace_s / 2)
+    return True
+
+
+def relayed_signal(message: dict[str, object]) -> int | None:
+    """The signal number of a ``relayed`` message, or None when it names none this machine knows."""
+    name = str(message.get("signal") or "")
+    try:
+        return int(signal.Signals[name])
+    except KeyError:
+        return None
+
+
+#: The longest a node waits at its end for node 0's word on what it secured (seconds); never past half the grace,
+#: nor closer than 5 s to the deadline.
+AGREE_WAIT_S = 15.0
+
+
+def agree_with_node_0(result: RunResult, *, shared: bool | None, output_dir: str | None, run_id: str,
+                      node_rank: int, deadline_s: float | None, grace_s: float) -> None:
+    """A stopped run (``TIMEOUT``/``INTERRUPTED``) on a shared output folder (``guard.secure.sharing``): node 0
+    posts what it secured, when it did; another node waits for it (``AGREE_WAIT_S`` at most, within half the grace
+    and 5 s before the deadline) and, when node 0 secured the checkpoint with the same status, says so too
+    (``secured=yes``, ``pushed=``, exit 75). Nothing happens on a folder per node (each secures its own part, or
+    none does) nor on other outcomes."""
+    if shared is not True or not output_dir or result.status not in ("TIMEOUT", "INTERRUPTED"):
+        return
+    if node_rank == 0:
+        if result.extra.get("secured") == "yes":  # else the others' own VERDICT (secured=no) already agrees
+            post_secured(output_dir, run_id, result.status, result.exit_code, result.extra)
+        return
+    if result.extra.get("secured") == "yes":
+        return
+    left_s = deadline_s - time.time() - 5.0 if deadline_s is not None else math.inf
+    wait_s = max(0.0, min(AGREE_WAIT_S, grace_s / 2, left_s))
+    found = await_secured(output_dir, run_id, wait_s=wait_s)
+    if found is None:
+        log.info("node 0's guard said nothing of what it secured within %.0fs: this node's VERDICT stands", wait_s)
+        return
+    if found.get("secured") != "yes" or found.get("status") != result.status:
+        log.info("node 0's guard: %s secured=%s: this node's VERDICT stands", found.get("status"),
+                 found.get("secured"))
+        return
+    result.exit_code = int(ExitCode.SECURED)
+    result.extra.update({key: found[key] for key in SECURED_KEYS if key in found})
+    result.hint = (f"node 0's guard secured the checkpoint of the shared output folder ({found.get('pushed')}): "
+                   "the next run resumes from it (--resume)")
+    log.info("node 0's guard secured %s: this node says the same", found.get("pushed"))

@@ -1,0 +1,1 @@
+"""Destinations of secured checkpoints: one ``Store`` protocol (``base``), one module per store."""

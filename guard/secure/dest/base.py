@@ -1,0 +1,210 @@
+"""One interface for every destination (a folder, a Hub repo, an S3 bucket): what securing needs, nothing more.
+
+A destination is a :class:`Store`. Securing a checkpoint is two moves, and the second one is the record:
+
+1. **put** (``Store.put_part``): one node's files of one checkpoint go to a staging place of their own at the
+   destination (never where the record points), each verified there by size and SHA-256; then the node's
+   :class:`PartManifest` (run id, step, node k of n, files, sizes, sha256) is written beside them, and only then.
+   Killed at any point, a put leaves the record as it was.
+2. **record** (``Store.write_record``): once every node's part of that step of this run is there (``Store.parts``)
+   and the format's own completeness rule is met by their union (the caller checks it), the record
+   (``DEST/last-checkpoint``) moves once, atomically and conditionally: a folder swap, one Hub commit, one
+   conditional S3 write. Two writers never interleave it; a record never moves back to an older step of the same
+   run except through ``restore_record``.
+
+The securing plan decides when each move happens (a push is provisional until its step's losses are read); the
+stores know nothing of the plan. Every verb is given a ``deadline`` (monotonic seconds) and raises
+:class:`DestinationError` (or a subclass) when it cannot finish; :class:`TransientDestinationError` means "the
+same call may succeed if tried again" (a reset, a timeout, 408/429/5xx, S3's 503 SlowDown): only the caller
+(``guard.secure.securer``) decides about retrying. Progress is one callback, ``(bytes_done, bytes_total)``, the
+same for every store.
+
+Everything here is plain data and a ``typing.Protocol``: this module imports the standard library only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import ClassVar, Protocol
+
+__all__ = [
+    "CHECKPOINT_FOLDER",
+    "MANIFEST_NAME",
+    "FetchedCheckpoint",
+    "FileSum",
+    "FinalPushed",
+    "PartManifest",
+    "Progress",
+    "Record",
+    "Store",
+    "Taint",
+]
+
+#: The record's name at every destination (the folder swapped in, the Hub path, the S3 record's stem).
+CHECKPOINT_FOLDER = "last-checkpoint"
+#: The manifest the guard writes into a secured checkpoint (step, run id, each file's size and sha256).
+MANIFEST_NAME = "guard_manifest.json"
+
+#: ``(bytes_done, bytes_total)``: called as a transfer moves (from the transfer's own thread; must return at once).
+Progress = Callable[[int, int], None]
+
+
+@dataclass(frozen=True)
+class FileSum:
+    """One file as verified: its size in bytes and its SHA-256 (lowercase hex)."""
+
+    size_bytes: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class PartManifest:
+    """One node's part of one checkpoint, written at the destination after every one of its files was verified
+    there.
+
+    Attributes:
+        run_id: the run that saved it (``SecureSettings.run_id``: the same on every node of a job).
+        step: the checkpoint's training step (optimizer steps).
+        node_rank: this node's index, ``0 <= node_rank < nodes``.
+        nodes: how many nodes the job has.
+        files: ``{relative path: FileSum}``, paths relative to the checkpoint folder (posix).
+        written_at_s: when the manifest was written (epoch seconds, the writer's clock).
+        place: where the checkpoint lay relative to the job's output folder (``"checkpoint-20"``, ``"."``), or None.
+        source: the job's output folder (relative to its working folder when inside it), or None.
+        requires: what the checkpoint's format says the whole checkpoint must hold, as far as this node can tell
+            (``{relative path: least size in bytes}``: the files a DCP ``.metadata`` names with ``offset + length``,
+            every data-parallel rank's DeepSpeed ZeRO file, every rank's ``rng_state_<r>.pth``); the record is
+            written only when the union of every node's ``files`` holds all of every part's ``requires``.
+    """
+
+    run_id: str
+    step: int
+    node_rank: int
+    nodes: int
+    files: Mapping[str, FileSum]
+    written_at_s: float
+    place: str | None = None
+    source: str | None = None
+    requires: Mapping[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Record:
+    """What ``DEST/last-checkpoint`` names: the secured checkpoint.
+
+    Attributes:
+        step: its training step; None when the destination does not say (written by something else).
+        run_id: the run that secured it; None for a record of an older guard (or none at all).
+        files: ``{relative path: FileSum}`` of every file of it (every node's part); empty when not recorded.
+        revision: what to fetch: the Hub commit id of the record, the folder's path, the S3 record's ETag.
+        nodes: how many nodes' parts it unites (1 on one node).
+        place: where it lay relative to the job's output folder (``"checkpoint-20"``; ``"."``: loose files at its top).
+        source: the job's output folder it came from, or None.
+        restored_from: the step of the record it replaced when a taint moved it back, else None.
+    """
+
+    step: int | None
+    run_id: str | None
+    files: Mapping[str, FileSum]
+    revision: str
+    nodes: int = 1
+    place: str | None = None
+    source: str | None = None
+    restored_from: int | None = None
+
+
+@dataclass(frozen=True)
+class Taint:
+    """A run's first non-finite step (loss, gradient norm or saved weights), recorded at the destination and beside
+    the output folder: no checkpoint of ``run_id`` at or after ``first_step`` is ever secured or resumed from."""
+
+    run_id: str
+    first_step: int
+    witness: str = "loss"  # "loss", "grad_norm", "weights"
+    recorded_at_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class FetchedCheckpoint:
+    """A verified copy of the record's checkpoint placed where the job looks for it (``path``)."""
+
+    path: Path
+    step: int
+    revision: str
+    files: tuple[str, ...]
+    size_bytes: int
+
+
+@dataclass(frozen=True)
+class FinalPushed:
+    """The final model's files at the destination's root, verified: ``revision`` as in :class:`Record`."""
+
+    revision: str
+    files: Mapping[str, FileSum] = field(default_factory=dict)
+
+
+class Store(Protocol):
+    """A destination. Each verb is bounded by ``deadline`` (monotonic seconds) and raises
+    ``guard.errors.DestinationError`` (``TransientDestinationError`` when a retry may succeed).
+
+    ``kind`` is ``"folder"``, ``"hub"`` or ``"s3"``; ``str(store)`` is its canonical ``--push-to`` form.
+    """
+
+    kind: ClassVar[str]
+
+    def probe(self, *, deadline: float) -> None:
+        """Preflight: the destination is reachable, exists (or can be created) and this identity can write and
+        delete there (a probe object written and removed). Raises with a hint saying what to do."""
+        ...
+
+    def put_part(self, local_dir: Path, files: Sequence[str], *, run_id: str, step: int, node_rank: int,
+                 nodes: int, place: str | None, source: str | None, deadline: float,
+                 progress: Progress | None = None) -> PartManifest:
+        """Upload ``files`` (relative to ``local_dir``) to this step's staging place, verify each one there (size
+        and SHA-256), then write and return the node's manifest. Never touches what the record names."""
+        ...
+
+    def parts(self, *, run_id: str, step: int, deadline: float) -> list[PartManifest]:
+        """The node manifests of ``run_id``'s checkpoint ``step`` present at the destination (any order)."""
+        ...
+
+    def write_record(self, parts: Sequence[PartManifest], *, deadline: float) -> Record:
+        """Make the checkpoint made of ``parts`` (one per node, all of one run and step) the record, atomically and
+        only if the current record is not already this step or a newer one of the same run; returns the record
+        now in place (which may be another writer's of the same checkpoint: that is success too). Staging places
+        of older steps of this run may be removed afterwards."""
+        ...
+
+    def read_record(self, *, deadline: float) -> Record | None:
+        """The current record, or None when nothing is secured there."""
+        ...
+
+    def restore_record(self, record: Record, *, deadline: float) -> Record:
+        """Move the record back to ``record`` (an older one this run secured, still at the destination): after a
+        taint reached a checkpoint already recorded."""
+        ...
+
+    def fetch(self, record: Record, into: Path, *, deadline: float) -> FetchedCheckpoint:
+        """Download the checkpoint ``record`` names into ``into`` (at ``record.place``), every file verified
+        against the record; a differing local copy is moved aside, never deleted."""
+        ...
+
+    def put_final(self, local_dir: Path, files: Sequence[str], *, deadline: float,
+                  progress: Progress | None = None) -> FinalPushed:
+        """The final model's files at the destination's root, verified (never a mix of two models)."""
+        ...
+
+    def write_taint(self, taint: Taint, *, deadline: float) -> None:
+        """Record ``taint`` at the destination (kept beside the record; several runs' taints may be there)."""
+        ...
+
+    def taints(self, *, deadline: float) -> list[Taint]:
+        """Every taint recorded at the destination."""
+        ...
+
+    def discard(self, *, run_id: str, step: int | None, deadline: float) -> None:
+        """Remove ``run_id``'s staging places (``step`` None: all of them) that no record names: what a killed
+        put left behind."""
+        ...

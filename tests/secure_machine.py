@@ -1,0 +1,346 @@
+"""A hypothesis state machine over the REAL securing code (``guard.secure.securing.Securing`` and its plan, scans
+and snapshots) with a REAL folder destination (``guard.secure.hub.Securer`` writing ``DEST/last-checkpoint``) and
+real files in a real output folder; only the clock, the loop (``fakes.FakeLink``) and the worker process are
+stood in for (the push runs in-process when its fake duration is over, or hangs, or fails).
+
+A fake job trains step by step: each step's loss is finite, NaN or inf (once not finite, every later one is, and
+its weights are not finite from that step on); its losses are read every ``CHECK_EVERY`` steps (the agent's
+window: a save inside it is reported before its losses are read), or at a read point. It saves a checkpoint folder
+(``checkpoint-N/model.bin``), a file in place (``ckpt.pt``, the nanoGPT pattern) or a new file per step; it rotates
+its folders; its weights go non-finite under a finite loss (the agent's check says so in ``file_saved``). Each
+saved file's bytes say which run and step saved it and whether its weights were finite.
+
+After every step the destination is read **on the bytes**: ``DEST/last-checkpoint`` is absent or holds a whole
+save of this run (every file as its manifest says, size and sha256), made before the first non-finite loss, with
+finite weights. When the run ends (the job's exit, a deadline, a signal), ``Securing.finish`` fills the VERDICT's
+fields and they must name what the destination holds: ``secured=no`` (or no push) with nothing recorded, else the
+recorded step is the one ``secured_step`` names.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import signal
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from fakes import FakeClock, FakeLink, FakeResult, InlineFs
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from guard.contract import RunResult
+from guard.core.state import Outcome
+from guard.errors import GuardError
+from guard.secure import hub
+from guard.secure.budget import Deadline, MarginEstimator
+from guard.secure.securing import Securing
+
+RUN = "run-under-test"
+CHECK_EVERY = 4
+WALL_START = 1_700_000_000.0
+CLOCK_START = 1000.0
+FILE_BYTES = 4096
+
+
+class InlineHandle:
+    """A push run in this process by the real ``Securer`` once ``duration_s`` of the fake clock passed (``mode``
+    ``ok``), or failing then (``fail``), or never ending until killed (``hang``)."""
+
+    def __init__(self, pusher: InlinePusher, op: str, args: dict[str, Any], deadline: float, mode: str,
+                 duration_s: float) -> None:
+        self.pusher, self.op, self.args, self.deadline, self.mode = pusher, op, args, deadline, mode
+        self.started = pusher.clock()
+        self.duration_s = duration_s
+        self.result: FakeResult | None = None
+
+    @property
+    def progress_at(self) -> float:
+        return self.started if self.mode == "hang" else self.pusher.clock()
+
+    def poll(self) -> FakeResult | None:
+        if self.result is not None:
+            return self.result
+        now = self.pusher.clock()
+        if self.mode != "hang" and now >= self.started + self.duration_s:
+            self.result = self._run(now)
+            return self.result
+        if now >= self.deadline:
+            return self.kill("deadline")
+        return None
+
+    def _run(self, now: float) -> FakeResult:
+        elapsed = now - self.started
+        if self.mode == "fail":
+            return FakeResult(self.op, False, error=f"{self.op}: HTTP 503", error_type="PushFailedError",
+                              elapsed_s=elapsed)
+        securer = hub.Securer(str(self.pusher.dest))
+        try:
+            if self.op == "push_final":
+                pushed = securer.push_final(self.args["output_dir"], files=self.args.get("files"), deadline=1e18)
+            else:
+                args = {k: v for k, v in self.args.items() if k in ("local_dir", "step", "files", "saved_by_s",
+                                                                   "source")}
+                pushed = securer.push_checkpoint(**args, deadline=1e18)
+        except GuardError as exc:
+            return FakeResult(self.op, False, error=exc.message, error_type=type(exc).__name__, elapsed_s=elapsed)
+        return FakeResult(self.op, True, int(pushed.size_bytes), elapsed, step=self.args.get("step"),
+                          files=tuple(pushed.files), destination=str(self.pusher.dest), revision=pushed.revision)
+
+    def kill(self, why: str = "killed") -> FakeResult:
+        if self.result is None:
+            self.result = FakeResult(self.op, False, error=f"{self.op} killed", error_type=why,
+                                     elapsed_s=self.pusher.clock() - self.started)
+        return self.result
+
+
+class InlinePusher:
+    """``events.Pusher`` for the machine: the next push's ``mode`` and ``duration_s`` are the machine's to set."""
+
+    def __init__(self, clock: FakeClock, dest: Path) -> None:
+        self.clock, self.dest = clock, dest
+        self.next_mode, self.next_duration_s = "ok", 1.0
+        self.started: list[InlineHandle] = []
+
+    def start(self, op: str, args: dict[str, Any], deadline: float) -> InlineHandle:
+        handle = InlineHandle(self, op, dict(args), deadline, self.next_mode, self.next_duration_s)
+        self.next_mode, self.next_duration_s = "ok", 1.0
+        self.started.append(handle)
+        return handle
+
+
+def content(step: int, finite: bool, salt: int) -> bytes:
+    """A saved file's bytes: which run and step saved it, whether its weights were finite."""
+    head = json.dumps({"run": RUN, "step": step, "finite": finite, "salt": salt}).encode() + b"\n"
+    return head + b"w" * (FILE_BYTES - len(head))
+
+
+def parse(data: bytes) -> dict[str, Any]:
+    return dict(json.loads(data.split(b"\n", 1)[0]))
+
+
+def recorded(dest: Path) -> tuple[int | None, list[dict[str, Any]]] | None:
+    """What ``DEST/last-checkpoint`` holds: the manifest's step and each model file's header, every file checked
+    against the manifest (size, sha256); None when there is no record."""
+    folder = dest / "last-checkpoint"
+    if not folder.is_dir():
+        return None
+    manifest = json.loads((folder / "guard_manifest.json").read_text())
+    heads = []
+    for rel, meta in manifest["files"].items():
+        data = (folder / rel).read_bytes()
+        assert len(data) == meta["size"] and hashlib.sha256(data).hexdigest() == meta["sha256"], \
+            f"{rel} at the destination is not what its manifest says"
+        heads.append(parse(data))
+    return manifest.get("step"), heads
+
+
+class SecureMachine(RuleBasedStateMachine):
+    """The real securing code, a real folder destination, a fake job (see the module docstring)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.root = Path(tempfile.mkdtemp(prefix="secure-machine-"))
+
+    @initialize(timeout_s=st.sampled_from([None, 60.0, 200.0]), background=st.booleans())
+    def start(self, timeout_s: float | None, background: bool) -> None:
+        self.out, self.dest = self.root / "out", self.root / "dest"
+        self.out.mkdir()
+        self.clock = FakeClock(CLOCK_START)
+        self.pusher = InlinePusher(self.clock, self.dest)
+        deadline = (Deadline(WALL_START, timeout_s, WALL_START + timeout_s, "--timeout") if timeout_s
+                    else Deadline(WALL_START, None, None, "none"))
+        securer = hub.Securer(str(self.dest))
+        self.securing = Securing(deadline=deadline, estimator=MarginEstimator(log_changes=False), securer=securer,
+                                 output_dir=str(self.out), clock=self.clock,
+                                 wall=lambda: WALL_START + (self.clock.now - CLOCK_START), grace_s=20.0,
+                                 background=background, push_interval_s=0.0,
+                                 pusher_factory=lambda dest, token: self.pusher, fs=InlineFs())
+        self.link = FakeLink(check_every=CHECK_EVERY)
+        self.link.state.facts.api_used.add("checkpoint_saved")
+        self.securing.before_start(WALL_START - 1.0)
+        self.step = 0
+        self.pending: list[tuple[int, float]] = []  # losses not read yet
+        self.first_bad: int | None = None  # the first non-finite loss (read or not)
+        self.weights_bad_from: int | None = None
+        self.saves: dict[int, bool] = {}  # step -> its weights were finite
+        self.salt = 0
+        self.exited = False
+        self.ended = False
+
+    # -- the job ---------------------------------------------------------------------------------------------
+
+    def _weights_finite(self) -> bool:
+        return self.weights_bad_from is None or self.step < self.weights_bad_from
+
+    @precondition(lambda self: not self.exited)
+    @rule(n=st.integers(1, 6), bad=st.sampled_from([None, None, "nan", "inf"]))
+    def train(self, n: int, bad: str | None) -> None:
+        """``n`` steps; with ``bad``, the last one's loss is not finite (and every later one)."""
+        for i in range(n):
+            self.step += 1
+            value = 1.0 / self.step
+            if bad is not None and i == n - 1 and self.first_bad is None:
+                self.first_bad = self.step
+            if self.first_bad is not None or (self.weights_bad_from is not None and self.step > self.weights_bad_from):
+                value = float("nan") if bad != "inf" else float("inf")
+                self.first_bad = self.step if self.first_bad is None else self.first_bad
+                if self.weights_bad_from is None:
+                    self.weights_bad_from = self.step
+            self.pending.append((self.step, value))
+            if len(self.pending) >= CHECK_EVERY:
+                self.read_losses()
+                if self.exited:
+                    return
+
+    @precondition(lambda self: not self.exited and self.first_bad is None and self.weights_bad_from is None)
+    @rule()
+    def weights_go_bad(self) -> None:
+        """The update of this step made the weights non-finite under a finite loss (ModernBERT #233); the next
+        loss is NaN."""
+        self.weights_bad_from = self.step
+
+    @precondition(lambda self: not self.exited)
+    @rule()
+    def read_losses(self) -> None:
+        """The agent reads its window (every ``CHECK_EVERY`` steps, or at a read point)."""
+        if not self.pending:
+            return
+        window, self.pending = self.pending, []
+        bad = next((step for step, value in window if value != value or abs(value) == float("inf")), None)
+        link, now = self.link, self.clock()
+        if bad is None:
+            last = window[-1][0]
+            link.state.progress.step, link.state.progress.loss = last, window[-1][1]
+            link.state.progress.loss_source = "agent"
+            link.ranks = {0: last}
+            self.securing.on_step(link, now)
+            return
+        if link.state.outcome is None:
+            link.state.progress.step = bad
+            outcome = Outcome("FAIL", "non_finite_loss", 4)
+            link.decide(outcome)
+            self.securing.on_decided(link, outcome)
+            self.job_exit(code=-signal.SIGTERM)  # the guard stops the job
+        else:
+            self.securing.on_taint(link, bad)
+
+    def _report_file(self, path: Path, finite: bool) -> None:
+        st_ = path.stat()
+        self.securing.on_file_saved(self.link, {"t": "file_saved", "path": str(path), "step": self.step,
+                                                "rank": 0, "size": st_.st_size, "mtime_ns": st_.st_mtime_ns,
+                                                "inode": st_.st_ino, "finite": finite,
+                                                "bad_tensor": None if finite else "layer.weight"})
+
+    @precondition(lambda self: not self.exited and self.step > 0)
+    @rule(how=st.sampled_from(["folder", "folder", "in_place", "new_file"]), read_first=st.booleans(),
+          requested=st.booleans())
+    def save(self, how: str, read_first: bool, requested: bool) -> None:
+        """A save; ``read_first``: the agent reads the pending losses first (a save as a read point)."""
+        if read_first:
+            self.read_losses()
+            if self.exited:
+                return
+        finite = self._weights_finite()
+        self.salt += 1
+        self.saves[self.step] = finite
+        data = content(self.step, finite, self.salt)
+        if how == "folder":
+            folder = self.out / f"checkpoint-{self.step}"
+            folder.mkdir(exist_ok=True)
+            (folder / "model.bin").write_bytes(data)
+            self._report_file(folder / "model.bin", finite)
+            self.securing.on_checkpoint_saved(self.link, {"t": "checkpoint_saved", "path": str(folder),
+                                                          "step": self.step, "rank": 0, "zero": True,
+                                                          "requested": bool(self.link.sent) and requested})
+        else:
+            path = self.out / ("ckpt.pt" if how == "in_place" else f"ckpt-{self.step}.pt")
+            tmp = path.with_suffix(".tmp")
+            tmp.write_bytes(data)
+            tmp.replace(path)
+            self._report_file(path, finite)
+
+    @precondition(lambda self: not self.exited)
+    @rule()
+    def rotate(self) -> None:
+        """The job deletes its oldest checkpoint folder but the newest two (``save_total_limit=2``)."""
+        folders = sorted(self.out.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
+        for folder in folders[:-2]:
+            shutil.rmtree(folder)
+
+    @rule(mode=st.sampled_from(["ok", "ok", "fail", "hang"]), duration_s=st.sampled_from([0.5, 3.0, 15.0]))
+    def next_push(self, mode: str, duration_s: float) -> None:
+        """The next push succeeds, fails or hangs, and takes ``duration_s``."""
+        self.pusher.next_mode, self.pusher.next_duration_s = mode, duration_s
+
+    @precondition(lambda self: not self.ended)
+    @rule(dt=st.sampled_from([0.3, 1.0, 4.0, 12.0]))
+    def tick(self, dt: float) -> None:
+        self.clock.advance(dt)
+        self.securing.tick(self.link, self.clock())
+        if self.link.sent and not self.exited and self.link.state.outcome is not None \
+                and self.clock() >= min((at for at, _ in self.link.stops), default=float("inf")):
+            self.job_exit(code=-signal.SIGTERM)  # the stop the guard set came
+
+    @precondition(lambda self: not self.exited and not self.ended and self.step >= 4)
+    @rule()
+    def sigterm(self) -> None:
+        self.securing.on_signal(self.link, signal.SIGTERM, self.clock())
+
+    @precondition(lambda self: not self.exited and self.step >= 6)
+    @rule(code=st.sampled_from([0, 0, 1, -9]))
+    def job_exit(self, code: int) -> None:
+        self.exited = True
+        self.link.exit(code)
+        if code == 0 and self.link.state.outcome is None:
+            self.link.state.facts.train_end = None
+        self.securing.on_job_exit(self.link, self.clock())
+
+    @precondition(lambda self: not self.ended and self.step >= 8)
+    @rule()
+    def end(self) -> None:
+        """The run ends: the loop turns until securing is over (or the deadline passed), then the VERDICT."""
+        if not self.exited:
+            self.job_exit(code=-signal.SIGTERM if self.link.state.outcome is not None else 0)
+        for _ in range(400):
+            if not self.securing.busy():
+                break
+            self.clock.advance(0.5)
+            self.securing.tick(self.link, self.clock())
+        outcome = self.link.state.outcome
+        result = RunResult(outcome.status if outcome else "PASS", outcome.reason if outcome else "ok",
+                           outcome.exit_code if outcome else 0, step=self.step)
+        self.securing.finish(result, step=self.step)
+        self.ended = True
+        held = recorded(self.dest)
+        secured = result.extra.get("secured")
+        push = result.details.get("push")
+        if held is None:
+            assert secured != "yes" and push is None, f"VERDICT secured={secured} {push}, nothing at DEST"
+        else:
+            step, _ = held
+            assert push is not None and push.get("step") == step, \
+                f"DEST/last-checkpoint holds step {step}; the VERDICT names {push and push.get('step')}"
+
+    # -- what the destination holds, after every step ------------------------------------------------------------
+
+    @invariant()
+    def destination_holds_a_good_save(self) -> None:
+        if not hasattr(self, "dest"):
+            return
+        held = recorded(self.dest)
+        if held is None:
+            return
+        step, heads = held
+        for head in heads:
+            assert head["run"] == RUN
+            assert head["finite"], f"DEST/last-checkpoint (step {step}) holds weights that are not finite"
+            if self.first_bad is not None:
+                assert head["step"] < self.first_bad, (
+                    f"DEST/last-checkpoint holds the save of step {head['step']}, at or after the first non-finite "
+                    f"loss (step {self.first_bad})")
+
+    def teardown(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)

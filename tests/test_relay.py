@@ -1,0 +1,80 @@
+"""The cross-node relay of a checkpoint request (``guard.inside.agent._dist``) with a stand-in for the job's store:
+node 0's rank 0 publishes its guard's requests, a rank of another node publishes one its guard sent for a signal
+there, and a rank that adopts such a request tells its own guard (``relayed``)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from typing import Any
+
+from guard.inside.agent._dist import DistRelay
+from guard.run.relay import relayed_signal
+
+
+class Store:
+    def __init__(self) -> None:
+        self.data: dict[str, bytes] = {}
+
+    def set(self, key: str, value: str) -> None:
+        self.data[key] = value.encode()
+
+    def check(self, keys: list[str]) -> bool:
+        return all(key in self.data for key in keys)
+
+    def get(self, key: str) -> bytes:
+        return self.data[key]
+
+
+class Agent:
+    def __init__(self) -> None:
+        self.checkpoint_request: dict[str, Any] | None = None
+        self.sent: list[dict[str, Any]] = []
+
+    def send(self, message: dict[str, Any]) -> bool:
+        self.sent.append(message)
+        return True
+
+    def warn(self, text: str) -> None:
+        raise AssertionError(text)
+
+
+def relay(store: Store, rank: int) -> tuple[DistRelay, Agent]:
+    agent = Agent()
+    dist = DistRelay(agent)
+    dist.store, dist.rank, dist.probed = store, rank, True
+    return dist, agent
+
+
+def published(store: Store, timeout_s: float = 10.0) -> dict[str, Any]:
+    end = time.monotonic() + timeout_s
+    while not store.data and time.monotonic() < end:
+        time.sleep(0.01)  # the write runs on the relay's own thread
+    return json.loads(next(iter(store.data.values())))
+
+
+def test_only_rank_0_publishes_node_0s_requests() -> None:
+    store = Store()
+    relay(store, 1)[0].publish({"t": "checkpoint", "stop": True, "at_step": 12})
+    time.sleep(0.2)
+    assert store.data == {}
+    relay(store, 0)[0].publish({"t": "checkpoint", "stop": True, "at_step": 12})
+    assert published(store)["at_step"] == 12
+
+
+def test_a_signal_on_another_node_reaches_every_rank_and_their_guards() -> None:
+    store = Store()
+    sender, _ = relay(store, 3)  # node 1's first rank, whose guard got SIGTERM
+    request = {"t": "checkpoint", "stop": True, "at_step": 24, "origin": 1, "signal": "SIGTERM"}
+    sender.handled.add((24, True))  # as the agent marks a request its own guard sent
+    sender.publish(request)
+    assert published(store) == request
+    receiver, agent = relay(store, 0)  # node 0's rank 0 polls the store
+    receiver.poll(count=10, every=10)
+    assert agent.checkpoint_request == request
+    assert agent.sent == [{"t": "relayed", "signal": "SIGTERM", "origin": 1, "at_step": 24}]
+    receiver.next_poll = 0
+    receiver.poll(count=20, every=10)
+    assert len(agent.sent) == 1  # adopted once
+    assert relayed_signal(agent.sent[0]) == signal.SIGTERM and relayed_signal({"signal": "SIGNOPE"}) is None
