@@ -158,6 +158,8 @@ OPTIONAL_KEYS = (
     "checkpoint",
     "pushed",
     "secured",
+    "secured_step",
+    "missing",
     "resumed_from",
     "job_exit",
     "signal",

@@ -76,6 +76,10 @@ def test_checkpoint_fields(name: str, plan_report: PlanReport, verdict: Verdict,
     assert (fields.verdict.status, fields.verdict.exit_code) == (status, code)
     assert fields.extra.get("secured") == secured
     assert fields.extra.get("checkpoint") == checkpoint
+    # secured_step= (contract: the step of the checkpoint secured) is there exactly when secured=yes
+    secured_push = plan_report.secured
+    expected_step = secured_push.step if secured == "yes" and secured_push is not None else None
+    assert fields.extra.get("secured_step") == expected_step
     if hint is not None:
         assert hint in (fields.verdict.hint or "")
 

@@ -145,6 +145,8 @@ def checkpoint_fields(report: PlanReport, verdict: Verdict, *, step: int | None,
             extra["secured"] = "no"
         return done(hint)
     extra["secured"] = "yes" if secured is not None else "no"
+    if secured is not None and secured.step is not None:
+        extra["secured_step"] = secured.step
     steps_lost = 0
     lost = ""
     if secured is not None and secured.step is not None and step is not None and step > secured.step:
