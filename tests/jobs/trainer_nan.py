@@ -9,6 +9,7 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--nan-at", type=int, default=0)
 parser.add_argument("--max-steps", type=int, default=20)
 parser.add_argument("--output-dir", default="out")
+parser.add_argument("--save-steps", type=int, default=0, help="save a checkpoint every N steps (0: never)")
 args = parser.parse_args()
 
 
@@ -38,7 +39,7 @@ class Data(torch.utils.data.Dataset):
 
 training_args = TrainingArguments(
     output_dir=args.output_dir, max_steps=args.max_steps, per_device_train_batch_size=8, logging_steps=1,
-    save_strategy="no", report_to="none", learning_rate=1e-2, use_cpu=True, disable_tqdm=True,
+    save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500, report_to="none", learning_rate=1e-2, use_cpu=True, disable_tqdm=True,
 )
 Trainer(model=Tiny(), args=training_args, train_dataset=Data()).train()
 print("trainer finished", flush=True)

@@ -409,10 +409,14 @@ class Agent:
 
     def file_saved(self, path: str, save_s: float) -> None:
         """``torch.save`` wrote ``path`` (complete: the call returned); not reported under a Trainer (its callback
-        reports its saves) nor once the script uses ``should_checkpoint``/``checkpoint_saved`` (it reports them)."""
+        reports its saves) nor once the script uses ``should_checkpoint``/``checkpoint_saved`` (it reports them).
+        The losses pending in the check window are read and sent first (one device sync per save)."""
         self.saved_paths.add(os.path.realpath(path))
         if self.trainer or self.api_used & {"should_checkpoint", "checkpoint_saved"}:
             return  # the script reports its own checkpoints: a file of one is not a checkpoint yet
+        # A save is a read point: the losses still pending in the --check-every window go first, so a non-finite
+        # loss reaches the guard before the save it covers (and the job stops here, not at its end).
+        self.watch.flush("save")
         message: dict[str, Any] = {"t": "file_saved", "path": os.path.abspath(path), "step": self.watch.step,
                                    "save_s": round(save_s, 3)}
         try:  # the save's signature: the guard holds its copy of the file to exactly this save

@@ -165,6 +165,7 @@ def patch(trainer_module: Any) -> None:
                 self.requested = False
                 self.agent.checkpoint_done(path, state.global_step, save_s=save_s, zero=zero)
             else:
+                self.agent.watch.flush("save")  # a save is a read point: a NaN in the window goes before the save
                 self.agent.send({"t": "checkpoint_saved", "path": os.path.abspath(path), "zero": zero,
                                  "step": state.global_step, "save_s": save_s, "requested": False})
 

@@ -1,0 +1,46 @@
+"""A save is a read point (issue 33, item 1): before the agent reports a save, it reads the losses still pending in
+the ``--check-every`` window, so a non-finite loss reaches the guard before the save it covers. Without it, a job
+checked every 100,000 steps trained on with NaN weights to its end, and each of its saves was reported as if good."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import JOBS, run_guard
+
+pytestmark = [pytest.mark.slow]
+
+FAST = ["--skip-check", "python=imports are checked by the other tests"]
+
+
+def test_the_first_save_after_a_nan_stops_the_job_and_is_never_secured(tmp_path: Path) -> None:
+    out, dest = tmp_path / "out", tmp_path / "dest"
+    run = run_guard([*FAST, "--check-every", "100000", "--push-interval", "0s", "--push-to", str(dest),
+                     str(JOBS / "nan_then_save.py"), "--output-dir", str(out), "--steps", "60", "--nan-at", "12",
+                     "--save-every", "5"], timeout_s=200)
+    fields = run.fields()
+    assert (fields["status"], fields["reason"], run.returncode) == ("FAIL", "non_finite_loss", 4), run.stderr[-3000:]
+    assert fields["step"] == "12" and fields["loss"] == "nan", run.verdict
+    # the save of step 15 read the window: the job was stopped there, not at its end (step 60)
+    assert "step 60" not in run.stdout and not (out / "ckpt-20.pt").exists(), run.stdout[-2000:]
+    secured = dest / "last-checkpoint" / "ckpt-10.pt"
+    if (dest / "last-checkpoint").exists():
+        assert sorted(p.name for p in (dest / "last-checkpoint").glob("*.pt")) == ["ckpt-10.pt"]
+        state = torch.load(secured, weights_only=True)
+        assert all(bool(torch.isfinite(t).all()) for t in state["model"].values())
+
+
+def test_a_trainers_own_save_after_a_nan_is_never_secured(tmp_path: Path) -> None:
+    # issue 33: a Trainer with save_steps=20 and NaN from step 16 left checkpoint-20 at the destination
+    out, dest = tmp_path / "out", tmp_path / "dest"
+    run = run_guard([*FAST, "--check-every", "100000", "--push-interval", "0s", "--push-to", str(dest),
+                     str(JOBS / "trainer_nan.py"), "--output-dir", str(out), "--max-steps", "60", "--nan-at", "16",
+                     "--save-steps", "20"], timeout_s=300)
+    fields = run.fields()
+    assert (fields["status"], fields["reason"], run.returncode) == ("FAIL", "non_finite_loss", 4), run.stderr[-3000:]
+    assert fields["step"] == "16", run.verdict
+    assert not (out / "checkpoint-40").exists(), sorted(p.name for p in out.iterdir())
+    assert not (dest / "last-checkpoint").exists() or \
+        "checkpoint-20" not in (dest / "last-checkpoint" / "guard_manifest.json").read_text()
