@@ -39,7 +39,8 @@ class Data(torch.utils.data.Dataset):
 
 training_args = TrainingArguments(
     output_dir=args.output_dir, max_steps=args.max_steps, per_device_train_batch_size=8, logging_steps=1,
-    save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500, report_to="none", learning_rate=1e-2, use_cpu=True, disable_tqdm=True,
+    save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500, report_to="none",
+    learning_rate=1e-2, use_cpu=True, disable_tqdm=True,
 )
 Trainer(model=Tiny(), args=training_args, train_dataset=Data()).train()
 print("trainer finished", flush=True)
