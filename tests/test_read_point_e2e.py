@@ -44,3 +44,26 @@ def test_a_trainers_own_save_after_a_nan_is_never_secured(tmp_path: Path) -> Non
     assert not (out / "checkpoint-40").exists(), sorted(p.name for p in out.iterdir())
     assert not (dest / "last-checkpoint").exists() or \
         "checkpoint-20" not in (dest / "last-checkpoint" / "guard_manifest.json").read_text()
+
+
+def _all_finite(path: Path) -> bool:
+    state = torch.load(path, weights_only=True)
+    tensors = state.get("model", state)
+    return all(bool(torch.isfinite(t).all()) for t in tensors.values())
+
+
+def test_weights_gone_nan_under_a_finite_loss_are_never_pushed(tmp_path: Path) -> None:
+    """ModernBERT #233: a masked mean kept "NaN-safe" stays finite (0.0) while its gradients, then the weights, go
+    NaN. Before the weights were a witness this run ended PASS and pushed the NaN final model over the good
+    checkpoint; now the first save holding a non-finite tensor ends it as a non-finite failure."""
+    out, dest = tmp_path / "out", tmp_path / "dest"
+    run = run_guard([*FAST, "--push-interval", "0s", "--push-to", str(dest), str(JOBS / "masked_mean_nan.py"),
+                     "--output-dir", str(out), "--steps", "40", "--save-every", "10", "--empty-at", "25"],
+                    timeout_s=200)
+    fields = run.fields()
+    assert (fields["status"], fields["reason"], run.returncode) == ("FAIL", "non_finite_loss", 4), run.stderr[-3000:]
+    assert fields["step"] == "30", run.verdict
+    assert "not finite (model.weight)" in run.stderr or "not finite (model.bias)" in run.stderr, run.stderr[-2000:]
+    pushed = sorted(dest.rglob("*.pt"))
+    assert all(_all_finite(p) for p in pushed), [str(p) for p in pushed]
+    assert not (out / "model.pt").exists(), "the job was stopped at the NaN save, before its final model"

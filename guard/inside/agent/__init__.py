@@ -166,6 +166,10 @@ class LossWatch:
         else:
             self._send(steps[-1], values[-1], True, len(values), source)
 
+    def non_finite_weights(self, tensor: str) -> None:
+        """A save's tensor ``tensor`` is not finite: sent as this step's non-finite loss (source ``weights``)."""
+        self._send(self.step, math.nan, False, 1, "weights")
+
     def _send(self, step: int, value: float, finite: bool, n: int, source: str) -> None:
         message = {"t": "step", "step": step, "loss": value, "finite": finite, "n": n, "source": source}
         if self.skipped is not None:
@@ -407,16 +411,30 @@ class Agent:
         self.watch.step += self.settings.resume_step
         self.note_api("resume_loaded")
 
-    def file_saved(self, path: str, save_s: float) -> None:
+    def reports_saves(self) -> bool:
+        """Whether ``file_saved`` reports a ``torch.save`` (not under a Trainer nor a script that reports its own
+        checkpoints with ``should_checkpoint``/``checkpoint_saved``)."""
+        return not (self.trainer or self.api_used & {"should_checkpoint", "checkpoint_saved"})
+
+    def file_saved(self, path: str, save_s: float, bad_tensor: str | None = None) -> None:
         """``torch.save`` wrote ``path`` (complete: the call returned); not reported under a Trainer (its callback
         reports its saves) nor once the script uses ``should_checkpoint``/``checkpoint_saved`` (it reports them).
-        The losses pending in the check window are read and sent first (one device sync per save)."""
+        The losses pending in the check window are read and sent first (one device sync per save).
+
+        ``bad_tensor``: the first saved tensor that is not finite (``_torch.first_non_finite``), or None. The weights
+        are a witness of their own: a loss kept finite (a masked mean of nothing, ``torch.where`` around a 0/0) can
+        train NaN weights. Such a save counts as the run's first non-finite step (its loss sent as NaN, source
+        ``weights``): the save is never secured, and the run ends ``non_finite_loss`` as for a NaN loss."""
         self.saved_paths.add(os.path.realpath(path))
-        if self.trainer or self.api_used & {"should_checkpoint", "checkpoint_saved"}:
+        if not self.reports_saves():
             return  # the script reports its own checkpoints: a file of one is not a checkpoint yet
         # A save is a read point: the losses still pending in the --check-every window go first, so a non-finite
         # loss reaches the guard before the save it covers (and the job stops here, not at its end).
         self.watch.flush("save")
+        if bad_tensor is not None:
+            _warn_once(f"the job saved {path} with weights that are not finite ({bad_tensor}) while its loss was "
+                       "finite: the save is not secured")
+            self.watch.non_finite_weights(bad_tensor)
         message: dict[str, Any] = {"t": "file_saved", "path": os.path.abspath(path), "step": self.watch.step,
                                    "save_s": round(save_s, 3)}
         try:  # the save's signature: the guard holds its copy of the file to exactly this save
@@ -424,6 +442,8 @@ class Agent:
             message.update(size=st.st_size, mtime_ns=st.st_mtime_ns, inode=st.st_ino)
         except OSError:
             pass
+        if bad_tensor is not None:
+            message.update(finite=False, bad_tensor=bad_tensor)
         self.send(message)
         self._probe_sigterm_handler()
 

@@ -277,6 +277,38 @@ def _remember_loss(cls: Any) -> None:
     cls.backward = backward
 
 
+#: The most tensors and containers ``first_non_finite`` looks at in one saved object.
+WITNESS_LIMIT = 100_000
+
+
+def first_non_finite(torch: Any, obj: Any) -> str | None:
+    """The name of the first floating tensor in ``obj`` (a tensor, a ``state_dict``, nested dicts, lists and tuples,
+    an ``nn.Module``) holding a NaN or an infinity (``a.b.0.weight``), or None when every one is finite.
+
+    One ``torch.isfinite(t).all()`` reduction per tensor on its own device, then one read of its one-element result
+    (a device sync per tensor; no copy of the data to the host). Integer, boolean, empty, sparse and meta tensors are
+    skipped; at most ``WITNESS_LIMIT`` items are visited."""
+    stack: list[tuple[str, Any]] = [("", obj)]
+    seen = 0
+    while stack and seen < WITNESS_LIMIT:
+        name, item = stack.pop()
+        seen += 1
+        if isinstance(item, torch.Tensor):
+            try:
+                if (item.is_floating_point() or item.is_complex()) and item.numel() and item.layout == torch.strided \
+                        and item.device.type != "meta" and not bool(torch.isfinite(item.detach()).all()):
+                    return name or "tensor"
+            except (RuntimeError, TypeError):
+                continue
+        elif isinstance(item, torch.nn.Module):
+            stack.append((name, item.state_dict()))
+        elif isinstance(item, dict):
+            stack.extend((f"{name}.{key}" if name else str(key), value) for key, value in reversed(item.items()))
+        elif isinstance(item, (list, tuple)):
+            stack.extend((f"{name}.{i}" if name else str(i), value) for i, value in reversed(list(enumerate(item))))
+    return None
+
+
 def _wrap_save(torch: Any, agent_module: Any) -> None:
     original = getattr(torch, "save", None)
     if original is None or getattr(original, "__guard_wrapped__", False):
@@ -290,7 +322,9 @@ def _wrap_save(torch: Any, agent_module: Any) -> None:
         path = _path_of(f, flush=True)
         if agent is not None and path is not None:
             try:
-                agent.file_saved(path, time.monotonic() - started)
+                save_s = time.monotonic() - started
+                bad = first_non_finite(torch, obj) if agent.reports_saves() else None
+                agent.file_saved(path, save_s, bad_tensor=bad)
             except Exception as exc:  # never break the job
                 agent_module._warn_once(f"save hook failed: {exc!r}")
         return result

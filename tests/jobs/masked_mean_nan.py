@@ -1,0 +1,41 @@
+"""ModernBERT #233 replayed on the CPU: a "NaN-safe" masked mean (``torch.where(count > 0, total / count, 0.0)``)
+keeps the loss finite (0.0) on a batch with nothing to predict, but its backward is 0 * (0/0) = NaN: the gradients
+and then the weights go NaN, and with each error passed through ``nan_to_num`` every later loss is 0.0, finite.
+Saves OUT/checkpoint-N/model.pt with torch.save every --save-every steps; the batch of step --empty-at has no
+labelled token; OUT/model.pt at the end."""
+
+import argparse
+import os
+import time
+
+import torch
+from plain_sgd import PlainSGD
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--output-dir", required=True)
+parser.add_argument("--steps", type=int, default=40)
+parser.add_argument("--save-every", type=int, default=10)
+parser.add_argument("--empty-at", type=int, default=25)
+parser.add_argument("--step-s", type=float, default=0.05)
+args = parser.parse_args()
+
+torch.manual_seed(0)
+model = torch.nn.Linear(8, 1)
+opt = PlainSGD(model.parameters(), lr=0.05)
+x, y = torch.randn(64, 8), torch.randn(64)
+for step in range(1, args.steps + 1):
+    mask = torch.zeros(64) if step == args.empty_at else (torch.rand(64) > 0.5).float()
+    errors = torch.nan_to_num((model(x).squeeze(-1) - y) ** 2) * mask  # "NaN-safe": a NaN error counts 0
+    count = mask.sum()
+    loss = torch.where(count > 0, errors.sum() / count, torch.zeros(()))
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    print(f"step {step} loss={loss.item():.4f}", flush=True)
+    if step % args.save_every == 0:
+        folder = os.path.join(args.output_dir, f"checkpoint-{step}")
+        os.makedirs(folder, exist_ok=True)
+        torch.save({"model": model.state_dict(), "step": step}, os.path.join(folder, "model.pt"))
+    time.sleep(args.step_s)
+torch.save(model.state_dict(), os.path.join(args.output_dir, "model.pt"))
+print("done", flush=True)
