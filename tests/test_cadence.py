@@ -28,6 +28,9 @@ def test_a_slow_push_widens_the_hub_interval() -> None:
 def test_other_limits_and_bad_input() -> None:
     assert background_interval_s("hub", commits_per_hour=1000, share=1.0) == pytest.approx(7.2)
     with pytest.raises(ValueError):
-        background_interval_s("s3")
+        background_interval_s("gs")
+    # an object store: no commit limit, at most a third of the time spent pushing
+    assert background_interval_s("s3") == 0.0
+    assert background_interval_s("s3", measured_push_s=2.0) == pytest.approx(6.0)
     with pytest.raises(ValueError):
         background_interval_s("hub", share=0)

@@ -49,7 +49,7 @@ def test_parse_folder_destinations(text, tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("text", ["", "  ", "alice", "a/b/c", "hf://", "hf://alice", "hf://spaces/a/b",
-                                  "s3://bucket/x", "~/ckpt", "out/ckpt/x", "hf://alice/bad--name",
+                                  "~/ckpt", "out/ckpt/x", "hf://alice/bad--name",
                                   "alice/.hidden", "alice/x.git", "file://", "http://host/a", "alice/a b"])
 def test_parse_refuses_other_forms(text):
     with pytest.raises(UsageError) as info:

@@ -227,3 +227,15 @@ def test_a_trackio_write_token_in_a_url_is_masked() -> None:
     line = "* Trackio UI: http://127.0.0.1:7860/?project=jobguard&write_token=Zq7_kLm9-0aBcDeF1234&x=1\n"
     assert masker.mask_text(line) == "* Trackio UI: http://127.0.0.1:7860/?project=jobguard&write_token=***&x=1\n"
     assert masker.mask_text("write_token=short") == "write_token=short"  # not a key: under 8 characters
+
+
+def test_the_aws_variables_of_an_s3_destination_are_secrets() -> None:
+    # --push-to s3://: the standard AWS variables (botocore's names) are masked like every other secret
+    from guard.core.masking import secret_values
+
+    environ = {"AWS_ACCESS_KEY_ID": "AKIAEXAMPLEKEY0001", "AWS_SECRET_ACCESS_KEY": "wJalrXUtnFEMI/K7MDENG",
+               "AWS_SESSION_TOKEN": "FwoGZXIvYXdzEExample", "AWS_REGION": "eu-west-1",
+               "AWS_ENDPOINT_URL": "http://127.0.0.1:9000"}
+    assert sorted(secret_values(environ)) == sorted(environ[k] for k in ("AWS_ACCESS_KEY_ID",
+                                                                          "AWS_SECRET_ACCESS_KEY",
+                                                                          "AWS_SESSION_TOKEN"))

@@ -36,11 +36,12 @@ class HubTarget:
         return self.repo_id.split("/", 1)[0] if self.repo_id else None
 
 
-def parse_push_to(text: str | None) -> HubTarget | Path | None:
+def parse_push_to(text: str | None) -> HubTarget | Path | str | None:
     """Read a ``--push-to`` value (the contract's forms) with ``guard.secure.hub.parse_destination``.
 
     ``hf://NS/NAME`` and bare ``NS/NAME`` are model repos, ``hf://datasets/NS/NAME`` a dataset repo; an absolute
-    path, ``./``, ``../`` or ``file://`` is a folder. None for no value.
+    path, ``./``, ``../`` or ``file://`` is a folder; ``s3://BUCKET/PREFIX`` an object store (its canonical text).
+    None for no value.
 
     Raises:
         UsageError: the text is none of these forms (from ``parse_destination``).
@@ -52,6 +53,8 @@ def parse_push_to(text: str | None) -> HubTarget | Path | None:
     dest = parse_destination(text)
     if dest.kind == "folder" and dest.path is not None:
         return dest.path
+    if dest.kind == "s3":
+        return str(dest)
     return HubTarget(dest.repo_type or "model", dest.repo_id, f"--push-to {text.strip()}")
 
 
@@ -62,6 +65,7 @@ class JobView:
     Attributes:
         config: the Trainer settings known statically (``ScriptFacts.trainer_config``), ``{}`` without a script.
         hub_target: where the job writes on the Hub, or None.
+        object_target: the ``s3://BUCKET/PREFIX`` the guard secures to, or None.
         folder_target: the ``--push-to`` folder, or None.
         output_dir: ``--output-dir``, else the script's ``output_dir=`` literal, else None.
         trackers: ``wandb``, ``mlflow``, ``trackio``: what the job reports to.
@@ -77,6 +81,7 @@ class JobView:
 
     config: Mapping[str, Any] = field(default_factory=dict)
     hub_target: HubTarget | None = None
+    object_target: str | None = None
     folder_target: Path | None = None
     output_dir: Path | None = None
     trackers: frozenset[str] = frozenset()
@@ -129,6 +134,7 @@ class JobView:
             config=config,
             hub_target=hub_target,
             folder_target=dest if isinstance(dest, Path) else None,
+            object_target=dest if isinstance(dest, str) else None,
             output_dir=output,
             trackers=frozenset(trackers),
             trackio_space_id=space if isinstance(space, str) else None,

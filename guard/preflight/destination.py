@@ -25,8 +25,8 @@ HINT = ("add --push-to hf://NS/NAME (the guard secures checkpoints and the final
 def check_destination(opts: PreflightOptions, job: JobView, facts: ScriptFacts | None) -> list[CheckResult]:
     """One row: ``fail`` on Hugging Face Jobs, ``warn`` on Kubernetes, for a job that saves with no destination;
     ``pass`` with one; ``n/a`` otherwise (a disk that stays, or nothing saved)."""
-    if job.hub_target is not None or job.folder_target is not None:
-        where = job.hub_target.origin if job.hub_target is not None else str(job.folder_target)
+    if job.hub_target is not None or job.folder_target is not None or job.object_target is not None:
+        where = job.hub_target.origin if job.hub_target is not None else str(job.folder_target or job.object_target)
         return [CheckResult(NAME, "pass", f"the job's model leaves the machine: {where}")]
     saves = list(facts.saves) if facts is not None else []
     if opts.output_dir and not saves:

@@ -249,8 +249,8 @@ OPTIONS: tuple[Option, ...] = (
            _parse_margin, "DURATION|auto"),
     Option("grace", "time between a termination signal and the platform's SIGKILL", 30.0,
            lambda t, option: parse_duration(t, option=option), "DURATION"),
-    Option("push_to", "where secured checkpoints go: hf://NS/NAME, hf://datasets/NS/NAME, NS/NAME or a path",
-           None, _parse_text, "DEST"),
+    Option("push_to", "where secured checkpoints go: hf://NS/NAME, hf://datasets/NS/NAME, NS/NAME, "
+           "s3://BUCKET/PREFIX or a path", None, _parse_text, "DEST"),
     Option("output_dir", "where the job writes its checkpoints", None, _parse_text, "DIR"),
     Option("node_rank", "this node's index in a many-node job (one guard per node); the launcher's arguments "
            "(torchrun --node-rank, accelerate launch --machine_rank), Slurm (SLURM_NODEID) and Kubernetes "

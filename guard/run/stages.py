@@ -299,11 +299,11 @@ def _preflight_failed(report: PreflightReport, started: float) -> RunResult:
                      extra={"check": row.name}, details={"preflight": report.to_json()})
 
 
-def _securer_factory(environ: Mapping[str, str]) -> Callable[[str], Securer]:
+def _securer_factory(environ: Mapping[str, str], run_id: str | None = None) -> Callable[[str], Securer]:
     def make(text: str) -> Securer:
         from guard.secure import hub
         hub.install_request_bounds()
-        return hub.Securer(text, token=environ.get("HF_TOKEN") or None)
+        return hub.Securer(text, token=environ.get("HF_TOKEN") or None, run_id=run_id)
 
     return make
 
@@ -435,7 +435,7 @@ def _run_job(config: Config, masker: Masker, started: float, platform: PlatformI
     _require_trackio(config)
     with EarlySignals() as early:
         deadline = resolve_budget(config, platform)
-        factory = _securer_factory(config.environ)
+        factory = _securer_factory(config.environ, config.settings.secure.run_id or None)
         securer = factory(config.settings.secure.push_to) if config.settings.secure.push_to else None
         _, uv_env = _uv_environment(config)
         finished, report = _unless_signalled(lambda: _run_preflight(config, deadline, platform, uv_env), early)

@@ -46,7 +46,7 @@ def background_interval_s(destination_kind: str, *, measured_push_s: float | Non
     """The least time between two background push starts for a destination, in seconds.
 
     Args:
-        destination_kind: ``hub.Destination.kind``: ``"folder"`` or ``"hub"``.
+        destination_kind: ``hub.Destination.kind``: ``"folder"``, ``"hub"`` or ``"s3"``.
         measured_push_s: the last background push's duration (``PushResult.elapsed_s``), or None before the
             first one.
         commits_per_hour: the destination's commit rate limit (default ``HUB_COMMITS_PER_HOUR``).
@@ -54,7 +54,8 @@ def background_interval_s(destination_kind: str, *, measured_push_s: float | Non
         commits_per_push: commits each push makes (default ``COMMITS_PER_PUSH``).
 
     Returns:
-        0.0 for a folder (every complete save); for the Hub ``max(3600 * commits_per_push / (commits_per_hour *
+        0.0 for a folder (every complete save); ``PUSH_TIME_FACTOR * measured_push_s`` for S3 (0.0 before the
+        first push); for the Hub ``max(3600 * commits_per_push / (commits_per_hour *
         share), PUSH_TIME_FACTOR * measured_push_s)``.
 
     Raises:
@@ -62,10 +63,12 @@ def background_interval_s(destination_kind: str, *, measured_push_s: float | Non
     """
     if destination_kind == "folder":
         return 0.0
+    measured = measured_push_s if measured_push_s is not None and math.isfinite(measured_push_s) else 0.0
+    if destination_kind == "s3":  # no commit rate limit; each push is paid requests: not more than a third of the time
+        return PUSH_TIME_FACTOR * max(0.0, measured)
     if destination_kind != "hub":
-        raise ValueError(f"unknown destination kind {destination_kind!r}: expected 'folder' or 'hub'")
+        raise ValueError(f"unknown destination kind {destination_kind!r}: expected 'folder', 'hub' or 's3'")
     if not (commits_per_hour > 0 and 0 < share <= 1 and commits_per_push > 0):
         raise ValueError("commits_per_hour, share and commits_per_push must be positive (share at most 1)")
     rate_bound_s = 3600.0 * commits_per_push / (commits_per_hour * share)
-    measured = measured_push_s if measured_push_s is not None and math.isfinite(measured_push_s) else 0.0
     return max(rate_bound_s, PUSH_TIME_FACTOR * max(0.0, measured))

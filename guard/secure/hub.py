@@ -42,7 +42,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from guard.errors import CheckpointRewrittenError, HubError, PushFailedError, UsageError
+from guard.errors import (
+    CheckpointRewrittenError,
+    DestinationError,
+    HubError,
+    PushFailedError,
+    TransientDestinationError,
+    UsageError,
+)
 from guard.secure.checkpoints import is_marked_suspect, rewritten_after
 from guard.secure.hubhttp import (
     PROGRESS,
@@ -76,7 +83,7 @@ CHECKPOINT_COMMIT_TITLE = "guard: checkpoint step {step}"
 UPLOAD_COMMIT_TITLE = "guard: upload of step {step}, not verified yet"
 MANIFEST_NAME = "guard_manifest.json"
 _MIN_ATTEMPT_S = 1.0  # don't start another attempt with less time than this left
-_ACCEPTED_FORMS = ("hf://NS/NAME, hf://datasets/NS/NAME, NS/NAME (a Hub model repo), "
+_ACCEPTED_FORMS = ("hf://NS/NAME, hf://datasets/NS/NAME, NS/NAME (a Hub model repo), s3://BUCKET/PREFIX, "
                    "or a folder path (absolute, or starting with ./, ../ or file://)")
 _NAME = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,94}[A-Za-z0-9_])?")
 _STEP_IN_TITLE = re.compile(r"checkpoint step (\d+)")
@@ -93,26 +100,31 @@ class Destination:
     """Where secured checkpoints go.
 
     Attributes:
-        kind: ``"hub"`` or ``"folder"``.
+        kind: ``"hub"``, ``"folder"`` or ``"s3"``.
         repo_id: ``"NS/NAME"`` (hub), else None.
         repo_type: ``"model"`` or ``"dataset"`` (hub), else None.
         path: the folder, absolute (folder), else None.
+        url: ``s3://BUCKET/PREFIX`` in its canonical form (s3), else None.
     """
 
     kind: str
     repo_id: str | None = None
     repo_type: str | None = None
     path: Path | None = None
+    url: str | None = None
 
     def __str__(self) -> str:
         if self.kind == "folder":
             return str(self.path)
+        if self.kind == "s3":
+            return str(self.url)
         return f"hf://{'datasets/' if self.repo_type == 'dataset' else ''}{self.repo_id}"
 
 
 def parse_destination(text: str) -> Destination:
-    """Parse ``--push-to``: ``hf://NS/NAME``, ``hf://datasets/NS/NAME``, bare ``NS/NAME`` (a Hub model repo), or a
-    folder path (absolute, or starting with ``./``, ``../`` or ``file://``). Forms from ``shared/CONTRACT.md``.
+    """Parse ``--push-to``: ``hf://NS/NAME``, ``hf://datasets/NS/NAME``, bare ``NS/NAME`` (a Hub model repo),
+    ``s3://BUCKET/PREFIX`` (``guard.secure.dest.s3.parse_s3_url``), or a folder path (absolute, or starting with
+    ``./``, ``../`` or ``file://``). Forms from ``shared/CONTRACT.md``.
 
     A bare ``NS/NAME`` that names an existing folder here (``checkpoints/run1``) is refused: it would mean a Hub
     repo, and with a token the guard would create one by mistake.
@@ -122,6 +134,11 @@ def parse_destination(text: str) -> Destination:
             also a local folder, with "did you mean ./NAME".
     """
     raw = text.strip() if isinstance(text, str) else ""
+    if raw.startswith("s3://"):
+        from guard.secure.dest.s3 import parse_s3_url
+
+        bucket, prefix = parse_s3_url(raw)
+        return Destination("s3", url=f"s3://{bucket}/{prefix}" if prefix else f"s3://{bucket}")
     if raw.startswith("file://") and len(raw) > len("file://"):
         return Destination("folder", path=Path(os.path.abspath(raw[len("file://"):])))
     if raw.startswith(("/", "./", "../")):
@@ -535,6 +552,10 @@ class Securer:
         sleep: waits between attempts (seconds).
         log: the logger (default ``guard.secure.hub``).
         backoff_s: first wait between attempts; doubles up to ``max_backoff_s`` (seconds).
+        run_id: this run's id (``SecureSettings.run_id``): an S3 destination keeps each run's checkpoints under
+            it until the record names them; default ``"run"``.
+        store: the ``guard.secure.dest.base.Store`` of an S3 destination; default ``S3Store.from_url``, built on
+            first use.
 
     Raises:
         UsageError: ``destination`` text that ``parse_destination`` refuses.
@@ -542,7 +563,8 @@ class Securer:
 
     def __init__(self, destination: Destination | str, *, api: HfApi | None = None, token: str | None = None,
                  clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
-                 log: logging.Logger = logger, backoff_s: float = 1.0, max_backoff_s: float = 8.0) -> None:
+                 log: logging.Logger = logger, backoff_s: float = 1.0, max_backoff_s: float = 8.0,
+                 run_id: str | None = None, store: Any = None) -> None:
         self.destination = destination if isinstance(destination, Destination) else parse_destination(destination)
         self._api, self._token = api, token
         self.token = token  # for worker processes (guard.secure.worker), sent on their stdin
@@ -551,6 +573,8 @@ class Securer:
         self._backoff_s, self._max_backoff_s = backoff_s, max_backoff_s
         self._repo_ready = False
         self.last_copy: FolderCopy | None = None  # what the last folder-destination push wrote
+        self.run_id = run_id or "run"
+        self._store = store
 
     # -- public API -------------------------------------------------------------------------------------------
 
@@ -613,6 +637,8 @@ class Securer:
         message = CHECKPOINT_COMMIT_TITLE.format(step=step)
 
         def attempt() -> str:
+            if self.destination.kind == "s3":
+                return self._s3_push_checkpoint(folder, files, step, still_that_save, placed, deadline)
             if self.destination.kind == "folder":
                 return self._folder_push_checkpoint(folder, files, step, still_that_save, placed)
             return self._hub_push(folder, files, f"{CHECKPOINT_FOLDER}/", message, replace=True, record_step=step,
@@ -644,7 +670,9 @@ class Securer:
                                   destination=str(self.destination),
                                   hint="the job wrote no final model to its output folder; check --output-dir")
         _refuse_torn("the final model", folder, names, "local", str(self.destination))
-        if self.destination.kind == "folder":
+        if self.destination.kind == "s3":
+            attempt = lambda: self._s3().put_final(folder, names, deadline=deadline).revision  # noqa: E731
+        elif self.destination.kind == "folder":
             attempt = lambda: self._folder_push_final(folder, names)  # noqa: E731
         else:
             attempt = lambda: self._hub_push(folder, names, "", "guard: final model", replace=False)  # noqa: E731
@@ -661,10 +689,16 @@ class Securer:
         Raises:
             HubError: the destination cannot be read before ``deadline``.
         """
-        result, _ = self._with_retries(f"reading {CHECKPOINT_FOLDER}'s record", self._peek, deadline, push=False)
+        result, _ = self._with_retries(f"reading {CHECKPOINT_FOLDER}'s record", lambda: self._peek(deadline),
+                                       deadline, push=False)
         return result
 
-    def _peek(self) -> SecuredRecord | None:
+    def _peek(self, deadline: float = math.inf) -> SecuredRecord | None:
+        if self.destination.kind == "s3":
+            record = self._s3().read_record(deadline=deadline)
+            if record is None:
+                return None
+            return SecuredRecord(str(record.revision).strip('"'), record.step, record.source, record.place)
         if self.destination.kind == "folder":
             assert self.destination.path is not None
             if self.destination.path.is_dir():
@@ -726,6 +760,10 @@ class Securer:
         """
         into = Path(into_dir)
         into.mkdir(parents=True, exist_ok=True)
+        if self.destination.kind == "s3":
+            result, _ = self._with_retries(f"fetching {CHECKPOINT_FOLDER}", lambda: self._s3_fetch(into, deadline),
+                                           deadline, push=False)
+            return result
         if self.destination.kind == "folder":
             result, _ = self._with_retries(f"fetching {CHECKPOINT_FOLDER}", lambda: self._folder_fetch(into),
                                            deadline, push=False)
@@ -793,6 +831,12 @@ class Securer:
                     value = attempt()
                 self.last_attempt_s = self._clock() - began
                 return value, len(tried) + 1
+            except TransientDestinationError as err:  # a store's "may succeed if tried again" (guard.secure.dest)
+                kind, text, asked_s = "transient", err.message, None
+            except DestinationError as err:
+                if push and not isinstance(err, PushFailedError):
+                    raise fail(err.message, err.hint or fatal_hint(err.message)) from err
+                raise
             except HubError:
                 raise
             except Exception as err:  # noqa: BLE001 - classified below; unknown errors are fatal
@@ -824,6 +868,37 @@ class Securer:
                 raise fail("no time left for another attempt", kept_failing())
             self._sleep(wait)
             pause = min(pause * 2, self._max_backoff_s)
+
+    # -- S3 (guard.secure.dest.s3) ----------------------------------------------------------------------------
+
+    def _s3(self) -> Any:
+        if self._store is None:
+            from guard.secure.dest.s3 import S3Store
+
+            self._store = S3Store.from_url(str(self.destination))
+        return self._store
+
+    def _s3_push_checkpoint(self, folder: Path, files: list[str], step: int, check: Callable[[], None],
+                            placed: Path, deadline: float) -> str:
+        """One node's part of ``step`` put and verified, checked again against the save, then the record moved to
+        it (one conditional write); returns the record's ETag."""
+        store, where = self._s3(), _placement(placed)
+        part = store.put_part(folder, files, run_id=self.run_id, step=step, node_rank=0, nodes=1,
+                              place=where["place"], source=where["output_dir"], deadline=deadline)
+        check()  # still the save this step names, now that its bytes are at the destination
+        record = store.write_record([part], deadline=deadline)
+        if (record.run_id, record.step) != (self.run_id, step):
+            self._log.info("the record at %s already names step %s of this run: step %d not recorded over it",
+                           self.destination, record.step, step)
+        return str(record.revision).strip('"')  # the record's ETag, without the quotes HTTP gives it
+
+    def _s3_fetch(self, into: Path, deadline: float) -> FetchedCheckpoint | None:
+        store = self._s3()
+        record = store.read_record(deadline=deadline)
+        if record is None:
+            return None
+        got = store.fetch(record, into, deadline=deadline)
+        return FetchedCheckpoint(got.path, got.step, got.revision, tuple(got.files), got.size_bytes)
 
     # -- Hub --------------------------------------------------------------------------------------------------
 

@@ -201,7 +201,7 @@ class Securing:
         self.refresher = refresher
         self.wall, self.clock = wall, clock
         self._pusher_factory: Callable[[str, str | None], Pusher] = pusher_factory or (
-            lambda dest, token: worker.Pusher(dest, token, clock=clock))
+            lambda dest, token: worker.Pusher(dest, token, clock=clock, run_id=getattr(self.securer, "run_id", None)))
         self.disk = scans.Disk(stat) if stat is not None else scans.Disk()  # owned by the file system thread
         self.port = scans.Port(fs if fs is not None else FS_HELPERS)
         self._link: JobLink | None = None  # the loop, as the last hook got it (for answers handed back)

@@ -367,7 +367,8 @@ def reap_killed() -> int:
 
 
 def start(op: str, args: Mapping[str, Any], deadline: float, *, destination: str, token: str | None = None,
-          clock: Callable[[], float] = time.monotonic, environ: Mapping[str, str] | None = None) -> Handle:
+          clock: Callable[[], float] = time.monotonic, environ: Mapping[str, str] | None = None,
+          run_id: str | None = None) -> Handle:
     """Start ``hub.Securer(destination).<op>(**args, deadline=...)`` in a child process; returns at once.
 
     Args:
@@ -379,6 +380,7 @@ def start(op: str, args: Mapping[str, Any], deadline: float, *, destination: str
         token: the Hub token (sent on the child's stdin, never on its command line), or None for the default.
         clock: monotonic seconds (the deadline's clock).
         environ: the child's environment (default ``os.environ``).
+        run_id: this run's id, for the child's ``Securer`` (an S3 destination keeps a run's parts under it).
 
     Raises:
         ValueError: an unknown ``op``.
@@ -391,7 +393,7 @@ def start(op: str, args: Mapping[str, Any], deadline: float, *, destination: str
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
     request = {"op": op, "args": _plain(dict(args)), "destination": destination,
                "remaining_s": deadline - clock() - CHILD_EARLIER_S, "parent": os.getpid(),
-               "level": logging.getLogger("guard").getEffectiveLevel()}
+               "level": logging.getLogger("guard").getEffectiveLevel(), "run_id": run_id}
     import shutil
     import tempfile
 
@@ -448,18 +450,20 @@ class Pusher:
         token: the Hub token, or None.
         clock: monotonic seconds.
         environ: the workers' environment (default ``os.environ``).
+        run_id: this run's id (``SecureSettings.run_id``), or None.
     """
 
     destination: str
     token: str | None = None
     clock: Callable[[], float] = time.monotonic
     environ: Mapping[str, str] | None = None
+    run_id: str | None = None
     started: list[Handle] = field(default_factory=list, repr=False)
 
     def start(self, op: str, args: Mapping[str, Any], deadline: float) -> Handle:
         """``start`` for this destination (see the module function)."""
         handle = start(op, args, deadline, destination=self.destination, token=self.token, clock=self.clock,
-                       environ=self.environ)
+                       environ=self.environ, run_id=self.run_id)
         self.started.append(handle)
         return handle
 
@@ -510,7 +514,8 @@ def _child_main(request_file: str) -> int:
     try:
         if op not in OPS:
             raise ValueError(f"unknown operation {op!r}")
-        securer = hub.Securer(request["destination"], token=request.get("token") or None)
+        securer = hub.Securer(request["destination"], token=request.get("token") or None,
+                              run_id=request.get("run_id") or None)
         value = getattr(securer, op)(**args, deadline=time.monotonic() + float(request["remaining_s"]))
         out = {"ok": True, "data": _plain(value) if value is not None else None}
     except GuardError as exc:
