@@ -116,7 +116,11 @@ class LossWatch:
                 self._kept.append((self.step, self._copy(loss)))
         else:
             self._kept.append((self.step, self._copy(loss)))
-        if len(self._kept) >= self.check_every or self._bad_float:
+        # Windows end every ``check_every`` steps after the sanity pass, whatever read came between (a save reads
+        # the pending losses early: the window after it still ends where it would have, so the steps a check names
+        # do not shift with the saves).
+        if self._bad_float or len(self._kept) >= self.check_every or \
+                (self.count - self.sanity_steps) % self.check_every == 0:
             self.flush(source)
 
     def _copy(self, loss: Any) -> Any:
