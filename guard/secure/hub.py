@@ -51,6 +51,7 @@ from guard.errors import (
     UsageError,
 )
 from guard.secure.checkpoints import is_marked_suspect, rewritten_after
+from guard.secure.dest.base import FetchedCheckpoint  # one type for every destination's fetch
 from guard.secure.hubhttp import (
     PROGRESS,
     REQUEST_TIMEOUTS_S,
@@ -209,17 +210,6 @@ class SecuredRecord:
     step: int | None
     output_dir: str | None = None
     place: str | None = None
-
-
-@dataclass(frozen=True)
-class FetchedCheckpoint:
-    """A verified copy of the destination's ``last-checkpoint/``: ``path`` is ``INTO/checkpoint-<step>``."""
-
-    path: Path
-    step: int
-    revision: str
-    files: tuple[str, ...]
-    size_bytes: int
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -897,8 +887,8 @@ class Securer:
         record = store.read_record(deadline=deadline)
         if record is None:
             return None
-        got = store.fetch(record, into, deadline=deadline)
-        return FetchedCheckpoint(got.path, got.step, got.revision, tuple(got.files), got.size_bytes)
+        fetched: FetchedCheckpoint = store.fetch(record, into, deadline=deadline)
+        return fetched
 
     # -- Hub --------------------------------------------------------------------------------------------------
 
