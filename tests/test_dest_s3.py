@@ -323,7 +323,7 @@ def test_probe_missing_bucket(moto: MotoServer) -> None:
     store = make_store(moto, bucket="no-such-bucket-here")
     with pytest.raises(DestinationError) as err:
         store.probe(deadline=deadline())
-    assert "404" in err.value.message or "NoSuchBucket" in err.value.message
+    assert "bucket no-such-bucket-here does not exist" in err.value.message, err.value.message
 
 
 def test_probe_no_credentials(monkeypatch: pytest.MonkeyPatch, moto: MotoServer) -> None:

@@ -46,7 +46,7 @@ from guard.preflight.data import (
     find_local_data,
     shard_bytes,
 )
-from guard.preflight.destination import check_destination
+from guard.preflight.destination import check_destination, check_object_store
 from guard.preflight.env import check_env
 from guard.preflight.gpu import GpuInfo, check_gpus
 from guard.preflight.hfjobs import (
@@ -203,10 +203,13 @@ def run_preflight(
         f_dist = pool.submit(guarded, "distributed", lambda: _distributed_rows(
             opts, launch, environ=environ, gpus=f_gpu.result()[1]))
         f_data = pool.submit(guarded, "data", lambda: _data_rows(opts, facts, environ, probe))
+        f_store = pool.submit(check_object_store, job.object_target, timeout_s=opts.network_timeout_s) \
+            if job.object_target and "destination" not in skip else None
         rows["env"] = guarded("env", lambda: check_env(opts, job, environ=environ, hf_jobs=hf_jobs))
         rows["budget"] = guarded("budget", lambda: [check_budget(opts)])
         rows["storage"] = guarded("storage", lambda: _bounded_storage_rows(opts, job, environ, f_repos))
-        rows["destination"] = guarded("destination", lambda: check_destination(opts, job, facts))
+        rows["destination"] = guarded("destination", lambda: check_destination(opts, job, facts)
+                                      + (f_store.result() if f_store is not None else []))
         gpu_rows, gpus = f_gpu.result()
         rows["gpu"] = gpu_rows
         rows["trainer-config"] = guarded("trainer-config", lambda: check_trainer_config(

@@ -7,15 +7,25 @@ names is "Model not found on Hub after a successful-looking run"). A job there t
 destination (no ``--push-to``, no ``push_to_hub``) fails preflight: ``check=destination``, exit 3, unless
 ``--skip-check destination=REASON``. On Kubernetes, where a pod's own disk is as short-lived unless a persistent
 volume is mounted there (which the guard does not tell), it is a warning; elsewhere the disk stays.
+
+An object store destination (``--push-to s3://BUCKET/PREFIX``) is probed as the pushes will use it
+(``check_object_store``: ``guard.secure.dest.s3probe``): credentials found, the bucket exists, a probe object
+under the prefix written, read back and removed, every request bounded. Any failure is a ``fail`` row of
+``check=destination`` with what to do.
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+from typing import Any
+
+from guard.errors import DestinationError
 from guard.preflight._job import JobView
 from guard.preflight._models import CheckResult, PreflightOptions
 from guard.preflight.script import ScriptFacts
 
-__all__ = ["check_destination"]
+__all__ = ["check_destination", "check_object_store"]
 
 NAME = "destination"
 HINT = ("add --push-to hf://NS/NAME (the guard secures checkpoints and the final model there), or set "
@@ -41,3 +51,38 @@ def check_destination(opts: PreflightOptions, job: JobView, facts: ScriptFacts |
         return [CheckResult(NAME, "warn", f"the job saves ({what}) in a Kubernetes pod with no destination: "
                             "unless a persistent volume holds the output folder, the files end with the pod", HINT)]
     return [CheckResult(NAME, "n/a", f"the job saves ({what}) to a disk that outlives it ({opts.platform})")]
+
+
+def check_object_store(target: str | None, *, timeout_s: float,
+                       store_factory: Callable[..., Any] | None = None,
+                       clock: Callable[[], float] = time.monotonic) -> list[CheckResult]:
+    """The probe of an ``s3://BUCKET/PREFIX`` destination (``S3Store.probe``): one ``pass`` row with how long it
+    took, or one ``fail`` row (the probe's message and hint; boto3 not installed names the ``jobguard[s3]`` extra).
+    No row without an object store destination.
+
+    Args:
+        target: ``JobView.object_target`` (the canonical ``s3://...`` text) or None.
+        timeout_s: the limit of each request (``PreflightOptions.network_timeout_s``); the probe's four requests
+            together get four times that, each tried once.
+        store_factory: ``S3Store.from_url`` or a stand-in (called with the URL and the store's keyword arguments).
+        clock: monotonic seconds.
+    """
+    if not target:
+        return []
+    if store_factory is None:
+        from guard.secure.dest.s3 import S3Store
+
+        store_factory = S3Store.from_url
+    started = clock()
+    try:
+        store = store_factory(target, request_timeout_s=timeout_s, request_attempts=1, max_concurrency=2)
+    except DestinationError as err:
+        return [CheckResult(NAME, "fail", f"{target}: {err.message}", err.hint)]
+    try:
+        store.probe(deadline=clock() + 4 * timeout_s)
+    except DestinationError as err:
+        return [CheckResult(NAME, "fail", err.message, err.hint)]
+    finally:
+        store.close()
+    return [CheckResult(NAME, "pass", f"{target}: the bucket answers; a probe object was written under the prefix, "
+                        f"read back and removed in {clock() - started:.1f} s")]

@@ -30,7 +30,6 @@ import re
 import shutil
 import tempfile
 import time
-import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
@@ -47,7 +46,7 @@ from guard.secure.dest.base import (
     Record,
     Taint,
 )
-from guard.secure.dest.s3io import S3Io, WriteConflict, make_client, s3_error
+from guard.secure.dest.s3io import REQUEST_ATTEMPTS, S3Io, WriteConflict, make_client, s3_error
 
 __all__ = ["S3PartManifest", "S3Record", "S3Store", "parse_s3_url"]
 
@@ -115,17 +114,23 @@ class S3Store:
         part_size_bytes: multipart part size, default 16 MiB; files above ``multipart_threshold_bytes`` (default
             64 MiB) go up in parts.
         request_timeout_s: how long one request may wait for an answer, default ``REQUEST_TIMEOUT_S``.
+        request_attempts: tries of one request (throttling, 5xx, resets), default ``s3io.REQUEST_ATTEMPTS``.
+
+    Raises:
+        DestinationError: boto3 is not installed (the hint names the ``jobguard[s3]`` extra), or the AWS
+            configuration is broken (``AWS_PROFILE`` names no profile).
     """
 
     kind: ClassVar[str] = "s3"
 
     def __init__(self, bucket: str, prefix: str = "", *, client: Any = None, max_concurrency: int = 8,
                  part_size_bytes: int = 16 * 1024 * 1024, multipart_threshold_bytes: int = 64 * 1024 * 1024,
-                 request_timeout_s: float = REQUEST_TIMEOUT_S) -> None:
+                 request_timeout_s: float = REQUEST_TIMEOUT_S, request_attempts: int = REQUEST_ATTEMPTS) -> None:
         self.bucket, self.prefix = bucket, prefix.strip("/")
         self._session: Any = None
         if client is None:
-            client, self._session = make_client(request_timeout_s=request_timeout_s, max_pool=max_concurrency + 4)
+            client, self._session = make_client(request_timeout_s=request_timeout_s, max_pool=max_concurrency + 4,
+                                                attempts=request_attempts)
         self.io = S3Io(client, bucket, str(self), max_concurrency=max_concurrency, part_size_bytes=part_size_bytes,
                        multipart_threshold_bytes=multipart_threshold_bytes)
 
@@ -222,20 +227,15 @@ class S3Store:
     # -- the Store verbs --------------------------------------------------------------------------------------
 
     def probe(self, *, deadline: float) -> None:
-        """Preflight: credentials found, the bucket answers, and a probe object under the prefix can be written
-        (conditionally, with its SHA-256), read back and removed. Raises ``DestinationError`` with what to do."""
-        if self._session is not None and self._session.get_credentials() is None:
-            raise DestinationError(f"no AWS credentials found for {self}", destination=str(self),
-                                   hint="set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (and AWS_SESSION_TOKEN), "
-                                        "or AWS_PROFILE, or run with an instance or container role")
-        self.io.call(f"bucket {self.bucket}", deadline, self.io.client.head_bucket)
-        rel = f".guard/probe-{uuid.uuid4().hex[:12]}.json"
-        self._put_json(rel, {"probe": True, "at_s": time.time()}, deadline, IfNoneMatch="*")
-        got = self._get_json(rel, deadline)
-        if got is None or got[0].get("probe") is not True:
-            raise DestinationError(f"a probe object written at {self}/{rel} could not be read back",
-                                   destination=str(self), hint="check the store's consistency and permissions")
-        self._delete([rel], deadline)
+        """Preflight: credentials found, the bucket exists, and a probe object under the prefix can be written (the
+        record's way: conditionally, with its SHA-256), read back and removed, all before ``deadline``.
+
+        Raises:
+            DestinationError: the first step that failed, said with what to do (``guard.secure.dest.s3probe``).
+        """
+        from guard.secure.dest.s3probe import run_probe
+
+        run_probe(self, deadline)
 
     def put_part(self, local_dir: Path, files: Sequence[str], *, run_id: str, step: int, node_rank: int,
                  nodes: int, place: str | None, source: str | None, deadline: float,

@@ -40,7 +40,8 @@ from typing import Any, TypeVar
 
 from guard.errors import DestinationError, TransientDestinationError
 
-__all__ = ["REQUEST_ATTEMPTS", "S3Io", "Uploaded", "WriteConflict", "composite_checksum", "make_client", "s3_error"]
+__all__ = ["INSTALL_HINT", "REQUEST_ATTEMPTS", "S3Io", "Uploaded", "WriteConflict", "composite_checksum", "make_client",
+           "s3_error"]
 
 logger = logging.getLogger("guard.secure.s3")
 T = TypeVar("T")
@@ -51,7 +52,7 @@ REQUEST_ATTEMPTS = 3
 MAX_PARTS = 10_000
 MIN_PART_BYTES = 5 * 1024 * 1024
 _MIB = 1024 * 1024
-_INSTALL_HINT = "install the S3 client: pip install 'jobguard[s3]' (boto3)"
+INSTALL_HINT = 'install the S3 client: pip install "jobguard[s3]" (boto3)'
 
 
 class WriteConflict(TransientDestinationError):
@@ -74,8 +75,9 @@ def _same_checksum(stored: str | None, sent: str) -> bool:
     return stored is not None and stored.split("-")[0] == sent.split("-")[0]
 
 
-def make_client(*, request_timeout_s: float, max_pool: int) -> tuple[Any, Any]:
-    """``(client, session)``: a botocore S3 client from the standard AWS configuration (module docstring).
+def make_client(*, request_timeout_s: float, max_pool: int, attempts: int = REQUEST_ATTEMPTS) -> tuple[Any, Any]:
+    """``(client, session)``: a botocore S3 client from the standard AWS configuration (module docstring), each
+    request tried up to ``attempts`` times (botocore's standard retry mode).
 
     Raises:
         DestinationError: boto3 is not installed, or ``AWS_PROFILE`` names no profile.
@@ -86,12 +88,12 @@ def make_client(*, request_timeout_s: float, max_pool: int) -> tuple[Any, Any]:
         from botocore.exceptions import BotoCoreError
     except ImportError as err:
         raise DestinationError(f"--push-to s3://... needs boto3, not installed here ({err})",
-                               hint=_INSTALL_HINT) from err
+                               hint=INSTALL_HINT) from err
     region = None if os.environ.get("AWS_DEFAULT_REGION") else os.environ.get("AWS_REGION") or None
     try:
         session = boto3.session.Session(region_name=region)
         config = Config(connect_timeout=min(10.0, request_timeout_s), read_timeout=request_timeout_s,
-                        retries={"mode": "standard", "total_max_attempts": REQUEST_ATTEMPTS},
+                        retries={"mode": "standard", "total_max_attempts": max(1, attempts)},
                         max_pool_connections=max_pool, request_checksum_calculation="when_required",
                         response_checksum_validation="when_required")
         return session.client("s3", config=config), session
