@@ -1,7 +1,7 @@
 """A verified push of the same checkpoint to each destination: time and MB/s, one row per destination.
 
 Run from the repository root: ``python benchmarks/bench_destinations.py [--rounds 3] [--size-mb 200] [--files 60]
-[--only folder,hub-xet,hub-lfs]``.
+[--only folder,hub-xet,hub-lfs,s3]``.
 
 The checkpoint is ``--size-mb`` MB (10^6 bytes) of random bytes (after a zero first byte) in ``--files`` files:
 four model shards of 3/16 of the size each, an optimizer state of the rest less 1 MB, and small files (config,
@@ -12,17 +12,20 @@ stored (hf_xet remembers the chunks it uploaded in its local cache and would sen
 A destination is a function ``(workdir) -> context manager yielding push(checkpoint_dir, round_no) -> bytes``: the
 push is the guard's verified push into a fresh place at that destination (upload or copy, then verification
 against the local sizes and SHA-256s, then the record), timed by the caller. ``DESTINATIONS`` maps a row's name to
-its function; a new destination adds one function and one entry (the S3 row goes here). Rows:
+its function; a new destination adds one function and one entry. Rows:
 
 - ``folder``: ``Securer(path).push_checkpoint`` into a new folder on the same disk.
 - ``hub-xet``: ``Securer(repo).push_checkpoint`` to the local Hub test server (``tests/hubserver.py``) in this
   process, Xet on (the client's default): hf_xet chunks, hashes and uploads xorbs and a shard to the server's Xet
   storage (``tests/xetcas.py``), which rebuilds each file and checks its SHA-256 before the commit may name it.
 - ``hub-lfs``: the same with ``HF_HUB_DISABLE_XET=1`` (plain LFS PUTs), for comparison.
+- ``s3``: ``Securer("s3://BUCKET/round-N").push_checkpoint`` to a local S3 server (``moto_server``, a child
+  process: ``tests/s3server.py``) through the standard AWS variables: every file put with its SHA-256 (in parts
+  above 64 MiB), checked by ``HEAD``, the node's manifest, then the record by one conditional write.
 
-The Hub server runs in this process and on the same cores as the client: its work (reading the bodies, rebuilding
-and hashing the files) is in the figures, as a real Hub's would be in the network time. Prints the load average
-before and after, then a Markdown table of the medians.
+The Hub server runs in this process, moto in a child, both on the same cores as the client: their work (reading
+the bodies, rebuilding and hashing the files) is in the figures, as a real store's would be in the network time.
+Prints the load average before and after, then a Markdown table of the medians.
 """
 
 from __future__ import annotations
@@ -119,10 +122,34 @@ def hub_lfs_destination(workdir: Path) -> contextlib.AbstractContextManager[Push
     return _hub_destination(workdir, xet=False)
 
 
+@contextlib.contextmanager
+def s3_destination(workdir: Path) -> Iterator[Push]:
+    from tests.s3server import MotoServer
+    from tests.s3server import env as s3_env
+
+    with MotoServer() as moto:
+        os.environ.update(s3_env(moto.url))
+        from guard.secure.hub import Securer
+
+        bucket = moto.bucket()
+
+        def push(checkpoint: Path, round_no: int) -> int:
+            securer = Securer(f"s3://{bucket}/round-{round_no}", run_id="bench")
+            result = securer.push_checkpoint(checkpoint, step=100, deadline=time.monotonic() + DEADLINE_S)
+            client = moto.client()  # keep the server's memory flat: the round's objects are not read again
+            for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket):
+                for obj in page.get("Contents", []):
+                    client.delete_object(Bucket=bucket, Key=obj["Key"])
+            return result.size_bytes
+
+        yield push
+
+
 DESTINATIONS: dict[str, Callable[[Path], contextlib.AbstractContextManager[Push]]] = {
     "folder": folder_destination,
     "hub-xet": hub_xet_destination,
     "hub-lfs": hub_lfs_destination,
+    "s3": s3_destination,
 }
 
 

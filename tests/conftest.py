@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -336,6 +337,25 @@ def pid_alive(pid: int) -> bool:
 @pytest.fixture
 def jobs() -> Path:
     return JOBS
+
+
+@pytest.fixture(scope="session")
+def moto_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """One S3 server (moto, tests/s3server.py) for a worker's tests, started on first use."""
+    from s3server import MotoServer
+
+    with MotoServer(tmp_path_factory.mktemp("moto-e2e")) as server:
+        yield server
+
+
+@pytest.fixture
+def destination(request: pytest.FixtureRequest, tmp_path: Path) -> Any:
+    """A fresh ``destinations.Destination`` of the kind a test is parametrized with, indirectly:
+    ``@pytest.mark.parametrize("destination", ["folder", "s3"], indirect=True)``."""
+    from destinations import make_destination
+
+    moto = request.getfixturevalue("moto_server") if request.param == "s3" else None
+    return make_destination(request.param, tmp_path, moto)
 
 
 def kill_quietly(proc: subprocess.Popen) -> None:

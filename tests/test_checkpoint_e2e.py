@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from conftest import JOBS, GuardRun, loaded_s, run_guard, secured_step, signal_when, start_guard
+from destinations import Destination
 
 pytestmark = [pytest.mark.slow]
 
@@ -16,18 +17,21 @@ FAST = ["--skip-check", "python=imports are checked by the other tests"]
 NANO = str(JOBS / "nanogpt_like.py")
 
 
-def test_a_loop_that_saves_ckpt_pt_is_secured_at_the_deadline_without_waiting_for_it(tmp_path: Path) -> None:
-    out, dest = tmp_path / "out-run", tmp_path / "dest"
+@pytest.mark.parametrize("destination", ["folder", "s3"], indirect=True)
+def test_a_loop_that_saves_ckpt_pt_is_secured_at_the_deadline_without_waiting_for_it(
+        tmp_path: Path, destination: Destination) -> None:
+    out = tmp_path / "out-run"
     started = time.monotonic()
     # a save about every second (100 iterations): the default, every 20, had the guard secure 74 saves in 22 s
-    run = run_guard([*FAST, "--timeout", "25s", "--push-to", str(dest), NANO, f"--out_dir={out}",
-                     "--eval_interval=100"], cwd=tmp_path, timeout_s=90)
+    run = run_guard([*FAST, "--timeout", "25s", "--push-to", destination.push_to, NANO, f"--out_dir={out}",
+                     "--eval_interval=100"], cwd=tmp_path, env=destination.env, timeout_s=90)
     took_s = time.monotonic() - started
     assert run.returncode == 75, run.stderr[-3000:]
     fields = run.fields()
     assert (fields["status"], fields["secured"]) == ("TIMEOUT", "yes")
     assert fields["checkpoint"] == str(out / "ckpt.pt")
-    assert (dest / "last-checkpoint" / "ckpt.pt").is_file()
+    assert destination.checkpoint_files() == {"ckpt.pt"}
+    assert destination.secured_step() == int(fields["secured_step"])  # the destination's record names that step
     assert f"output folder: {out} (the job's --out_dir argument)" in run.stderr
     assert "training finished" not in run.stdout
     assert took_s < 25 + 10

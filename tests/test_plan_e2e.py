@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import JOBS, kill_quietly, loaded_s, run_guard, start_guard
+from destinations import Destination
 
 pytestmark = [pytest.mark.slow]
 
@@ -65,16 +66,18 @@ def test_a_signal_less_than_grace_before_the_deadline_ends_before_the_deadline(t
     assert took_s < 36.0, f"the VERDICT came {took_s:.1f}s after the start, past the 36 s deadline"
 
 
-def test_a_job_that_finishes_inside_the_margin_is_a_pass_with_its_final_model_pushed(tmp_path: Path) -> None:
-    out, dest = tmp_path / "out", tmp_path / "dest"
+@pytest.mark.parametrize("destination", ["folder", "s3"], indirect=True)
+def test_a_job_that_finishes_inside_the_margin_is_a_pass_with_its_final_model_pushed(
+        tmp_path: Path, destination: Destination) -> None:
+    out = tmp_path / "out"
     until = time.time() + 30.0  # inside the margin: after the deadline's request at 20 s, before the deadline
-    run = run_guard([*FAST, "--timeout", "40s", "--margin", "20s", "--push-to", str(dest), "--output-dir",
+    run = run_guard([*FAST, "--timeout", "40s", "--margin", "20s", "--push-to", destination.push_to, "--output-dir",
                      str(out), JOB, "--output-dir", str(out), "--plain", "--until-epoch", str(until)],
-                    timeout_s=120)
+                    env=destination.env, timeout_s=120)
     fields = run.fields()
     assert (fields["status"], fields["reason"], run.returncode) == ("PASS", "ok", 0), run.stdout[-800:] + \
         run.stderr[-3000:]
-    assert (dest / "model.pt").is_file(), "the final model was not pushed"
+    assert "model.pt" in destination.final_files(), "the final model was not pushed"
     assert "finished its training before the deadline" in run.stderr
 
 

@@ -14,9 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import JOBS, REPO, run_guard
-from s3server import MotoServer
+from s3server import Fault, FaultProxy, MotoServer
 from s3server import env as s3_env
 from test_resume_e2e import stop_when_ready
+from test_xet_e2e import run_timed
 
 from guard.secure.dest.s3 import S3Store
 from guard.secure.hub import Destination, parse_destination
@@ -82,3 +83,23 @@ def test_a_nan_run_never_leaves_its_nan_save_in_the_bucket(moto: MotoServer, tmp
             state = torch.load(path, weights_only=True)
             assert all(bool(torch.isfinite(t).all()) for t in state["model"].values()), path
             assert re.search(r"ckpt-(\d+)", path.name) and int(path.name[5:-3]) < 12
+
+
+def test_a_store_that_stalls_every_push_does_not_delay_the_verdict_past_the_deadline(moto: MotoServer,
+                                                                                      tmp_path: Path) -> None:
+    """The endpoint answers preflight's probe, then holds every upload of a checkpoint without an answer (a store
+    that stopped mid-run): the background pushes and the deadline's push hang there, and the VERDICT still comes
+    before the deadline, saying nothing was secured; the bucket names no checkpoint."""
+    bucket = moto.bucket()
+    with FaultProxy(moto.url) as proxy:
+        proxy.inject(Fault("stall", count=100_000, path_contains="/.guard/staging/", stall_s=600))
+        run, verdict_s, exited_s = run_timed(["--grace", "10s", "--timeout", "40s", "--margin", "10s", "--push-to",
+                                              f"s3://{bucket}/stall", str(JOBS / "saving_loop.py"), "--output-dir",
+                                              str(tmp_path / "out"), "--save-every", "20"], env=s3_env(proxy.url))
+        stalled = [path for method, path, status in proxy.requests if status == 0 and method == "PUT"]
+    assert stalled, "no upload reached the store"
+    assert verdict_s < 40 and exited_s < 40 + 3, (verdict_s, exited_s, run.stderr[-3000:])
+    fields = run.fields()
+    assert (fields["status"], fields["reason"], fields.get("secured")) == ("TIMEOUT", "deadline", "no"), \
+        run.stderr[-3000:]
+    assert _store(moto, bucket, "stall").read_record(deadline=time.monotonic() + 60) is None
