@@ -52,6 +52,37 @@ def test_a_push_that_fails_verification_is_never_the_record(hub, repo_id, tmp_pa
 
 
 @pytest.mark.hub
+@pytest.mark.parametrize("before", ["nothing", "a user's own last-checkpoint"])
+def test_an_unverified_upload_is_never_resumed_when_no_record_exists_yet(hub, api, repo_id, tmp_path,  # noqa: F811
+                                                                        before):
+    """Issue 33 item 7: the first push of a run failed verification, so the repo has the guard's upload commit at
+    HEAD and no record. Resume used to fall back to HEAD and restore the half-written files as the secured step;
+    now it reads below every unverified upload: nothing, or what something else pushed there before."""
+    from huggingface_hub import CommitOperationAdd
+
+    api.create_repo(repo_id, private=True, exist_ok=True)
+    own = None
+    if before != "nothing":
+        own = real_checkpoint(tmp_path / "own", 7)
+        (own / "trainer_state.json").write_text(json.dumps({"global_step": 7}))  # a Trainer's, pushed by hand
+        api.create_commit(repo_id, [CommitOperationAdd(f"last-checkpoint/{p.name}", p.read_bytes())
+                                    for p in sorted(own.iterdir())], commit_message="my own checkpoint")
+    tampering = TamperingApi(endpoint=hub.url, token=TOKENS["write"], times=10)
+    with pytest.raises(PushFailedError):
+        Securer(repo_id, api=tampering).push_checkpoint(real_checkpoint(tmp_path / "b", 20), step=20,
+                                                        deadline=time.monotonic() + 60)
+    assert "not verified" in hub.commits(repo_id)[-1].title  # HEAD is the guard's unverified upload
+    securer = Securer(repo_id, api=api)
+    record = securer.peek_last_checkpoint(deadline=time.monotonic() + 60)
+    fetched = securer.fetch_last_checkpoint(tmp_path / "resume", deadline=time.monotonic() + 60)
+    assert record is not None and record.revision != hub.commits(repo_id)[-1].oid
+    if own is None:
+        assert fetched is None
+    else:
+        assert fetched is not None and fetched.step == 7 and local_files(fetched.path) == local_files(own)
+
+
+@pytest.mark.hub
 def test_fetch_checks_every_file_against_the_manifest(hub, api, repo_id, tmp_path):  # noqa: F811
     from huggingface_hub import CommitOperationAdd
 

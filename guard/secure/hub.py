@@ -89,6 +89,7 @@ _ACCEPTED_FORMS = ("hf://NS/NAME, hf://datasets/NS/NAME, NS/NAME (a Hub model re
 _NAME = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,94}[A-Za-z0-9_])?")
 _STEP_IN_TITLE = re.compile(r"checkpoint step (\d+)")
 _GUARD_TITLE = re.compile(r"guard: checkpoint step (\d+)")
+_UPLOAD_TITLE = re.compile(r"guard: upload of step (\d+), not verified yet")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -674,7 +675,9 @@ class Securer:
         Hub: the newest commit titled ``guard: checkpoint step N`` (``CHECKPOINT_COMMIT_TITLE``, the record every
         checkpoint push makes), so that a commit on top (a README, the Trainer's own push) never changes what is
         resumed from; a ``last-checkpoint/`` without such a commit (pushed by something else) is HEAD's, step
-        unknown. Folder: the folder itself and its manifest's step.
+        unknown, or, when the guard's own upload commits (``UPLOAD_COMMIT_TITLE``: files not verified, no record
+        yet) are in the history, the newest commit below the oldest of them: an upload is never a record.
+        Folder: the folder itself and its manifest's step.
 
         Raises:
             HubError: the destination cannot be read before ``deadline``.
@@ -705,18 +708,26 @@ class Securer:
         api, repo_id, repo_type = self._hub(), self.destination.repo_id, self.destination.repo_type
         assert repo_id is not None
         try:
-            for commit in api.list_repo_commits(repo_id, repo_type=repo_type):
-                if match := _GUARD_TITLE.fullmatch(commit.title.strip()):
-                    return SecuredRecord(commit.commit_id, int(match[1]),
-                                         *_placed(self._hub_manifest(commit.commit_id)))
-            sha = api.repo_info(repo_id, repo_type=repo_type).sha
+            commits = list(api.list_repo_commits(repo_id, repo_type=repo_type))  # newest first
         except (RepositoryNotFoundError, RevisionNotFoundError):
             return None
-        if sha is None:
+        for commit in commits:
+            if match := _GUARD_TITLE.fullmatch(commit.title.strip()):
+                return SecuredRecord(commit.commit_id, int(match[1]), *_placed(self._hub_manifest(commit.commit_id)))
+        # no record: a last-checkpoint/ pushed by something else, read at the newest commit below every upload of
+        # the guard's own (an upload commit is a record only once its files verified; one that failed verification,
+        # or was cut off before its record, is never resumed from, nor is a commit on top of it)
+        uploads = [i for i, commit in enumerate(commits) if _UPLOAD_TITLE.fullmatch(commit.title.strip())]
+        below = commits[uploads[-1] + 1:] if uploads else commits
+        if not below:
+            self._log.info("no commit at %s records a secured checkpoint: only the guard's unverified uploads (%s)",
+                           self.destination, commits[uploads[-1]].title.strip() if uploads else "none")
             return None
-        self._log.info("no commit at %s records a secured checkpoint (titled %r): using HEAD's %s/ if any",
-                       self.destination, CHECKPOINT_COMMIT_TITLE.format(step="N"), CHECKPOINT_FOLDER)
-        return SecuredRecord(sha, None)
+        self._log.info("no commit at %s records a secured checkpoint (titled %r): using %s's %s/ if any%s",
+                       self.destination, CHECKPOINT_COMMIT_TITLE.format(step="N"),
+                       "HEAD" if not uploads else below[0].commit_id[:12], CHECKPOINT_FOLDER,
+                       f" (below {len(uploads)} unverified upload commit(s) of the guard's)" if uploads else "")
+        return SecuredRecord(below[0].commit_id, None)
 
     def _hub_manifest(self, revision: str) -> dict[str, Any]:
         """The record's manifest at ``revision`` (a small file), or ``{}`` (a record of an older guard)."""
