@@ -53,6 +53,7 @@ class FakeResult:
     attempts: int = 1
     destination: str = "hf://alice/run"
     revision: str = "0" * 40
+    recorded_step: int | None = None  # killed after the destination's record moved to this step
 
     @property
     def killed(self) -> bool:
@@ -60,7 +61,7 @@ class FakeResult:
 
     @property
     def pushed(self) -> str | None:
-        return f"{self.destination}@{self.revision}" if self.ok else None
+        return f"{self.destination}@{self.revision}" if self.ok or self.recorded_step is not None else None
 
 
 @dataclass
@@ -78,6 +79,7 @@ class FakeHandle:
     stalled: bool = False
     stalled_at: float | None = None  # when a running push stopped moving bytes (None: from its start)
     rewritten: bool = False  # refused: the job saved over the checkpoint after that save (CheckpointRewrittenError)
+    recorded: bool = False  # its record has moved (its cleanup is what runs): a kill leaves its step secured
     result: FakeResult | None = None
 
     @property
@@ -111,7 +113,8 @@ class FakeHandle:
     def kill(self, why: str = "killed") -> FakeResult:
         if self.result is None:
             self.result = FakeResult(self.op, False, error=f"{self.op} killed", error_type=why,
-                                     elapsed_s=self.pusher.clock() - self.started)
+                                     elapsed_s=self.pusher.clock() - self.started, step=self.args.get("step"),
+                                     recorded_step=self.args.get("step") if self.recorded else None)
             self.pusher.killed.append(self)
         return self.result
 

@@ -96,3 +96,23 @@ def test_a_final_push_killed_midway_is_finished_by_the_next_run(tmp_path: Path) 
     Securer(str(dest)).peek_last_checkpoint(deadline=math.inf)  # any later run looks at the destination first
     assert {(dest / n).read_bytes() for n in ("a.bin", "b.bin", "c.bin")} == {b"2" * 4000}
     assert not any(p.name.startswith(".") for p in dest.iterdir())
+
+
+def test_a_push_killed_after_its_swap_leaves_no_staging_folder_once_the_run_is_over(tmp_path: Path) -> None:
+    """Issue 33 item 3 (seen after accelerate's complete_nlp_example and a Trainer run): a push SIGKILLed after its
+    swap, before it removed the previous copy, left ``.last-checkpoint.tmp-*`` at the destination for good when no
+    later push came. ``Securer.tidy`` (run by the guard after the VERDICT) removes it; the new copy stays."""
+    dest = tmp_path / "dest"
+    Securer(str(dest)).push_checkpoint(checkpoint(tmp_path / "a", 10), step=10, deadline=math.inf)
+    newer = checkpoint(tmp_path / "b", 20)
+    run_killed(f"""
+        import os, signal, math, shutil
+        from guard.secure import hub
+        shutil.rmtree = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)  # killed in the cleanup after the swap
+        hub.Securer({str(dest)!r}).push_checkpoint({str(newer)!r}, step=20, deadline=math.inf)
+        """)
+    assert [p.name for p in dest.iterdir() if p.name.startswith(".last-checkpoint.tmp-")]  # what the kill left
+    assert json.loads((dest / "last-checkpoint" / MANIFEST_NAME).read_text())["step"] == 20
+    Securer(str(dest)).tidy()
+    assert sorted(p.name for p in dest.iterdir()) == ["last-checkpoint"]
+    assert (dest / "last-checkpoint" / "model.bin").read_bytes() == (newer / "model.bin").read_bytes()

@@ -288,6 +288,21 @@ def test_a_newer_save_while_securing_supersedes_the_running_push_when_only_it_fi
     assert secured_step(plan) == 20
 
 
+@pytest.mark.parametrize("recorded", [False, True])
+def test_a_push_killed_at_secure_by_counts_by_what_the_destination_records(clock: FakeClock,
+                                                                          recorded: bool) -> None:
+    """Issue 33 item 3 (accelerate's complete_nlp_example under --timeout 90s): the push of step 10 is killed at
+    secure_by; killed in its cleanup, after the destination's record had moved to step 10, the destination holds
+    step 10, so that is what is secured (before: nothing, while the destination held it); killed before, nothing."""
+    plan, pusher = _deadline_securing(clock, deadline_at=20.0)  # secure_by 18.5: the 21 s push cannot end
+    pusher.started[0].recorded = recorded
+    run_until(plan, clock, 20.0)
+    assert [h.args["step"] for h in pusher.killed] == [10] and plan.state is State.DONE
+    report = plan.report()
+    assert secured_step(plan) == (10 if recorded else None)
+    assert (report.error is None) == recorded
+
+
 def test_a_newer_save_too_late_to_push_keeps_the_running_push(clock: FakeClock) -> None:
     plan, pusher = _deadline_securing(clock, deadline_at=40.0)
     big = ckpt(20, size_bytes=500_000_000)  # 25 s at 20 MB/s, x1.5 + 15 s: more than the 26.5 s left

@@ -285,3 +285,27 @@ def test_a_worker_that_moves_no_byte_shows_no_progress_and_one_that_moves_bytes_
     finally:
         idle.kill()
         busy.kill()
+
+
+def test_a_push_killed_after_its_record_moved_reports_the_step_the_destination_holds(tmp_path: Path) -> None:
+    """Issue 33 item 3: a checkpoint push killed in its cleanup, after the folder swap (accelerate's
+    complete_nlp_example at the end of its window), says which step the destination's record names now; one killed
+    before it says none."""
+    ckpt = make_checkpoint(tmp_path / "out" / "checkpoint-7", 7, size_bytes=4_000_000)
+    dest = tmp_path / "dest"
+    early = worker.start("push_checkpoint", {"local_dir": str(ckpt), "step": 7}, time.monotonic() + 60,
+                         destination=str(tmp_path / "other"))
+    killed_early = early.kill()
+    assert killed_early.killed and killed_early.recorded_step is None and killed_early.pushed is None
+
+    handle = worker.start("push_checkpoint", {"local_dir": str(ckpt), "step": 7}, time.monotonic() + 60,
+                          destination=str(dest))
+    manifest = dest / "last-checkpoint" / "guard_manifest.json"
+    end = time.monotonic() + 60
+    while not manifest.is_file() and time.monotonic() < end:
+        time.sleep(0.01)
+    assert json.loads(manifest.read_text())["step"] == 7  # the record moved: the swap is done
+    time.sleep(0.2)  # its line is written right after the swap (the worker may have ended meanwhile: the same)
+    result = handle.kill()
+    assert not result.ok and result.recorded_step == 7
+    assert result.pushed == f"{dest}@{dest / 'last-checkpoint'}"

@@ -473,6 +473,14 @@ def _run_job(config: Config, masker: Masker, started: float, platform: PlatformI
         start.abort()  # the guard's own failure before the loop: no job is left behind
         raise
     result = supervisor.run()
+    if securer is not None:
+        from guard.run.process import AFTER_VERDICT
+        from guard.secure import worker
+
+        def tidy() -> None:  # what a push killed part way left at the destination, after the VERDICT
+            worker.reap_killed()  # a killed push that died since: its staging is left over, its pid free
+            securer.tidy()
+        AFTER_VERDICT.call(tidy)
     if sharing is not None:  # many nodes, one output folder: node 0's word on what it secured (guard/run/relay.py)
         from guard.run.relay import agree_with_node_0
 

@@ -566,6 +566,10 @@ class Securer:
         self.last_copy: FolderCopy | None = None  # what the last folder-destination push wrote
         self.run_id = run_id or "run"
         self._store = store
+        #: Called with ``(step, revision)`` the moment a checkpoint push has moved the destination's record (the
+        #: folder swapped in, the Hub's record commit made, the S3 record written), before its cleanup: a push
+        #: killed after that point has secured its step all the same (``guard.secure.worker`` reports it).
+        self.on_recorded: Callable[[int, str], None] | None = None
 
     # -- public API -------------------------------------------------------------------------------------------
 
@@ -636,6 +640,22 @@ class Securer:
                                   check_before=still_that_save, placed=placed)
 
         return self._push(what, folder, files, step, attempt, deadline)
+
+    def tidy(self) -> None:
+        """After the run (its pushes are over): a folder destination loses what a push killed part way left there
+        (a staging folder, a previous copy aside: ``_recover``); a push whose process still lives (not reaped yet:
+        ``worker.reap_killed`` first) keeps its own.
+        Other destinations: nothing (an S3 run's staged objects are its own, under its run id). Never raises."""
+        if self.destination.kind != "folder" or self.destination.path is None or not self.destination.path.is_dir():
+            return
+        try:
+            _remove_stale_staging(self.destination.path)
+        except OSError as exc:
+            self._log.warning("cannot tidy %s after the run: %s", self.destination.path, exc)
+
+    def _recorded(self, step: int, revision: str) -> None:
+        if self.on_recorded is not None:
+            self.on_recorded(step, revision)
 
     def _rewritten(self, what: str, path: Path, later_s: float, step: int) -> CheckpointRewrittenError:
         when = "missing now" if math.isinf(later_s) else f"modified {later_s:.1f}s later"
@@ -891,6 +911,8 @@ class Securer:
         if (record.run_id, record.step) != (self.run_id, step):
             self._log.info("the record at %s already names step %s of this run: step %d not recorded over it",
                            self.destination, record.step, step)
+        else:
+            self._recorded(step, str(record.revision).strip('"'))
         return str(record.revision).strip('"')  # the record's ETag, without the quotes HTTP gives it
 
     def _s3_fetch(self, into: Path, deadline: float) -> FetchedCheckpoint | None:
@@ -962,6 +984,7 @@ class Securer:
         done = api.create_commit(repo_id, [record], commit_message=message, repo_type=repo_type,
                                  parent_commit=info.oid,
                                  commit_description=f"Verified: {len(files)} files of commit {info.oid}.")
+        self._recorded(record_step, done.oid)
         self._verify_hub(api, done.oid, [record], contents={record.path_in_repo: body})
         return done.oid
 
@@ -1153,6 +1176,7 @@ class Securer:
                 self._verify_folder(staging, {rel: sums[rel] for rel in files}, exclude={MANIFEST_NAME})
             old = _swap_in(staging, target)
             _fsync_dir(root)
+            self._recorded(step, str(target))
             if old is not None:
                 shutil.rmtree(old, ignore_errors=True)
         finally:

@@ -726,7 +726,8 @@ class Plan:
     def _good_secured(self, step: int) -> PushRecord | None:
         """The newest verified push of a checkpoint saved before ``step`` (the resumed one included), or None."""
         candidates = [p for p in self._history if p.info is not None and p.kind != "final" and p.result is not None
-                      and p.result.ok and _step(p.info) < step]
+                      and (p.result.ok or getattr(p.result, "recorded_step", None) is not None)
+                      and _step(p.info) < step]
         prior = self._secured if self._secured is not None and self._secured.kind == "resumed" else None
         if prior is not None and _step(prior.info) < step:
             candidates.append(prior)
@@ -839,10 +840,28 @@ class Plan:
             return []
         record.result = record.handle.kill("deadline" if why == "deadline" else "killed")
         log.warning("push of %s stopped: %s", record.info.path if record.info else "the final model", why)
-        if record.kind in ("securing", "final"):
+        if self._recorded_anyway(record):
+            pass
+        elif record.kind in ("securing", "final"):
             self._error = record
         return [KillPush(why, str(record.info.path) if record.info else None,
                          record.info.step if record.info else None)]
+
+    def _recorded_anyway(self, record: PushRecord) -> bool:
+        """A checkpoint push that did not end on its own (killed, its worker died) after the destination's record
+        had moved to its step (``WorkResult.recorded_step``): the destination holds it, verified, so it is what is
+        secured (the VERDICT and the destination never disagree). Returns whether it was taken so."""
+        step = getattr(record.result, "recorded_step", None)
+        if step is None or record.info is None or record.kind == "final" or step != record.info.step:
+            return False
+        self._secured = record
+        if self._is_suspect(record.info):
+            log.error("the push of %s was stopped after the destination's record named it, but it was saved after "
+                      "the first non-finite loss: the destination holds a suspect checkpoint", record.info.path)
+        else:
+            log.warning("the push of %s was stopped after the destination's record named step %s: that checkpoint "
+                        "is secured", record.info.path, step)
+        return True
 
     def _push_ended(self, result: Any, now: float) -> list[Action]:
         record, self._push = self._push, None
@@ -870,6 +889,8 @@ class Plan:
                 self._secured = record  # the destination's record now names it (its swap, its commit)
                 log.info("secured and verified: %s (step %s, %.1f MB in %.1fs)", result.pushed,
                          record.info.step if record.info else None, result.size_bytes / 1e6, result.elapsed_s)
+        elif self._recorded_anyway(record):
+            pass  # its worker died after the record moved: secured all the same
         else:
             rewritten = getattr(result, "error_type", None) == REWRITTEN and self._bad_from_step is None
             if rewritten:  # the job saved over it again: not the destination's failure; its newer save follows

@@ -79,7 +79,8 @@ class PushRecord:
             step=self.info.step if self.info is not None else None, info=self.info,
             running=result is None, ok=bool(result is not None and result.ok),
             killed=bool(result is not None and getattr(result, "killed", False)),
-            pushed=getattr(result, "pushed", None) if result is not None and result.ok else None,
+            pushed=getattr(result, "pushed", None) if result is not None and (
+                result.ok or getattr(result, "recorded_step", None) is not None) else None,
             destination=getattr(result, "destination", None) if result is not None else None,
             files=len(getattr(result, "files", ()) or ()) if result is not None else 0,
             size_bytes=int(getattr(result, "size_bytes", 0) or 0) if result is not None else 0,

@@ -66,6 +66,9 @@ POLL_S = 0.1  # how often run_bounded polls
 #: Bytes a worker must move (read or write) for it to count as progress: over the few hundred bytes of a retry.
 PROGRESS_MIN_BYTES = 64 * 1024
 _RESULT = "RESULT "
+#: The line a checkpoint push writes the moment the destination's record names its step (``Securer.on_recorded``),
+#: before its cleanup: a push killed after it has secured that step.
+_RECORDED = "RECORDED "
 #: Killed workers not reaped yet (``reap_killed``).
 _KILLED: set[Handle] = set()
 
@@ -111,11 +114,23 @@ class WorkResult:
         return value if isinstance(value, int) and not isinstance(value, bool) else None
 
     @property
-    def pushed(self) -> str | None:
-        """``DEST@REVISION`` of a push, else None."""
-        if not self.ok or self.data is None or "destination" not in self.data:
+    def recorded_step(self) -> int | None:
+        """A push that did not end on its own (killed, or its worker died) after the destination's record moved to
+        its step (``Securer.on_recorded``): that step, else None. What the destination holds is then this push's
+        checkpoint, verified before the record moved."""
+        if self.ok or self.data is None or "recorded_revision" not in self.data:
             return None
-        return f"{self.data['destination']}@{self.data['revision']}"
+        return self._int("step")
+
+    @property
+    def pushed(self) -> str | None:
+        """``DEST@REVISION`` of a push (also of one stopped after its record moved: ``recorded_step``), else None."""
+        if self.data is None or "destination" not in self.data:
+            return None
+        if self.ok:
+            return f"{self.data['destination']}@{self.data['revision']}"
+        return f"{self.data['destination']}@{self.data['recorded_revision']}" if self.recorded_step is not None \
+            else None
 
     @property
     def revision(self) -> str | None:
@@ -185,6 +200,7 @@ class Handle:
         self.request_dir: str | None = None  # the request file's private folder, removed once the child ended
         self._buffers: dict[int, bytes] = {}
         self._payload: dict[str, Any] | None = None
+        self._recorded: dict[str, Any] | None = None  # the record moved (``_RECORDED``), before the result came
         self._drained_bytes = 0  # what the child wrote to its pipes and this side read
         self._moved_bytes: int | None = None  # the bytes it had moved (less the drained ones) at its last progress
         self.progress_at = self.started
@@ -231,6 +247,10 @@ class Handle:
             with contextlib.suppress(ValueError):
                 self._payload = json.loads(text[len(_RESULT):])
             return
+        if is_stdout and text.startswith(_RECORDED):
+            with contextlib.suppress(ValueError):
+                self._recorded = json.loads(text[len(_RECORDED):])
+            return
         try:
             record = json.loads(text)
             level, name, message = int(record["level"]), str(record["name"]), str(record["message"])
@@ -263,7 +283,8 @@ class Handle:
         if payload is None:
             code = self.proc.returncode
             why = f"signal {-code}" if code is not None and code < 0 else f"exit {code}"
-            self.result = WorkResult(self.op, False, error=f"the securing worker died ({why}) before it reported",
+            self.result = WorkResult(self.op, False, self._recorded,
+                                     error=f"the securing worker died ({why}) before it reported",
                                      hint="set GUARD_DEBUG=1 and report it", error_type="crash", elapsed_s=elapsed_s)
         else:
             self.result = WorkResult(self.op, bool(payload.get("ok")), payload.get("data"), payload.get("error"),
@@ -300,7 +321,10 @@ class Handle:
         _KILLED.add(self)
         self._reap()
         text = ("the deadline was reached" if why == "deadline" else "stopped before it finished")
-        self.result = WorkResult(self.op, False, error=f"{self.op.replace('_', ' ')} killed: {text}",
+        recorded = self._recorded
+        if recorded is not None:  # killed in its cleanup, after the destination's record moved to its step
+            text += f", after the destination's record named step {recorded.get('step')}"
+        self.result = WorkResult(self.op, False, recorded, error=f"{self.op.replace('_', ' ')} killed: {text}",
                                  hint="a larger --margin (or --grace) leaves more time to secure it",
                                  error_type=why, elapsed_s=self.clock() - self.started)
         return self.result
@@ -516,6 +540,12 @@ def _child_main(request_file: str) -> int:
             raise ValueError(f"unknown operation {op!r}")
         securer = hub.Securer(request["destination"], token=request.get("token") or None,
                               run_id=request.get("run_id") or None)
+
+        def recorded(step: int, revision: str) -> None:
+            sys.stdout.write(_RECORDED + json.dumps({"step": step, "recorded_revision": revision,
+                                                     "destination": request["destination"]}) + "\n")
+            sys.stdout.flush()
+        securer.on_recorded = recorded
         value = getattr(securer, op)(**args, deadline=time.monotonic() + float(request["remaining_s"]))
         out = {"ok": True, "data": _plain(value) if value is not None else None}
     except GuardError as exc:

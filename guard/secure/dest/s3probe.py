@@ -16,12 +16,9 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from guard.errors import DestinationError, TransientDestinationError
-
-if TYPE_CHECKING:
-    from guard.secure.dest.s3 import S3Store
 
 __all__ = ["run_probe"]
 
@@ -32,8 +29,9 @@ _UNREACHABLE = ("EndpointConnectionError", "ConnectTimeoutError", "ProxyConnecti
 _NO_ANSWER = ("ReadTimeoutError", "ConnectionClosedError")
 
 
-def run_probe(store: S3Store, deadline: float) -> None:
-    """Probe ``store`` (module docstring) before ``deadline`` (monotonic seconds); the probe object is removed.
+def run_probe(store: Any, deadline: float) -> None:
+    """Probe ``store`` (a ``guard.secure.dest.s3.S3Store``, typed ``Any``: that module calls this one) as the module
+    docstring says, before ``deadline`` (monotonic seconds); the probe object is removed.
 
     Raises:
         DestinationError: the first step that failed, with a hint saying what to do.
@@ -69,7 +67,7 @@ def _status(err: DestinationError) -> tuple[int, str]:
     return status, str(response.get("Error", {}).get("Code") or status)
 
 
-def _failure(store: S3Store, step: str, err: DestinationError) -> DestinationError:
+def _failure(store: Any, step: str, err: DestinationError) -> DestinationError:
     """``err`` of ``step`` said as what was wrong and what to do; transient when ``err`` was."""
     endpoint = str(getattr(store.io.client.meta, "endpoint_url", "") or "the S3 endpoint")
     where, bucket = str(store), store.bucket
