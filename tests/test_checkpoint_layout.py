@@ -193,7 +193,8 @@ def test_the_supervisor_scan_honours_what_the_job_said(tmp_path, caplog):
     write(folder / TRAINER_STATE_NAME, 2, mtime_s=now - 0.2)
     os.symlink(real, tmp_path / "link")
     output_dir = str(tmp_path / "link" / "out")
-    sup = SimpleNamespace(node_rank=None, training_ranks=lambda: {0}, world_size=lambda: 1, outcome=None, job=None)
+    sup = SimpleNamespace(node_rank=None, training_ranks=lambda: {0}, world_size=lambda: 1, outcome=None, job=None,
+                          job_exit_code=lambda: None, job_alive=lambda: True)
     from fakes import InlineFs
 
     securing = Securing(deadline=Deadline(now, None, None, "none"), estimator=MarginEstimator(log_changes=False),

@@ -224,7 +224,9 @@ def test_a_taint_marks_the_saves_after_it_on_disk(tmp_path: Path) -> None:
     rig.securing.on_taint(rig.link, 30)
     assert is_marked_suspect(rig.out / "checkpoint-40") and not is_marked_suspect(rig.out / "checkpoint-10")
     marker = json.loads((rig.out / "checkpoint-40" / "guard_suspect.json").read_text())
-    assert marker == {"step": 40, "first_non_finite_step": 30}
+    assert {k: marker[k] for k in ("step", "first_non_finite_step", "run_id")} == {
+        "step": 40, "first_non_finite_step": 30, "run_id": rig.securing.run_id}
+    assert marker["path"] == str(rig.out / "checkpoint-40") and marker["size_bytes"] > 0
     report = rig.securing.plan.report()
     assert report.secured is not None and report.secured.step == 10
 
@@ -237,7 +239,8 @@ def test_a_loose_checkpoint_file_is_marked_beside_it(tmp_path: Path) -> None:
     assert not is_marked_suspect(loose)
     marker = mark_suspect(loose, step=12, first_non_finite_step=9)
     assert marker == tmp_path / "ckpt.pt.guard-suspect.json" and is_marked_suspect(loose)
-    assert json.loads(marker.read_text()) == {"step": 12, "first_non_finite_step": 9}
+    body = json.loads(marker.read_text())
+    assert (body["step"], body["first_non_finite_step"], body["size_bytes"]) == (12, 9, 1)
     assert mark_suspect(tmp_path / "gone" / "x.pt", step=1, first_non_finite_step=1) is None  # logged, never raised
 
 

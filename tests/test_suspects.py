@@ -41,7 +41,9 @@ def test_markers_for_folders_and_loose_files(tmp_path: Path) -> None:
     loose.write_bytes(b"x")
     marker = mark_suspect(loose, step=9, first_non_finite_step=4)
     assert marker == tmp_path / "ckpt.pt.guard-suspect.json" and is_marked_suspect(loose)
-    assert json.loads(marker.read_text()) == {"step": 9, "first_non_finite_step": 4}
+    body = json.loads(marker.read_text())
+    assert body["path"] == str(loose) and (body["step"], body["first_non_finite_step"]) == (9, 4)
+    assert (body["size_bytes"], body["mtime_ns"]) == (1, loose.stat().st_mtime_ns)
 
 
 def test_the_scan_skips_a_suspect_folder_and_names_it(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

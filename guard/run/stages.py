@@ -527,7 +527,7 @@ def _supervisor(config: Config, masker: Masker, start: JobStart, *, deadline: bu
                         output_dir=output_dir, grace_s=secure.grace_s,
                         refresher=_slurm_refresher(config, platform), background=secure.background_push,
                         push_interval_s=push_interval_s, final_window_s=secure.final_push_window_s,
-                        push_stall_s=secure.push_stall_s)
+                        push_stall_s=secure.push_stall_s, run_id=secure.run_id or None)
     if fetched is not None and fetched.info is not None:  # described by the resume stage, off this thread
         held_by = str(securer.destination) if fetched.source == "destination" and securer is not None else None
         securing.resumed_from(fetched.info, destination=held_by, revision=fetched.revision)

@@ -31,8 +31,10 @@ A checkpoint folder counts as complete when:
 - every file is whole by its format (``guard.secure.formats.check_files``: a torch zip with its central directory,
   a pickle stream that ends, a safetensors header that matches the size, a ``.distcp`` set its ``.metadata``
   names);
-- it carries no suspect marker (``mark_suspect``: saved after the first non-finite loss): such a checkpoint is
-  skipped, and named in the log, by the scan, resume and every later push.
+- it carries no suspect marker that names it (``guard.secure.suspects``: saved after the first non-finite loss;
+  a marker is void once its path is written again, and during a run another run's marker is void): such a
+  checkpoint is skipped, and named in the log, by the scan, resume and every later push; resume also refuses
+  every checkpoint of a tainted run at or after its first non-finite step (``refuse``).
 
 A folder the job said it finished skips the mtime and completion-file rules (not the suspect marker); the push
 checks its files by format all the same. The log says which rule admitted each checkpoint (``admitted_by``).
@@ -58,7 +60,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from guard.errors import SupervisorError
-from guard.secure.formats import DISTCP_METADATA, check_files, missing_required, recorded_step, requires
+from guard.secure.formats import DISTCP_METADATA, check_files, kind_of, missing_required, recorded_step, requires
+from guard.secure.suspects import SUSPECT_MARKER_NAME, is_marked_suspect, mark_suspect
 
 __all__ = [
     "GUARD_MARKER_NAME",
@@ -71,10 +74,12 @@ __all__ = [
     "describe",
     "every_rank_marked",
     "is_marked_suspect",
+    "is_scratch_name",
     "list_files",
     "loose_files",
     "mark_suspect",
     "newest_complete",
+    "saved_folder",
     "why_incomplete",
 ]
 
@@ -84,9 +89,6 @@ log = logging.getLogger("guard.checkpoints")
 TRAINER_STATE_NAME = "trainer_state.json"
 #: Written by ``guard.checkpoint_saved(path)`` into a custom loop's checkpoint folder.
 GUARD_MARKER_NAME = "guard_checkpoint.json"
-#: Written into a checkpoint folder saved at or after the first non-finite loss (``mark_suspect``).
-SUSPECT_MARKER_NAME = "guard_suspect.json"
-SUSPECT_SUFFIX = ".guard-suspect.json"  # beside a loose checkpoint file: ``FILE.guard-suspect.json``
 #: Present while transformers' JIT checkpointing is saving (``trainer_jit_checkpoint.py``).
 INCOMPLETE_SENTINEL_NAME = "checkpoint-is-incomplete.txt"
 
@@ -111,13 +113,16 @@ _CHECKPOINT_LIKE_RE = re.compile(r"(?:tmp-)?(?:checkpoint-|checkpoint_|step_|glo
 #: holding one of them is complete only with that last file.
 _TRAINER_OR_ACCELERATE = re.compile(r"training_args\.bin|optimizer\.(?:pt|bin)|scheduler\.(?:pt|bin)|"
                                     r"rng_state(?:_[0-9]+)?\.pth|scaler\.pt|sampler(?:_[0-9]+)?\.bin")
-#: Suffixes of model and optimizer files written by ``torch.save``, safetensors and the Trainer.
-MODEL_FILE_SUFFIXES = (".pt", ".pth", ".safetensors", ".bin")
+#: Suffixes of model and optimizer files written by ``torch.save``, safetensors and the Trainer (and timm's
+#: ``CheckpointSaver``: ``last.pth.tar``, ``checkpoint-N.pth.tar``).
+MODEL_FILE_SUFFIXES = (".pt", ".pth", ".safetensors", ".bin", ".pth.tar")
 #: Files with a model suffix that are not model state (the Trainer's pickled ``TrainingArguments``).
 _NOT_MODEL_FILES = frozenset({"training_args.bin"})
 _STEP_IN_NAME_RE = re.compile(r"(?:^|[^a-z])(?:global_step|step|iter|iteration|it)[-_]?([0-9]+)(?![0-9])",
                               re.IGNORECASE)
 StatFn = Callable[[str], os.stat_result]
+#: ``(step or None, newest mtime in epoch seconds) -> why the checkpoint is refused, or None``.
+Refusal = Callable[[int | None, float], str | None]
 #: The settle rule: a file written by other means counts once every file of its checkpoint is unchanged this long
 #: (seconds).
 STABLE_FOR_S = 2.0
@@ -316,10 +321,16 @@ def _check(path: Path, now_s: float, stable_for_s: float, stat: StatFn, reported
     missing = None if parts else _missing_ranks(first, world_size)
     if missing is not None:
         return first, missing
-    # a folder of a plain loop (``checkpoint-20/model.pt``): complete once settled and whole by format (below)
+    # a folder of a plain loop (``checkpoint-20/model.pt``): complete once settled and whole by format (below).
+    # Without the settle time (the writer is gone, or resume), formats decide; a folder with no completion file
+    # holding a model file of a format not checked here still waits for it: nothing else can say it is whole
+    unchecked = None if marked or stable_for_s >= STABLE_FOR_S else _unchecked_model_file(path, first)
+    settle_s = STABLE_FOR_S if unchecked is not None else stable_for_s
     newest_name, (_, newest_mtime_s) = max(first.items(), key=lambda item: item[1][1])
-    if newest_mtime_s > now_s - stable_for_s:
-        return first, f"still being written ({newest_name} changed {max(0.0, now_s - newest_mtime_s):.1f}s ago)"
+    if newest_mtime_s > now_s - settle_s:
+        why = f"; {unchecked}'s format is not one the guard checks" if unchecked is not None else ""
+        return first, (f"still being written ({newest_name} changed {max(0.0, now_s - newest_mtime_s):.1f}s "
+                       f"ago{why})")
     try:
         second = _walk(path, stat)
     except FileNotFoundError:
@@ -337,6 +348,19 @@ def _check(path: Path, now_s: float, stable_for_s: float, stat: StatFn, reported
         return first, f"incomplete by its format: {lacking[0]}{more} (a rank's part still being written, or on " \
                       "another node's disk)"
     return first, None
+
+
+def _unchecked_model_file(path: Path, files: Iterable[str]) -> str | None:
+    """The first model file of the folder ``path`` whose format ``formats.kind_of`` does not know (its wholeness
+    cannot be checked), or None."""
+    for rel in sorted(files):
+        if _is_model_file(rel.rsplit("/", 1)[-1]):
+            try:
+                if kind_of(path / rel) is None:
+                    return rel
+            except OSError:
+                return rel
+    return None
 
 
 def _deepspeed_unfinished(path: Path) -> str | None:
@@ -437,7 +461,8 @@ def newest_complete(output_dir: str | os.PathLike[str], *, now_s: float, stable_
                     reported: Collection[str] = (), loose: bool = True, since_s: float | None = None,
                     resumed: Collection[str] = (), world_size: int = 1,
                     waiting: Mapping[str, str] | None = None,
-                    steps: Mapping[str, int] | None = None, parts: bool = False) -> CheckpointInfo | None:
+                    steps: Mapping[str, int] | None = None, parts: bool = False, run_id: str | None = None,
+                    refuse: Refusal | None = None) -> CheckpointInfo | None:
     """The newest complete checkpoint under ``output_dir`` (see the module docstring for what counts).
 
     Folders newer than the one returned that are skipped are logged with the reason (still being written, no state
@@ -474,6 +499,10 @@ def newest_complete(output_dir: str | os.PathLike[str], *, now_s: float, stable_
             not hold (another node's shards or ranks' files) is returned as this node's part (``part`` True,
             ``requires`` what the format names), checked as a union by the caller; default False (such a folder is
             incomplete). Other folder names (``step-N``, ``iter_N``) count when they hold a sharded format.
+        run_id: this run's id: another run's suspect marker does not count (``suspects.is_marked_suspect``);
+            None (resume): every marker that still names its save counts.
+        refuse: ``(step, newest mtime in epoch seconds) -> reason or None``: a checkpoint it names a reason for is
+            skipped with it (resume: a tainted run's, ``suspects.tainted_by``).
 
     Returns:
         The :class:`CheckpointInfo`, or None when there is none (or ``output_dir`` does not exist).
@@ -502,7 +531,7 @@ def newest_complete(output_dir: str | os.PathLike[str], *, now_s: float, stable_
         fetched = not told and os.path.realpath(path) in kept and _placed_before(path, since_s, stat)
         files: dict[str, tuple[int, float]]
         reason: str | None
-        if is_marked_suspect(path):
+        if is_marked_suspect(path, run_id=run_id):
             files, reason = {}, "marked suspect (saved after the first non-finite loss): never resumed or pushed"
         else:
             files, reason = _check(path, now_s, stable_for_s, stat, reported=told or fetched, world_size=world_size,
@@ -512,6 +541,9 @@ def newest_complete(output_dir: str | os.PathLike[str], *, now_s: float, stable_
             reason = pending
         if reason is None and _left_over(path, files, since_s) and os.path.realpath(path) not in kept:
             reason = "found and left alone: saved before this run started and not resumed from"
+        if reason is None and refuse is not None:
+            found, _ = (step, "reported") if os.path.realpath(path) in known else _folder_step(path, step)
+            reason = refuse(found, max(m for _, m in files.values()))
         if reason is None:
             found, source = (step, "reported") if os.path.realpath(path) in known else _folder_step(path, step)
             info = _info(path, files, found, step_source=source,
@@ -526,7 +558,7 @@ def newest_complete(output_dir: str | os.PathLike[str], *, now_s: float, stable_
             if seen is not None:
                 seen.add((str(path), reason))
     return loose_files(base, now_s=now_s, stable_for_s=stable_for_s, stat=stat, since_s=since_s, resumed=kept,
-                       seen=seen) if loose else None
+                       seen=seen, run_id=run_id, refuse=refuse) if loose else None
 
 
 def _holds_sharded(path: Path) -> bool:
@@ -537,10 +569,14 @@ def _holds_sharded(path: Path) -> bool:
         return False
 
 
-def _is_scratch(name: str) -> bool:
-    """A hidden or temporary folder name (``.partial-checkpoint-1``, ``tmp``, ``tmp-x``, ``x.tmp``)."""
+def is_scratch_name(name: str) -> bool:
+    """A hidden or temporary name (``.partial-checkpoint-1``, ``tmp``, ``tmp-x``, ``x.tmp``, timm's
+    ``tmp.pth.tar``): what lies under it is renamed into place later (or dropped)."""
     lowered = name.lower()
     return lowered.startswith((".", "tmp")) or lowered.endswith((".tmp", "-tmp", "_tmp"))
+
+
+_is_scratch = is_scratch_name
 
 
 def _is_model_file(name: str) -> bool:
@@ -549,22 +585,24 @@ def _is_model_file(name: str) -> bool:
 
 def loose_files(output_dir: str | os.PathLike[str], *, now_s: float, stable_for_s: float = STABLE_FOR_S,
                 stat: StatFn = os.stat, since_s: float | None = None, resumed: Collection[str] = (),
-                seen: set[tuple[str, str]] | None = None) -> CheckpointInfo | None:
+                seen: set[tuple[str, str]] | None = None, run_id: str | None = None,
+                refuse: Refusal | None = None) -> CheckpointInfo | None:
     """A stable set of model/optimizer files at the top of ``output_dir``, as one checkpoint (``root`` is the
     folder; ``files`` the set), or None. Files last written before ``since_s`` (an earlier run's, e.g. a leftover
     ``model_step_30.pt``) are left alone and logged, unless one of ``resumed``.
 
     Files named with a step (``model_step_200.pt``) are grouped by it; the group with the highest step wins over
     the files without one when it is as new; the files without a step form one set, step unknown. A set counts
-    only when none of its files changed within ``stable_for_s`` and two stat passes agree.
+    only when none of its files changed within ``stable_for_s`` and two stat passes agree. ``run_id`` and
+    ``refuse``: as for ``newest_complete``.
     """
     base = Path(output_dir)
     try:
-        names = sorted(n for n in os.listdir(base) if _is_model_file(n))
+        names = sorted(n for n in os.listdir(base) if _is_model_file(n) and not _is_scratch(n))
     except (FileNotFoundError, NotADirectoryError):
         return None
 
-    suspects = [n for n in names if is_marked_suspect(base / n)]
+    suspects = [n for n in names if is_marked_suspect(base / n, run_id=run_id)]
     if suspects:
         log.debug("left out %s: marked suspect (saved after the first non-finite loss)", ", ".join(suspects))
         names = [n for n in names if n not in suspects]
@@ -616,6 +654,10 @@ def loose_files(output_dir: str | os.PathLike[str], *, now_s: float, stable_for_
     if problems:
         log.debug("model files in %s not whole by format: %s", base, problems[0])
         return None
+    refused = refuse(step, newest) if refuse is not None else None
+    if refused is not None:
+        log.info("left out %s in %s: %s", ", ".join(sorted(chosen)), base, refused)
+        return None
     path = base / next(iter(chosen)) if len(chosen) == 1 else base
     info = _info(path, chosen, step, root=base, step_source="name", admitted_by="settled")
     _log_admitted(info, stable_for_s)
@@ -626,7 +668,11 @@ class SavedFiles:
     """Files the agent saw the job save (``torch.save`` returned), grouped into checkpoints.
 
     A save that returned is complete: no mtime rule. Files saved into the same folder at the same step (the
-    agent's step count, the guard's step unit) form one checkpoint, e.g. ``model.pt`` and ``optim.pt``.
+    agent's step count, the guard's step unit) form one checkpoint, e.g. ``model.pt`` and ``optim.pt``. A file saved
+    into a checkpoint folder (``checkpoint-20/model.pt``, accelerate's ``step_3/optimizer.bin``) makes that folder
+    the checkpoint (``CheckpointInfo.path`` the folder, ``admitted_by`` ``"saved-folder"``): it is taken whole once
+    the job trained on past the save, judged then by its completion files and formats (``saved_folder``), without
+    the settle time.
     """
 
     def __init__(self) -> None:
@@ -634,14 +680,21 @@ class SavedFiles:
 
     def add(self, path: str | os.PathLike[str], step: int | None, *, stat: StatFn = os.stat) -> CheckpointInfo | None:
         """Record one saved file; returns the checkpoint it belongs to (its folder's files of that step that
-        still exist), or None when the file is gone or is not a model file."""
+        still exist, or its checkpoint folder), or None when the file is gone or is not a model file."""
         where = Path(os.path.abspath(path))
         if not _is_model_file(where.name) or any(_is_scratch(part) for part in where.parent.parts[-2:]):
             return None  # a save into a hidden or temporary folder is renamed into place later (or dropped)
-        if any(_CHECKPOINT_LIKE_RE.fullmatch(part) for part in where.parent.parts[-2:]):
-            # one file of a checkpoint folder (``checkpoint-20/model.pt``, accelerate's ``step_3/optimizer.bin``):
-            # the folder is secured whole once complete by its own rules (the scan), never this file alone
-            return None
+        for folder in (where.parent, where.parent.parent):
+            if _CHECKPOINT_LIKE_RE.fullmatch(folder.name) and not folder.name.startswith("tmp-"):
+                # one file of a checkpoint folder: the folder is the checkpoint, never this file alone
+                try:
+                    walked = _walk(folder, stat)
+                except (FileNotFoundError, NotADirectoryError):
+                    return None
+                if not walked:
+                    return None
+                return _info(folder, walked, step, step_source="reported" if step is not None else None,
+                             admitted_by="saved-folder")
         folder = where.parent
         last_step, names = self._by_folder.get(folder, (None, {}))
         if last_step != step:
@@ -664,6 +717,33 @@ class SavedFiles:
     def names_in(self, folder: str | os.PathLike[str]) -> tuple[str, ...]:
         """The names of the files of the job's last save into ``folder`` (its top level), sorted."""
         return tuple(sorted(self._by_folder.get(Path(os.path.abspath(folder)), (None, {}))[1]))
+
+
+def saved_folder(path: str | os.PathLike[str], *, now_s: float, steps: Mapping[str, int] | None = None,
+                 stat: StatFn = os.stat, world_size: int = 1) -> tuple[CheckpointInfo | None, str | None]:
+    """A checkpoint folder the job saved a file into with ``torch.save`` and trained on past: ``(the checkpoint,
+    None)`` when it is complete by its completion files and formats (``why_incomplete``'s rules without the settle
+    time: the job wrote it and went on), else ``(None, why not)``. Its step is the one the scan gives it
+    (``trainer_state.json``, the guard's marker, the name's N; ``steps``: folder -> the guard's step for folders whose
+    N counts saves).
+
+    Args:
+        path: the folder. now_s: now, epoch seconds. stat: ``os.stat``-like callable. world_size: the job's ranks.
+    """
+    where = Path(path)
+    files, reason = _check(where, now_s, 0.0, stat, world_size=world_size)
+    if reason is not None:
+        return None, reason
+    known = {os.path.realpath(p): s for p, s in (steps or {}).items()}
+    match = _FOLDER_RE.fullmatch(where.name)
+    if os.path.realpath(where) in known:
+        step: int | None
+        step, source = known[os.path.realpath(where)], "reported"
+    elif match is not None:
+        step, source = _folder_step(where, int(match.group(1)))
+    else:
+        step, source = None, None
+    return _info(where, files, step, step_source=source, admitted_by="saved"), None
 
 
 def describe(path: str | os.PathLike[str], *, step: int | None = None, stat: StatFn = os.stat) -> CheckpointInfo:
@@ -712,32 +792,3 @@ def rewritten_after(folder: Path, files: Iterable[str], saved_s: float,
         if mtime_s > saved_s + 1e-3:  # mtime resolution and float rounding
             return rel, mtime_s - saved_s
     return None
-
-
-def _suspect_marker(path: Path) -> Path:
-    return path / SUSPECT_MARKER_NAME if path.is_dir() else path.with_name(path.name + SUSPECT_SUFFIX)
-
-
-def mark_suspect(path: str | os.PathLike[str], *, step: int | None, first_non_finite_step: int) -> Path | None:
-    """Mark the checkpoint at ``path`` as saved at or after the first non-finite loss: ``PATH/guard_suspect.json``
-    for a folder, ``PATH.guard-suspect.json`` beside a single file, holding ``{"step": S,
-    "first_non_finite_step": N}``. Resume and pushes skip marked checkpoints (``is_marked_suspect``).
-
-    Returns:
-        The marker's path, or None when it could not be written (the checkpoint is gone, a read-only folder:
-        logged, never raised).
-    """
-    where = Path(path)
-    marker = _suspect_marker(where)
-    try:
-        marker.write_text(json.dumps({"step": step, "first_non_finite_step": first_non_finite_step}) + "\n",
-                          encoding="utf-8")
-    except OSError as exc:
-        log.warning("cannot mark %s as suspect: %s", where, exc)
-        return None
-    return marker
-
-
-def is_marked_suspect(path: str | os.PathLike[str]) -> bool:
-    """Whether ``mark_suspect`` marked the checkpoint at ``path`` (a folder or a single file)."""
-    return _suspect_marker(Path(path)).is_file()

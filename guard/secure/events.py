@@ -2,8 +2,8 @@
 
 Every event goes through ``Plan.on(event) -> list[Action]``; the plan's transition table says which states accept
 which event types. Actions are carried out by ``guard.secure.securing.Securing`` (``RequestSave``, ``StopJob``,
-``ForwardSignal``, ``Decide``, ``MarkSuspect``) or by the plan itself through its pusher and returned for the
-record (``StartPush``, ``KillPush``). All times are the plan's ``clock`` seconds (monotonic).
+``ForwardSignal``, ``Decide``, ``MarkSuspect``, ``RecordTaint``) or by the plan itself through its pusher and returned
+for the record (``StartPush``, ``KillPush``). All times are the plan's ``clock`` seconds (monotonic).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ __all__ = [
     "PushHandle",
     "Pusher",
     "ReadThrough",
+    "RecordTaint",
     "RequestSave",
     "RunOver",
     "SignalReceived",
@@ -257,4 +258,12 @@ class MarkSuspect:
     first_bad_step: int
 
 
-Action = RequestSave | StopJob | ForwardSignal | Decide | StartPush | KillPush | MarkSuspect
+@dataclass(frozen=True)
+class RecordTaint:
+    """Record the run's taint (its first non-finite step, ``first_bad_step``) beside its output folders
+    (``suspects.record_taint``): resume refuses every checkpoint of the run from that step on."""
+
+    first_bad_step: int
+
+
+Action = RequestSave | StopJob | ForwardSignal | Decide | StartPush | KillPush | MarkSuspect | RecordTaint

@@ -85,6 +85,7 @@ from guard.secure.events import (
     OutputDirKnown,
     Pusher,
     ReadThrough,
+    RecordTaint,
     RequestSave,
     RunOver,
     SignalReceived,
@@ -319,7 +320,9 @@ class Plan:
         return []
 
     def _on_output_dir(self, event: OutputDirKnown, now: float) -> list[Action]:
-        self._final_output_dir = self._final_output_dir or event.path
+        """The output folder the final model is pushed from: the newest one named (the folder of the job's newest
+        save when none was given: never locked onto the first)."""
+        self._final_output_dir = event.path
         return []
 
     def _on_deadline_moved(self, event: DeadlineMoved, now: float) -> list[Action]:
@@ -454,7 +457,7 @@ class Plan:
             return []
         self._bad_from_step = first
         log.warning("the loss went non-finite at step %d: checkpoints saved from then on are suspect", first)
-        actions: list[Action] = []
+        actions: list[Action] = [RecordTaint(first)]
         for info in self._seen + [held.info for held, _ in self._held]:
             if self._is_suspect(info):
                 actions += self._mark(info, why="saved after")

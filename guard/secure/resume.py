@@ -3,7 +3,10 @@
 - The secured one is what the guard recorded (``hub.Securer.peek_last_checkpoint``: the newest commit titled
   ``guard: checkpoint step N``, or a folder destination's manifest), fetched at that revision, never a later HEAD.
 - The output folder's own newest complete checkpoint (``checkpoints.newest_complete``; no mtime rule: no job is
-  writing now) wins when its step is at least the secured one's: nothing is downloaded then.
+  writing now) wins when its step is at least the secured one's: nothing is downloaded then. A checkpoint of a run
+  whose taint is recorded beside the folder (``guard.secure.suspects``), at or after that run's first non-finite
+  step, never counts, marker or not (``checkpoint-108`` saved one step after the NaN of step 107 while still
+  "being written" had none); nor does a save a marker still names.
 - A partial ``checkpoint-N`` folder newer than the chosen one, which a Trainer would pick up itself
   (``get_last_checkpoint`` takes the highest N), is moved aside as ``checkpoint-N.partial-guard`` and named in the
   log; so is a partial accelerate ``checkpoint_N``/``step_N`` folder (``load_state()`` with automatic naming takes
@@ -31,7 +34,7 @@ from typing import Any
 
 from guard.core.helpers import call_until
 from guard.errors import HubError
-from guard.secure import checkpoints
+from guard.secure import checkpoints, suspects
 
 __all__ = ["FALLBACK_FOLDER", "PARTIAL_SUFFIX", "FetchTimedOut", "Interrupted", "ResumeFrom", "choose",
            "move_aside_partials"]
@@ -283,7 +286,11 @@ def _local_candidate(base: Path, record: dict[str, Any] | None) -> _Local | None
         # accelerate's automatic naming: a later checkpoint_N without its random_states_N.pkl is half-written; out
         # of the way first, so that the newest whole one (which load_state() will take) is the local candidate
         move_aside_partials(base, newer_than=int(secured_n[1]), accelerate=True)
-    local = checkpoints.newest_complete(base, now_s=time.time(), stable_for_s=0.0)
+    # no run writes here now: other runs' open taints end now, and every tainted run's checkpoints at or after its
+    # first non-finite step are refused, wherever they lie and whether or not their marker was written
+    taints = suspects.close_taints(base, run_id=None, at_s=time.time())
+    refuse = suspects.tainted_by(taints) if taints else None
+    local = checkpoints.newest_complete(base, now_s=time.time(), stable_for_s=0.0, refuse=refuse)
     if local is None:
         return None
     return _Local(local, _accelerate_saved(local.path), _save_counts(local, record, base))

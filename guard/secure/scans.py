@@ -19,6 +19,7 @@ import logging
 import math
 import os
 import re
+import stat as stat_module
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,7 +28,7 @@ from typing import Any
 
 from guard.core.helpers import Pending, Submitter
 from guard.errors import GuardError
-from guard.secure import checkpoints, layout, snapshots
+from guard.secure import checkpoints, layout, snapshots, suspects
 from guard.secure.checkpoints import CheckpointInfo, StatFn
 
 __all__ = ["Disk", "FileSeen", "Port", "ReportSeen", "ScanAsked", "ScanFound"]
@@ -92,6 +93,7 @@ class ScanAsked:
             layout says every rank wrote: ``checkpoints.newest_complete``'s ``waiting``).
         parts: the job has several nodes, each with its own disk: a folder holding this node's part of a sharded
             checkpoint is found (``CheckpointInfo.part``; ``checkpoints.newest_complete``'s ``parts``).
+        run_id: this run's id: another run's suspect markers are void (``checkpoints.newest_complete``).
     """
 
     output_dir: str
@@ -106,6 +108,7 @@ class ScanAsked:
     waiting: tuple[tuple[str, str], ...] = ()
     stable_for_s: float = checkpoints.STABLE_FOR_S
     parts: bool = False
+    run_id: str | None = None
 
 
 @dataclass(frozen=True)
@@ -117,6 +120,8 @@ class ScanFound:
         :func:`key`), whether its files are still as they were saved. final_model: the output folder holds final
         model files (None: not asked). holds_files: it holds any file at all (None: not asked). final_files: the
         final model's files when the output folder is not the job's own (``Disk.final_files``), else None.
+        followed: saves made under a temporary name and found since under their final one (``Disk.followed``),
+        oldest first.
     """
 
     found: CheckpointInfo | None
@@ -124,6 +129,7 @@ class ScanFound:
     final_model: bool | None = None
     holds_files: bool | None = None
     final_files: tuple[str, ...] | None = None
+    followed: tuple[CheckpointInfo, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -140,11 +146,22 @@ class ReportSeen:
 
 @dataclass(frozen=True)
 class FileSeen:
-    """A ``file_saved`` message, looked at on the thread: the output folder it names when none was known
-    (``output_dir``), and the checkpoint its save belongs to (``info``, None when none)."""
+    """A ``file_saved`` message, looked at on the thread.
+
+    Attributes:
+        output_dir: the output folder of the save (``layout.output_dir_of_save``: the folder above its checkpoint
+            folder, else its own), when it may serve as one; None for a special file or an implausible folder.
+        info: the checkpoint the save belongs to, or None (not a candidate: a special file, gone, saved again).
+        following: the save lies under a temporary name (``tmp.pth.tar``) that the job is about to rename: the
+            scans follow it by its signature (``Disk.followed``).
+        special: what the path is when it is no regular file (``"a character device"``, ``"a FIFO"``...), else
+            None: never a checkpoint.
+    """
 
     output_dir: str | None = None
     info: CheckpointInfo | None = None
+    following: bool = False
+    special: str | None = None
 
 
 def key(info: CheckpointInfo) -> tuple[str, int | None, float]:
@@ -169,6 +186,9 @@ class Disk:
         #: may not go on from the resumed step (accelerate's complete_nlp_example after a resume mid-epoch)
         self.save_count_steps: dict[Path, int] = {}
         self.snapshots = snapshots.Snapshots(stat)  # copies of the files saved in place faster than a push starts
+        #: saves under a temporary name, followed until renamed: path -> (step, signature, rank, output folder)
+        self.following: dict[str, tuple[int | None, snapshots.Signature, int | None, str | None]] = {}
+        self._special_logged: set[str] = set()
 
     def scan(self, asked: ScanAsked) -> ScanFound:
         """Scan the output folder (``checkpoints.newest_complete``); raises OSError as it does."""
@@ -178,7 +198,7 @@ class Disk:
                                             reported=set(asked.reported), loose=asked.loose,
                                             since_s=asked.since_s, resumed=asked.resumed,
                                             world_size=asked.world_size, waiting=dict(asked.waiting),
-                                            parts=asked.parts)
+                                            parts=asked.parts, run_id=asked.run_id)
         unchanged = {key(info): checkpoints.rewritten_after(info.folder, info.files, info.newest_mtime_s,
                                                             stat=self.stat) is None for info in asked.known}
         final_model = holds_files = None
@@ -189,7 +209,8 @@ class Disk:
             final_files = self.final_files(asked.output_dir, asked.since_s)
             final_model = holds_final_model(asked.output_dir, final_files)
             holds_files = layout.holds_any_file(asked.output_dir)
-        return ScanFound(found, unchanged, final_model, holds_files, final_files)
+        followed = self.followed(final=asked.final, now_s=asked.now_s)
+        return ScanFound(found, unchanged, final_model, holds_files, final_files, followed)
 
     def final_files(self, output_dir: str, since_s: float | None) -> tuple[str, ...] | None:
         """The files of the output folder that are the final model: all of them (None), unless the folder is not
@@ -236,32 +257,133 @@ class Disk:
 
     def file_saved(self, path: str, step: int | None, output_dir: str | None, rank: int | None = None,
                    signature: snapshots.Signature | None = None) -> FileSeen:
-        """A file ``torch.save`` wrote: the output folder it names when ``output_dir`` is None
-        (``layout.output_dir_of_save``), and its checkpoint (``checkpoints.SavedFiles``) when it lies in the output
-        folder. A save into accelerate's ``checkpoint_N``/``step_N`` by rank 0 (``rank`` None or 0) records the
-        agent's ``step`` for that folder (N counts saves there, not steps).
+        """A file ``torch.save`` wrote, as a checkpoint candidate of its own (``checkpoints.SavedFiles``): its
+        output folder (``FileSeen.output_dir``) and its checkpoint (its files of that step, or its checkpoint
+        folder) when it lies in ``output_dir`` (the folder the run was given; None: none) or in a folder that may
+        serve as one (``layout.output_dir_of_save``). A save into accelerate's ``checkpoint_N``/``step_N`` by rank 0
+        (``rank`` None or 0) records the agent's ``step`` for that folder (N counts saves there, not steps).
 
+        Never a candidate: a path that is no regular file (``/dev/null``, a FIFO, a socket: ``FileSeen.special``).
         ``signature``: ``(size, mtime_ns, inode)`` the agent reported right after the save. A file that no longer
-        has it was saved again since (that save's report follows): no checkpoint. A file saved in place again
+        has it under its name was renamed (timm's ``tmp.pth.tar`` -> ``last.pth.tar``; a rename keeps all three)
+        and is found in its folder by it, or was saved again since (that save's report follows): no checkpoint. A
+        save still under a temporary name is followed by the scans (``followed``). A file saved in place again
         within ``snapshots.SNAPSHOT_BELOW_S`` is copied now and its checkpoint is the copy
         (``snapshots.Snapshots.take``)."""
-        where = Path(path)
-        wanted = self.snapshots.saved(Path(os.path.abspath(path)), step, signature)
+        where = Path(os.path.abspath(path))
+        try:
+            st = self.stat(str(where))
+        except OSError:
+            st = None
+        special = _special(st)
+        if special is not None:
+            if str(where) not in self._special_logged:
+                self._special_logged.add(str(where))
+                log.info("the job saved to %s, %s: not a checkpoint", where, special)
+            return FileSeen(special=special)
+        if signature is not None and (st is None or snapshots.sig_of(st) != signature):
+            renamed = self._renamed(where.parent, signature)
+            if renamed is None:
+                return FileSeen()  # gone, or saved again since: its newer save is reported on its own
+            log.debug("the job renamed its save %s to %s", where.name, renamed.name)
+            where = renamed
+        elif signature is not None and checkpoints.is_scratch_name(where.name):
+            self.following[str(where)] = (step, signature, rank, output_dir)
+            return FileSeen(self._output_dir_of(where), following=True)
+        return self._candidate(where, step, output_dir, rank, signature)
+
+    def _candidate(self, where: Path, step: int | None, output_dir: str | None, rank: int | None,
+                   signature: snapshots.Signature | None) -> FileSeen:
+        """``file_saved`` for a file under its own (final) name."""
+        wanted = self.snapshots.saved(where, step, signature)
         if _SAVE_COUNT_RE.fullmatch(where.parent.name) and isinstance(step, int) and rank in (None, 0):
             self.save_count_steps[where.parent.resolve()] = step
-        named = None
-        if output_dir is None:
-            learnt = layout.output_dir_of_save(where)
-            if learnt is not None:
-                named = output_dir = str(learnt)
-        if output_dir is None or not where.resolve().is_relative_to(Path(output_dir).resolve()):
-            return FileSeen(named)
+        learnt = self._output_dir_of(where)
+        inside = output_dir is not None and where.resolve().is_relative_to(Path(output_dir).resolve())
+        if not inside and learnt is None:
+            return FileSeen()
         info = self.saved_files.add(where, step, stat=self.stat)
-        if info is None or not all(self.snapshots.current(info.folder / rel) for rel in info.files):
-            return FileSeen(named)  # gone, or saved again since: its newer save is reported on its own
+        if info is None:
+            return FileSeen(learnt)
+        if info.admitted_by == "saved-folder":
+            return FileSeen(learnt, info)  # judged whole once the job trained on (``saved_folder``)
+        if not all(self.snapshots.current(info.folder / rel) for rel in info.files):
+            return FileSeen(learnt)  # saved again since: its newer save is reported on its own
         if wanted:
             info = self.snapshots.take(info)
-        return FileSeen(named, info)
+        return FileSeen(learnt, info)
+
+    @staticmethod
+    def _output_dir_of(where: Path) -> str | None:
+        learnt = layout.output_dir_of_save(where)
+        return str(learnt) if learnt is not None else None
+
+    def _renamed(self, folder: Path, signature: snapshots.Signature) -> Path | None:
+        """The file of ``folder`` that has ``signature`` (a save renamed after its report), or None. Of several
+        names for it (a hard link: timm's ``checkpoint-N.pth.tar`` beside ``last.pth.tar``), the one with no digit
+        in its name (the name the next save takes over), else the first by name."""
+        found = []
+        try:
+            with os.scandir(folder) as entries:
+                for entry in entries:
+                    try:
+                        st = self.stat(entry.path)
+                    except OSError:
+                        continue
+                    if _special(st) is None and snapshots.sig_of(st) == signature:
+                        found.append(Path(entry.path))
+        except OSError:
+            return None
+        found.sort(key=lambda p: (any(c.isdigit() for c in p.name), p.name))
+        return found[0] if found else None
+
+    def followed(self, *, final: bool = False, now_s: float | None = None) -> tuple[CheckpointInfo, ...]:
+        """The saves made under a temporary name (``file_saved``) that now lie under their final one, as
+        checkpoints, oldest first; one still under its temporary name, unchanged, is taken as it is at the final
+        scan (``final``: the job ended) or once unchanged for ``checkpoints.STABLE_FOR_S`` (the job keeps it);
+        one gone with no file of its signature is dropped."""
+        taken: list[CheckpointInfo] = []
+        for name, (step, signature, rank, output_dir) in list(self.following.items()):
+            where = Path(name)
+            try:
+                st: os.stat_result | None = self.stat(name)
+            except OSError:
+                st = None
+            if st is not None and snapshots.sig_of(st) == signature:
+                settled = now_s is not None and st.st_mtime <= now_s - checkpoints.STABLE_FOR_S
+                if not (final or settled):
+                    continue
+                found: Path | None = where
+            else:
+                found = self._renamed(where.parent, signature)
+            del self.following[name]
+            if found is None:
+                continue
+            seen = self._candidate(found, step, output_dir, rank, signature)
+            if seen.info is not None and seen.info.admitted_by != "saved-folder":
+                taken.append(seen.info)
+        return tuple(taken)
+
+    def saved_folder(self, info: CheckpointInfo, now_s: float, world_size: int) -> CheckpointInfo | None:
+        """A checkpoint folder the job saved into (``FileSeen.info`` with ``admitted_by`` ``"saved-folder"``), once
+        the job trained on: the folder as it is now when complete by its completion files and formats
+        (``checkpoints.saved_folder``), else None (the scans judge it later; logged at debug)."""
+        found, why = checkpoints.saved_folder(info.path, now_s=now_s, stat=self.stat, world_size=world_size,
+                                              steps={str(p): s for p, s in self.save_count_steps.items()})
+        if found is None:
+            log.debug("checkpoint folder %s: not taken at its save (%s); the scans judge it", info.path, why)
+        return found
+
+    @staticmethod
+    def record_taint(folders: tuple[str, ...], taint: suspects.RunTaint) -> None:
+        """Write the run's taint beside each of ``folders`` (``suspects.record_taint``: logged, never raised)."""
+        for folder in folders:
+            suspects.record_taint(folder, taint)
+
+    @staticmethod
+    def close_taints(folder: str, run_id: str | None, at_s: float) -> None:
+        """This run starts on ``folder``: other runs' open taints there end at ``at_s`` (``suspects.close_taints``)."""
+        suspects.close_taints(folder, run_id=run_id, at_s=at_s)
 
     def describe(self, path: str, step: int | None) -> CheckpointInfo:
         """``checkpoints.describe`` through the seam's ``stat`` (a reported folder once every rank's part is in);
@@ -269,7 +391,19 @@ class Disk:
         return checkpoints.describe(path, step=step, stat=self.stat)
 
     @staticmethod
-    def mark_suspect(path: str, step: int | None, first_bad_step: int) -> None:
-        """Write the suspect marker of a checkpoint (``checkpoints.mark_suspect``: logged, never raised)."""
-        checkpoints.mark_suspect(path, step=step, first_non_finite_step=first_bad_step)
+    def mark_suspect(path: str, step: int | None, first_bad_step: int, run_id: str | None = None) -> None:
+        """Write the suspect marker of a checkpoint (``suspects.mark_suspect``: logged, never raised)."""
+        suspects.mark_suspect(path, step=step, first_non_finite_step=first_bad_step, run_id=run_id)
+
+
+def _special(st: os.stat_result | None) -> str | None:
+    """What a path is when it exists and is no regular file (never a checkpoint), else None."""
+    if st is None or stat_module.S_ISREG(st.st_mode):
+        return None
+    for test, what in ((stat_module.S_ISCHR, "a character device"), (stat_module.S_ISBLK, "a block device"),
+                       (stat_module.S_ISFIFO, "a FIFO"), (stat_module.S_ISSOCK, "a socket"),
+                       (stat_module.S_ISDIR, "a folder")):
+        if test(st.st_mode):
+            return what
+    return "no regular file"
 

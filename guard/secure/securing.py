@@ -20,6 +20,7 @@ import logging
 import math
 import signal
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +30,7 @@ from guard.contract import RunResult, signal_name
 from guard.core.helpers import FS_HELPERS, Submitter
 from guard.core.state import Message, Outcome, RunState, died_after_training, incomplete_reason
 from guard.errors import GuardError
-from guard.secure import budget, checkpoints, layout, scans, snapshots, worker
+from guard.secure import budget, checkpoints, layout, scans, snapshots, suspects, worker
 from guard.secure.cadence import PUSH_STALL_S, PUSH_TIME_FACTOR, background_interval_s
 from guard.secure.events import (
     Action,
@@ -47,6 +48,7 @@ from guard.secure.events import (
     OutputDirKnown,
     Pusher,
     ReadThrough,
+    RecordTaint,
     RequestSave,
     RunOver,
     SignalReceived,
@@ -182,6 +184,11 @@ class Securing:
         fs: where the file system calls run (default ``FS_HELPERS``' thread; tests pass one that runs them inline).
         stat: ``os.stat``-like callable for the scans and the saves' descriptions (default ``os.stat``): the seam
             through which tests make a scan block.
+        run_id: this run's id (``SecureSettings.run_id``): it names the run's taint and suspect markers
+            (``guard.secure.suspects``); default: the securer's, else a new one.
+
+    Without ``output_dir`` the output folder is the one of the job's newest save (``layout.output_dir_of_save``),
+    followed from save to save (never locked onto the first): the final model is pushed from there.
     """
 
     def __init__(self, *, deadline: budget.Deadline, estimator: budget.MarginEstimator, securer: Securer | None = None,
@@ -192,12 +199,17 @@ class Securing:
                  push_interval_s: float | None = 600.0, final_window_s: float = 180.0,
                  pusher_factory: Callable[[str, str | None], Pusher] | None = None,
                  push_stall_s: float = PUSH_STALL_S,
-                 fs: Submitter | None = None, stat: checkpoints.StatFn | None = None) -> None:
+                 fs: Submitter | None = None, stat: checkpoints.StatFn | None = None,
+                 run_id: str | None = None) -> None:
         self.deadline = deadline
         self.estimator = estimator
         self.securer = securer
         self.securer_factory = securer_factory
         self.output_dir = output_dir
+        self._output_given = output_dir is not None  # else the folder follows the job's saves
+        self.run_id: str = run_id or getattr(securer, "run_id", None) or uuid.uuid4().hex[:12]
+        self._folders: list[str] = [output_dir] if output_dir else []  # every output folder of this run
+        self._tainted_at: tuple[int, float] | None = None  # (first non-finite step, wall time heard)
         self.refresher = refresher
         self.wall, self.clock = wall, clock
         self._pusher_factory: Callable[[str, str | None], Pusher] = pusher_factory or (
@@ -327,11 +339,13 @@ class Securing:
         link = self._link
         waiting = tuple((path, self._waiting_reason(link, path, info)) for path, info in self.awaiting.items()) \
             if link is not None else ()
+        if link is not None and link.job_exit_code() is not None and not link.job_alive():
+            stable_for_s = 0.0  # the job's processes are gone: nothing is still being written, formats decide
         asked = scans.ScanAsked(self.output_dir, self.wall(), loose=not self.trainer_seen, since_s=self.started_s,
                                 resumed=frozenset(self.resumed_paths), known=tuple(self._fed), final=final,
                                 reported=frozenset(self.reported_paths),
                                 world_size=link.world_size() if link is not None else 1, waiting=waiting,
-                                stable_for_s=stable_for_s)
+                                stable_for_s=stable_for_s, run_id=self.run_id)
         self.port.submit(self.disk.scan, asked, apply=lambda value, error: self._scanned(number, value, error))
         return number
 
@@ -349,6 +363,8 @@ class Securing:
                 self._holds_files = value.holds_files
             if value.final_model is not None:
                 self._final_files_found = value.final_files
+            for followed in value.followed:  # saves under a temporary name, now under their own
+                self._taken(followed)
             found = value.found
             if found is not None and (self.latest_reported is None or (found.step or -1) > (self.latest_reported.step
                                                                                           or -1)):
@@ -428,6 +444,8 @@ class Securing:
         # this run's checkpoints: written from now on, or the one it resumed from (checkpoints.newest_complete)
         self.started_s = self.wall() if started_wall_s is None else started_wall_s
         self.resumed_paths = {str(self.latest_reported.path)} if self.latest_reported is not None else set()
+        for folder in self._folders:  # what other runs write here from now on is not theirs
+            self.port.submit(scans.Disk.close_taints, folder, self.run_id, self.started_s)
         if not self.output_dir or self.latest_reported is not None:
             return
 
@@ -462,7 +480,12 @@ class Securing:
     def _carry_out(self, sup: JobLink | None, actions: list[Action], now: float) -> None:
         for action in actions:
             if isinstance(action, MarkSuspect):
-                self.port.submit(scans.Disk.mark_suspect, action.path, action.step, action.first_bad_step)
+                self.port.submit(scans.Disk.mark_suspect, action.path, action.step, action.first_bad_step,
+                                 self.run_id)
+                continue
+            if isinstance(action, RecordTaint):
+                self._tainted_at = (action.first_bad_step, self.wall())
+                self._record_taint(tuple(self._folders))
                 continue
             if sup is None:
                 continue
@@ -562,9 +585,9 @@ class Securing:
         if isinstance(estimate, int) and estimate > 0 and not self.estimator.size_hint_bytes:
             self.estimator.size_hint_bytes = float(estimate)  # until the first save measures the real size
             log.debug("checkpoint size before the first save: about %.1f MB (weights + AdamW state)", estimate / 1e6)
-        if self.output_dir is None and config.get("output_dir"):
-            self.output_dir = str(config["output_dir"])
-            self._feed(None, OutputDirKnown(self.output_dir))
+        if not self._output_given and config.get("output_dir"):
+            self._output_given = True
+            self._new_folder(str(config["output_dir"]))
         if self.securer is None and config.get("push_to_hub") and config.get("hub_model_id") and self.securer_factory:
             try:
                 self.securer = self.securer_factory(str(config["hub_model_id"]))
@@ -602,10 +625,12 @@ class Securing:
         if not isinstance(seen, scans.FileSeen):
             log.debug("cannot look at the saved file %s: %r", message.get("path"), error)
             return
-        if seen.output_dir is not None and self.output_dir is None:
-            self.output_dir = seen.output_dir
-            self._feed(sup, OutputDirKnown(self.output_dir))
-            log.info("output folder: %s (where the job saves with torch.save)", self.output_dir)
+        if seen.output_dir is not None and not self._output_given and seen.output_dir != self.output_dir \
+                and message.get("rank") in (None, 0):
+            first = self.output_dir is None
+            self._new_folder(seen.output_dir)
+            log.log(logging.INFO if first else logging.DEBUG, "output folder: %s (where the job %s with "
+                    "torch.save)", self.output_dir, "saves" if first else "saved last")
         info = seen.info
         if message.get("finite") is False:  # the agent saw a tensor of it that is not finite (file_saved)
             where = Path(str(message["path"]))
@@ -637,10 +662,47 @@ class Securing:
         if not (force or now - at >= FILE_SETTLE_S or stepped_on):
             return
         self.pending_file = None
+        if info.admitted_by == "saved-folder":
+            # a checkpoint folder the job saved into and trained on past: judged whole now, on the file system
+            # thread, by its completion files and formats (no settle time)
+            self.port.submit(self.disk.saved_folder, info, self.wall(), sup.world_size(),
+                             apply=lambda found, error: self._taken(
+                                 found if isinstance(found, checkpoints.CheckpointInfo) else None))
+            self._pump(sup, now)
+            return
+        self._taken(info, now)
+
+    def _taken(self, info: checkpoints.CheckpointInfo | None, now: float | None = None) -> None:
+        """A save of the job taken as a checkpoint: this run's newest, to the plan."""
+        if info is None:
+            return
+        sup = self._link
         self.latest_reported = info
         log.info("the job saved %s (step %s, %.1f MB)", info.path, info.step, info.size_bytes / 1e6)
-        self._check_node(sup)
+        if sup is not None:
+            self._check_node(sup)
         self._seen_checkpoint(sup, info, now)
+
+    def _new_folder(self, path: str) -> None:
+        """The run's output folder is now ``path`` (given, the Trainer's, or that of the job's newest save): the
+        final model is pushed from it and the scans look at it. A folder new to this run: other runs' open taints
+        there end at this run's start, and this run's taint is recorded there too (``guard.secure.suspects``)."""
+        self.output_dir = path
+        self._feed(self._link, OutputDirKnown(path))
+        if path in self._folders:
+            return
+        self._folders.append(path)
+        if self.started_s is not None:
+            self.port.submit(scans.Disk.close_taints, path, self.run_id, self.started_s)
+        self._record_taint((path,))
+
+    def _record_taint(self, folders: tuple[str, ...]) -> None:
+        """Write this run's taint, once known, beside ``folders`` (on the file system thread)."""
+        if self._tainted_at is None or not folders:
+            return
+        step, at = self._tainted_at
+        taint = suspects.RunTaint(self.run_id, step, self.started_s if self.started_s is not None else at, at)
+        self.port.submit(scans.Disk.record_taint, folders, taint)
 
     def on_checkpoint_saved(self, sup: JobLink, message: Message) -> None:
         """The job reported a finished save (``checkpoint_saved``, with the sender's ``rank``): its path is checked
@@ -825,15 +887,18 @@ class Securing:
         if self.output_dir:
             settle_at = None
             code = sup.job_exit_code()
+            gone = not sup.job_alive()  # no process of the job is left: nothing is still being written
             if self.plan.state in (State.SECURING, State.AWAITING_SAVE) and code != 0:
-                # stopped while securing (a signal, the deadline): its last saves may be too fresh for the scan's
-                # settle rule (``checkpoints.newest_complete``'s 2 s) right now; the writer is gone, so scan again
-                # once they settled, within half of the time left, before the job's end is taken as final
+                # stopped while securing (a signal, the deadline): a save of a format the guard cannot check (or,
+                # while some of its processes run, any save) may be too fresh for the scan's settle rule
+                # (``checkpoints.newest_complete``'s 2 s) right now; scan again once it settled, within half of the
+                # time left (the scan's answer now is taken at once all the same)
                 settle_at = now + min(STABLE_FOR_S + 0.1, max(0.0, self.plan.secure_by - now) / 2)
-            # exit 0: nothing writes any more, so a save made just before the exit needs no settle time (the
-            # completion rules and the format checks still apply); else a save cut short may look settled
+            # exit 0, or no process of the job left: nothing writes any more, so a save made just before the exit
+            # needs no settle time; the completion rules and the format checks judge it (a save cut short by a
+            # kill fails them)
             self._hold(sup, "the job's end is handled", self._job_exited, now, final=True, settle_at=settle_at,
-                       stable_for_s=0.0 if code == 0 else STABLE_FOR_S)
+                       stable_for_s=0.0 if code == 0 or gone else STABLE_FOR_S)
         else:
             self._job_exited(sup, now)
 

@@ -32,7 +32,7 @@ from guard.secure.checkpoints import CheckpointInfo, StatFn
 from guard.secure.formats import recorded_step
 
 __all__ = ["KEEP_BYTES", "KEEP_COUNT", "KEEP_S", "SNAPSHOT_BELOW_S", "SNAPSHOT_MAX_BYTES", "Signature", "Snapshots",
-           "signature_of"]
+           "sig_of", "signature_of"]
 
 log = logging.getLogger("guard.secure")
 
@@ -60,8 +60,12 @@ def signature_of(message: Mapping[str, object]) -> Signature | None:
     return size, mtime_ns, inode
 
 
-def _sig(st: os.stat_result) -> Signature:
+def sig_of(st: os.stat_result) -> Signature:
+    """The signature ``(size, mtime_ns, inode)`` of a ``stat`` result."""
     return st.st_size, st.st_mtime_ns, st.st_ino
+
+
+_sig = sig_of
 
 
 class Snapshots:
