@@ -66,3 +66,32 @@ def test_the_buffer_is_reused_window_after_window() -> None:
     for step in range(1, 10):
         watch.observe(torch.tensor(float(step)), None, "backward")
     assert [(m["step"], m["loss"], m["n"]) for m in fake.sent] == [(3, 3.0, 3), (6, 6.0, 3), (9, 9.0, 3)]
+
+
+def test_under_gradient_accumulation_a_step_is_an_optimizer_step() -> None:
+    """Issue 33 item 8: with an optimizer built, the micro-batches of one optimizer step share its number (nanoGPT
+    at 40 micro-batches reported step 641 for its iteration 16); only the first optimizer that steps is counted (a
+    GAN's two optimizers: one step each per iteration); a resume's step is where the count goes on from."""
+    agent = FakeAgent()
+    watch = LossWatch(agent, sanity_steps=100, check_every=1)  # every loss sent at once: each one's step is seen
+    generator, discriminator = object(), object()
+    watch.optimizer_built()
+    for _ in range(3):  # three optimizer steps of 4 micro-batches each
+        for _ in range(4):
+            watch.observe(torch.tensor(1.0), None, "backward")
+        watch.optimizer_stepped(generator)
+        watch.optimizer_stepped(discriminator)
+    assert [m["step"] for m in agent.sent] == [1] * 4 + [2] * 4 + [3] * 4
+    watch.resumed(100)
+    watch.observe(torch.tensor(1.0), None, "backward")
+    assert agent.sent[-1]["step"] == 104
+
+
+def test_without_an_optimizer_a_step_is_a_backward_call() -> None:
+    agent = FakeAgent()
+    watch = LossWatch(agent, sanity_steps=100, check_every=1)
+    for _ in range(3):
+        watch.observe(torch.tensor(1.0), None, "backward")
+    assert [m["step"] for m in agent.sent] == [1, 2, 3]
+    watch.observe(torch.tensor(1.0), 50, "report")  # a step the job names is its own
+    assert agent.sent[-1]["step"] == 50

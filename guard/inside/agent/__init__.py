@@ -93,10 +93,40 @@ class LossWatch:
         self._buffer: Any = None  # check_every float32 slots on the loss's device (see _copy)
         self._slots = 0  # slots of the buffer taken in this window
         self.skipped: Any = None  # consecutive skipped optimizer steps: a device tensor (set by _torch), or None
+        #: The optimizer whose steps count (the first one that stepped: a GAN's second optimizer is not counted
+        #: twice), its steps since the count's base, and that base: the step counted when the first optimizer was
+        #: built (plus a resumed checkpoint's step). None: no optimizer built, a step is a ``.backward()`` call.
+        self.optimizer_id: int | None = None
+        self.optimizer_steps = 0
+        self.step_base: int | None = None
+
+    def optimizer_built(self) -> None:
+        """An optimizer was built (``torch.optim.Optimizer.__init__``): from now on a ``.backward()`` belongs to the
+        optimizer step it accumulates into (``observe``), whatever the gradient accumulation."""
+        if self.step_base is None:
+            self.step_base = self.step
+
+    def optimizer_stepped(self, optimizer: Any) -> None:
+        """``optimizer.step()`` returned (torch's global ``register_optimizer_step_post_hook``)."""
+        if self.optimizer_id is None:
+            self.optimizer_id = id(optimizer)
+        if id(optimizer) == self.optimizer_id:
+            self.optimizer_steps += 1
+
+    def resumed(self, step: int) -> None:
+        """The job loaded a checkpoint of ``step``: the count goes on from it."""
+        self.step += step
+        if self.step_base is not None:
+            self.step_base += step
 
     def observe(self, loss: Any, step: int | None, source: str) -> None:
         self.count += 1
-        self.step = step if step is not None else self.step + 1
+        if step is not None:
+            self.step = step
+        elif self.step_base is not None:  # the optimizer step this .backward() accumulates into
+            self.step = self.step_base + self.optimizer_steps + 1
+        else:
+            self.step += 1
         is_float = isinstance(loss, (int, float))
         if self.count <= self.sanity_steps:
             value = float(loss) if is_float else float(loss.detach().float().item())
@@ -412,7 +442,7 @@ class Agent:
         if where in self.saved_paths:
             return
         self.resumed = True
-        self.watch.step += self.settings.resume_step
+        self.watch.resumed(self.settings.resume_step)
         self.note_api("resume_loaded")
 
     def reports_saves(self) -> bool:

@@ -4,8 +4,12 @@
 element only (a loss; ``backward(gradient=...)`` on a vector is something else), and hands them to the agent's
 ``LossWatch``, which reads them from the device one by one during the sanity pass and then only every
 ``check_every`` steps (no host-device sync per step). It stays out of the way once a ``Trainer`` or
-``guard.report()`` provides the losses. A step here is one ``.backward()`` call: with gradient accumulation
-that is one micro-batch; call ``guard.report(step=..., loss=...)`` to count optimizer steps instead.
+``guard.report()`` provides the losses. A step is an optimizer step, as the Trainer, accelerate's ``step_N`` and
+a loop's own ``iter_num`` count them: once the job has built a ``torch.optim.Optimizer``, a ``.backward()`` belongs
+to the optimizer step it accumulates into (the first optimizer that steps is counted, through torch's global
+``register_optimizer_step_post_hook``), so with gradient accumulation the micro-batches of one step share its
+number; before any optimizer exists, a step is one ``.backward()`` call. An optimizer step a ``GradScaler`` skips
+(inf/NaN gradients) is not counted.
 
 The loss the user means, not the tensor ``.backward()`` runs on:
 
@@ -128,7 +132,8 @@ def _tell(agent_module: Any, what: str, **extra: Any) -> None:
 
 def patch_optimizer(optim: Any) -> None:
     """Wrap ``torch.optim.optimizer.Optimizer.__init__`` and add a global step post-hook, to tell the supervisor
-    once each that an optimizer was built and that one stepped (idempotent)."""
+    once each that an optimizer was built and that one stepped, and to count optimizer steps, the unit of the
+    losses' and saves' steps once an optimizer exists (``LossWatch.observe``) (idempotent)."""
     from . import _core as agent_module
 
     told, tell = _told, functools.partial(_tell, agent_module)
@@ -139,19 +144,24 @@ def patch_optimizer(optim: Any) -> None:
     @functools.wraps(original_init)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         original_init(self, *args, **kwargs)
+        agent = agent_module.get()
+        if agent is not None:
+            agent.watch.optimizer_built()
         if "optimizer" not in told:
             tell("optimizer", type=type(self).__name__)
 
     __init__.__guard_wrapped__ = True  # type: ignore[attr-defined]
     base.__init__ = __init__
-    handle: list[Any] = []
 
     def stepped(optimizer: Any, args: Any, kwargs: Any) -> None:
-        tell("optimizer_step")
-        if "optimizer_step" in told and handle:
-            handle.pop().remove()  # once is enough: no cost on later steps
+        # every step: the count the losses and saves are labelled with (a Python call and an add per step)
+        agent = agent_module.get()
+        if agent is not None:
+            agent.watch.optimizer_stepped(optimizer)
+        if "optimizer_step" not in told:
+            tell("optimizer_step")
 
-    handle.append(optim.register_optimizer_step_post_hook(stepped))
+    optim.register_optimizer_step_post_hook(stepped)
 
 
 def patch_dataloader(module: Any) -> None:

@@ -1,0 +1,44 @@
+"""One step unit (issue 33 item 8): under gradient accumulation a plain loop's losses, its saves and the VERDICT
+count optimizer steps, as its checkpoints' names do. Real guard, a real job with torch.optim.SGD on the CPU."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import JOBS, run_guard, secured_step
+
+pytestmark = [pytest.mark.slow]
+
+FAST = ["--skip-check", "python=imports are checked by the other tests"]
+JOB = str(JOBS / "accumulating_loop.py")
+
+
+def test_a_nan_under_gradient_accumulation_is_named_by_its_optimizer_step(tmp_path: Path) -> None:
+    """8 micro-batches per step, NaN from iteration 12, a save every 5 iterations: before, the VERDICT said
+    step=89 (the 89th .backward() call) and the taint compared that with the saves' steps, so ckpt-15.pt (saved
+    after the NaN, at iteration 15) counted as saved before it."""
+    out, dest = tmp_path / "out", tmp_path / "dest"
+    run = run_guard([*FAST, "--check-every", "1000", "--push-interval", "0s", "--push-to", str(dest), JOB,
+                     str(out), "--accum", "8", "--nan-at", "12", "--iters", "40"], timeout_s=120)
+    fields = run.fields()
+    assert (fields["status"], fields["reason"]) == ("FAIL", "non_finite_loss"), run.stderr[-3000:]
+    assert int(fields["step"]) == 12, run.verdict
+    assert secured_step(dest) == 10, run.stderr[-3000:]
+    secured = dest / "last-checkpoint" / "ckpt-10.pt"
+    state = torch.load(secured, weights_only=True)
+    assert state["iter"] == 10 and all(bool(torch.isfinite(t).all()) for t in state["model"].values())
+    assert not re.search(r"steps after step \d+ are lost", run.stderr)
+
+
+def test_a_healthy_accumulating_loop_reports_its_saves_at_their_iteration(tmp_path: Path) -> None:
+    out, dest = tmp_path / "out", tmp_path / "dest"
+    run = run_guard([*FAST, "--push-interval", "0s", "--push-to", str(dest), JOB, str(out), "--accum", "4",
+                     "--iters", "20"], timeout_s=120)
+    fields = run.fields()
+    assert (fields["status"], run.returncode) == ("PASS", 0), run.stderr[-3000:]
+    assert int(fields["step"]) == 20, run.verdict
+    assert secured_step(dest) == 20
+    assert torch.load(dest / "last-checkpoint" / "ckpt-20.pt", weights_only=True)["iter"] == 20
