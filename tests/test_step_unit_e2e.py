@@ -42,3 +42,22 @@ def test_a_healthy_accumulating_loop_reports_its_saves_at_their_iteration(tmp_pa
     assert int(fields["step"]) == 20, run.verdict
     assert secured_step(dest) == 20
     assert torch.load(dest / "last-checkpoint" / "ckpt-20.pt", weights_only=True)["iter"] == 20
+
+
+@pytest.mark.parametrize("hide", [False, True])
+def test_a_gradient_norm_gone_nan_is_the_first_non_finite_step(tmp_path: Path, hide: bool) -> None:
+    """Issue 33 item 2 (ModernBERT #233: clip_grad_norm_ returned nan while the loss was finite): the norm is a
+    witness, read with the losses. Step 22's loss is finite and its gradient NaN: the run fails at step 22, not at
+    step 23 (the first NaN loss) nor at the next save (the weights witness) when nan_to_num hides every later
+    loss as 0.0; nothing saved from step 22 on is at the destination."""
+    out, dest = tmp_path / "out", tmp_path / "dest"
+    run = run_guard([*FAST, "--check-every", "1000", "--push-interval", "0s", "--push-to", str(dest),
+                     str(JOBS / "grad_norm_nan.py"), str(out), "--bad-at", "22", *(["--hide"] if hide else [])],
+                    timeout_s=120)
+    fields = run.fields()
+    assert (fields["status"], fields["reason"]) == ("FAIL", "non_finite_loss"), run.stderr[-3000:]
+    assert int(fields["step"]) == 22, run.verdict
+    assert "clip_grad_norm_ returned nan" in fields["hint"], run.verdict  # the hint names the witness
+    assert secured_step(dest) == 20
+    state = torch.load(dest / "last-checkpoint" / "ckpt-20.pt", weights_only=True)
+    assert all(bool(torch.isfinite(t).all()) for t in state["model"].values())

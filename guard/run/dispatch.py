@@ -128,7 +128,8 @@ class Dispatch:
             loss = message.get("loss")
             value = float(loss) if isinstance(loss, (int, float)) else math.nan
             self.on_step(now, int_or_none(message.get("step")), value, finite=bool(message.get("finite", True)),
-                         n=int(message.get("n", 1)), source="agent", rank=rank, agent=fd)
+                         n=int(message.get("n", 1)), source="agent", rank=rank, agent=fd,
+                         witness=str(message.get("source") or "loss"))
             if isinstance(message.get("skipped"), int):
                 self.executor.carry_out(self.watchdog.on_skipped(message["skipped"], int_or_none(message.get("step")),
                                                                  rank), now)
@@ -187,12 +188,13 @@ class Dispatch:
                         message.get("step"), message.get("max_steps"))
 
     def on_step(self, now: float, step: int | None, value: float, *, finite: bool, n: int = 1, source: str,
-                rank: int | None = None, agent: int | None = None) -> None:
+                rank: int | None = None, agent: int | None = None, witness: str = "loss") -> None:
         """One training step (``source``: ``agent`` or ``output``) with its loss ``value`` at ``now`` (monotonic
         seconds): the watchdog, securing's step times, the heartbeat; a loss read after an outcome taints the
-        saves from that step on."""
+        saves from that step on. ``witness``: what the agent found non-finite (``loss``, ``grad_norm``,
+        ``weights``)."""
         seen = self.watchdog.on_step(now, step, value, finite=finite, n=n, source=source, rank=rank, agent=agent,
-                                     live_ranks=self.link.live_ranks())
+                                     live_ranks=self.link.live_ranks(), witness=witness)
         if seen.counted:
             if self.securer is not None:
                 self.securer.on_step(self.link, now)

@@ -136,6 +136,7 @@ class Watchdog:
         self.primary_agent: int | None = None  # agents without a rank: the first one's steps stand
         self.early_losses: list[float] = []  # the first EARLY_STEPS finite losses (the explosion check's level)
         self.nan_reports: list[tuple[int, int, float, int]] = []  # (step, rank or -1, loss, n), non-finite
+        self.witnesses: dict[int | None, str] = {}  # step -> what was non-finite there when not the loss
         self.nan_decide_at: float | None = None
         self.rank_begun: dict[int, int] = {}  # rank -> steps begun, from the answers to a stack dump
         self.output_seen = False  # the job wrote at least one byte
@@ -149,7 +150,7 @@ class Watchdog:
 
     def on_step(self, now: float, step: int | None, value: float, *, finite: bool = True, n: int = 1,
                 source: str = "agent", rank: int | None = None, agent: int | None = None,
-                live_ranks: frozenset[int] = frozenset()) -> StepResult:
+                live_ranks: frozenset[int] = frozenset(), witness: str = "loss") -> StepResult:
         """A step report.
 
         Args:
@@ -163,6 +164,8 @@ class Watchdog:
             rank: the sender's rank, or None (output, or an agent without a rank).
             agent: the sender's connection, for agents without a rank (the first one's steps stand).
             live_ranks: the ranks of the agents connected now (a non-finite loss waits for them).
+            witness: what was found non-finite (``loss``; the agent's ``grad_norm``: the norm
+                ``clip_grad_norm_`` returned; ``weights``: a tensor the job saved): the hint says which.
         """
         progress = self.state.progress
         if source == "agent" and progress.loss_source != "agent":
@@ -180,6 +183,8 @@ class Watchdog:
         if not finite or not math.isfinite(value):
             if math.isfinite(value):
                 value = math.nan  # never a finite loss on a non_finite_loss verdict
+            if witness != "loss":
+                self.witnesses.setdefault(step, witness)
             result.decisions += self._non_finite(now, step, value, n, rank, live_ranks)
             return result
         if rank is not None:  # step and loss come from the lowest rank; the others were checked for NaN above
@@ -471,6 +476,18 @@ class Watchdog:
         batches = f"the batch of step {at}" if n == 1 else f"the batches of {where}"
         hint = ("lower the learning rate or add warmup, clip gradients (max_grad_norm), prefer bf16 over fp16, "
                 f"and check {batches} for empty or corrupt inputs")
+        witness = self.witnesses.get(at)
+        if witness == "grad_norm":
+            log.error("the gradient norm clip_grad_norm_ returned at step %s is not finite (its loss was finite)", at)
+            hint = (f"the gradients of step {at} were not finite while its loss was (clip_grad_norm_ returned nan or "
+                    "inf): the update made the weights non-finite. Look for a NaN-safe loss that is not (torch.where "
+                    "or a masked mean over an empty mask: its backward is 0 * (0/0)), a log or sqrt of 0, or a "
+                    f"division by a count that can be 0 in {batches}; pass error_if_nonfinite=True to stop there")
+        elif witness == "weights":
+            log.error("a tensor the job saved at step %s is not finite", at)
+            hint = (f"the job saved non-finite weights at step {at} while its losses looked finite (a NaN-safe loss, "
+                    "nan_to_num or a masked mean can hide NaN gradients): resume from the secured checkpoint and "
+                    f"look for a division by a count that can be 0, a log or sqrt of 0 in {batches}")
         return Decision(Outcome("FAIL", "non_finite_loss", EXIT_NON_FINITE, extra=extra, hint=hint))
 
     def _name_hang(self, where: str) -> None:

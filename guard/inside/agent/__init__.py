@@ -99,6 +99,47 @@ class LossWatch:
         self.optimizer_id: int | None = None
         self.optimizer_steps = 0
         self.step_base: int | None = None
+        #: Gradient norms ``clip_grad_norm_`` returned since the last read: ``(step, a copy on its device)``, read
+        #: with the losses (a non-finite norm is a witness: the next update makes the weights non-finite).
+        self._norms: list[tuple[int, Any]] = []
+
+    def grad_norm(self, norm: Any) -> None:
+        """``torch.nn.utils.clip_grad_norm_`` returned ``norm`` (a 0-d tensor on the gradients' device) at this
+        step: kept as a device-side copy (no sync), read with the next window (``flush``) or at once during the
+        sanity pass; at most ``check_every`` are kept (the newest)."""
+        try:
+            kept = norm.detach().reshape(()).clone()
+        except Exception:  # not a tensor (a float from a wrapper): read now, it costs nothing
+            try:
+                kept = float(norm)
+            except (TypeError, ValueError):
+                return
+        self._norms.append((self.step, kept))
+        if len(self._norms) > self.check_every:
+            del self._norms[0]
+        if self.count <= self.sanity_steps:
+            self._read_norms("grad_norm")  # the sanity pass reads every step at once
+
+    def _read_norms(self, source: str) -> int | None:
+        """Read the kept gradient norms (one transfer): the step of the first non-finite one, else None. With
+        ``source`` (not None) such a step is sent at once as its non-finite witness (source ``grad_norm``)."""
+        if not self._norms:
+            return None
+        kept, self._norms = self._norms, []
+        try:
+            torch = sys.modules["torch"]
+            values = [float(v) for v in torch.stack([torch.as_tensor(v, dtype=torch.float32)
+                                                     if isinstance(v, float) else v.float()
+                                                     for _, v in kept]).tolist()]
+        except Exception:  # different devices: one by one
+            try:
+                values = [float(v) if isinstance(v, float) else float(v.item()) for _, v in kept]
+            except Exception:
+                return None
+        bad = next((kept[i][0] for i, value in enumerate(values) if not math.isfinite(value)), None)
+        if bad is not None and source:
+            self._send(bad, math.nan, False, 1, "grad_norm")
+        return bad
 
     def optimizer_built(self) -> None:
         """An optimizer was built (``torch.optim.Optimizer.__init__``): from now on a ``.backward()`` belongs to the
@@ -190,12 +231,16 @@ class LossWatch:
 
     def flush(self, source: str) -> None:
         if not self._kept:
+            self._read_norms(source)
             return
         values = self._values()
         steps = [step for step, _ in self._kept]
         self._kept, self._bad_float, self._slots = [], False, 0
         bad = next((i for i, value in enumerate(values) if not math.isfinite(value)), None)
-        if bad is not None:  # the first non-finite step of the window, with its value
+        bad_norm = self._read_norms("")  # in the same read: the earlier witness of the two is sent
+        if bad_norm is not None and (bad is None or bad_norm < steps[bad]):
+            self._send(bad_norm, math.nan, False, 1, "grad_norm")  # a gradient norm went non-finite first
+        elif bad is not None:  # the first non-finite step of the window, with its value
             self._send(steps[bad], values[bad], False, 1, source)
         else:
             self._send(steps[-1], values[-1], True, len(values), source)

@@ -118,6 +118,7 @@ def patch(torch: Any) -> None:
     except Exception as exc:  # an unknown torch version: the scaled loss is watched instead
         agent_module._warn_once(f"GradScaler hook failed: {exc!r}")
     _wrap_save(torch, agent_module)
+    _wrap_clip(torch, agent_module)
     _patch_replay(torch, agent_module)
 
 
@@ -327,6 +328,35 @@ def first_non_finite(torch: Any, obj: Any) -> str | None:
         elif isinstance(item, (list, tuple)):
             stack.extend((f"{name}.{i}" if name else str(i), value) for i, value in reversed(list(enumerate(item))))
     return None
+
+
+def _wrap_clip(torch: Any, agent_module: Any) -> None:
+    """Wrap ``torch.nn.utils.clip_grad_norm_`` (the name in ``torch.nn.utils`` and in ``torch.nn.utils.clip_grad``,
+    where it is defined; accelerate's and the Trainer's clipping call it through the first): the total norm it
+    returns goes to the agent's ``LossWatch.grad_norm``, a witness read with the losses. A non-finite norm means
+    NaN/inf gradients; unless ``error_if_nonfinite=True`` the update then makes every clipped weight non-finite
+    while the loss of that step was still finite (ModernBERT #233)."""
+    utils = getattr(getattr(torch, "nn", None), "utils", None)
+    original = getattr(utils, "clip_grad_norm_", None)
+    if utils is None or original is None or getattr(original, "__guard_wrapped__", False):
+        return
+
+    @functools.wraps(original)
+    def clip_grad_norm_(*args: Any, **kwargs: Any) -> Any:
+        norm = original(*args, **kwargs)
+        agent = agent_module.get()
+        if agent is not None and agent.backward_hook:
+            try:
+                agent.watch.grad_norm(norm)
+            except Exception as exc:  # never break the job
+                agent_module._warn_once(f"gradient norm witness disabled: {exc!r}")
+        return norm
+
+    clip_grad_norm_.__guard_wrapped__ = True  # type: ignore[attr-defined]
+    utils.clip_grad_norm_ = clip_grad_norm_
+    clip_grad = getattr(utils, "clip_grad", None)
+    if clip_grad is not None and getattr(clip_grad, "clip_grad_norm_", None) is original:
+        clip_grad.clip_grad_norm_ = clip_grad_norm_
 
 
 def _wrap_save(torch: Any, agent_module: Any) -> None:
