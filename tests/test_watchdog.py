@@ -282,8 +282,23 @@ def test_losses_that_move_or_sit_at_zero_are_not_flat() -> None:
     zero_state = RunState()
     zero = Watchdog(zero_state, 0.0, sanity_steps=3, stall_timeout_s=60.0, loss_rise_steps=5)
     for step in range(1, 30):
-        zero.on_step(float(step), step, 0.0)  # the agent's loss_zero witness, not this warning
+        zero.on_step(float(step), step, 0.0)  # zero from the start: the job's own choice
     assert state.progress.flat is None and zero_state.progress.flat is None
+
+
+def test_a_loss_that_drops_to_exactly_zero_and_stays_is_named() -> None:
+    """Issue 33 item 2 (ModernBERT #233): a masked "NaN-safe" loss reads 0.0 every step once nan_to_num hides the
+    NaN; after non-zero losses, exactly 0.0 for --loss-rise-steps steps is a warning naming those causes."""
+    from guard.run.watchdog import flat_loss_text
+
+    state = RunState()
+    dog = Watchdog(state, 0.0, sanity_steps=3, stall_timeout_s=60.0, loss_rise_steps=5)
+    for step in range(1, 10):
+        dog.on_step(float(step), step, 1.0 / step)
+    for step in range(10, 15):
+        dog.on_step(float(step), step, 0.0)
+    assert state.progress.flat == {"since": 10, "step": 14, "loss": 0.0} and state.outcome is None
+    assert "nan_to_num hiding NaN" in flat_loss_text(state.progress.flat)
 
 
 def test_a_loss_that_explodes_at_the_first_update_is_named() -> None:

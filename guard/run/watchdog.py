@@ -57,6 +57,11 @@ STACKS_WAIT_S = 1.0  # after a stall: how long the agents have to print their st
 
 def flat_loss_text(flat: Mapping[str, Any]) -> str:
     """The warning for a loss that never changes (``Progress.flat``), with its likely causes."""
+    if flat["loss"] == 0.0:
+        return (f"the loss stayed exactly 0 from step {flat['since']} to step {flat['step']} after non-zero "
+                "losses: a masked or \"NaN-safe\" loss with nothing left to predict (an empty mask, every label "
+                "-100), or nan_to_num hiding NaN; the weights may be non-finite (every save is checked): look at "
+                "the batches and the masking")
     return (f"the loss stayed exactly {flat['loss']:.6g} from step {flat['since']} to step {flat['step']}: the "
             "weights are not being updated (the optimizer was built over other tensors than the model trains, e.g. "
             "before the model was moved or rebuilt; a learning rate of 0; requires_grad off; optimizer.step() "
@@ -137,6 +142,7 @@ class Watchdog:
         self.early_losses: list[float] = []  # the first EARLY_STEPS finite losses (the explosion check's level)
         self.nan_reports: list[tuple[int, int, float, int]] = []  # (step, rank or -1, loss, n), non-finite
         self.witnesses: dict[int | None, str] = {}  # step -> what was non-finite there when not the loss
+        self.nonzero_seen = False  # a loss other than exactly 0.0 was reported (_check_flat)
         self.nan_decide_at: float | None = None
         self.rank_begun: dict[int, int] = {}  # rank -> steps begun, from the answers to a stack dump
         self.output_seen = False  # the job wrote at least one byte
@@ -411,11 +417,15 @@ class Watchdog:
                     k, early, EARLY_STEPS, began, first, value, progress.step, k, self.loss_rise_steps, where)
 
     def _check_flat(self, value: float) -> None:
-        """Name, once, a loss that stays exactly the same for ``loss_rise_steps`` steps (0.0 excepted: a loss stuck
-        at zero is the agent's witness of its own). Losses of different batches differ when the weights move; the
-        same value step after step means they do not."""
+        """Name, once, a loss that stays exactly the same for ``loss_rise_steps`` steps. Losses of different batches
+        differ when the weights move; the same value step after step means they do not. Exactly 0.0 counts only
+        after a non-zero loss (a loss at 0 from the start is a job's choice; one that drops to exactly 0 and stays
+        is a masked loss with nothing to predict, or ``nan_to_num`` hiding NaN: ModernBERT #233)."""
         progress = self.state.progress
-        if progress.flat is not None or progress.step is None or value == 0.0 or self.loss_rise_steps < 2:
+        if value != 0.0:
+            self.nonzero_seen = True
+        if progress.flat is not None or progress.step is None or self.loss_rise_steps < 2 or \
+                (value == 0.0 and not self.nonzero_seen):
             return
         if self.flat_since is None or self.flat_since[1] != value:
             self.flat_since = (progress.step, value)
