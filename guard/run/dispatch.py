@@ -175,6 +175,9 @@ class Dispatch:
             facts.agent_watching = True
         elif kind == "train_intent":
             facts.train_intent.setdefault(str(message.get("what")), message.get("type") or True)
+            state_bytes = message.get("state_bytes")
+            if message.get("what") == "optimizer" and isinstance(state_bytes, int) and self.securer is not None:
+                self.securer.on_model_size(state_bytes)
         elif kind == "empty_loader" and facts.empty_loader is None:
             facts.empty_loader = message
             log.warning("the job iterated a DataLoader with no batch (%s samples, batch_size %s, drop_last %s)",

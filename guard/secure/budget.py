@@ -442,6 +442,16 @@ class MarginEstimator:
             self._steps.append(float(duration_s))
             self._maybe_log()
 
+    def expect_size(self, size_bytes: float) -> bool:
+        """A checkpoint size told before any save (the Trainer's or the agent's estimate of the weights and
+        optimizer state): the size the margin assumes until a checkpoint is seen; an earlier hint stands. Returns
+        whether it was taken."""
+        if self.size_hint_bytes or not _ok(size_bytes) or size_bytes <= 0:
+            return False
+        self.size_hint_bytes = float(size_bytes)
+        self._maybe_log()
+        return True
+
     def observe_size(self, size_bytes: float) -> None:
         """Record a checkpoint size seen without a timed save (e.g. one already on disk when the guard starts)."""
         if _ok(size_bytes) and size_bytes > 0:

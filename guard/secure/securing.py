@@ -577,13 +577,20 @@ class Securing:
         self._feed(sup, SignalReceived(signum, can_save=self._can_save(sup)), now)
         return True
 
+    def on_model_size(self, size_bytes: int) -> None:
+        """The job built its optimizer over ``size_bytes``' worth of weights and optimizer state (the agent's
+        estimate): the checkpoint size the margin assumes until a save measures the real one (never over a size
+        already known: the Trainer's estimate, a checkpoint on disk)."""
+        if self.estimator.expect_size(size_bytes):
+            log.debug("checkpoint size before the first save: about %.1f MB (the optimizer's weights and state)",
+                      size_bytes / 1e6)
+
     def on_trainer_config(self, config: dict[str, Any]) -> None:
         """The Trainer's arguments: its ``output_dir``, and its ``hub_model_id`` as the destination when
         ``push_to_hub`` is on and ``--push-to`` gave none."""
         self.trainer_seen = True
         estimate = config.get("checkpoint_bytes_estimate")
-        if isinstance(estimate, int) and estimate > 0 and not self.estimator.size_hint_bytes:
-            self.estimator.size_hint_bytes = float(estimate)  # until the first save measures the real size
+        if isinstance(estimate, int) and self.estimator.expect_size(estimate):  # until a save measures it
             log.debug("checkpoint size before the first save: about %.1f MB (weights + AdamW state)", estimate / 1e6)
         if not self._output_given and config.get("output_dir"):
             self._output_given = True

@@ -149,7 +149,7 @@ def patch_optimizer(optim: Any) -> None:
         if agent is not None:
             agent.watch.optimizer_built()
         if "optimizer" not in told:
-            tell("optimizer", type=type(self).__name__)
+            tell("optimizer", type=type(self).__name__, state_bytes=_state_bytes(self))
 
     __init__.__guard_wrapped__ = True  # type: ignore[attr-defined]
     base.__init__ = __init__
@@ -163,6 +163,18 @@ def patch_optimizer(optim: Any) -> None:
             tell("optimizer_step")
 
     optim.register_optimizer_step_post_hook(stepped)
+
+
+def _state_bytes(optimizer: Any) -> int | None:
+    """About what a checkpoint of this optimizer's model holds, in bytes: its parameters' bytes, times 3 for the
+    Adam family (two moment buffers of the parameters' size), else times 2 (one buffer: SGD's momentum). A Python
+    walk over the parameter list (no device work); None when it cannot be told."""
+    try:
+        weights = sum(int(p.numel()) * int(p.element_size()) for group in optimizer.param_groups
+                      for p in group["params"])
+    except Exception:
+        return None
+    return weights * (3 if "adam" in type(optimizer).__name__.lower() else 2) if weights else None
 
 
 def patch_dataloader(module: Any) -> None:
