@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from fakes import ckpt
 
-from guard.secure.outcome import Verdict, checkpoint_fields
+from guard.secure.outcome import Verdict, checkpoint_fields, resume_step_text
 from guard.secure.plan import PlanReport, PushView, State
 
 
@@ -103,6 +103,15 @@ def test_the_hint_speaks_of_the_step_the_checkpoint_records() -> None:
     crash = checkpoint_fields(report(trigger="failure", failure_reason="crash", secured=secured, newest=info), CRASH,
                               step=103, nothing_found_hint="nothing found")
     assert "secured before the failure: step 99 (its iter_num" in (crash.verdict.hint or "")
+
+
+def test_a_recorded_field_named_step_is_not_named_twice() -> None:
+    # a loop's own {"step": N} in its ckpt.pt: "step 250 (its step)" said nothing to a new user
+    own = replace(ckpt(250), recorded=("step", 250))
+    assert resume_step_text(own, 250) == "step 250"
+    assert resume_step_text(own, None) == "step 250"
+    behind = replace(ckpt(250), recorded=("step", 249))
+    assert resume_step_text(behind, 250) == "step 249 (step 250 of the guard's count)"
 
 
 def test_a_torch_save_dict_tells_its_own_step(tmp_path) -> None:

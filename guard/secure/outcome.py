@@ -54,6 +54,8 @@ def resume_step_text(info: CheckpointInfo | None, step: int | None) -> str:
     if recorded is None:
         return f"step {step if step is not None else '?'}"
     key, value = recorded
+    if key == "step":  # the checkpoint's own field named "step": "(its step)" would say nothing
+        return f"step {value}" if step is None or step == value else f"step {value} (step {step} of the guard's count)"
     if step is None or step == value:
         return f"step {value} (its {key})"
     return f"step {value} (its {key}; step {step} of the guard's count)"

@@ -251,8 +251,9 @@ def choose(folder: str | os.PathLike[str], securer: Any, *, deadline: float, abo
         chosen = ResumeFrom(local.info.path, local.info.step, "local", local.info.size_bytes, "output folder")
     elif record is not None:
         if local is not None:
-            log.info("the output folder's %s (step %s) is older than the secured step %s (or not comparable): "
-                     "fetching the secured one", local.info.path, local.info.step, record.get("step"))
+            log.info("the output folder's %s (%s) is older than the secured step %s (or not comparable): "
+                     "fetching the secured one", local.info.path,
+                     "step not known" if local.info.step is None else f"step {local.info.step}", record.get("step"))
         data = _bounded(run, "fetch_last_checkpoint", {"into_dir": str(base), "revision": record["revision"]},
                         deadline, abort, securer)
         if data is not None:
