@@ -128,6 +128,16 @@ class PushFailedError(HubError):
         self.attempts = attempts
 
 
+class PartsMissingError(PushFailedError):
+    """A many-node checkpoint is not whole at the destination by the push's deadline: this node's part is there,
+    verified, but another node's is not (or the parts together lack what the format names), so the record was not
+    moved. ``missing`` is the VERDICT's ``missing=`` value (``node1``, ``files``, ``conflict``)."""
+
+    def __init__(self, message: str, *, missing: str, destination: str | None = None, hint: str | None = None) -> None:
+        super().__init__(message, destination=destination, hint=hint)
+        self.missing = missing
+
+
 class CheckpointRewrittenError(PushFailedError):
     """A checkpoint's file was written again (in place, or replaced) after the save it was reported for, before or
     while it was copied: it no longer holds that step, so it is never secured under it. The job's newer save is

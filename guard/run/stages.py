@@ -468,7 +468,8 @@ def _run_job(config: Config, masker: Masker, started: float, platform: PlatformI
     start.begin()
     try:
         supervisor = _supervisor(config, masker, start, deadline=deadline, securer=securer, factory=factory,
-                                 output_dir=output_dir, platform=platform, fetched=fetched, report=report)
+                                 output_dir=output_dir, platform=platform, fetched=fetched, report=report,
+                                 sharing=sharing)
     except BaseException:
         start.abort()  # the guard's own failure before the loop: no job is left behind
         raise
@@ -509,7 +510,8 @@ def _run_job(config: Config, masker: Masker, started: float, platform: PlatformI
 
 def _supervisor(config: Config, masker: Masker, start: JobStart, *, deadline: budget.Deadline,
                 securer: Securer | None, factory: Callable[[str], Securer], output_dir: str | None,
-                platform: PlatformInfo, fetched: ResumeFrom | None, report: PreflightReport | None) -> Supervisor:
+                platform: PlatformInfo, fetched: ResumeFrom | None, report: PreflightReport | None,
+                sharing: SharingProbe | None = None) -> Supervisor:
     """The loop and its policies (securing, the watchdog, telemetry), built while the job starts."""
     from guard.run.supervisor import Supervisor
     from guard.secure.securing import Securing
@@ -527,7 +529,8 @@ def _supervisor(config: Config, masker: Masker, start: JobStart, *, deadline: bu
                         output_dir=output_dir, grace_s=secure.grace_s,
                         refresher=_slurm_refresher(config, platform), background=secure.background_push,
                         push_interval_s=push_interval_s, final_window_s=secure.final_push_window_s,
-                        push_stall_s=secure.push_stall_s, run_id=secure.run_id or None)
+                        push_stall_s=secure.push_stall_s, run_id=secure.run_id or None, node_rank=secure.node_rank,
+                        nodes=secure.nodes, shared=lambda: sharing.answer.shared if sharing is not None else None)
     if fetched is not None and fetched.info is not None:  # described by the resume stage, off this thread
         held_by = str(securer.destination) if fetched.source == "destination" and securer is not None else None
         securing.resumed_from(fetched.info, destination=held_by, revision=fetched.revision)

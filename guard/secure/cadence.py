@@ -46,7 +46,9 @@ def background_interval_s(destination_kind: str, *, measured_push_s: float | Non
     """The least time between two background push starts for a destination, in seconds.
 
     Args:
-        destination_kind: ``hub.Destination.kind``: ``"folder"``, ``"hub"`` or ``"s3"``.
+        destination_kind: ``hub.Destination.kind``: ``"folder"``, ``"hub"`` or ``"s3"``; ``"parts"``: every node
+            of a many-node job puts its own part of each checkpoint (each complete save, so that all put the same
+            steps).
         measured_push_s: the last background push's duration (``PushResult.elapsed_s``), or None before the
             first one.
         commits_per_hour: the destination's commit rate limit (default ``HUB_COMMITS_PER_HOUR``).
@@ -54,14 +56,14 @@ def background_interval_s(destination_kind: str, *, measured_push_s: float | Non
         commits_per_push: commits each push makes (default ``COMMITS_PER_PUSH``).
 
     Returns:
-        0.0 for a folder (every complete save); ``PUSH_TIME_FACTOR * measured_push_s`` for S3 (0.0 before the
-        first push); for the Hub ``max(3600 * commits_per_push / (commits_per_hour *
+        0.0 for a folder and for ``"parts"`` (every complete save); ``PUSH_TIME_FACTOR * measured_push_s`` for S3
+        (0.0 before the first push); for the Hub ``max(3600 * commits_per_push / (commits_per_hour *
         share), PUSH_TIME_FACTOR * measured_push_s)``.
 
     Raises:
         ValueError: an unknown ``destination_kind``, or a rate or share that is not positive.
     """
-    if destination_kind == "folder":
+    if destination_kind in ("folder", "parts"):  # parts: many nodes put the same steps' parts (guard.secure.nodes)
         return 0.0
     measured = measured_push_s if measured_push_s is not None and math.isfinite(measured_push_s) else 0.0
     if destination_kind == "s3":  # no commit rate limit; each push is paid requests: not more than a third of the time

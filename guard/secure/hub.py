@@ -46,10 +46,12 @@ from guard.errors import (
     CheckpointRewrittenError,
     DestinationError,
     HubError,
+    PartsMissingError,
     PushFailedError,
     TransientDestinationError,
     UsageError,
 )
+from guard.secure import formats
 from guard.secure.checkpoints import is_marked_suspect, rewritten_after
 from guard.secure.dest.base import FetchedCheckpoint  # one type for every destination's fetch
 from guard.secure.hubhttp import (
@@ -84,6 +86,8 @@ CHECKPOINT_COMMIT_TITLE = "guard: checkpoint step {step}"
 UPLOAD_COMMIT_TITLE = "guard: upload of step {step}, not verified yet"
 MANIFEST_NAME = "guard_manifest.json"
 _MIN_ATTEMPT_S = 1.0  # don't start another attempt with less time than this left
+#: Many nodes: how often a node whose part is in looks for the others' (seconds; one listing each).
+PARTS_POLL_S = 0.5
 _ACCEPTED_FORMS = ("hf://NS/NAME, hf://datasets/NS/NAME, NS/NAME (a Hub model repo), s3://BUCKET/PREFIX, "
                    "or a folder path (absolute, or starting with ./, ../ or file://)")
 _NAME = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,94}[A-Za-z0-9_])?")
@@ -238,12 +242,14 @@ def _signatures(folder: Path, files: list[str]) -> dict[str, tuple[int, int, int
     return out
 
 
-def _refuse_torn(what: str, folder: Path, files: list[str], where: str, destination: str) -> None:
+def _refuse_torn(what: str, folder: Path, files: list[str], where: str, destination: str, *,
+                 parts: bool = False) -> None:
     """Raise ``PushFailedError`` when a file of ``files`` under ``folder`` is not structurally whole
-    (``formats.check_files``): ``where`` says which copy (``"local"``, ``"uploaded"``)."""
+    (``formats.check_files``): ``where`` says which copy (``"local"``, ``"uploaded"``); ``parts``: the folder is one
+    node's part of a many-node checkpoint (what its format names on other nodes is not looked for here)."""
     from guard.secure.formats import check_files
 
-    problems = check_files(folder, files)
+    problems = check_files(folder, files, parts=parts)
     if problems:
         shown = "; ".join(problems[:3]) + (f"; ... {len(problems) - 3} more" if len(problems) > 3 else "")
         raise PushFailedError(f"cannot secure {what}: the {where} files are not whole ({shown}); the secured copy "
@@ -547,6 +553,10 @@ class Securer:
             it until the record names them; default ``"run"``.
         store: the ``guard.secure.dest.base.Store`` of an S3 destination; default ``S3Store.from_url``, built on
             first use.
+        node_rank, nodes: this node's index and the job's node count (``SecureSettings``), when every node secures
+            its own part of each checkpoint (many nodes, each with its own disk; S3): the record moves only once
+            every node's part is there (``guard.secure.nodes.whole``); default 0 and 1 (one node: part and record
+            are one push).
 
     Raises:
         UsageError: ``destination`` text that ``parse_destination`` refuses.
@@ -555,7 +565,7 @@ class Securer:
     def __init__(self, destination: Destination | str, *, api: HfApi | None = None, token: str | None = None,
                  clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
                  log: logging.Logger = logger, backoff_s: float = 1.0, max_backoff_s: float = 8.0,
-                 run_id: str | None = None, store: Any = None) -> None:
+                 run_id: str | None = None, store: Any = None, node_rank: int = 0, nodes: int = 1) -> None:
         self.destination = destination if isinstance(destination, Destination) else parse_destination(destination)
         self._api, self._token = api, token
         self.token = token  # for worker processes (guard.secure.worker), sent on their stdin
@@ -566,6 +576,7 @@ class Securer:
         self.last_copy: FolderCopy | None = None  # what the last folder-destination push wrote
         self.run_id = run_id or "run"
         self._store = store
+        self.node_rank, self.nodes = node_rank, max(1, nodes)  # this node's part of a many-node checkpoint
         #: Called with ``(step, revision)`` the moment a checkpoint push has moved the destination's record (the
         #: folder swapped in, the Hub's record commit made, the S3 record written), before its cleanup: a push
         #: killed after that point has secured its step all the same (``guard.secure.worker`` reports it).
@@ -625,7 +636,7 @@ class Securer:
             rewritten = rewritten_after(folder, files, saved_by_s) if saved_by_s is not None else None
             if rewritten is not None:
                 raise self._rewritten(what, folder / rewritten[0], rewritten[1], step)
-            _refuse_torn(what, folder, files, "local", str(self.destination))
+            _refuse_torn(what, folder, files, "local", str(self.destination), parts=self.nodes > 1)
 
         still_that_save()
         placed = Path(source) if source else folder
@@ -904,16 +915,65 @@ class Securer:
         """One node's part of ``step`` put and verified, checked again against the save, then the record moved to
         it (one conditional write); returns the record's ETag."""
         store, where = self._s3(), _placement(placed)
-        part = store.put_part(folder, files, run_id=self.run_id, step=step, node_rank=0, nodes=1,
-                              place=where["place"], source=where["output_dir"], deadline=deadline)
+        requires = formats.requires(folder) if self.nodes > 1 and folder.is_dir() else None
+        part = store.put_part(folder, files, run_id=self.run_id, step=step, node_rank=self.node_rank,
+                              nodes=self.nodes, place=where["place"], source=where["output_dir"], deadline=deadline,
+                              requires=requires)
         check()  # still the save this step names, now that its bytes are at the destination
-        record = store.write_record([part], deadline=deadline)
+        parts = [part] if self.nodes == 1 else self._await_whole(store, step, deadline)
+        record = store.write_record(parts, deadline=deadline)
         if (record.run_id, record.step) != (self.run_id, step):
             self._log.info("the record at %s already names step %s of this run: step %d not recorded over it",
                            self.destination, record.step, step)
         else:
             self._recorded(step, str(record.revision).strip('"'))
         return str(record.revision).strip('"')  # the record's ETag, without the quotes HTTP gives it
+
+    def _await_whole(self, store: Any, step: int, deadline: float) -> list[Any]:
+        """Many nodes: this node's part of ``step`` is in; wait (polling the destination's listing every
+        ``PARTS_POLL_S``) until every node's part is and their union is whole (``nodes.whole``), then return the
+        parts for the record. Any node may move the record (a conditional write: the second writer finds it done).
+
+        Raises:
+            PartsMissingError: not whole before ``deadline`` (less the time of one more listing).
+        """
+        from guard.secure import nodes as many
+
+        said = None
+        while True:
+            found = many.whole(store.parts(run_id=self.run_id, step=step, deadline=deadline), run_id=self.run_id,
+                               step=step, nodes=self.nodes)
+            if found.complete:
+                self._log.info("%s", found.describe())
+                return list(found.parts.values())
+            if found.describe() != said:
+                said = found.describe()
+                self._log.info("waiting for the other nodes' parts: %s", said)
+            ahead = self._others_ahead(store, step, deadline)
+            if ahead is not None:  # the nodes missing here put a later step: they will never put this one
+                raise PartsMissingError(
+                    f"checkpoint step {step} will not be whole at {self.destination}: {said}; the other nodes put "
+                    f"step {ahead}", missing=found.missing_text(), destination=str(self.destination),
+                    hint="the nodes secure the same steps when their saves are as fast as their pushes; a later "
+                         "step is secured instead")
+            if self._clock() + 2 * PARTS_POLL_S >= deadline:
+                raise PartsMissingError(
+                    f"checkpoint step {step} is not whole at {self.destination}: {said}",
+                    missing=found.missing_text(), destination=str(self.destination),
+                    hint=f"node {self.node_rank}'s part is there, verified; the record was not moved: look at the "
+                         "VERDICT of the missing nodes")
+            self._sleep(PARTS_POLL_S)
+
+    def _others_ahead(self, store: Any, step: int, deadline: float) -> int | None:
+        """The lowest step after ``step`` that every other node has put a part of (they skipped ``step``: its push
+        would wait for parts that never come), or None (also for a store that cannot list the steps)."""
+        listing = getattr(store, "part_steps", None)
+        if listing is None:
+            return None
+        others = set(range(self.nodes)) - {self.node_rank}
+        later = [s for s, ranks in listing(run_id=self.run_id, deadline=deadline).items()
+                 if s > step and others <= ranks]
+        return min(later) if later else None
 
     def _s3_fetch(self, into: Path, deadline: float) -> FetchedCheckpoint | None:
         store = self._s3()

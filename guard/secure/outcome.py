@@ -149,6 +149,13 @@ def checkpoint_fields(report: PlanReport, verdict: Verdict, *, step: int | None,
     extra["secured"] = "yes" if secured is not None else "no"
     if secured is not None and secured.step is not None:
         extra["secured_step"] = secured.step
+    unwhole = next((p for p in reversed(report.history) if not p.running and p.kind != "final"), None)
+    if unwhole is not None and unwhole.missing and (secured is None or (secured.step or -1) < (unwhole.step or -1)):
+        extra["missing"] = unwhole.missing  # the newest checkpoint is not whole at the destination (many nodes)
+        details["missing"] = {"step": unwhole.step, "what": unwhole.missing, "error": unwhole.error}
+        said = (f"checkpoint step {unwhole.step} is not whole at the destination, missing {unwhole.missing}: see "
+                "that node's VERDICT")
+        hint = f"{said}; {hint}" if hint else said
     steps_lost = 0
     lost = ""
     if secured is not None and secured.step is not None and step is not None and step > secured.step:
@@ -183,4 +190,6 @@ def checkpoint_fields(report: PlanReport, verdict: Verdict, *, step: int | None,
                 f"jobguard --resume on --push-to {secured.destination} ...")
     elif follower:
         hint = "the guard of node 0 secures the checkpoint of every rank: see its VERDICT"
+    if "missing" in extra and said not in (hint or ""):
+        hint = f"{said}; {hint}" if hint else said
     return done(hint)

@@ -88,7 +88,8 @@ class PushRecord:
             attempts=int(getattr(result, "attempts", 0) or 0) if result is not None else 0,
             error=getattr(result, "error", None) if result is not None else None,
             hint=getattr(result, "hint", None) if result is not None else None,
-            rewritten=bool(result is not None and getattr(result, "error_type", None) == REWRITTEN))
+            rewritten=bool(result is not None and getattr(result, "error_type", None) == REWRITTEN),
+            missing=getattr(result, "missing", None) if result is not None else None)
 
 
 @dataclass(frozen=True)
@@ -96,7 +97,7 @@ class PushView:
     """One push as the report shows it: what (``kind``, ``path``, ``step``) and how it ended (``running`` while it
     runs; ``ok``, ``killed``, ``pushed`` = ``DEST@REVISION``, ``destination``, ``files`` count, ``size_bytes``,
     ``elapsed_s``, ``attempts``, ``error``, ``hint``; ``rewritten``: refused because the job wrote the checkpoint
-    again after that save, see ``REWRITTEN``)."""
+    again after that save, see ``REWRITTEN``; ``missing``: a many-node checkpoint whose other parts never came)."""
 
     kind: str
     path: str | None
@@ -114,6 +115,7 @@ class PushView:
     error: str | None
     hint: str | None
     rewritten: bool = False
+    missing: str | None = None  # a many-node checkpoint not whole at the destination: what is missing (``node1``)
 
 
 @dataclass(frozen=True)

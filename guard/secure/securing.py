@@ -186,6 +186,9 @@ class Securing:
             through which tests make a scan block.
         run_id: this run's id (``SecureSettings.run_id``): it names the run's taint and suspect markers
             (``guard.secure.suspects``); default: the securer's, else a new one.
+        node_rank, nodes: this node's index and the job's node count (``SecureSettings``; default one node).
+        shared: ``() -> bool | None``: whether the nodes share the output folder (``guard.secure.sharing``'s
+            answer; None while unknown). Many nodes on folders of their own secure each node's part (``parts_mode``).
 
     Without ``output_dir`` the output folder is the one of the job's newest save (``layout.output_dir_of_save``),
     followed from save to save (never locked onto the first): the final model is pushed from there.
@@ -200,7 +203,8 @@ class Securing:
                  pusher_factory: Callable[[str, str | None], Pusher] | None = None,
                  push_stall_s: float = PUSH_STALL_S,
                  fs: Submitter | None = None, stat: checkpoints.StatFn | None = None,
-                 run_id: str | None = None) -> None:
+                 run_id: str | None = None, node_rank: int = 0, nodes: int = 1,
+                 shared: Callable[[], bool | None] = lambda: None) -> None:
         self.deadline = deadline
         self.estimator = estimator
         self.securer = securer
@@ -212,8 +216,11 @@ class Securing:
         self._tainted_at: tuple[int, float] | None = None  # (first non-finite step, wall time heard)
         self.refresher = refresher
         self.wall, self.clock = wall, clock
+        self.node_rank, self.nodes, self.shared = node_rank, max(1, nodes), shared
         self._pusher_factory: Callable[[str, str | None], Pusher] = pusher_factory or (
-            lambda dest, token: worker.Pusher(dest, token, clock=clock, run_id=getattr(self.securer, "run_id", None)))
+            lambda dest, token: worker.Pusher(dest, token, clock=clock, run_id=getattr(self.securer, "run_id", None),
+                                              node_rank=self.node_rank,
+                                              nodes=lambda: self.nodes if self.parts_mode() else 1))
         self.disk = scans.Disk(stat) if stat is not None else scans.Disk()  # owned by the file system thread
         self.port = scans.Port(fs if fs is not None else FS_HELPERS)
         self._link: JobLink | None = None  # the loop, as the last hook got it (for answers handed back)
@@ -231,7 +238,7 @@ class Securing:
                          deadline_at=self._to_clock(deadline.deadline_s), grace_s=grace_s, background=background,
                          push_interval_s=push_interval_s, final_output_dir=output_dir, final_window_s=final_window_s,
                          unchanged=self._still_unchanged,
-                         destination_kind=self._kind(securer), stall_s=push_stall_s)
+                         destination_kind=self._cadence_kind(securer), stall_s=push_stall_s)
         self.latest_reported: checkpoints.CheckpointInfo | None = None
         self.last_step_at: float | None = None
         self.saved_ranks: dict[str, set[int]] = {}  # checkpoint path -> ranks that reported their part of it
@@ -275,6 +282,13 @@ class Securing:
         """``"folder"`` or ``"hub"``: where ``securer`` pushes, or None."""
         kind = getattr(getattr(securer, "destination", None), "kind", None)
         return kind if isinstance(kind, str) else None
+
+    def _cadence_kind(self, securer: Securer | None) -> str | None:
+        """The destination kind the background cadence follows (``cadence.background_interval_s``): ``"parts"``
+        when many nodes secure their own parts of each checkpoint (every node pushes every complete save, so that
+        all push the same steps), else the destination's."""
+        kind = self._kind(securer)
+        return "parts" if kind == "s3" and self.nodes > 1 else kind
 
     def _make_pusher(self, securer: Securer | None) -> Pusher | None:
         if securer is None:
@@ -345,7 +359,7 @@ class Securing:
                                 resumed=frozenset(self.resumed_paths), known=tuple(self._fed), final=final,
                                 reported=frozenset(self.reported_paths),
                                 world_size=link.world_size() if link is not None else 1, waiting=waiting,
-                                stable_for_s=stable_for_s, run_id=self.run_id)
+                                stable_for_s=stable_for_s, run_id=self.run_id, parts=self.parts_mode())
         self.port.submit(self.disk.scan, asked, apply=lambda value, error: self._scanned(number, value, error))
         return number
 
@@ -465,8 +479,15 @@ class Securing:
         # first step's backward (which the agent reports first). Ask; the wait is bounded.
         return step is None or step < 3 or sup.state.facts.answers_checkpoints
 
+    def parts_mode(self) -> bool:
+        """Every node secures its own part of each checkpoint, the record moving once all are in
+        (``hub.Securer``'s many-node push): many nodes, an output folder not known to be shared, and a destination
+        whose store keeps node parts (S3). Otherwise node 0's guard secures the checkpoints alone."""
+        kind = getattr(getattr(self.securer, "destination", None), "kind", None)
+        return self.nodes > 1 and kind == "s3" and self.shared() is not True
+
     def _check_node(self, sup: JobLink) -> None:
-        if self._node_checked or not self.plan.has_pusher:
+        if self._node_checked or not self.plan.has_pusher or self.parts_mode():
             return
         node = sup.node_rank
         if node not in (None, 0):
@@ -598,7 +619,8 @@ class Securing:
         if self.securer is None and config.get("push_to_hub") and config.get("hub_model_id") and self.securer_factory:
             try:
                 self.securer = self.securer_factory(str(config["hub_model_id"]))
-                self._feed(None, DestinationKnown(self._make_pusher(self.securer), kind=self._kind(self.securer)))
+                self._feed(None, DestinationKnown(self._make_pusher(self.securer),
+                                                  kind=self._cadence_kind(self.securer)))
                 log.info("destination from the Trainer: %s (push_to_hub, hub_model_id)", self.securer.destination)
             except GuardError as exc:
                 log.warning("cannot use the Trainer's hub_model_id as a destination: %s", exc.message)

@@ -58,6 +58,7 @@ RECORD_FORMAT = "jobguard-s3-record/1"
 REQUEST_TIMEOUT_S = 60.0
 _BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
 _NODE_MANIFEST = re.compile(r"node-(\d+)\.json")
+_STEP_NODE_MANIFEST = re.compile(r"step-(\d+)/node-(\d+)\.json")
 
 
 def parse_s3_url(text: str) -> tuple[str, str]:
@@ -265,6 +266,17 @@ class S3Store:
                 if got is not None:
                     found.append(_manifest_from(got[0]))
         return sorted(found, key=lambda p: p.node_rank)
+
+    def part_steps(self, *, run_id: str, deadline: float) -> dict[int, set[int]]:
+        """Which nodes have put a part of which step of ``run_id``: ``{step: {node ranks}}`` (one listing of the
+        run's staging place; a node's part counts once its manifest is there)."""
+        base = self._staging(run_id)
+        found: dict[int, set[int]] = {}
+        for rel in self._list(base, deadline):
+            match = _STEP_NODE_MANIFEST.fullmatch(rel[len(base):])
+            if match:
+                found.setdefault(int(match[1]), set()).add(int(match[2]))
+        return found
 
     def write_record(self, parts: Sequence[PartManifest], *, deadline: float) -> Record:
         """Make the checkpoint of ``parts`` the record (module docstring): verify every file, then one conditional

@@ -1,0 +1,99 @@
+"""Many nodes, each with its own disk, secure one checkpoint together (issue 34): two torchrun nodes on 127.0.0.1,
+each in its own folder under its own guard, a torch.distributed.checkpoint job (``step_N/`` with ``.metadata`` and
+``__0_0.distcp`` on node 0's disk, ``__1_0.distcp`` on node 1's), an S3 destination (moto). Each node puts its own
+part; the record moves once every node's part is in; every node's VERDICT tells the same story; the bucket's
+bytes are a whole checkpoint that ``dcp_to_torch_save`` loads in one process."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from conftest import JOBS
+from multinode import Nodes, logs
+from s3server import MotoServer
+from s3server import env as s3_env
+
+from guard.secure.dest.s3 import S3Store
+
+pytestmark = [pytest.mark.slow]
+
+FAST = ["--no-preflight", "--grace", "8s", "--sanity-steps", "2"]
+
+
+@pytest.fixture
+def moto(tmp_path: Path):
+    with MotoServer(tmp_path) as server:
+        yield server
+
+
+def _nodes(tmp_path: Path, moto: MotoServer, bucket: str, *guard_args: str) -> Nodes:
+    return Nodes(tmp_path, 2, JOBS / "dcp_loop.py",
+                 guard_args=[*FAST, "--output-dir", "{out}", "--push-to", f"s3://{bucket}/run", *guard_args],
+                 job_args=["{out}", "--every", "20", "--step-s", "0.05"], env=s3_env(moto.url))
+
+
+def test_at_the_deadline_both_nodes_parts_make_one_whole_checkpoint(tmp_path: Path, moto: MotoServer) -> None:
+    """Before: 'nothing in node-0/out was recognisable as a complete checkpoint', TIMEOUT exit=124 secured=no on
+    both nodes of a job that saved every 20 steps (node 0 holds .metadata and its shard, node 1 only its shard)."""
+    bucket = moto.bucket()
+    nodes = _nodes(tmp_path, moto, bucket, "--timeout", "45s").start()
+    try:
+        runs = nodes.wait(150)
+    finally:
+        nodes.close()
+    stories = {(run.fields().get("status"), run.fields().get("exit"), run.fields().get("secured"),
+                run.fields().get("secured_step")) for run in runs}
+    assert len(stories) == 1, logs(runs)
+    status, code, secured, secured_step = stories.pop()
+    assert (status, code, secured) == ("TIMEOUT", "75", "yes"), logs(runs)
+    store = S3Store(bucket, "run", client=moto.client())
+    record = store.read_record(deadline=time.monotonic() + 60)
+    assert record is not None and str(record.step) == secured_step and record.nodes == 2
+    assert {".metadata", "__0_0.distcp", "__1_0.distcp"} <= set(record.files), record.files
+    # the next run's fetch on a fresh node: the whole checkpoint, every file verified, loads in one process
+    fetched = store.fetch(record, tmp_path / "fresh", deadline=time.monotonic() + 60)
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(str(fetched.path), str(tmp_path / "whole.pt"))
+    state = torch.load(tmp_path / "whole.pt", weights_only=True)
+    assert any(torch.is_tensor(v) for v in _leaves(state)), state.keys()
+
+
+def test_a_node_lost_mid_run_never_makes_the_other_say_its_newest_step_is_secured(tmp_path: Path,
+                                                                                    moto: MotoServer) -> None:
+    """Every process of node 1 killed (a lost node): node 0's part of a later step never becomes whole; node 0's
+    VERDICT never claims a step the bucket does not hold whole, and names node 1 when a push of its ended for want
+    of node 1's part."""
+    bucket = moto.bucket()
+    nodes = _nodes(tmp_path, moto, bucket, "--timeout", "60s").start()
+    try:
+        assert nodes.wait_for(lambda: len(list((nodes.out(1)).glob("step_*"))) >= 3, 120), logs(nodes.wait(5))
+        guard = psutil.Process(nodes.procs_started[1].pid)  # node 1's guard and every process of its job, at once
+        for proc in [guard, *guard.children(recursive=True)]:
+            with contextlib.suppress(psutil.Error):
+                proc.send_signal(signal.SIGKILL)
+        runs = nodes.wait(150)
+    finally:
+        nodes.close()
+    node0 = runs[0].fields()
+    store = S3Store(bucket, "run", client=moto.client())
+    record = store.read_record(deadline=time.monotonic() + 60)
+    secured_step = node0.get("secured_step")
+    if record is None:
+        assert node0.get("secured") == "no", logs(runs)
+    else:
+        assert secured_step == str(record.step), logs(runs)  # the VERDICT names what the bucket holds
+    assert node0.get("missing") in (None, "node1"), logs(runs)
+    assert node0.get("status") in ("FAIL", "TIMEOUT") and node0.get("node") == "0", logs(runs)
+
+
+def _leaves(obj: object) -> list[object]:
+    if isinstance(obj, dict):
+        return [leaf for value in obj.values() for leaf in _leaves(value)]
+    return [obj]
