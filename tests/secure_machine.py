@@ -6,7 +6,8 @@ stood in for (the push runs in-process when its fake duration is over, or hangs,
 A fake job trains step by step: each step's loss is finite, NaN or inf (once not finite, every later one is, and
 its weights are not finite from that step on); its losses are read every ``CHECK_EVERY`` steps (the agent's
 window: a save inside it is reported before its losses are read), or at a read point. It saves a checkpoint folder
-(``checkpoint-N/model.bin``), a file in place (``ckpt.pt``, the nanoGPT pattern) or a new file per step; it rotates
+(``checkpoint-N/model.bin``), a file in place (``ckpt.pt``, the nanoGPT pattern), a new file per step, a file under a
+temporary name renamed into place (timm's ``tmp.pth.tar`` -> ``last.pth.tar``) or a new folder per save; it rotates
 its folders; its weights go non-finite under a finite loss (the agent's check says so in ``file_saved``). Each
 saved file's bytes say which run and step saved it and whether its weights were finite.
 
@@ -14,7 +15,9 @@ After every step the destination is read **on the bytes**: ``DEST/last-checkpoin
 save of this run (every file as its manifest says, size and sha256), made before the first non-finite loss, with
 finite weights. When the run ends (the job's exit, a deadline, a signal), ``Securing.finish`` fills the VERDICT's
 fields and they must name what the destination holds: ``secured=no`` (or no push) with nothing recorded, else the
-recorded step is the one ``secured_step`` names.
+recorded step is the one ``secured_step`` names; and what the next run's ``--resume on`` fetches from the
+destination (``Securer.fetch_last_checkpoint`` into a fresh folder) is that step's save, finite, made before the
+first non-finite loss.
 """
 
 from __future__ import annotations
@@ -235,7 +238,8 @@ class SecureMachine(RuleBasedStateMachine):
                                                 "bad_tensor": None if finite else "layer.weight"})
 
     @precondition(lambda self: not self.exited and self.step > 0)
-    @rule(how=st.sampled_from(["folder", "folder", "in_place", "new_file"]), read_first=st.booleans(),
+    @rule(how=st.sampled_from(["folder", "folder", "in_place", "new_file", "renamed", "new_folder"]),
+          read_first=st.booleans(),
           requested=st.booleans())
     def save(self, how: str, read_first: bool, requested: bool) -> None:
         """A save; ``read_first``: the agent reads the pending losses first (a save as a read point)."""
@@ -255,6 +259,16 @@ class SecureMachine(RuleBasedStateMachine):
             self.securing.on_checkpoint_saved(self.link, {"t": "checkpoint_saved", "path": str(folder),
                                                           "step": self.step, "rank": 0, "zero": True,
                                                           "requested": bool(self.link.sent) and requested})
+        elif how == "renamed":  # timm's CheckpointSaver: torch.save to tmp.pth.tar, then renamed (timm PR #693)
+            tmp = self.out / "tmp.pth.tar"
+            tmp.write_bytes(data)
+            self._report_file(tmp, finite)
+            tmp.replace(self.out / "last.pth.tar")
+        elif how == "new_folder":  # a folder of its own per save, reported by torch.save alone
+            folder = self.out / f"run-{self.step}"
+            folder.mkdir(exist_ok=True)
+            (folder / "model.pt").write_bytes(data)
+            self._report_file(folder / "model.pt", finite)
         else:
             path = self.out / ("ckpt.pt" if how == "in_place" else f"ckpt-{self.step}.pt")
             tmp = path.with_suffix(".tmp")
@@ -323,6 +337,27 @@ class SecureMachine(RuleBasedStateMachine):
             step, _ = held
             assert push is not None and push.get("step") == step, \
                 f"DEST/last-checkpoint holds step {step}; the VERDICT names {push and push.get('step')}"
+        self._what_a_resume_loads(held)
+
+    def _what_a_resume_loads(self, held: tuple[int | None, list[dict[str, Any]]] | None) -> None:
+        """The next run's fetch (``Securer.fetch_last_checkpoint``, as ``--resume on`` runs it) into a fresh folder:
+        nothing when nothing is recorded, else the recorded step's files, each a save of this run made before the
+        first non-finite loss, with finite weights."""
+        into = self.root / f"resume-{self.salt}"
+        fetched = hub.Securer(str(self.dest)).fetch_last_checkpoint(into, deadline=float("inf"))
+        if held is None:
+            assert fetched is None, f"nothing is recorded at DEST, yet a resume fetched {fetched}"
+            return
+        assert fetched is not None and fetched.step == held[0], f"a resume fetched {fetched}, DEST records {held[0]}"
+        paths = [fetched.path] if fetched.path.is_file() else [p for p in fetched.path.rglob("*") if p.is_file()]
+        heads = [parse(p.read_bytes()) for p in paths if p.name != "guard_manifest.json"]
+        assert heads, f"a resume fetched no model file from {fetched.path}"
+        for head in heads:
+            assert head["run"] == RUN and head["finite"], f"a resume loads {head}: weights not finite"
+            if self.first_bad is not None:
+                assert head["step"] < self.first_bad, (
+                    f"a resume loads the save of step {head['step']}, at or after the first non-finite loss "
+                    f"(step {self.first_bad})")
 
     # -- what the destination holds, after every step ------------------------------------------------------------
 
