@@ -114,3 +114,18 @@ def test_a_collective_timeout_names_the_late_rank_not_the_one_that_waited(tmp_pa
     assert (fields["status"], fields["reason"], fields["rank"], fields["waited"]) == ("FAIL", "crash", "1", "0"), \
         run.stderr[-3000:]
     assert "timed out on rank 0" in fields["hint"] and "waiting for rank 1, which never reached it" in fields["hint"]
+
+
+def test_a_pass_on_node_1_leaves_the_securing_to_node_0_without_a_false_hint(tmp_path: Path) -> None:
+    # node 1's guard hands securing to node 0's; its PASS said "nothing was secured to DEST: the job saved nothing
+    # recognisable" right after "node 1: the guard of node 0 pushes the final model" (a new user's trial, issue 36)
+    dest = tmp_path / "dest"
+    nodes = Nodes(tmp_path, 2, JOBS / "ddp_trainer.py", shared=True, guard_args=[*FAST, "--push-to", str(dest)],
+                  job_args=["--output-dir", "{out}", "--step-s", "0.05", "--max-steps", "5"]).start()
+    try:
+        runs = nodes.wait(240)
+    finally:
+        nodes.close()
+    assert [run.story()[0] for run in runs] == ["PASS", "PASS"], logs(runs)
+    assert runs[0].fields().get("pushed") == str(dest), logs(runs)
+    assert "nothing was secured" not in runs[1].verdict and "nothing was secured" not in runs[1].stderr, logs(runs)

@@ -428,7 +428,8 @@ def job_result(state: RunState, ended: JobExit, settings: RunSettings, *,
         securer.finish(result, step=progress.step)
         if result.status == "PASS" and not settings.secure.push_to and not result.extra.get("pushed"):
             result.extra.pop("checkpoint", None)  # nothing was secured anywhere: a PASS names no checkpoint
-        if result.status == "PASS" and settings.secure.push_to and not result.extra.get("pushed"):
+        if result.status == "PASS" and settings.secure.push_to and not result.extra.get("pushed") \
+                and not securer.node_0_secures:  # another node's guard: node 0's VERDICT says what was secured
             where = securer.output_dir or "no output folder known"
             hint = (f"nothing was secured to {settings.secure.push_to}: the job saved nothing recognisable "
                     f"as a checkpoint or final model ({where}); save checkpoint-N folders or *.pt/*.safetensors "

@@ -251,6 +251,7 @@ class Securing:
         self.trainer_seen = False
         self.pending_file: tuple[checkpoints.CheckpointInfo, float] | None = None  # a save that may still grow
         self.follower = False
+        self.node_0_secures = False  # another node's guard: node 0's secures the run's checkpoints and final model
         self.next_scan = -math.inf
         self._node_checked = False
         self._save_logged = False
@@ -492,6 +493,7 @@ class Securing:
         node = sup.node_rank
         if node not in (None, 0):
             log.info("node %d: the guard of node 0 secures checkpoints; this one does not push", node)
+            self.node_0_secures = True
             self._feed(sup, DestinationKnown(None))
             self._node_checked = True
         elif node == 0:
