@@ -339,3 +339,21 @@ def test_the_final_model_files_leave_out_every_checkpoint_folder(tmp_path):
         (out / rel).parent.mkdir(parents=True, exist_ok=True)
         (out / rel).write_bytes(b"0")
     assert final_model_files(out) == ["config.json", "model.safetensors"]
+
+
+def test_a_save_under_the_machines_own_temporary_folder_is_the_jobs_save(tmp_path):
+    """A loop saving /tmp/out/ckpt.pt (the Slurm recipe's ${TMPDIR:-/tmp}/$SLURM_JOB_ID/out where TMPDIR is /tmp):
+    before, /tmp counted as a scratch folder of the job's and the save was never taken as the job's (the scan found
+    it later as 'step None', secured as step 0); a job's own temporary folder still is one."""
+    import shutil
+    import uuid
+
+    out = Path("/tmp") / f"guard-test-out-{uuid.uuid4().hex[:8]}"
+    try:
+        write(out / "ckpt.pt", 10)
+        info = SavedFiles().add(out / "ckpt.pt", 100)
+        assert info is not None and info.step == 100 and info.files == ("ckpt.pt",)
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+    write(tmp_path / "out" / "tmp-save" / "ckpt.pt", 10)
+    assert SavedFiles().add(tmp_path / "out" / "tmp-save" / "ckpt.pt", 100) is None

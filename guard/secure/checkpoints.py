@@ -147,7 +147,8 @@ class CheckpointInfo:
         step_source: where ``step`` comes from: ``"trainer_state"`` (``global_step``), ``"reported"`` (the job's
             ``checkpoint_saved`` or the agent's step count at the save: the guard's own step unit, comparable with
             the VERDICT's ``step``), ``"marker"``, ``"name"`` (N of the folder or file name: the job's unit, which
-            may differ, e.g. with gradient accumulation), or None (unknown).
+            may differ, e.g. with gradient accumulation), ``"recorded"`` (a file whose step was otherwise unknown:
+            the one it records itself, ``recorded``), or None (unknown).
         recorded: the step the checkpoint records itself when ``step`` is the guard's count or unknown: ``(key,
             value)`` from a ``torch.save``d dict's top level (``formats.recorded_step``: nanoGPT's 0-based
             ``iter_num``...), for the hints, which speak of the step the job resumes from; else None.
@@ -394,6 +395,8 @@ def _info(path: Path, files: dict[str, tuple[int, float]], step: int | None, *, 
         for rel in sorted(files):
             if rel.endswith((".pt", ".pth", ".ckpt")) and (recorded := recorded_step(base / rel)):
                 break
+    if step is None and recorded is not None:  # a loose file found by the scan: the step it records itself
+        step, source = int(recorded[1]), "recorded"
     return CheckpointInfo(path=path, step=step, size_bytes=sum(size for size, _ in files.values()),
                           files=tuple(sorted(files)), newest_mtime_s=max(m for _, m in files.values()), root=root,
                           step_source=source, admitted_by=admitted_by, recorded=recorded)
@@ -579,6 +582,26 @@ def is_scratch_name(name: str) -> bool:
 _is_scratch = is_scratch_name
 
 
+def _system_temp_folders() -> frozenset[str]:
+    """The machine's temporary folders (``/tmp``, ``/var/tmp``, ``$TMPDIR``, ``tempfile.gettempdir()``): an output
+    folder under one of them is a real one (Slurm's recipe writes to ``${TMPDIR:-/tmp}/$SLURM_JOB_ID/out``)."""
+    import tempfile
+
+    found = {"/tmp", "/var/tmp", "/dev/shm", tempfile.gettempdir(), os.environ.get("TMPDIR") or "/tmp"}
+    return frozenset(os.path.realpath(path.rstrip(os.sep) or os.sep) for path in found)
+
+
+def _in_scratch_folder(path: Path) -> bool:
+    """A save under a hidden or temporary folder of the job's (``.partial-checkpoint-1/``, ``tmp-x/``), one of the
+    two folders above the file, to be renamed into place later; the machine's own temporary folders (``/tmp``)
+    are not such folders."""
+    system = _system_temp_folders()
+    for folder in (path.parent, path.parent.parent):
+        if _is_scratch(folder.name) and os.path.realpath(folder) not in system:
+            return True
+    return False
+
+
 def _is_model_file(name: str) -> bool:
     return name.endswith(MODEL_FILE_SUFFIXES) and not name.startswith((".", "_")) and name not in _NOT_MODEL_FILES
 
@@ -682,7 +705,7 @@ class SavedFiles:
         """Record one saved file; returns the checkpoint it belongs to (its folder's files of that step that
         still exist, or its checkpoint folder), or None when the file is gone or is not a model file."""
         where = Path(os.path.abspath(path))
-        if not _is_model_file(where.name) or any(_is_scratch(part) for part in where.parent.parts[-2:]):
+        if not _is_model_file(where.name) or _in_scratch_folder(where):
             return None  # a save into a hidden or temporary folder is renamed into place later (or dropped)
         for folder in (where.parent, where.parent.parent):
             if _CHECKPOINT_LIKE_RE.fullmatch(folder.name) and not folder.name.startswith("tmp-"):
