@@ -65,6 +65,11 @@ class MotoServer:
         log = open(log_dir / "moto.log", "wb") if log_dir else subprocess.DEVNULL  # noqa: SIM115
         self._proc = subprocess.Popen([exe, "-H", "127.0.0.1", "-p", str(self.port)], stdout=log,
                                       stderr=subprocess.STDOUT, start_new_session=True)
+        # not a job's process: a test that runs the guard's process tree code in this process (a worker that also
+        # holds a session-wide server) must not take it for one of the job's survivors or orphans
+        from guard.core.children import CHILDREN, HELPER
+
+        CHILDREN.add(self._proc.pid, HELPER)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
@@ -96,6 +101,8 @@ class MotoServer:
         return name
 
     def stop(self) -> None:
+        from guard.core.children import CHILDREN
+
         if self._proc.poll() is None:
             self._proc.terminate()
             try:
@@ -103,6 +110,7 @@ class MotoServer:
             except subprocess.TimeoutExpired:
                 self._proc.kill()
                 self._proc.wait()
+        CHILDREN.discard(self._proc.pid)
 
     def __enter__(self) -> MotoServer:
         return self

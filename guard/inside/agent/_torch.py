@@ -9,7 +9,7 @@ a loop's own ``iter_num`` count them: once the job has built a ``torch.optim.Opt
 to the optimizer step it accumulates into (the first optimizer that steps is counted, through torch's global
 ``register_optimizer_step_post_hook``), so with gradient accumulation the micro-batches of one step share its
 number; before any optimizer exists, a step is one ``.backward()`` call. An optimizer step a ``GradScaler`` skips
-(inf/NaN gradients) is not counted.
+(inf/NaN gradients) counts all the same (``GradScaler.step`` is wrapped), as the Trainer's ``global_step`` does.
 
 The loss the user means, not the tensor ``.backward()`` runs on:
 
@@ -262,7 +262,18 @@ def _patch_scaler(torch: Any, agent_module: Any) -> None:
                 agent_module._warn_once(f"skipped-step count disabled: {exc!r}")
         return original_update(self, new_scale)
 
-    scaler_cls.scale, scaler_cls.update = scale, update
+    original_step = scaler_cls.step
+
+    @functools.wraps(original_step)
+    def step(self: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        agent = agent_module.get()
+        before = agent.watch.optimizer_steps if agent is not None else 0
+        result = original_step(self, optimizer, *args, **kwargs)
+        if agent is not None and agent.watch.optimizer_steps == before:
+            agent.watch.optimizer_stepped(optimizer)  # skipped for inf/NaN gradients: a step all the same
+        return result
+
+    scaler_cls.scale, scaler_cls.update, scaler_cls.step = scale, update, step
 
 
 def patch_accelerate(module: Any) -> None:
