@@ -74,7 +74,7 @@ def make_checkpoint(root: Path, size_mb: int, files: int) -> Path:
 
 @contextlib.contextmanager
 def folder_destination(workdir: Path) -> Iterator[Push]:
-    from guard.secure.hub import Securer
+    from guard.secure.securer import Securer
 
     def push(checkpoint: Path, round_no: int) -> int:
         result = Securer(str(workdir / f"dest-{round_no}")).push_checkpoint(
@@ -91,7 +91,8 @@ def _hub_destination(workdir: Path, *, xet: bool) -> contextlib.AbstractContextM
             os.environ.update({**client_env(hub.url, xet=xet), "HF_HOME": str(workdir / "hf")})
             from huggingface_hub import HfApi
 
-            from guard.secure.hub import Securer, install_request_bounds
+            from guard.secure.hubhttp import install_request_bounds
+            from guard.secure.securer import Securer
 
             install_request_bounds()  # the guard's bounded HTTP client (it turns progress bars off too)
             api = HfApi(endpoint=hub.url, token=TOKENS["write"])
@@ -129,7 +130,7 @@ def s3_destination(workdir: Path) -> Iterator[Push]:
 
     with MotoServer() as moto:
         os.environ.update(s3_env(moto.url))
-        from guard.secure.hub import Securer
+        from guard.secure.securer import Securer
 
         bucket = moto.bucket()
 

@@ -28,7 +28,8 @@ from typing import Any
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
-from guard.secure import hub as guard_hub  # noqa: E402
+from guard.secure.dest import folder as guard_folder  # noqa: E402
+from guard.secure.securer import Securer  # noqa: E402
 
 MB = 1_000_000
 
@@ -61,10 +62,10 @@ def wchar() -> int:
 
 
 def run(rounds: int, ckpt: Path, dest: Path, reuse: bool) -> dict[str, Any]:
-    securer = guard_hub.Securer(str(dest))
-    original: Callable[..., Any] = guard_hub._reuse_unchanged
+    securer = Securer(str(dest))
+    original: Callable[..., Any] = guard_folder._reuse_unchanged
     if not reuse:
-        guard_hub._reuse_unchanged = lambda *args, **kwargs: None
+        guard_folder._reuse_unchanged = lambda *args, **kwargs: None
     try:
         securer.push_checkpoint(ckpt, step=0, deadline=time.monotonic() + 600)  # the first push copies everything
         times, written, copied = [], [], []
@@ -78,7 +79,7 @@ def run(rounds: int, ckpt: Path, dest: Path, reuse: bool) -> dict[str, Any]:
             assert securer.last_copy is not None
             copied.append(securer.last_copy.copied_bytes)
     finally:
-        guard_hub._reuse_unchanged = original
+        guard_folder._reuse_unchanged = original
     return {"time_s": statistics.median(times), "written": statistics.median(written),
             "copied": statistics.median(copied)}
 

@@ -55,7 +55,8 @@ def main() -> int:
         os.environ.update({**client_env(hub.url, xet=False), "HF_HOME": str(Path(tmp) / "hf")})
         from huggingface_hub import HfApi  # after HF_ENDPOINT is set
 
-        from guard.secure.hub import Securer, install_request_bounds
+        from guard.secure.hubhttp import install_request_bounds
+        from guard.secure.securer import Securer
 
         # Both variants share the process's HTTP client: install the guard's bounded one (it also turns progress
         # bars off) before the first round, so (a) and (b) differ only by what Securer does on top of the upload.

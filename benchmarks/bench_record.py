@@ -1,5 +1,5 @@
 """The record's cost on many nodes: each node's guard puts its part of one checkpoint, and the record moves once
-every part is there (issue 34; ``guard.secure.hub.Securer`` with ``node_rank``/``nodes``, on an S3 destination).
+every part is there (issue 34; ``guard.secure.securer.Securer`` with ``node_rank``/``nodes``, on an S3 destination).
 
 Run from the repository root: ``python benchmarks/bench_record.py [--nodes 2,4,8] [--size-mb 200] [--rounds 3]``.
 
@@ -62,7 +62,7 @@ def make_parts(root: Path, nodes: int, size_mb: int) -> list[Path]:
 def one_round(moto: MotoServer, nodes: int, folders: list[Path], round_no: int) -> tuple[float, float]:
     """``(record s, securing s)`` of one checkpoint secured by ``nodes`` node threads."""
     from guard.secure.dest.s3 import S3Store
-    from guard.secure.hub import Securer
+    from guard.secure.securer import Securer
 
     bucket = moto.bucket()
     parts_done: list[float] = []

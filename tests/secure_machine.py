@@ -1,5 +1,5 @@
 """A hypothesis state machine over the REAL securing code (``guard.secure.securing.Securing`` and its plan, scans
-and snapshots) with a REAL folder destination (``guard.secure.hub.Securer`` writing ``DEST/last-checkpoint``) and
+and snapshots) with a REAL folder destination (``guard.secure.securer.Securer`` writing ``DEST/last-checkpoint``) and
 real files in a real output folder; only the clock, the loop (``fakes.FakeLink``) and the worker process are
 stood in for (the push runs in-process when its fake duration is over, or hangs, or fails).
 
@@ -37,8 +37,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from guard.contract import RunResult
 from guard.core.state import Outcome
 from guard.errors import GuardError
-from guard.secure import hub
 from guard.secure.budget import Deadline, MarginEstimator
+from guard.secure.securer import Securer
 from guard.secure.securing import Securing
 
 RUN = "run-under-test"
@@ -79,7 +79,7 @@ class InlineHandle:
         if self.mode == "fail":
             return FakeResult(self.op, False, error=f"{self.op}: HTTP 503", error_type="PushFailedError",
                               elapsed_s=elapsed)
-        securer = hub.Securer(str(self.pusher.dest))
+        securer = Securer(str(self.pusher.dest))
         try:
             if self.op == "push_final":
                 pushed = securer.push_final(self.args["output_dir"], files=self.args.get("files"), deadline=1e18)
@@ -155,7 +155,7 @@ class SecureMachine(RuleBasedStateMachine):
         self.pusher = InlinePusher(self.clock, self.dest)
         deadline = (Deadline(WALL_START, timeout_s, WALL_START + timeout_s, "--timeout") if timeout_s
                     else Deadline(WALL_START, None, None, "none"))
-        securer = hub.Securer(str(self.dest))
+        securer = Securer(str(self.dest))
         self.securing = Securing(deadline=deadline, estimator=MarginEstimator(log_changes=False), securer=securer,
                                  output_dir=str(self.out), clock=self.clock,
                                  wall=lambda: WALL_START + (self.clock.now - CLOCK_START), grace_s=20.0,
@@ -344,7 +344,7 @@ class SecureMachine(RuleBasedStateMachine):
         nothing when nothing is recorded, else the recorded step's files, each a save of this run made before the
         first non-finite loss, with finite weights."""
         into = self.root / f"resume-{self.salt}"
-        fetched = hub.Securer(str(self.dest)).fetch_last_checkpoint(into, deadline=float("inf"))
+        fetched = Securer(str(self.dest)).fetch_last_checkpoint(into, deadline=float("inf"))
         if held is None:
             assert fetched is None, f"nothing is recorded at DEST, yet a resume fetched {fetched}"
             return

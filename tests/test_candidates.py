@@ -2,7 +2,7 @@
 its own, wherever it lies (no output folder lock); special files never are; a save renamed after its report is
 followed by its signature; once the job's processes are gone its folders are judged by format alone.
 
-The real ``Securing`` (its scans inline), a real folder destination (``guard.secure.hub.Securer``), real files;
+The real ``Securing`` (its scans inline), a real folder destination (``guard.secure.securer.Securer``), real files;
 a fake clock and loop (``fakes``), pushes run in-process (``secure_machine.InlinePusher``)."""
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ from fakes import FakeClock, FakeLink, InlineFs
 from secure_machine import InlinePusher
 
 from guard.contract import RunResult
-from guard.secure import hub, scans
+from guard.secure import scans
 from guard.secure.budget import Deadline, MarginEstimator
+from guard.secure.securer import Securer
 from guard.secure.securing import SCAN_EVERY_S, Securing
 
 CLOCK_START = 1000.0
@@ -39,7 +40,7 @@ class Rig:
         deadline = (Deadline(self.wall_start, timeout_s, self.wall_start + timeout_s, "--timeout") if timeout_s
                     else Deadline(self.wall_start, None, None, "none"))
         self.securing = Securing(deadline=deadline, estimator=MarginEstimator(log_changes=False),
-                                 securer=hub.Securer(str(self.dest)),
+                                 securer=Securer(str(self.dest)),
                                  output_dir=str(output_dir) if output_dir is not None else None, clock=self.clock,
                                  wall=self.wall, grace_s=20.0, push_interval_s=0.0,
                                  pusher_factory=lambda dest, token: self.pusher, fs=InlineFs(), run_id="run-b")

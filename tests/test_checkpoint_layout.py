@@ -245,7 +245,7 @@ def test_saved_files_group_one_save_and_carry_the_agents_step(tmp_path):
 
 
 def test_a_folder_destination_pushes_exactly_the_files_with_default_permissions(tmp_path):
-    from guard.secure.hub import Securer
+    from guard.secure.securer import Securer
 
     out = tmp_path / "out"
     write(out / "ckpt.pt", 100)
@@ -331,7 +331,7 @@ def test_the_resume_checkpoint_just_fetched_is_never_still_being_written(tmp_pat
 
 def test_the_final_model_files_leave_out_every_checkpoint_folder(tmp_path):
     # accelerate's complete_nlp_example --output_dir out: out/step_10/ ... are checkpoints, not the final model
-    from guard.secure.hub import final_model_files
+    from guard.secure.dest.local import final_model_files
 
     out = tmp_path / "out"
     for rel in ("step_10/optimizer.bin", "checkpoints/checkpoint_0/model.safetensors", "checkpoint_2/x.bin",

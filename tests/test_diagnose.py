@@ -147,7 +147,7 @@ def test_a_final_model_listing_that_never_returns_delays_the_verdict_never_withh
     ``FS_BOUND_S`` at most, then taken as no final model."""
     import threading
 
-    from guard.secure import hub
+    from guard.secure.dest import local
 
     gate = threading.Event()
     asked: list[str] = []
@@ -157,7 +157,7 @@ def test_a_final_model_listing_that_never_returns_delays_the_verdict_never_withh
         gate.wait()
         return True
 
-    monkeypatch.setattr(hub, "holds_final_model", stuck)
+    monkeypatch.setattr(local, "holds_final_model", stuck)
     monkeypatch.setattr(diagnose, "FS_BOUND_S", 0.05)
     state = trained(steps=100)
     state.facts.train_end = {"step": 100, "max_steps": 100, "stopped": True}  # trained to its end, then SIGABRT
@@ -168,7 +168,7 @@ def test_a_final_model_listing_that_never_returns_delays_the_verdict_never_withh
         gate.set()
     assert asked == [str(tmp_path / "out")]
     assert (result.status, result.reason) == ("FAIL", "killed")  # not taken for a PASS with a final model
-    monkeypatch.setattr(hub, "holds_final_model", lambda folder: True)
+    monkeypatch.setattr(local, "holds_final_model", lambda folder: True)
     assert job_result(state, JobExit(-signal.SIGABRT), config()).status == "PASS"
 
 

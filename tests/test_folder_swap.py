@@ -12,7 +12,8 @@ import sys
 import textwrap
 from pathlib import Path
 
-from guard.secure.hub import MANIFEST_NAME, Securer
+from guard.secure.dest.base import MANIFEST_NAME
+from guard.secure.securer import Securer
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -39,8 +40,9 @@ def test_a_push_killed_between_the_fallback_renames_keeps_the_secured_copy(tmp_p
     newer = checkpoint(tmp_path / "b", 20)
     run_killed(f"""
         import os, signal, math
-        from guard.secure import hub
-        hub._rename_exchange = lambda a, b: False   # a file system without RENAME_EXCHANGE (NFS)
+        from guard.secure import securer
+        from guard.secure.dest import folder
+        folder._rename_exchange = lambda a, b: False   # a file system without RENAME_EXCHANGE (NFS)
         real, calls = os.rename, []
         def rename(a, b):
             calls.append(b)
@@ -48,7 +50,7 @@ def test_a_push_killed_between_the_fallback_renames_keeps_the_secured_copy(tmp_p
                 os.kill(os.getpid(), signal.SIGKILL)
             real(a, b)
         os.rename = rename
-        hub.Securer({str(dest)!r}).push_checkpoint({str(newer)!r}, step=20, deadline=math.inf)
+        securer.Securer({str(dest)!r}).push_checkpoint({str(newer)!r}, step=20, deadline=math.inf)
         """)
     assert not (dest / "last-checkpoint").exists()  # what the kill left
     securer = Securer(str(dest))
@@ -81,7 +83,7 @@ def test_a_final_push_killed_midway_is_finished_by_the_next_run(tmp_path: Path) 
         (out / name).write_bytes(b"2" * 4000)
     run_killed(f"""
         import os, signal, math
-        from guard.secure import hub
+        from guard.secure import securer
         real, calls = os.replace, []
         def replace(a, b):
             calls.append(b)
@@ -89,7 +91,7 @@ def test_a_final_push_killed_midway_is_finished_by_the_next_run(tmp_path: Path) 
                 os.kill(os.getpid(), signal.SIGKILL)
             real(a, b)
         os.replace = replace
-        hub.Securer({str(dest)!r}).push_final({str(out)!r}, deadline=math.inf)
+        securer.Securer({str(dest)!r}).push_final({str(out)!r}, deadline=math.inf)
         """)
     mixed = {(dest / n).read_bytes()[:1] for n in ("a.bin", "b.bin", "c.bin")}
     assert mixed == {b"1", b"2"}  # what the kill left
@@ -107,9 +109,9 @@ def test_a_push_killed_after_its_swap_leaves_no_staging_folder_once_the_run_is_o
     newer = checkpoint(tmp_path / "b", 20)
     run_killed(f"""
         import os, signal, math, shutil
-        from guard.secure import hub
+        from guard.secure import securer
         shutil.rmtree = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)  # killed in the cleanup after the swap
-        hub.Securer({str(dest)!r}).push_checkpoint({str(newer)!r}, step=20, deadline=math.inf)
+        securer.Securer({str(dest)!r}).push_checkpoint({str(newer)!r}, step=20, deadline=math.inf)
         """)
     assert [p.name for p in dest.iterdir() if p.name.startswith(".last-checkpoint.tmp-")]  # what the kill left
     assert json.loads((dest / "last-checkpoint" / MANIFEST_NAME).read_text())["step"] == 20

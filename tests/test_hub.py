@@ -1,4 +1,4 @@
-"""guard.secure.hub: destinations, verified pushes, bounded retries, fetching back.
+"""guard.secure.securer with the folder and Hub stores: destinations, verified pushes, bounded retries, fetching back.
 
 Against the local Hub and tmp folders.
 """
@@ -17,8 +17,11 @@ import pytest
 from fakes import SleepClock
 
 from guard.errors import HubError, PushFailedError, UsageError
-from guard.secure import hub as guard_hub
-from guard.secure.hub import MANIFEST_NAME, Destination, Securer, final_model_files, parse_destination
+from guard.secure.dest import Destination, local, parse_destination
+from guard.secure.dest.base import MANIFEST_NAME
+from guard.secure.dest.local import final_model_files
+from guard.secure.hubhttp import install_request_bounds
+from guard.secure.securer import PushResult, Securer
 from tests.hubserver import TOKENS, HubServer, client_constants
 
 pytest.importorskip("huggingface_hub")
@@ -70,9 +73,9 @@ def test_final_model_files_skip_checkpoints_runs_and_private_files(tmp_path):
 
 
 def test_push_result_reports_pushed_and_throughput():
-    result = guard_hub.PushResult("hf://a/b", "f" * 40, ("x",), 4_000_000, 2.0, 1, 7)
+    result = PushResult("hf://a/b", "f" * 40, ("x",), 4_000_000, 2.0, 1, 7)
     assert result.pushed == "hf://a/b@" + "f" * 40 and result.bytes_per_s == 2_000_000
-    assert guard_hub.PushResult("hf://a/b", "r", (), 10, 0.0, 1).bytes_per_s == 0.0
+    assert PushResult("hf://a/b", "r", (), 10, 0.0, 1).bytes_per_s == 0.0
 
 
 # -- Hub destinations -----------------------------------------------------------------------------------------
@@ -372,7 +375,7 @@ def test_fetch_from_an_empty_destination_is_none(hub, api, tmp_path):
 def test_request_bounds_replace_the_unbounded_client():
     from huggingface_hub.utils import get_session
 
-    guard_hub.install_request_bounds()
+    install_request_bounds()
     timeout = get_session().timeout
     assert (timeout.connect, timeout.read, timeout.write) == (10.0, 60.0, 60.0)
 
@@ -401,7 +404,7 @@ def test_folder_push_failure_keeps_the_previous_checkpoint(tmp_path, monkeypatch
     securer = Securer(str(dest))
     old = make_checkpoint(tmp_path / "a", 1)
     securer.push_checkpoint(old, step=1, deadline=time.monotonic() + 60)
-    real_copy, calls = guard_hub._copy_and_hash, []
+    real_copy, calls = local.copy_and_hash, []
 
     def failing_copy(src, dst):
         calls.append(src)
@@ -409,7 +412,7 @@ def test_folder_push_failure_keeps_the_previous_checkpoint(tmp_path, monkeypatch
             raise OSError(28, "No space left on device")
         return real_copy(src, dst)
 
-    monkeypatch.setattr(guard_hub, "_copy_and_hash", failing_copy)
+    monkeypatch.setattr(local, "copy_and_hash", failing_copy)
     with pytest.raises(PushFailedError) as info:
         securer.push_checkpoint(make_checkpoint(tmp_path / "b", 2), step=2, deadline=time.monotonic() + 60)
     assert "No space left" in info.value.message and info.value.attempts == 1
@@ -448,7 +451,7 @@ def test_folder_push_links_unchanged_files_from_the_previous_copy(tmp_path, monk
     def no_links(*args, **kwargs):
         raise OSError(1, "Operation not permitted")
 
-    monkeypatch.setattr(guard_hub.os, "link", no_links)
+    monkeypatch.setattr(os, "link", no_links)
     securer.push_checkpoint(ckpt, step=4, deadline=time.monotonic() + 60)
     copied = local_files(target)
     assert json.loads(copied.pop(MANIFEST_NAME))["step"] == 4 and copied == local_files(ckpt)
@@ -496,7 +499,6 @@ def test_folder_fetch_refuses_a_corrupt_copy_and_empty_is_none(tmp_path):
 @pytest.mark.hub
 def test_a_push_logs_its_progress_in_bytes(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
 
-    from guard.secure import hub as hub_module
     folder = tmp_path / "checkpoint-3"
     folder.mkdir()
     (folder / "model.safetensors").write_bytes(os.urandom(3_000_000))
@@ -522,7 +524,7 @@ def test_a_push_logs_its_progress_in_bytes(tmp_path: Path, caplog: pytest.LogCap
         guard.observe.telemetry.Progress = Recorder  # type: ignore[misc]
         try:
             api = HfApi(endpoint=server.url, token=TOKENS["write"])
-            hub_module.Securer("alice/progress", api=api).push_checkpoint(folder, step=3,
+            Securer("alice/progress", api=api).push_checkpoint(folder, step=3,
                                                                           deadline=time.monotonic() + 60)
         finally:
             guard.observe.telemetry.Progress = original  # type: ignore[misc]
@@ -538,7 +540,6 @@ def test_a_file_written_again_after_its_save_is_never_secured_under_that_step(ki
     import torch
 
     from guard.errors import CheckpointRewrittenError
-    from guard.secure import hub
 
     out, dest = tmp_path / "out", tmp_path / "dest"
     out.mkdir()
@@ -554,7 +555,7 @@ def test_a_file_written_again_after_its_save_is_never_secured_under_that_step(ki
         securer = Securer(repo_id, api=request.getfixturevalue("api"))
     with pytest.raises(CheckpointRewrittenError, match=r"was rewritten after that save \(modified 5.0s later\)"):
         securer.push_checkpoint(out, step=30, files=["ckpt.pt"], saved_by_s=1000.0, deadline=time.monotonic() + 60)
-    signatures = hub._signatures
+    signatures = local.signatures
 
     def rewritten_as_the_copy_starts(folder, files):
         # the job's next save lands as the copy takes its first signatures (after the check before the push)
@@ -563,10 +564,10 @@ def test_a_file_written_again_after_its_save_is_never_secured_under_that_step(ki
         return signatures(folder, files)
 
     os.utime(ckpt, (1000.0, 1000.0))  # the file as the step-30 save left it, for the check before the push
-    monkeypatch.setattr(hub, "_signatures", rewritten_as_the_copy_starts)
+    monkeypatch.setattr(local, "signatures", rewritten_as_the_copy_starts)
     with pytest.raises(CheckpointRewrittenError, match="no longer holds step 30"):
         securer.push_checkpoint(out, step=30, files=["ckpt.pt"], saved_by_s=1000.0, deadline=time.monotonic() + 60)
-    monkeypatch.setattr(hub, "_signatures", signatures)
+    monkeypatch.setattr(local, "signatures", signatures)
     if kind == "hub":
         assert not remote_checkpoint(hub_server, repo_id)  # nothing uploaded either time
         securer.push_checkpoint(out, step=50, files=["ckpt.pt"], saved_by_s=1005.0, deadline=time.monotonic() + 60)

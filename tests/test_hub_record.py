@@ -1,5 +1,5 @@
 """What resume trusts is written only after every file verified, and a file cut short never replaces a secured copy
-(guard.secure.hub with guard.secure.formats), against the local Hub server and a folder destination."""
+(guard.secure.securer, its stores and guard.secure.formats), against the local Hub server and a folder destination."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from guard.errors import HubError, PushFailedError  # noqa: E402
-from guard.secure.hub import MANIFEST_NAME, Securer  # noqa: E402
+from guard.secure.dest.base import MANIFEST_NAME  # noqa: E402
+from guard.secure.securer import Securer  # noqa: E402
 from tests.hubserver import TOKENS  # noqa: E402
 from tests.test_hub import TamperingApi, api, hub, local_files, remote_checkpoint, repo_id  # noqa: E402,F401
 
@@ -128,13 +129,13 @@ def test_a_file_cut_short_never_replaces_the_secured_folder_copy(tmp_path):
 def test_the_copy_is_checked_by_format_before_the_swap(tmp_path, monkeypatch):
     """A file whose bytes change during the copy with its size, mtime and inode restored (so the signature check
     cannot see it) is still refused: the staged copy itself is checked before it is swapped in."""
-    from guard.secure import hub as guard_hub
+    from guard.secure.dest import local
 
     securer = Securer(str(tmp_path / "dest"))
     good = real_checkpoint(tmp_path / "a", 10)
     securer.push_checkpoint(good, step=10, deadline=time.monotonic() + 60)
     newer = real_checkpoint(tmp_path / "b", 20)
-    real_copy = guard_hub._copy_and_hash
+    real_copy = local.copy_and_hash
 
     def tearing_copy(src: Path, dst: Path) -> tuple[int, str]:
         found = real_copy(src, dst)
@@ -143,7 +144,7 @@ def test_the_copy_is_checked_by_format_before_the_swap(tmp_path, monkeypatch):
             dst.write_bytes(data[:-22] + b"\0" * 22)  # the end-of-central-directory record gone
         return found
 
-    monkeypatch.setattr(guard_hub, "_copy_and_hash", tearing_copy)
+    monkeypatch.setattr(local, "copy_and_hash", tearing_copy)
     with pytest.raises(PushFailedError) as info:
         securer.push_checkpoint(newer, step=20, deadline=time.monotonic() + 60)
     assert "copied files are not whole" in info.value.message

@@ -13,8 +13,8 @@ import pytest
 from fakes import SleepClock
 
 from guard.errors import PushFailedError
-from guard.secure.hub import Securer
 from guard.secure.hubhttp import cause_hint, failure_cause, parse_retry_after
+from guard.secure.securer import Securer
 from tests.hubserver import TOKENS, HubServer, client_constants
 
 pytest.importorskip("huggingface_hub")
@@ -129,7 +129,7 @@ def test_a_commit_that_never_answers_is_logged_as_no_progress_and_retried(hub, a
     hub.inject(latency_s=600, count=1, path_contains="/commit/", methods=("POST",))
     clock = SleepClock()
     started = time.monotonic()
-    with caplog.at_level("WARNING", logger="guard.hub"):
+    with caplog.at_level("WARNING", logger="guard.secure.securer"):
         result = Securer(repo_id, api=api, clock=clock, sleep=clock.sleep).push_checkpoint(
             checkpoint(tmp_path, 3), step=3, deadline=clock() + 120)
     assert result.attempts == 2
@@ -138,7 +138,7 @@ def test_a_commit_that_never_answers_is_logged_as_no_progress_and_retried(hub, a
 
 
 def test_the_throughput_learns_from_the_successful_attempt_alone() -> None:
-    from guard.secure.hub import PushResult
+    from guard.secure.securer import PushResult
     from guard.secure.worker import WorkResult
 
     result = PushResult("hf://a/b", "0" * 40, ("model.safetensors",), 100_000_000, 290.0, 3, 7, attempt_s=10.0)

@@ -15,7 +15,7 @@ import pytest
 
 from guard.secure import resume
 from guard.secure.checkpoints import TRAINER_STATE_NAME
-from guard.secure.hub import Securer
+from guard.secure.securer import Securer
 from tests.hubserver import TOKENS, HubServer, client_constants
 
 

@@ -15,7 +15,7 @@ from test_candidates import Rig
 
 from guard.secure import resume
 from guard.secure.checkpoints import TRAINER_STATE_NAME, newest_complete
-from guard.secure.hub import Securer
+from guard.secure.securer import Securer
 from guard.secure.suspects import (
     RunTaint,
     close_taints,

@@ -19,8 +19,8 @@ from s3server import env as s3_env
 from test_resume_e2e import stop_when_ready
 from test_xet_e2e import run_timed
 
+from guard.secure.dest import Destination, parse_destination
 from guard.secure.dest.s3 import S3Store
-from guard.secure.hub import Destination, parse_destination
 
 pytestmark = [pytest.mark.slow]
 

@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 
 from guard.secure import snapshots
-from guard.secure.hub import MANIFEST_NAME, Securer
+from guard.secure.dest.base import MANIFEST_NAME
 from guard.secure.scans import Disk
+from guard.secure.securer import Securer
 from guard.secure.snapshots import Snapshots
 
 

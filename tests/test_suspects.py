@@ -21,7 +21,7 @@ from guard.secure.checkpoints import (
     mark_suspect,
     newest_complete,
 )
-from guard.secure.hub import Securer
+from guard.secure.securer import Securer
 
 
 def trainer_checkpoint(out: Path, step: int) -> Path:

@@ -141,7 +141,7 @@ def secure_a_checkpoint(hub: HubServer, repo_id: str, tmp_path: Path, step: int 
     the silent storage takes nothing) or through the local Hub's Xet storage."""
     from huggingface_hub import HfApi
 
-    from guard.secure.hub import Securer
+    from guard.secure.securer import Securer
 
     folder = tmp_path / "seed" / f"checkpoint-{step}"
     folder.mkdir(parents=True)
@@ -259,7 +259,7 @@ def test_without_a_deadline_a_stalled_xet_fetch_ends_at_the_stated_default(
     download for up to 15 minutes, xet-core #869)."""
     from guard.run import stages
     from guard.secure import budget, resume
-    from guard.secure.hub import Securer
+    from guard.secure.securer import Securer
 
     secure_a_checkpoint(xet_hub, "alice/xet-nodeadline", tmp_path, xet=True)
     for name, value in xet_env(xet_hub, tmp_path / "fetch").items():

@@ -37,7 +37,7 @@ class HubTarget:
 
 
 def parse_push_to(text: str | None) -> HubTarget | Path | str | None:
-    """Read a ``--push-to`` value (the contract's forms) with ``guard.secure.hub.parse_destination``.
+    """Read a ``--push-to`` value (the contract's forms) with ``guard.secure.dest.parse_destination``.
 
     ``hf://NS/NAME`` and bare ``NS/NAME`` are model repos, ``hf://datasets/NS/NAME`` a dataset repo; an absolute
     path, ``./``, ``../`` or ``file://`` is a folder; ``s3://BUCKET/PREFIX`` an object store (its canonical text).
@@ -48,7 +48,7 @@ def parse_push_to(text: str | None) -> HubTarget | Path | str | None:
     """
     if not text or not text.strip():
         return None
-    from guard.secure.hub import parse_destination  # guard.secure.hub imports huggingface_hub lazily
+    from guard.secure.dest import parse_destination  # lazily: the stores are imported only when opened
 
     dest = parse_destination(text)
     if dest.kind == "folder" and dest.path is not None:

@@ -204,7 +204,7 @@ def build_config(argv: Sequence[str], environ: Mapping[str, str], *, subcommand:
     if values["grace"] <= 0:
         raise UsageError("--grace must be more than 0 seconds", option="--grace")
     if values["push_to"]:
-        from guard.secure.hub import parse_destination
+        from guard.secure.dest import parse_destination
 
         parse_destination(values["push_to"])  # a malformed or ambiguous DEST is a usage error before anything runs
     return Config(values=values, sources=sources, command=command, script=script, script_args=script_args,

@@ -197,7 +197,7 @@ def _size(size_bytes: float) -> str:
 
 
 def _holds_final_model(folder: str | None) -> bool:
-    from guard.secure.hub import holds_final_model  # lazily: huggingface_hub only when needed
+    from guard.secure.dest.local import holds_final_model  # lazily: only when needed
 
     return call_bounded(holds_final_model, folder, timeout_s=FS_BOUND_S, default=False)
 

@@ -30,8 +30,8 @@ if TYPE_CHECKING:
     from guard.run.slurm import SlurmRefresher
     from guard.run.supervisor import Supervisor
     from guard.run.uvenv import UvEnvironment, UvPlan
-    from guard.secure.hub import Securer
     from guard.secure.resume import ResumeFrom
+    from guard.secure.securer import Securer
     from guard.secure.securing import Securing
     from guard.secure.sharing import SharingProbe
 
@@ -301,9 +301,11 @@ def _preflight_failed(report: PreflightReport, started: float) -> RunResult:
 
 def _securer_factory(environ: Mapping[str, str], run_id: str | None = None) -> Callable[[str], Securer]:
     def make(text: str) -> Securer:
-        from guard.secure import hub
-        hub.install_request_bounds()
-        return hub.Securer(text, token=environ.get("HF_TOKEN") or None, run_id=run_id)
+        from guard.secure.hubhttp import install_request_bounds
+        from guard.secure.securer import Securer
+
+        install_request_bounds()
+        return Securer(text, token=environ.get("HF_TOKEN") or None, run_id=run_id)
 
     return make
 

@@ -2,7 +2,7 @@
 commit rate limit on the Hub.
 
 - **Folder**: 0 s, every complete save is secured. Files unchanged since the last push are hard-linked from the
-  previous secured copy (``hub._reuse_unchanged``), so a push costs one read of the checkpoint and a copy of what
+  previous secured copy (``guard.secure.dest.folder``), so a push costs one read of the checkpoint and a copy of what
   changed; a loop that saves in place (``ckpt.pt``) then never loses a good save to an interval.
 - **Hub**: the larger of two bounds, so that the guard's own commits use a bounded share of the repository's commit
   budget and the time spent pushing stays a fraction of the run:
@@ -10,7 +10,7 @@ commit rate limit on the Hub.
   - the rate bound: the Hub refuses more than ``HUB_COMMITS_PER_HOUR`` = 128 commits per hour on a repository
     (the Hub's 429 answer: "You have exceeded the rate limit for repository commits (128 per hour)", free tier).
     Each checkpoint push makes ``COMMITS_PER_PUSH`` = 2 commits (the files, then the record written after
-    verification, ``hub.Securer.push_checkpoint``); background pushes may use ``HUB_SHARE`` = a quarter of the
+    verification, ``securer.Securer.push_checkpoint``); background pushes may use ``HUB_SHARE`` = a quarter of the
     budget, which leaves the rest to the Trainer's own ``push_to_hub``, the final push and retries:
     ``3600 * 2 / (128 * 0.25)`` = 225 s;
   - the time bound: ``PUSH_TIME_FACTOR`` = 3 times the last measured push (upload and verification), so that at
@@ -46,7 +46,7 @@ def background_interval_s(destination_kind: str, *, measured_push_s: float | Non
     """The least time between two background push starts for a destination, in seconds.
 
     Args:
-        destination_kind: ``hub.Destination.kind``: ``"folder"``, ``"hub"`` or ``"s3"``; ``"parts"``: every node
+        destination_kind: ``dest.base.Destination.kind``: ``"folder"``, ``"hub"`` or ``"s3"``; ``"parts"``: every node
             of a many-node job puts its own part of each checkpoint (each complete save, so that all put the same
             steps).
         measured_push_s: the last background push's duration (``PushResult.elapsed_s``), or None before the

@@ -164,7 +164,8 @@ class JobExited:
 @dataclass(frozen=True)
 class DestinationKnown:
     """Where checkpoints go is now known (a pusher), or this guard must not push (None: another node's guard).
-    ``kind``: ``"folder"`` or ``"hub"`` (``hub.Destination.kind``), for the derived push interval; None: unchanged."""
+    ``kind``: ``"folder"``, ``"hub"`` or ``"s3"`` (``dest.base.Destination.kind``), for the derived push interval;
+    None: unchanged."""
 
     pusher: Pusher | None
     kind: str | None = None

@@ -5,7 +5,7 @@ first use installs, with ``huggingface_hub.set_client_factory``, a client whose 
 default timeouts (``REQUEST_TIMEOUTS_S``) and, while a push or fetch runs (``bounded``), caps each socket operation
 and each body chunk at the time left before its deadline; network errors and 408/429/5xx answers then raise at
 once (``TransientHubError``) instead of entering the client's own backoff (which sleeps up to 8 s), so that
-``guard.secure.hub`` retries them with its own backoff while time remains. The transport also counts the bytes an
+``guard.secure.securer`` retries them with its own backoff while time remains. The transport also counts the bytes an
 upload sends into the push in progress (``PROGRESS``), for the progress lines.
 """
 

@@ -144,7 +144,7 @@ class Plan:
         push_interval_s: the least time between two background push starts (``--push-interval``), or None:
             derived from the destination (``destination_kind``) and the last measured push time
             (``cadence.background_interval_s``, recomputed after every push that ended well).
-        destination_kind: ``"folder"`` or ``"hub"`` (``hub.Destination.kind``), or None until a destination is
+        destination_kind: ``"folder"`` or ``"hub"`` (``dest.base.Destination.kind``), or None until a destination is
             known (``DestinationKnown``; then taken as the Hub, the only destination found later).
         final_output_dir: the job's output folder for the final model push, or None.
         final_window_s: with no deadline, how long securing after a good end may take (``--final-push-window``,

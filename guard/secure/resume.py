@@ -1,6 +1,6 @@
 """Choosing the checkpoint a run resumes from: the newest complete one, secured or local, never a partial folder.
 
-- The secured one is what the guard recorded (``hub.Securer.peek_last_checkpoint``: the newest commit titled
+- The secured one is what the guard recorded (``securer.Securer.peek_last_checkpoint``: the newest commit titled
   ``guard: checkpoint step N``, or a folder destination's manifest), fetched at that revision, never a later HEAD.
 - The output folder's own newest complete checkpoint (``checkpoints.newest_complete``; no mtime rule: no job is
   writing now) wins when its step is at least the secured one's: nothing is downloaded then. A checkpoint of a run
@@ -211,7 +211,7 @@ def choose(folder: str | os.PathLike[str], securer: Any, *, deadline: float, abo
 
     Args:
         folder: the job's output folder (created when missing).
-        securer: the ``hub.Securer`` of ``--push-to``.
+        securer: the ``securer.Securer`` of ``--push-to``.
         deadline: monotonic seconds by which the peek, the fetch and the look at the output folder must be over
             (the worker is killed then; a file system call that has not returned is given up, left on its thread).
         abort: returns True once a signal arrived: the work is killed (or given up) at once.

@@ -204,7 +204,7 @@ class Disk:
         final_model = holds_files = None
         final_files: tuple[str, ...] | None = None
         if asked.final:
-            from guard.secure.hub import holds_final_model  # lazily: the hub module is needed only at the end
+            from guard.secure.dest.local import holds_final_model  # lazily: needed only at the end
 
             final_files = self.final_files(asked.output_dir, asked.since_s)
             final_model = holds_final_model(asked.output_dir, final_files)

@@ -61,7 +61,7 @@ from guard.secure.outcome import Verdict, checkpoint_fields
 from guard.secure.plan import Plan, State
 
 if TYPE_CHECKING:
-    from guard.secure.hub import Securer
+    from guard.secure.securer import Securer
 
 __all__ = ["FAILURE_REASONS", "FS_WAIT_S", "EndTimeSource", "JobLink", "Securing"]
 
@@ -169,7 +169,7 @@ class Securing:
     Args:
         deadline: the job's deadline (``budget.resolve_deadline``); ``deadline_s`` None without a limit.
         estimator: the margin estimator (``--margin`` fixed, or measured).
-        securer: a ``hub.Securer`` for the destination (its ``destination`` and ``token`` are what the workers
+        securer: a ``securer.Securer`` for the destination (its ``destination`` and ``token`` are what the workers
             use), or None (no destination yet: the Trainer's ``hub_model_id`` may provide one).
         securer_factory: builds a ``Securer`` from destination text (for the Trainer's ``hub_model_id``).
         output_dir: where the job writes checkpoints (``--output-dir``; else the Trainer's ``output_dir``).
@@ -482,7 +482,7 @@ class Securing:
 
     def parts_mode(self) -> bool:
         """Every node secures its own part of each checkpoint, the record moving once all are in
-        (``hub.Securer``'s many-node push): many nodes, an output folder not known to be shared, and a destination
+        (``securer.Securer``'s many-node push): many nodes, an output folder not known to be shared, and a destination
         whose store keeps node parts (S3). Otherwise node 0's guard secures the checkpoints alone."""
         kind = getattr(getattr(self.securer, "destination", None), "kind", None)
         return self.nodes > 1 and kind == "s3" and self.shared() is not True

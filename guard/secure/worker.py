@@ -1,6 +1,6 @@
 """Securing work in a child process that the supervisor can kill: push, hash, copy, verify, fetch.
 
-Everything that may wait on the network or a disk (``hub.Securer``'s push, verification and fetch, Xet transfers
+Everything that may wait on the network or a disk (``securer.Securer``'s push, verification and fetch, Xet transfers
 included, which run in Rust outside any Python timeout) runs in a child process, ``python -m
 guard.secure.worker``, in its own session. The supervisor's loop polls it without blocking (``Handle.poll``) and
 kills its whole process group with SIGKILL at the deadline (``Handle.kill``; ``psutil`` finds descendants that
@@ -58,7 +58,7 @@ __all__ = ["OPS", "Handle", "Pusher", "WorkResult", "reap_killed", "run_bounded"
 
 log = logging.getLogger("guard.secure.worker")
 
-#: Operations a worker runs: ``hub.Securer`` methods (their keyword arguments, without ``deadline``).
+#: Operations a worker runs: ``securer.Securer`` methods (their keyword arguments, without ``deadline``).
 OPS = ("push_checkpoint", "push_final", "fetch_last_checkpoint", "peek_last_checkpoint")
 #: The child stops its own retries this long before the deadline, so that it can still report why.
 CHILD_EARLIER_S = 0.5
@@ -80,8 +80,8 @@ class WorkResult:
     Attributes:
         op: the operation (one of ``OPS``).
         ok: True when it finished and returned ``data`` (a push: uploaded and verified).
-        data: the operation's return value as a dict (``hub.PushResult`` / ``hub.FetchedCheckpoint`` fields, paths
-            as text), or None (a fetch that found nothing, or a failure).
+        data: the operation's return value as a dict (``securer.PushResult`` / ``dest.base.FetchedCheckpoint``
+            fields, paths as text), or None (a fetch that found nothing, or a failure).
         error: one line on what went wrong, or None.
         hint: what to do about it, or None.
         error_type: ``"PushFailedError"``, ``"HubError"`` (the error's class), ``"deadline"`` (killed at the
@@ -399,7 +399,7 @@ def reap_killed() -> int:
 def start(op: str, args: Mapping[str, Any], deadline: float, *, destination: str, token: str | None = None,
           clock: Callable[[], float] = time.monotonic, environ: Mapping[str, str] | None = None,
           run_id: str | None = None, node_rank: int = 0, nodes: int = 1) -> Handle:
-    """Start ``hub.Securer(destination).<op>(**args, deadline=...)`` in a child process; returns at once.
+    """Start ``securer.Securer(destination).<op>(**args, deadline=...)`` in a child process; returns at once.
 
     Args:
         op: one of ``OPS``.
@@ -411,7 +411,7 @@ def start(op: str, args: Mapping[str, Any], deadline: float, *, destination: str
         clock: monotonic seconds (the deadline's clock).
         environ: the child's environment (default ``os.environ``).
         run_id: this run's id, for the child's ``Securer`` (an S3 destination keeps a run's parts under it).
-        node_rank, nodes: this node's part of a many-node checkpoint (``hub.Securer``'s); default one node.
+        node_rank, nodes: this node's part of a many-node checkpoint (``securer.Securer``'s); default one node.
 
     Raises:
         ValueError: an unknown ``op``.
@@ -548,16 +548,16 @@ def _child_main(request_file: str) -> int:
     root.handlers[:] = [_JsonLines()]
     root.setLevel(int(request.get("level") or logging.INFO))
     from guard.errors import GuardError
-    from guard.secure import hub
+    from guard.secure import securer as securing
 
     op, args = request["op"], dict(request.get("args") or {})
     out: dict[str, Any]
     try:
         if op not in OPS:
             raise ValueError(f"unknown operation {op!r}")
-        securer = hub.Securer(request["destination"], token=request.get("token") or None,
-                              run_id=request.get("run_id") or None, node_rank=int(request.get("node_rank") or 0),
-                              nodes=int(request.get("nodes") or 1))
+        securer = securing.Securer(request["destination"], token=request.get("token") or None,
+                                   run_id=request.get("run_id") or None,
+                                   node_rank=int(request.get("node_rank") or 0), nodes=int(request.get("nodes") or 1))
 
         def recorded(step: int, revision: str) -> None:
             sys.stdout.write(_RECORDED + json.dumps({"step": step, "recorded_revision": revision,

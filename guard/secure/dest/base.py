@@ -6,7 +6,7 @@ A destination is a :class:`Store`. Securing a checkpoint is two moves, and the s
    destination (never where the record points), each verified there by size and SHA-256; then the node's
    :class:`PartManifest` (run id, step, node k of n, files, sizes, sha256) is written beside them, and only then.
    Killed at any point, a put leaves the record as it was.
-2. **record** (``Store.write_record``): once every node's part of that step of this run is there (``Store.parts``)
+2. **record** (``Store.write_record``): once every node's part of that step of this run is there (``SharedStore.parts``)
    and the format's own completeness rule is met by their union (the caller checks it), the record
    (``DEST/last-checkpoint``) moves once, atomically and conditionally: a folder swap, one Hub commit, one
    conditional S3 write. Two writers never interleave it; a record never moves back to an older step of the same
@@ -19,6 +19,12 @@ same call may succeed if tried again" (a reset, a timeout, 408/429/5xx, S3's 503
 (``guard.secure.securer``) decides about retrying. Progress is one callback, ``(bytes_done, bytes_total)``, the
 same for every store.
 
+The stores: ``guard.secure.dest.folder.FolderStore``, ``guard.secure.dest.hub.HubStore`` (one node: a put then its
+record) and ``guard.secure.dest.s3.S3Store`` (also a :class:`SharedStore`: node parts, taints, probe, restore),
+each opened from a :class:`Destination` by ``guard.secure.dest.open_store``. A new destination is one module with a
+class implementing :class:`Store` (and an ``open(destination, **options)`` classmethod) plus one line in
+``guard.secure.dest.STORES``.
+
 Everything here is plain data and a ``typing.Protocol``: this module imports the standard library only.
 """
 
@@ -27,17 +33,19 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar, Protocol
+from typing import ClassVar, Protocol, runtime_checkable
 
 __all__ = [
     "CHECKPOINT_FOLDER",
     "MANIFEST_NAME",
+    "Destination",
     "FetchedCheckpoint",
     "FileSum",
     "FinalPushed",
     "PartManifest",
     "Progress",
     "Record",
+    "SharedStore",
     "Store",
     "Taint",
 ]
@@ -49,6 +57,32 @@ MANIFEST_NAME = "guard_manifest.json"
 
 #: ``(bytes_done, bytes_total)``: called as a transfer moves (from the transfer's own thread; must return at once).
 Progress = Callable[[int, int], None]
+
+
+@dataclass(frozen=True)
+class Destination:
+    """Where secured checkpoints go (``--push-to``, parsed by ``guard.secure.dest.parse_destination``).
+
+    Attributes:
+        kind: ``"hub"``, ``"folder"`` or ``"s3"`` (a key of ``guard.secure.dest.STORES``).
+        repo_id: ``"NS/NAME"`` (hub), else None.
+        repo_type: ``"model"`` or ``"dataset"`` (hub), else None.
+        path: the folder, absolute (folder), else None.
+        url: ``s3://BUCKET/PREFIX`` in its canonical form (s3), else None.
+    """
+
+    kind: str
+    repo_id: str | None = None
+    repo_type: str | None = None
+    path: Path | None = None
+    url: str | None = None
+
+    def __str__(self) -> str:
+        if self.kind == "folder":
+            return str(self.path)
+        if self.kind == "s3":
+            return str(self.url)
+        return f"hf://{'datasets/' if self.repo_type == 'dataset' else ''}{self.repo_id}"
 
 
 @dataclass(frozen=True)
@@ -146,54 +180,79 @@ class FinalPushed:
 
 
 class Store(Protocol):
-    """A destination. Each verb is bounded by ``deadline`` (monotonic seconds) and raises
-    ``guard.errors.DestinationError`` (``TransientDestinationError`` when a retry may succeed).
+    """A destination, as securing uses it: put, record, read, fetch, the final model, tidy. Each verb is bounded
+    by ``deadline`` (monotonic seconds) and raises ``guard.errors.DestinationError``
+    (``TransientDestinationError`` when a retry may succeed) or, for the folder and Hub stores, what their transport
+    raises (``OSError``, ``huggingface_hub``'s errors, ``guard.secure.hubhttp.Mismatch``), which the securer
+    classifies (``guard.secure.hubhttp.classify``).
 
     ``kind`` is ``"folder"``, ``"hub"`` or ``"s3"``; ``str(store)`` is its canonical ``--push-to`` form.
     """
 
     kind: ClassVar[str]
 
-    def probe(self, *, deadline: float) -> None:
-        """Preflight: the destination is reachable, exists (or can be created) and this identity can write and
-        delete there (a probe object written and removed). Raises with a hint saying what to do."""
-        ...
-
     def put_part(self, local_dir: Path, files: Sequence[str], *, run_id: str, step: int, node_rank: int,
                  nodes: int, place: str | None, source: str | None, deadline: float,
-                 progress: Progress | None = None) -> PartManifest:
+                 progress: Progress | None = None, requires: Mapping[str, int] | None = None,
+                 check: Callable[[], None] | None = None) -> PartManifest:
         """Upload ``files`` (relative to ``local_dir``) to this step's staging place, verify each one there (size
-        and SHA-256), then write and return the node's manifest. Never touches what the record names."""
+        and SHA-256), then write and return the node's manifest (with ``requires``, ``PartManifest.requires``: kept
+        by a ``SharedStore``). Never touches what the record names. ``check``
+        (raises when the local files are no longer that save) runs once during the put, at the point the store
+        can still tell a rewrite after it (folder, Hub: before any byte goes; S3: once every file verified)."""
         ...
 
-    def parts(self, *, run_id: str, step: int, deadline: float) -> list[PartManifest]:
-        """The node manifests of ``run_id``'s checkpoint ``step`` present at the destination (any order)."""
-        ...
-
-    def write_record(self, parts: Sequence[PartManifest], *, deadline: float) -> Record:
+    def write_record(self, parts: Sequence[PartManifest], *, deadline: float,
+                     recorded: Callable[[Record], None] | None = None) -> Record:
         """Make the checkpoint made of ``parts`` (one per node, all of one run and step) the record, atomically and
         only if the current record is not already this step or a newer one of the same run; returns the record
-        now in place (which may be another writer's of the same checkpoint: that is success too). Staging places
-        of older steps of this run may be removed afterwards."""
+        now in place (which may be another writer's of the same checkpoint: that is success too). ``recorded`` is
+        called with the new record the moment it is in place, before any cleanup (also when another node moved it
+        to this same step; not when a newer step stays). Staging places of older steps of this run may be removed
+        afterwards."""
         ...
 
     def read_record(self, *, deadline: float) -> Record | None:
         """The current record, or None when nothing is secured there."""
         ...
 
-    def restore_record(self, record: Record, *, deadline: float) -> Record:
-        """Move the record back to ``record`` (an older one this run secured, still at the destination): after a
-        taint reached a checkpoint already recorded."""
-        ...
-
-    def fetch(self, record: Record, into: Path, *, deadline: float) -> FetchedCheckpoint:
+    def fetch(self, record: Record, into: Path, *, deadline: float) -> FetchedCheckpoint | None:
         """Download the checkpoint ``record`` names into ``into`` (at ``record.place``), every file verified
-        against the record; a differing local copy is moved aside, never deleted."""
+        against the record; a differing local copy is moved aside, never deleted. A ``record`` known only by its
+        ``revision`` (``read_record``'s, passed back) is enough. None when it is no longer there."""
         ...
 
     def put_final(self, local_dir: Path, files: Sequence[str], *, deadline: float,
                   progress: Progress | None = None) -> FinalPushed:
         """The final model's files at the destination's root, verified (never a mix of two models)."""
+        ...
+
+    def tidy(self) -> None:
+        """After the run: remove what a put killed part way left where nothing else will (a folder's staging
+        folders of dead processes). Raises ``OSError`` at most."""
+        ...
+
+
+@runtime_checkable
+class SharedStore(Store, Protocol):
+    """A store that several nodes and runs share (S3 today): node parts, taints, probing, restoring a record."""
+
+    def probe(self, *, deadline: float) -> None:
+        """Preflight: the destination is reachable, exists (or can be created) and this identity can write and
+        delete there (a probe object written and removed). Raises with a hint saying what to do."""
+        ...
+
+    def parts(self, *, run_id: str, step: int, deadline: float) -> list[PartManifest]:
+        """The node manifests of ``run_id``'s checkpoint ``step`` present at the destination (any order)."""
+        ...
+
+    def part_steps(self, *, run_id: str, deadline: float) -> dict[int, set[int]]:
+        """Which nodes have put a part of which step of ``run_id``: ``{step: {node ranks}}``."""
+        ...
+
+    def restore_record(self, record: Record, *, deadline: float) -> Record:
+        """Move the record back to ``record`` (an older one this run secured, still at the destination): after a
+        taint reached a checkpoint already recorded."""
         ...
 
     def write_taint(self, taint: Taint, *, deadline: float) -> None:

@@ -30,7 +30,7 @@ import re
 import shutil
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any, ClassVar
@@ -38,6 +38,7 @@ from typing import Any, ClassVar
 from guard.errors import DestinationError, UsageError
 from guard.secure.dest.base import (
     CHECKPOINT_FOLDER,
+    Destination,
     FetchedCheckpoint,
     FileSum,
     FinalPushed,
@@ -134,6 +135,12 @@ class S3Store:
                                                 attempts=request_attempts)
         self.io = S3Io(client, bucket, str(self), max_concurrency=max_concurrency, part_size_bytes=part_size_bytes,
                        multipart_threshold_bytes=multipart_threshold_bytes)
+
+    @classmethod
+    def open(cls, destination: Destination, **options: Any) -> S3Store:
+        """The store of a ``Destination`` of kind ``"s3"`` (``options`` are ignored: the standard AWS
+        configuration applies). Raises as ``from_url`` and the constructor."""
+        return cls.from_url(str(destination))
 
     @classmethod
     def from_url(cls, url: str, **kwargs: Any) -> S3Store:
@@ -240,9 +247,12 @@ class S3Store:
 
     def put_part(self, local_dir: Path, files: Sequence[str], *, run_id: str, step: int, node_rank: int,
                  nodes: int, place: str | None, source: str | None, deadline: float,
-                 progress: Progress | None = None, requires: Mapping[str, int] | None = None) -> S3PartManifest:
+                 progress: Progress | None = None, requires: Mapping[str, int] | None = None,
+                 check: Callable[[], None] | None = None) -> S3PartManifest:
         """Upload ``files`` to ``.guard/staging/<run_id>/step-<step>/node-<node_rank>/``, each verified there,
-        then write the node's manifest beside them (``node-<k>.json``). Raises ``DestinationError``."""
+        then write the node's manifest beside them (``node-<k>.json``); ``check`` runs last (still the save this
+        step names, now that its bytes are at the destination). Raises ``DestinationError``, or what ``check``
+        raises."""
         base = f"{self._staging(run_id, step)}node-{node_rank}/"
         rels = [_check_rel(rel) for rel in files]
         done = self.io.upload_files(Path(local_dir), [(rel, self.key(base + rel)) for rel in rels], deadline,
@@ -254,6 +264,8 @@ class S3Store:
         self._put_json(f"{self._staging(run_id, step)}node-{node_rank}.json", _manifest_json(manifest), deadline)
         logger.info("put step %d node %d of %d: %d files, %d bytes at %s", step, node_rank, nodes, len(done),
                     sum(u.size_bytes for u in done), self)
+        if check is not None:
+            check()
         return manifest
 
     def parts(self, *, run_id: str, step: int, deadline: float) -> list[PartManifest]:
@@ -278,16 +290,24 @@ class S3Store:
                 found.setdefault(int(match[1]), set()).add(int(match[2]))
         return found
 
-    def write_record(self, parts: Sequence[PartManifest], *, deadline: float) -> Record:
+    def write_record(self, parts: Sequence[PartManifest], *, deadline: float,
+                     recorded: Callable[[Record], None] | None = None) -> Record:
         """Make the checkpoint of ``parts`` the record (module docstring): verify every file, then one conditional
-        write. Returns the record in place (another writer's of the same or a newer step of this run counts).
+        write. Returns the record in place (another writer's of the same or a newer step of this run counts);
+        ``recorded`` is called when the record now names this run's step (this write, or another node's of it).
 
         Raises:
             DestinationError: the parts disagree, a file does not verify, or the deadline passed.
         """
         record, checksums = self._record_from(parts, deadline)
         self._verify_record(record, checksums, deadline)
-        return self._move_record(record, deadline, newer_only=True)
+        now = self._move_record(record, deadline, newer_only=True)
+        if (now.run_id, now.step) != (record.run_id, record.step):
+            logger.info("the record at %s already names step %s of this run: step %s not recorded over it", self,
+                        now.step, record.step)
+        elif recorded is not None:
+            recorded(now)
+        return now
 
     def _verify_record(self, record: S3Record, checksums: Mapping[str, str], deadline: float) -> None:
         self.io.verify([(rel, self.key(record.keys[rel]), fs.size_bytes, checksums[rel])
@@ -358,9 +378,15 @@ class S3Store:
         self._verify_record(target, checksums, deadline)
         return self._move_record(target, deadline, newer_only=False)
 
-    def fetch(self, record: Record, into: Path, *, deadline: float) -> FetchedCheckpoint:
+    def fetch(self, record: Record, into: Path, *, deadline: float) -> FetchedCheckpoint | None:
         """Download ``record``'s checkpoint into ``into`` (at ``record.place``), each file verified against the
-        record; a differing local copy is moved aside to a hidden ``.NAME.replaced-<time>-<pid>``."""
+        record; a differing local copy is moved aside to a hidden ``.NAME.replaced-<time>-<pid>``. A record known
+        only by its revision (no step, no files) is read again first: None when there is none now."""
+        if record.step is None and not record.files:
+            current = self.read_record(deadline=deadline)
+            if current is None:
+                return None
+            record = current
         if record.step is None:
             raise DestinationError(f"the record at {self} names no step", destination=str(self))
         keys = dict(record.keys) if isinstance(record, S3Record) and record.keys else {}
@@ -392,6 +418,9 @@ class S3Store:
         etag = self._put_json(".guard/final.json", {"files": {rel: _sum_json(fs) for rel, fs in sums.items()},
                                                     "written_at_s": time.time()}, deadline)
         return FinalPushed(revision=etag, files=sums)
+
+    def tidy(self) -> None:
+        """Nothing: a run's staged objects lie under its own run id (``discard`` removes them on request)."""
 
     def write_taint(self, taint: Taint, *, deadline: float) -> None:
         """``.guard/taints/<run_id>.json``; an earlier first step already recorded for the run is kept."""

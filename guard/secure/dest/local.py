@@ -1,0 +1,244 @@
+"""Local files for the folder and Hub stores: listing, hashing, copying, the manifest, placing a fetched checkpoint.
+
+Every function here works on this machine's files only (no destination): the stores (``guard.secure.dest.folder``,
+``guard.secure.dest.hub``) and the securer call them. Hashes are SHA-256 (lowercase hex), sizes bytes, paths posix
+and relative to the folder they are listed from.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import re
+import tempfile
+import time
+from collections.abc import Callable, Collection
+from pathlib import Path
+from typing import Any
+
+from guard.errors import HubError, PushFailedError
+from guard.secure.dest.base import CHECKPOINT_FOLDER, MANIFEST_NAME, FetchedCheckpoint
+from guard.secure.layout import CHECKPOINT_FOLDER_RE
+
+__all__ = ["copy_and_hash", "final_model_files", "fsync_dir", "hash_file", "holds_final_model", "list_files",
+           "place_fetched", "placed", "placement", "read_manifest", "refuse_torn", "signatures", "staging_dir",
+           "step_from_trainer_state"]
+
+#: Checkpoint folder names of the layouts the guard knows (their parent is the output folder).
+_CHECKPOINT_LIKE = re.compile(r"(?:tmp-)?(?:checkpoint-|checkpoint_|step_|global_step)[0-9]+")
+
+
+def list_files(folder: Path, keep: Callable[[str], bool] = lambda rel: True) -> list[str]:
+    """Files under ``folder`` (posix relative paths, sorted), minus ``.git``/``.cache`` folders and ``keep`` misses.
+    Symbolic links are never followed out of ``folder`` (``checkpoints.list_files``)."""
+    from guard.secure.checkpoints import list_files as listed
+
+    return [rel for rel in listed(folder)
+            if not rel.startswith((".git/", ".cache/")) and "/.git/" not in rel and "/.cache/" not in rel and keep(rel)]
+
+
+def signatures(folder: Path, files: list[str]) -> dict[str, tuple[int, int, int]]:
+    """``{rel: (size, mtime_ns, inode)}``: compared before and after a copy to catch a file rewritten meanwhile
+    (in place, or replaced by a rename: a new inode). A file that cannot be read is left out."""
+    out = {}
+    for rel in files:
+        with contextlib.suppress(OSError):
+            st = os.stat(folder / rel)
+            out[rel] = (st.st_size, st.st_mtime_ns, st.st_ino)
+    return out
+
+
+def changed_since(folder: Path, files: list[str], before: dict[str, tuple[int, int, int]]) -> list[str]:
+    """The files whose ``signatures`` differ from ``before`` (sorted)."""
+    after = signatures(folder, files)
+    return sorted(rel for rel in set(before) | set(after) if before.get(rel) != after.get(rel))
+
+
+def refuse_torn(what: str, folder: Path, files: list[str], where: str, destination: str, *,
+                parts: bool = False) -> None:
+    """Raise ``PushFailedError`` when a file of ``files`` under ``folder`` is not structurally whole
+    (``formats.check_files``): ``where`` says which copy (``"local"``, ``"copied"``, ``"uploaded"``); ``parts``: the
+    folder is one node's part of a many-node checkpoint (what its format names on other nodes is not looked for
+    here)."""
+    from guard.secure.formats import check_files
+
+    problems = check_files(folder, files, parts=parts)
+    if problems:
+        shown = "; ".join(problems[:3]) + (f"; ... {len(problems) - 3} more" if len(problems) > 3 else "")
+        raise PushFailedError(f"cannot secure {what}: the {where} files are not whole ({shown}); the secured copy "
+                              "is left as it was", destination=destination,
+                              hint="the job was still writing the checkpoint (or cut it short): let its save finish "
+                                   "(a longer --grace), or save to a temporary name and rename it into place")
+
+
+def _default_dir_mode() -> int:
+    """The mode a new folder gets from the process umask (``0o777 & ~umask``), read from ``/proc/self/status``
+    (Linux 4.7+, ``Umask:``) when possible, else by setting and restoring the umask."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return 0o777 & ~int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return 0o777 & ~mask
+
+
+def staging_dir(prefix: str, parent: Path) -> Path:
+    """A fresh temporary folder in ``parent`` with the destination's default permissions (``tempfile.mkdtemp``
+    creates 0700 folders, which would then be swapped in as the secured one). Raises ``OSError``."""
+    staging = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+    os.chmod(staging, _default_dir_mode())
+    return staging
+
+
+def holds_final_model(output_dir: str | os.PathLike[str] | None, only: Collection[str] | None = None) -> bool:
+    """``output_dir`` is a folder holding final model files (``final_model_files``); False for None."""
+    return output_dir is not None and os.path.isdir(output_dir) and bool(final_model_files(output_dir, only))
+
+
+def final_model_files(output_dir: str | os.PathLike[str], only: Collection[str] | None = None) -> list[str]:
+    """The final model files of an output folder: everything but its checkpoint folders (``checkpoint-*/``,
+    accelerate's ``step_N/``, ``checkpoint_N/`` and ``checkpoints/``, ``global_stepN/``), ``last-checkpoint/``,
+    ``runs/`` and hidden or underscore-prefixed files and folders. Returns sorted posix relative paths.
+
+    ``only``: the relative paths that may count, for an output folder that is not the job's own (the working
+    folder of ``--save model.pt``: its sources, data and logs are no model); None: the whole folder."""
+    def keep(rel: str) -> bool:
+        if only is not None and rel not in only:
+            return False
+        parts = rel.split("/")
+        if len(parts) > 1 and (parts[0] in (CHECKPOINT_FOLDER, "runs", "checkpoints")
+                               or parts[0].startswith("checkpoint-") or CHECKPOINT_FOLDER_RE.fullmatch(parts[0])):
+            return False
+        return not any(p.startswith((".", "_")) for p in parts)
+    return list_files(Path(output_dir), keep)
+
+
+def hash_file(path: Path) -> tuple[int, str]:
+    """``(size in bytes, sha256 hex)`` of ``path``, read once. Raises ``OSError``."""
+    digest, size = hashlib.sha256(), 0
+    with open(path, "rb") as file:
+        while chunk := file.read(1 << 20):
+            digest.update(chunk)
+            size += len(chunk)
+    return size, digest.hexdigest()
+
+
+def copy_and_hash(src: Path, dst: Path) -> tuple[int, str]:
+    """Copy ``src`` to ``dst`` (fsynced) in one read pass; returns (size in bytes, sha256 hex) of what was read.
+    Raises ``OSError``."""
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    digest, size = hashlib.sha256(), 0
+    with open(src, "rb") as fin, open(dst, "wb") as fout:
+        while chunk := fin.read(1 << 20):
+            digest.update(chunk)
+            fout.write(chunk)
+            size += len(chunk)
+        fout.flush()
+        os.fsync(fout.fileno())
+    return size, digest.hexdigest()
+
+
+def fsync_dir(path: Path) -> None:
+    """fsync a folder (its entries: a rename or a new file in it is durable after this). Raises ``OSError``."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_manifest(secured: Path) -> dict[str, Any]:
+    """The manifest (``guard_manifest.json``) of a secured folder; empty when it has none or it cannot be read."""
+    try:
+        manifest = json.loads((secured / MANIFEST_NAME).read_text())
+    except (OSError, ValueError):
+        return {}
+    return manifest if isinstance(manifest, dict) else {}
+
+
+def placement(folder: Path) -> dict[str, str]:
+    """Where a pushed checkpoint lies, for resume to put it back: ``{"output_dir": ..., "place": ...}``. A
+    checkpoint-like folder (``checkpoint-N``, ``checkpoint_N``, ``step_N``, ``global_stepN``) is placed by its name
+    in its parent; any other folder holds files that lay at the top of the output folder (``ckpt.pt``). The output
+    folder is written relative to the working folder when inside it, so that the next run (another machine, the
+    same checkout) finds it again."""
+    where = Path(os.path.abspath(folder))
+    output_dir, place = (where.parent, where.name) if _CHECKPOINT_LIKE.fullmatch(where.name) else (where, ".")
+    here = Path(os.getcwd())
+    text = os.path.relpath(output_dir, here) if output_dir.is_relative_to(here) else str(output_dir)
+    return {"output_dir": text, "place": place}
+
+
+def placed_source(output_dir: str | None, place: str | None) -> dict[str, str]:
+    """The manifest's placement fields from a part's ``source`` (output folder) and ``place`` (``placement``'s
+    inverse): ``{"source": absolute checkpoint path, "output_dir": ..., "place": ...}``; empty when not known."""
+    if output_dir is None or place is None:
+        return {}
+    return {"source": os.path.abspath(os.path.join(output_dir, place)), "output_dir": output_dir, "place": place}
+
+
+def placed(manifest: dict[str, Any]) -> tuple[str | None, str | None]:
+    """``(output_dir, place)`` from a manifest (see ``placement``); None for what it does not record."""
+    out, place = manifest.get("output_dir"), manifest.get("place")
+    place_ok = isinstance(place, str) and (place == "." or _CHECKPOINT_LIKE.fullmatch(place) is not None)
+    return (out if isinstance(out, str) and out else None), (place if place_ok else None)
+
+
+def step_from_trainer_state(folder: Path) -> int | None:
+    """``global_step`` of the folder's ``trainer_state.json`` (a Trainer checkpoint), or None."""
+    try:
+        return int(json.loads((folder / "trainer_state.json").read_text())["global_step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def place_fetched(fetched: Path, into: Path, step: int | None, revision: str, files: list[str], size: int,
+                  place: str | None, destination: str, log: logging.Logger) -> FetchedCheckpoint:
+    """Put the verified ``fetched`` folder where the checkpoint came from: ``into/<place>`` for a checkpoint
+    folder (``checkpoint-<step>`` when not recorded), or its files at the top of ``into`` (``place`` ``"."``:
+    ``out/ckpt.pt`` for a loop that reloads its own file). What is there already is kept when identical, else
+    moved aside to a hidden ``.NAME.replaced-<time>-<pid>`` (never deleted).
+
+    Raises:
+        HubError: ``step`` is None (the checkpoint does not say its step).
+        OSError: a rename failed.
+    """
+    if step is None:
+        raise HubError(f"cannot tell the step of {destination}/{CHECKPOINT_FOLDER}", destination=destination,
+                       hint="it has no trainer_state.json and was not pushed by the guard")
+    stamp = f"replaced-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    if place == ".":
+        for rel in sorted(files):
+            target = into / rel
+            if target.is_file() and hash_file(target) == hash_file(fetched / rel):
+                continue
+            if target.exists() or target.is_symlink():
+                aside = target.with_name(f".{target.name}.{stamp}")
+                os.rename(target, aside)
+                log.warning("%s differs from the secured checkpoint: moved it to %s", target, aside)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            os.rename(fetched / rel, target)
+        fsync_dir(into)
+        where = into / files[0] if len(files) == 1 else into
+        log.info("fetched %s/%s (step %d) back into %s", destination, CHECKPOINT_FOLDER, step, where)
+        return FetchedCheckpoint(where, step, revision, tuple(sorted(files)), size)
+    target = into / (place or f"checkpoint-{step}")
+    if target.exists():
+        mine = {rel: hash_file(target / rel) for rel in list_files(target)}
+        if mine == {rel: hash_file(fetched / rel) for rel in list_files(fetched)}:
+            log.info("%s already holds the secured checkpoint (step %d): keeping it", target, step)
+            return FetchedCheckpoint(target, step, revision, tuple(sorted(files)), size)
+        aside = into / f".{target.name}.{stamp}"
+        os.rename(target, aside)  # a partial or different local copy: kept aside (hidden), not deleted
+        log.warning("%s differs from the secured checkpoint: moved it to %s", target, aside)
+    os.rename(fetched, target)
+    fsync_dir(into)
+    log.info("fetched %s/%s (step %d) into %s", destination, CHECKPOINT_FOLDER, step, target)
+    return FetchedCheckpoint(target, step, revision, tuple(sorted(files)), size)

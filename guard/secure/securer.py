@@ -1,0 +1,477 @@
+"""The securer: pushes checkpoints and the final model to one destination, verified, and fetches them back.
+
+A push is secured only once verified: every file's size and sha256 at the destination equal the local file's. What
+a destination does for that (a folder's swap, the Hub's two commits, S3's conditional record) lives in its store
+(``guard.secure.dest``: ``open_store``); this module holds what every destination shares:
+
+- the checks on the local files: not marked suspect, not rewritten since the save (``saved_by_s``), whole by format
+  (a torn file is refused before anything moves);
+- retries of one attempt (put, then record) with backoff, bounded by the deadline: a store's
+  ``TransientDestinationError``, network errors and 408/429/5xx (``guard.secure.hubhttp.classify``), one retry of a
+  verification mismatch, the Hub's ``Retry-After`` never cut short;
+- ``on_recorded``, called the moment the record moves (``guard.secure.worker`` reports it: a push killed after that
+  point has secured its step), and ``tidy`` after the run.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, TypeVar
+
+from guard.errors import (
+    CheckpointRewrittenError,
+    DestinationError,
+    GuardError,
+    HubError,
+    PartsMissingError,
+    PushFailedError,
+    TransientDestinationError,
+)
+from guard.secure import formats
+from guard.secure.checkpoints import is_marked_suspect, rewritten_after
+from guard.secure.dest import Destination, open_store, parse_destination
+from guard.secure.dest.base import (
+    CHECKPOINT_FOLDER,
+    FetchedCheckpoint,
+    FinalPushed,
+    PartManifest,
+    Record,
+    SharedStore,
+    Store,
+)
+from guard.secure.dest.local import final_model_files, list_files, placement, refuse_torn
+from guard.secure.hubhttp import PROGRESS, bounded, cause_hint, classify, failure_cause, fatal_hint, retry_after_s
+
+if TYPE_CHECKING:
+    from huggingface_hub import HfApi
+
+    from guard.secure.dest.folder import FolderCopy
+
+__all__ = ["PushResult", "SecuredRecord", "Securer"]
+
+logger = logging.getLogger("guard.secure.securer")
+T = TypeVar("T")
+
+_MIN_ATTEMPT_S = 1.0  # don't start another attempt with less time than this left
+#: Many nodes: how often a node whose part is in looks for the others' (seconds; one listing each).
+PARTS_POLL_S = 0.5
+
+
+@dataclass(frozen=True)
+class PushResult:
+    """A verified push.
+
+    Attributes:
+        destination: the destination's canonical form (``str(Destination)``).
+        revision: the Hub commit id (40 hex), the folder written (absolute path), or the S3 record's ETag.
+        files: paths of the files secured, relative to the checkpoint (or output) folder, sorted.
+        size_bytes: their total size.
+        elapsed_s: seconds the push took, upload and verification, all attempts (injected clock).
+        attempts: attempts made (1 when the first one succeeded).
+        step: the checkpoint's training step; None for the final model.
+        attempt_s: seconds of the attempt that succeeded alone (no failed attempt, no backoff or Retry-After wait):
+            what a throughput estimate may learn from; None when unknown.
+    """
+
+    destination: str
+    revision: str
+    files: tuple[str, ...]
+    size_bytes: int
+    elapsed_s: float
+    attempts: int
+    step: int | None = None
+    attempt_s: float | None = None
+
+    @property
+    def pushed(self) -> str:
+        """``DEST@REVISION``, the VERDICT's ``pushed=`` value."""
+        return f"{self.destination}@{self.revision}"
+
+    @property
+    def bytes_per_s(self) -> float:
+        """Effective throughput of the attempt that succeeded: ``size_bytes / attempt_s`` (``elapsed_s`` when the
+        attempt's own time is unknown; files the Hub already had count too); 0.0 when that time is 0."""
+        took = self.attempt_s if self.attempt_s is not None else self.elapsed_s
+        return self.size_bytes / took if took > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class SecuredRecord:
+    """What the destination records as secured: ``revision`` (Hub commit id, the ``last-checkpoint`` folder, the S3
+    record's ETag), ``step`` (None when not recorded), and where the checkpoint came from (the manifest's, None when
+    not recorded): ``output_dir`` (the job's output folder, relative to its working folder when inside it) and
+    ``place`` (the checkpoint's path relative to it: ``"checkpoint-20"`` for a folder, ``"."`` for files that lay
+    at its top, e.g. ``ckpt.pt``)."""
+
+    revision: str
+    step: int | None
+    output_dir: str | None = None
+    place: str | None = None
+
+
+def _revision(record: Record | FinalPushed) -> str:
+    """A record's revision as the VERDICT shows it (an S3 ETag without the quotes HTTP gives it)."""
+    return str(record.revision).strip('"')
+
+
+class Securer:
+    """Pushes checkpoints and the final model to one destination, verifies them, fetches them back.
+
+    Args:
+        destination: a ``Destination`` or ``--push-to`` text (see ``parse_destination``).
+        api: the ``huggingface_hub.HfApi`` to use (Hub destinations); default ``HfApi(token=token)``.
+        token: Hub token for the default ``api``; default: ``HF_TOKEN`` or the stored login.
+        clock: monotonic seconds; ``deadline`` arguments are values of this clock.
+        sleep: waits between attempts (seconds).
+        log: the logger (default ``guard.secure.securer``).
+        backoff_s: first wait between attempts; doubles up to ``max_backoff_s`` (seconds).
+        run_id: this run's id (``SecureSettings.run_id``): an S3 destination keeps each run's checkpoints under
+            it until the record names them; default ``"run"``.
+        store: the destination's ``guard.secure.dest.base.Store``; default ``open_store(destination)``, made on
+            first use.
+        node_rank, nodes: this node's index and the job's node count (``SecureSettings``), when every node secures
+            its own part of each checkpoint (many nodes, each with its own disk; a ``SharedStore``: S3): the record
+            moves only once every node's part is there (``guard.secure.nodes.whole``); default 0 and 1 (one node:
+            part and record are one push).
+
+    Raises:
+        UsageError: ``destination`` text that ``parse_destination`` refuses.
+    """
+
+    def __init__(self, destination: Destination | str, *, api: HfApi | None = None, token: str | None = None,
+                 clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
+                 log: logging.Logger = logger, backoff_s: float = 1.0, max_backoff_s: float = 8.0,
+                 run_id: str | None = None, store: Store | None = None, node_rank: int = 0, nodes: int = 1) -> None:
+        self.destination = destination if isinstance(destination, Destination) else parse_destination(destination)
+        self._api = api
+        self.token = token  # for worker processes (guard.secure.worker), sent on their stdin
+        self._clock, self._sleep, self._log = clock, sleep, log
+        self.last_attempt_s: float | None = None  # the last successful attempt's own seconds
+        self._backoff_s, self._max_backoff_s = backoff_s, max_backoff_s
+        self.run_id = run_id or "run"
+        self._store = store
+        self.node_rank, self.nodes = node_rank, max(1, nodes)  # this node's part of a many-node checkpoint
+        #: Called with ``(step, revision)`` the moment a checkpoint push has moved the destination's record (the
+        #: folder swapped in, the Hub's record commit made, the S3 record written), before its cleanup: a push
+        #: killed after that point has secured its step all the same (``guard.secure.worker`` reports it).
+        self.on_recorded: Callable[[int, str], None] | None = None
+
+    @property
+    def store(self) -> Store:
+        """The destination's store (``guard.secure.dest.open_store``), made on first use. Raises
+        ``DestinationError`` when it cannot be made here."""
+        if self._store is None:
+            self._store = open_store(self.destination, api=self._api, token=self.token, log=self._log)
+        return self._store
+
+    @property
+    def last_copy(self) -> FolderCopy | None:
+        """What the last push to a folder destination wrote (``guard.secure.dest.folder.FolderCopy``), else
+        None."""
+        copy: FolderCopy | None = getattr(self._store, "last_copy", None)
+        return copy
+
+    # -- pushes -----------------------------------------------------------------------------------------------
+
+    def push_checkpoint(self, local_dir: str | os.PathLike[str], *, step: int, deadline: float,
+                        files: list[str] | None = None, saved_by_s: float | None = None,
+                        source: str | None = None) -> PushResult:
+        """Secure a complete checkpoint folder as ``DEST/last-checkpoint/`` (replacing the previous one), verified:
+        the store's put, then its record (on a Hub, the commit titled ``guard: checkpoint step N`` that
+        ``fetch_last_checkpoint`` looks for, so that an unrelated commit on top never changes what is resumed from).
+
+        Args:
+            local_dir: the checkpoint folder (e.g. ``output/checkpoint-120``); must not change meanwhile.
+            step: its training step (in the record).
+            deadline: clock value by which the push, retries included, must be over.
+            files: the files to secure, relative to ``local_dir`` (``CheckpointInfo.files``: a set of loose model
+                files in an output folder); default: every file of the folder.
+            saved_by_s: the newest file mtime (epoch seconds) when the checkpoint was seen complete
+                (``CheckpointInfo.newest_mtime_s``); a file modified after it, up to the end of the copy, was
+                rewritten in place (a loop that saves ``ckpt.pt`` again) and is no longer that checkpoint: the
+                push fails rather than secure it under the old step. None: not checked.
+            source: the folder the job saved the files in when ``local_dir`` is a copy of them
+                (``guard.secure.snapshots``): the record's placement; default ``local_dir``.
+
+        Returns:
+            The verified ``PushResult`` (``revision``: the record's, see ``PushResult``).
+
+        Raises:
+            PushFailedError: no files, a file marked suspect, a torn file, no time left, a non-retryable error
+                (auth, permission, a local read error), or the retries ran out of time; its message lists every
+                attempt. ``CheckpointRewrittenError`` (a subclass): a file was written again after ``saved_by_s``.
+        """
+        folder = Path(local_dir)
+        if files is None:
+            files = list_files(folder) if folder.is_dir() else []
+        else:
+            files = sorted(rel for rel in files if (folder / rel).is_file())
+        what = f"checkpoint step {step}"
+        if not files:
+            raise PushFailedError(f"cannot secure {what}: {folder} has no files", destination=str(self.destination),
+                                  hint="the guard only pushes complete checkpoint folders; check --output-dir")
+        suspects = [str(p) for p in [folder, *(folder / rel for rel in files)] if is_marked_suspect(p)]
+        if suspects:
+            raise PushFailedError(f"cannot secure {what}: {suspects[0]} is marked suspect (saved after the first "
+                                  "non-finite loss): never pushed", destination=str(self.destination),
+                                  hint="resume from the secured checkpoint saved before the non-finite loss")
+
+        def still_that_save() -> None:
+            # before the push and in every attempt, where the store can still tell a rewrite after it (folder, Hub:
+            # once the copy's first signatures are taken, compared again after the copy; S3: once the bytes are
+            # there), so a retry after "changed while copied" never secures the next save as this step
+            rewritten = rewritten_after(folder, files, saved_by_s) if saved_by_s is not None else None
+            if rewritten is not None:
+                raise self._rewritten(what, folder / rewritten[0], rewritten[1], step)
+            refuse_torn(what, folder, files, "local", str(self.destination), parts=self.nodes > 1)
+
+        still_that_save()
+        where = placement(Path(source) if source else folder)
+
+        def recorded(record: Record) -> None:
+            if self.on_recorded is not None:
+                self.on_recorded(step, _revision(record))
+
+        def attempt() -> str:
+            store = self.store
+            requires = formats.requires(folder) if self.nodes > 1 and folder.is_dir() else None
+            part = store.put_part(folder, files, run_id=self.run_id, step=step, node_rank=self.node_rank,
+                                  nodes=self.nodes, place=where["place"], source=where["output_dir"],
+                                  deadline=deadline, requires=requires, check=still_that_save)
+            parts = [part] if self.nodes == 1 else self._await_whole(step, deadline)
+            return _revision(store.write_record(parts, deadline=deadline, recorded=recorded))
+
+        return self._push(what, folder, files, step, attempt, deadline)
+
+    def push_final(self, output_dir: str | os.PathLike[str], *, files: Collection[str] | None = None,
+                   deadline: float) -> PushResult:
+        """Secure the final model files of ``output_dir`` (see ``final_model_files``; ``files``: only those) at the
+        destination's root, verified; unchanged files are not uploaded again where the store can tell (the Hub
+        client compares oids at preupload; a folder destination compares size and sha256).
+
+        Raises:
+            PushFailedError: as ``push_checkpoint``; also when ``output_dir`` has no final model files.
+        """
+        folder = Path(output_dir)
+        names = final_model_files(folder, files) if folder.is_dir() else []
+        if not names:
+            raise PushFailedError(f"cannot secure the final model: {folder} has no model files",
+                                  destination=str(self.destination),
+                                  hint="the job wrote no final model to its output folder; check --output-dir")
+        refuse_torn("the final model", folder, names, "local", str(self.destination))
+        return self._push("the final model", folder, names, None,
+                          lambda: _revision(self.store.put_final(folder, names, deadline=deadline)), deadline)
+
+    def _shared(self) -> SharedStore:
+        store = self.store
+        if not isinstance(store, SharedStore):
+            raise PushFailedError(f"a {self.destination.kind} destination keeps no node parts: {self.nodes} nodes "
+                                  "cannot each secure their own part there", destination=str(self.destination),
+                                  hint="secure from node 0 alone (a shared output folder), or use an s3:// "
+                                       "destination")
+        return store
+
+    def _await_whole(self, step: int, deadline: float) -> list[PartManifest]:
+        """Many nodes: this node's part of ``step`` is in; wait (polling the destination's listing every
+        ``PARTS_POLL_S``) until every node's part is and their union is whole (``nodes.whole``), then return the
+        parts for the record. Any node may move the record (a conditional write: the second writer finds it done).
+
+        Raises:
+            PartsMissingError: not whole before ``deadline`` (less the time of one more listing), or the other
+                nodes put a later step (they skipped this one).
+            PushFailedError: the store keeps no node parts.
+        """
+        from guard.secure import nodes as many
+
+        store, said = self._shared(), None
+        while True:
+            found = many.whole(store.parts(run_id=self.run_id, step=step, deadline=deadline), run_id=self.run_id,
+                               step=step, nodes=self.nodes)
+            if found.complete:
+                self._log.info("%s", found.describe())
+                return list(found.parts.values())
+            if found.describe() != said:
+                said = found.describe()
+                self._log.info("waiting for the other nodes' parts: %s", said)
+            ahead = self._others_ahead(store, step, deadline)
+            if ahead is not None:  # the nodes missing here put a later step: they will never put this one
+                raise PartsMissingError(
+                    f"checkpoint step {step} will not be whole at {self.destination}: {said}; the other nodes put "
+                    f"step {ahead}", missing=found.missing_text(), destination=str(self.destination),
+                    hint="the nodes secure the same steps when their saves are as fast as their pushes; a later "
+                         "step is secured instead")
+            if self._clock() + 2 * PARTS_POLL_S >= deadline:
+                raise PartsMissingError(
+                    f"checkpoint step {step} is not whole at {self.destination}: {said}",
+                    missing=found.missing_text(), destination=str(self.destination),
+                    hint=f"node {self.node_rank}'s part is there, verified; the record was not moved: look at the "
+                         "VERDICT of the missing nodes")
+            self._sleep(PARTS_POLL_S)
+
+    def _others_ahead(self, store: SharedStore, step: int, deadline: float) -> int | None:
+        """The lowest step after ``step`` that every other node has put a part of (they skipped ``step``: its push
+        would wait for parts that never come), or None."""
+        others = set(range(self.nodes)) - {self.node_rank}
+        later = [s for s, ranks in store.part_steps(run_id=self.run_id, deadline=deadline).items()
+                 if s > step and others <= ranks]
+        return min(later) if later else None
+
+    def tidy(self) -> None:
+        """After the run (its pushes are over): what a push killed part way left at the destination goes (a
+        folder's staging folder or previous copy aside; a push whose process still lives, not reaped yet, keeps its
+        own: ``worker.reap_killed`` first). Never raises."""
+        try:
+            self.store.tidy()
+        except (GuardError, OSError) as exc:
+            self._log.warning("cannot tidy %s after the run: %s", self.destination, exc)
+
+    def _rewritten(self, what: str, path: Path, later_s: float, step: int) -> CheckpointRewrittenError:
+        when = "missing now" if math.isinf(later_s) else f"modified {later_s:.1f}s later"
+        return CheckpointRewrittenError(
+            f"cannot secure {what}: {path} was rewritten after that save ({when}), so it no longer holds step {step}",
+            destination=str(self.destination),
+            hint="the job saves its checkpoint in place; its newer save is secured under its own step (save each "
+                 "checkpoint under a new name, e.g. ckpt-STEP.pt, so an older good one survives a later bad save)")
+
+    # -- reading back -----------------------------------------------------------------------------------------
+
+    def peek_last_checkpoint(self, *, deadline: float) -> SecuredRecord | None:
+        """What the guard secured last, without downloading it, or None when nothing is (the store's
+        ``read_record``: on a Hub the newest record commit, never one of the guard's unverified uploads; a folder's
+        ``last-checkpoint`` and its manifest's step; the S3 record).
+
+        Raises:
+            HubError: the destination cannot be read before ``deadline``.
+        """
+        record = self._read(deadline)
+        return None if record is None else SecuredRecord(_revision(record), record.step, record.source, record.place)
+
+    def _read(self, deadline: float) -> Record | None:
+        result, _ = self._with_retries(f"reading {CHECKPOINT_FOLDER}'s record",
+                                       lambda: self.store.read_record(deadline=deadline), deadline, push=False)
+        return result
+
+    def fetch_last_checkpoint(self, into_dir: str | os.PathLike[str], *, deadline: float,
+                              revision: str | None = None) -> FetchedCheckpoint | None:
+        """Download the destination's ``last-checkpoint/`` at the revision the guard recorded (``revision``, else
+        ``peek_last_checkpoint``'s; never a later unrelated HEAD), verify every file, and place it as
+        ``into_dir/checkpoint-<step>`` (or where its record says it lay). A copy already there is kept when it holds
+        the same files, else moved aside to a hidden ``.checkpoint-<step>.replaced-<time>-<pid>`` (never deleted).
+
+        Returns:
+            The fetched checkpoint, or None when the destination (or its ``last-checkpoint/``) does not exist.
+
+        Raises:
+            HubError: a file differs from what the destination records (corrupt or partial download), the step
+                cannot be told, or the deadline passed.
+        """
+        into = Path(into_dir)
+        into.mkdir(parents=True, exist_ok=True)
+        record = Record(step=None, run_id=None, files={}, revision=revision) if revision is not None else \
+            self._read(deadline)
+        if record is None:
+            return None
+        chosen = record
+        result, _ = self._with_retries(f"fetching {CHECKPOINT_FOLDER}@{_revision(chosen)[:12]}",
+                                       lambda: self.store.fetch(chosen, into, deadline=deadline), deadline, push=False)
+        return result
+
+    # -- retries ----------------------------------------------------------------------------------------------
+
+    def _push(self, what: str, folder: Path, files: list[str], step: int | None, attempt: Callable[[], str],
+              deadline: float) -> PushResult:
+        start = self._clock()
+        size = sum((folder / rel).stat().st_size for rel in files)  # before: the job may rotate the folder out later
+        self._log.info("securing %s (%d files, %.1f MB) at %s", what, len(files), size / 1e6, self.destination)
+        from guard.observe.telemetry import Progress
+
+        PROGRESS.append(Progress(f"securing {what}", size, clock=self._clock, logger=self._log))
+        try:
+            revision, attempts = self._with_retries(f"securing {what}", attempt, deadline, push=True)
+        finally:
+            PROGRESS.pop()
+        result = PushResult(str(self.destination), revision, tuple(files), size, self._clock() - start, attempts, step,
+                            attempt_s=self.last_attempt_s)
+        self._log.info("secured %s at %s in %.1fs (%.1f MB/s)", what, result.pushed, result.elapsed_s,
+                       result.bytes_per_s / 1e6)
+        return result
+
+    def _fail(self, what: str, tried: list[str], reason: str, hint: str, push: bool) -> HubError:
+        message = f"{what} at {self.destination} failed: {reason}"
+        if tried and not (len(tried) == 1 and tried[0].endswith(reason)):
+            shown = tried if len(tried) <= 5 else [*tried[:2], f"... {len(tried) - 4} more", *tried[-2:]]
+            message += f" (attempts: {'; '.join(shown)})"
+        if push:
+            return PushFailedError(message, destination=str(self.destination), attempts=len(tried), hint=hint)
+        return HubError(message, destination=str(self.destination), hint=hint)
+
+    def _with_retries(self, what: str, attempt: Callable[[], T], deadline: float, *, push: bool) -> tuple[T, int]:
+        tried: list[str] = []
+        pause, mismatches = self._backoff_s, 0
+        asked_s: float | None = None  # the last Retry-After the Hub sent
+
+        def fail(reason: str, hint: str) -> HubError:
+            return self._fail(what, tried, reason, hint, push)
+
+        def kept_failing() -> str:
+            causes = {failure_cause(entry) for entry in tried}
+            for cause in ("rate_limit", "auth", "unreachable"):
+                if cause in causes and (hint := cause_hint(cause, retry_after=asked_s)):
+                    return hint
+            return "the destination kept failing (see the attempts); check the network and the Hub's status"
+
+        while True:
+            left = deadline - self._clock()
+            if left <= 0:
+                raise fail("no time left before the deadline", kept_failing() if tried else
+                           "a larger --margin leaves more time to secure it")
+            try:
+                began = self._clock()
+                with bounded(lambda: deadline - self._clock()):
+                    value = attempt()
+                self.last_attempt_s = self._clock() - began
+                return value, len(tried) + 1
+            except TransientDestinationError as err:  # a store's "may succeed if tried again" (guard.secure.dest)
+                kind, text, asked_s = "transient", err.message, None
+            except DestinationError as err:
+                if push and not isinstance(err, PushFailedError):
+                    raise fail(err.message, err.hint or fatal_hint(err.message)) from err
+                raise
+            except HubError:
+                raise
+            except Exception as err:  # noqa: BLE001 - classified below; unknown errors are fatal
+                kind, text = classify(err)
+                asked_s = retry_after_s(err) if kind == "transient" else None
+            tried.append(f"#{len(tried) + 1} {text}")
+            self._log.warning("%s: attempt %d failed: %s", what, len(tried), text)
+            if kind == "deadline":
+                raise fail("the deadline was reached", "a larger --margin leaves more time to secure it")
+            if kind == "fatal" or (kind == "mismatch" and (mismatches or not push)):
+                hint = (fatal_hint(text) if kind == "fatal" else
+                        "the destination does not hold what was sent; check it (a .gitignore?)" if push else
+                        "the copy at the destination is corrupt or incomplete; resume from a local checkpoint")
+                raise fail(text, hint)
+            mismatches += kind == "mismatch"
+            left = deadline - self._clock()
+            if asked_s is not None:  # the Hub said when to come back (Retry-After): never sooner
+                if asked_s > left - _MIN_ATTEMPT_S:
+                    self._log.error("%s: the Hub asks to wait %.0fs before the next attempt (Retry-After), more than "
+                                    "the %.0fs left: not retrying", what, asked_s, max(left, 0.0))
+                    raise fail(f"the Hub asked to wait {asked_s:.0f}s (Retry-After) and {max(left, 0.0):.0f}s were "
+                               "left", kept_failing())
+                self._log.warning("%s: the Hub asks to wait %.0fs (Retry-After): next attempt then", what, asked_s)
+                self._sleep(max(asked_s, min(pause, left / 2)))
+                pause = min(pause * 2, self._max_backoff_s)
+                continue
+            wait = min(pause, left / 2)
+            if left - wait < _MIN_ATTEMPT_S:
+                raise fail("no time left for another attempt", kept_failing())
+            self._sleep(wait)
+            pause = min(pause * 2, self._max_backoff_s)
+
