@@ -1,15 +1,19 @@
 """Many nodes, each with its own disk, secure one checkpoint together (issue 34): two torchrun nodes on 127.0.0.1,
 each in its own folder under its own guard, a torch.distributed.checkpoint job (``step_N/`` with ``.metadata`` and
-``__0_0.distcp`` on node 0's disk, ``__1_0.distcp`` on node 1's), an S3 destination (moto). Each node puts its own
-part; the record moves once every node's part is in; every node's VERDICT tells the same story; the bucket's
-bytes are a whole checkpoint that ``dcp_to_torch_save`` loads in one process."""
+``__0_0.distcp`` on node 0's disk, ``__1_0.distcp`` on node 1's), a destination both nodes reach (a folder, as an
+NFS mount would be; an S3 bucket on moto). Each node puts its own part; the record moves once every node's part
+is in; every node's VERDICT tells the same story; the destination's bytes are a whole checkpoint that
+``dcp_to_torch_save`` loads in one process."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import signal
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -19,6 +23,8 @@ from multinode import Nodes, logs
 from s3server import MotoServer
 from s3server import env as s3_env
 
+from guard.secure.dest.base import Record
+from guard.secure.dest.folder import FolderStore
 from guard.secure.dest.s3 import S3Store
 
 pytestmark = [pytest.mark.slow]
@@ -27,22 +33,45 @@ FAST = ["--no-preflight", "--grace", "8s", "--sanity-steps", "2"]
 
 
 @pytest.fixture
-def moto(tmp_path: Path):
+def moto(tmp_path: Path) -> Iterator[MotoServer]:
     with MotoServer(tmp_path) as server:
         yield server
 
 
-def _nodes(tmp_path: Path, moto: MotoServer, bucket: str, *guard_args: str) -> Nodes:
+class Dest:
+    """Where the nodes secure to: ``push_to``, the guards' environment, and the record read back from it."""
+
+    def __init__(self, kind: str, tmp_path: Path, moto: MotoServer | None) -> None:
+        self.kind, self.moto = kind, moto
+        if kind == "s3":
+            assert moto is not None
+            bucket = moto.bucket()
+            self.push_to, self.env = f"s3://{bucket}/run", s3_env(moto.url)
+            self.store: Any = S3Store(bucket, "run", client=moto.client())
+        else:
+            self.push_to, self.env = str(tmp_path / "dest"), {}
+            self.store = FolderStore(tmp_path / "dest")
+
+    def record(self) -> Record | None:
+        return self.store.read_record(deadline=time.monotonic() + 60)
+
+
+@pytest.fixture(params=["folder", "s3"])
+def dest(request: pytest.FixtureRequest, tmp_path: Path) -> Dest:
+    moto = request.getfixturevalue("moto") if request.param == "s3" else None
+    return Dest(request.param, tmp_path, moto)
+
+
+def _nodes(tmp_path: Path, dest: Dest, *guard_args: str) -> Nodes:
     return Nodes(tmp_path, 2, JOBS / "dcp_loop.py",
-                 guard_args=[*FAST, "--output-dir", "{out}", "--push-to", f"s3://{bucket}/run", *guard_args],
-                 job_args=["{out}", "--every", "20", "--step-s", "0.05"], env=s3_env(moto.url))
+                 guard_args=[*FAST, "--output-dir", "{out}", "--push-to", dest.push_to, *guard_args],
+                 job_args=["{out}", "--every", "20", "--step-s", "0.05"], env=dest.env)
 
 
-def test_at_the_deadline_both_nodes_parts_make_one_whole_checkpoint(tmp_path: Path, moto: MotoServer) -> None:
+def test_at_the_deadline_both_nodes_parts_make_one_whole_checkpoint(tmp_path: Path, dest: Dest) -> None:
     """Before: 'nothing in node-0/out was recognisable as a complete checkpoint', TIMEOUT exit=124 secured=no on
     both nodes of a job that saved every 20 steps (node 0 holds .metadata and its shard, node 1 only its shard)."""
-    bucket = moto.bucket()
-    nodes = _nodes(tmp_path, moto, bucket, "--timeout", "45s").start()
+    nodes = _nodes(tmp_path, dest, "--timeout", "45s").start()
     try:
         runs = nodes.wait(150)
     finally:
@@ -52,12 +81,17 @@ def test_at_the_deadline_both_nodes_parts_make_one_whole_checkpoint(tmp_path: Pa
     assert len(stories) == 1, logs(runs)
     status, code, secured, secured_step = stories.pop()
     assert (status, code, secured) == ("TIMEOUT", "75", "yes"), logs(runs)
-    store = S3Store(bucket, "run", client=moto.client())
-    record = store.read_record(deadline=time.monotonic() + 60)
-    assert record is not None and str(record.step) == secured_step and record.nodes == 2
-    assert {".metadata", "__0_0.distcp", "__1_0.distcp"} <= set(record.files), record.files
+    record = dest.record()
+    assert record is not None and str(record.step) == secured_step
+    if dest.kind == "s3":
+        assert record.nodes == 2 and {".metadata", "__0_0.distcp", "__1_0.distcp"} <= set(record.files), record
+    else:
+        held = json.loads((tmp_path / "dest" / "last-checkpoint" / "guard_manifest.json").read_text())
+        assert held["nodes"] == 2 and {".metadata", "__0_0.distcp", "__1_0.distcp"} <= set(held["files"]), held
     # the next run's fetch on a fresh node: the whole checkpoint, every file verified, loads in one process
-    fetched = store.fetch(record, tmp_path / "fresh", deadline=time.monotonic() + 60)
+    (tmp_path / "fresh").mkdir()
+    fetched = dest.store.fetch(record, tmp_path / "fresh", deadline=time.monotonic() + 60)
+    assert fetched is not None
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     dcp_to_torch_save(str(fetched.path), str(tmp_path / "whole.pt"))
@@ -66,12 +100,11 @@ def test_at_the_deadline_both_nodes_parts_make_one_whole_checkpoint(tmp_path: Pa
 
 
 def test_a_node_lost_mid_run_never_makes_the_other_say_its_newest_step_is_secured(tmp_path: Path,
-                                                                                    moto: MotoServer) -> None:
+                                                                                    dest: Dest) -> None:
     """Every process of node 1 killed (a lost node): node 0's part of a later step never becomes whole; node 0's
     VERDICT never claims a step the bucket does not hold whole, and names node 1 when a push of its ended for want
     of node 1's part."""
-    bucket = moto.bucket()
-    nodes = _nodes(tmp_path, moto, bucket, "--timeout", "60s").start()
+    nodes = _nodes(tmp_path, dest, "--timeout", "60s").start()
     try:
         assert nodes.wait_for(lambda: len(list((nodes.out(1)).glob("step_*"))) >= 3, 120), logs(nodes.wait(5))
         guard = psutil.Process(nodes.procs_started[1].pid)  # node 1's guard and every process of its job, at once
@@ -82,8 +115,7 @@ def test_a_node_lost_mid_run_never_makes_the_other_say_its_newest_step_is_secure
     finally:
         nodes.close()
     node0 = runs[0].fields()
-    store = S3Store(bucket, "run", client=moto.client())
-    record = store.read_record(deadline=time.monotonic() + 60)
+    record = dest.record()
     secured_step = node0.get("secured_step")
     if record is None:
         assert node0.get("secured") == "no", logs(runs)

@@ -41,8 +41,8 @@ from guard.secure.dest.base import (
     FetchedCheckpoint,
     FinalPushed,
     PartManifest,
+    PartsStore,
     Record,
-    SharedStore,
     Store,
 )
 from guard.secure.dest.local import final_model_files, list_files, placement, refuse_torn
@@ -136,9 +136,9 @@ class Securer:
         store: the destination's ``guard.secure.dest.base.Store``; default ``open_store(destination)``, made on
             first use.
         node_rank, nodes: this node's index and the job's node count (``SecureSettings``), when every node secures
-            its own part of each checkpoint (many nodes, each with its own disk; a ``SharedStore``: S3): the record
-            moves only once every node's part is there (``guard.secure.nodes.whole``); default 0 and 1 (one node:
-            part and record are one push).
+            its own part of each checkpoint (many nodes, each with its own disk; a ``PartsStore``: a folder, S3):
+            the record moves only once every node's part is there (``guard.secure.nodes.whole``); default 0 and 1
+            (one node: part and record are one push).
 
     Raises:
         UsageError: ``destination`` text that ``parse_destination`` refuses.
@@ -268,9 +268,9 @@ class Securer:
         return self._push("the final model", folder, names, None,
                           lambda: _revision(self.store.put_final(folder, names, deadline=deadline)), deadline)
 
-    def _shared(self) -> SharedStore:
+    def _shared(self) -> PartsStore:
         store = self.store
-        if not isinstance(store, SharedStore):
+        if not isinstance(store, PartsStore):
             raise PushFailedError(f"a {self.destination.kind} destination keeps no node parts: {self.nodes} nodes "
                                   "cannot each secure their own part there", destination=str(self.destination),
                                   hint="secure from node 0 alone (a shared output folder), or use an s3:// "
@@ -314,7 +314,7 @@ class Securer:
                          "VERDICT of the missing nodes")
             self._sleep(PARTS_POLL_S)
 
-    def _others_ahead(self, store: SharedStore, step: int, deadline: float) -> int | None:
+    def _others_ahead(self, store: PartsStore, step: int, deadline: float) -> int | None:
         """The lowest step after ``step`` that every other node has put a part of (they skipped ``step``: its push
         would wait for parts that never come), or None."""
         others = set(range(self.nodes)) - {self.node_rank}

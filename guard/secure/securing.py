@@ -483,9 +483,9 @@ class Securing:
     def parts_mode(self) -> bool:
         """Every node secures its own part of each checkpoint, the record moving once all are in
         (``securer.Securer``'s many-node push): many nodes, an output folder not known to be shared, and a destination
-        whose store keeps node parts (S3). Otherwise node 0's guard secures the checkpoints alone."""
+        whose store keeps node parts (a folder, S3). Otherwise node 0's guard secures the checkpoints alone."""
         kind = getattr(getattr(self.securer, "destination", None), "kind", None)
-        return self.nodes > 1 and kind == "s3" and self.shared() is not True
+        return self.nodes > 1 and kind in ("s3", "folder") and self.shared() is not True
 
     def _check_node(self, sup: JobLink) -> None:
         if self._node_checked or not self.plan.has_pusher or self.parts_mode():

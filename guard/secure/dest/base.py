@@ -6,7 +6,7 @@ A destination is a :class:`Store`. Securing a checkpoint is two moves, and the s
    destination (never where the record points), each verified there by size and SHA-256; then the node's
    :class:`PartManifest` (run id, step, node k of n, files, sizes, sha256) is written beside them, and only then.
    Killed at any point, a put leaves the record as it was.
-2. **record** (``Store.write_record``): once every node's part of that step of this run is there (``SharedStore.parts``)
+2. **record** (``Store.write_record``): once every node's part of that step of this run is there (``PartsStore.parts``)
    and the format's own completeness rule is met by their union (the caller checks it), the record
    (``DEST/last-checkpoint``) moves once, atomically and conditionally: a folder swap, one Hub commit, one
    conditional S3 write. Two writers never interleave it; a record never moves back to an older step of the same
@@ -19,8 +19,9 @@ same call may succeed if tried again" (a reset, a timeout, 408/429/5xx, S3's 503
 (``guard.secure.securer``) decides about retrying. Progress is one callback, ``(bytes_done, bytes_total)``, the
 same for every store.
 
-The stores: ``guard.secure.dest.folder.FolderStore``, ``guard.secure.dest.hub.HubStore`` (one node: a put then its
-record) and ``guard.secure.dest.s3.S3Store`` (also a :class:`SharedStore`: node parts, taints, probe, restore),
+The stores: ``guard.secure.dest.folder.FolderStore`` (also a :class:`PartsStore`: node parts,
+``guard.secure.dest.folder_parts``), ``guard.secure.dest.hub.HubStore`` (one node: a put then its record) and
+``guard.secure.dest.s3.S3Store`` (also a :class:`SharedStore`: node parts, taints, probe, restore),
 each opened from a :class:`Destination` by ``guard.secure.dest.open_store``. A new destination is one module with a
 class implementing :class:`Store` (and an ``open(destination, **options)`` classmethod) plus one line in
 ``guard.secure.dest.STORES``.
@@ -43,6 +44,7 @@ __all__ = [
     "FileSum",
     "FinalPushed",
     "PartManifest",
+    "PartsStore",
     "Progress",
     "Record",
     "SharedStore",
@@ -234,13 +236,9 @@ class Store(Protocol):
 
 
 @runtime_checkable
-class SharedStore(Store, Protocol):
-    """A store that several nodes and runs share (S3 today): node parts, taints, probing, restoring a record."""
-
-    def probe(self, *, deadline: float) -> None:
-        """Preflight: the destination is reachable, exists (or can be created) and this identity can write and
-        delete there (a probe object written and removed). Raises with a hint saying what to do."""
-        ...
+class PartsStore(Store, Protocol):
+    """A store that keeps node parts (a folder, S3): each node of a many-node job puts its own part of a checkpoint
+    (``put_part`` with ``nodes`` > 1) and ``write_record`` takes every node's part once all are there."""
 
     def parts(self, *, run_id: str, step: int, deadline: float) -> list[PartManifest]:
         """The node manifests of ``run_id``'s checkpoint ``step`` present at the destination (any order)."""
@@ -248,6 +246,16 @@ class SharedStore(Store, Protocol):
 
     def part_steps(self, *, run_id: str, deadline: float) -> dict[int, set[int]]:
         """Which nodes have put a part of which step of ``run_id``: ``{step: {node ranks}}``."""
+        ...
+
+
+@runtime_checkable
+class SharedStore(PartsStore, Protocol):
+    """A store that several nodes and runs share (S3 today): node parts, taints, probing, restoring a record."""
+
+    def probe(self, *, deadline: float) -> None:
+        """Preflight: the destination is reachable, exists (or can be created) and this identity can write and
+        delete there (a probe object written and removed). Raises with a hint saying what to do."""
         ...
 
     def restore_record(self, record: Record, *, deadline: float) -> Record:

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from guard.errors import DestinationError
-from guard.secure.dest import local
+from guard.secure.dest import folder_parts, local
 from guard.secure.dest.base import (
     CHECKPOINT_FOLDER,
     MANIFEST_NAME,
@@ -112,11 +112,11 @@ class FolderStore:
     def put_part(self, local_dir: Path, files: Sequence[str], *, run_id: str, step: int, node_rank: int,
                  nodes: int, place: str | None, source: str | None, deadline: float,
                  progress: Progress | None = None, requires: Mapping[str, int] | None = None,
-                 check: Callable[[], None] | None = None) -> FolderPart:
+                 check: Callable[[], None] | None = None) -> PartManifest:
         """Copy ``files`` into a fresh staging folder beside ``last-checkpoint`` and verify them there (module
         docstring); ``check`` runs once the files' first signatures are taken, before any byte is copied (a
-        rewrite after it is seen by comparing the signatures after the copy). One node's whole checkpoint: the
-        store keeps no node parts (``requires`` is not recorded).
+        rewrite after it is seen by comparing the signatures after the copy). With ``nodes`` > 1 it is one node's
+        part of a many-node checkpoint, kept under the run's part place with its manifest (``folder_parts``).
 
         Raises:
             Mismatch: a file changed while it was copied, or the copy does not hash as its source.
@@ -125,6 +125,10 @@ class FolderStore:
         """
         folder, rels = Path(local_dir), list(files)
         self.root.mkdir(parents=True, exist_ok=True)
+        if nodes > 1:  # one node's part of a many-node checkpoint (guard.secure.dest.folder_parts)
+            return folder_parts.put_node_part(self.root, folder, rels, run_id=run_id, step=step, node_rank=node_rank,
+                                              nodes=nodes, place=place, source=source, requires=requires,
+                                              check=check, destination=str(self))
         target = self.root / CHECKPOINT_FOLDER
         self._remove_stale_staging()
         staging = local.staging_dir(f"{_STAGING}{os.getpid()}-", self.root)
@@ -211,6 +215,8 @@ class FolderStore:
         """
         part = parts[0] if len(parts) == 1 else None
         if not isinstance(part, FolderPart) or part.staging is None:
+            if parts and all(p.nodes > 1 for p in parts):
+                return self._record_node_parts(parts, recorded)
             raise DestinationError(f"a folder destination records one node's staged part, not {len(parts)} parts",
                                    destination=str(self))
         target = self.root / CHECKPOINT_FOLDER
@@ -226,6 +232,53 @@ class FolderStore:
         finally:
             shutil.rmtree(part.staging, ignore_errors=True)
         return record
+
+    def parts(self, *, run_id: str, step: int, deadline: float) -> list[PartManifest]:
+        """The node manifests of ``run_id``'s checkpoint ``step`` here (``folder_parts``)."""
+        return folder_parts.node_parts(self.root, run_id=run_id, step=step)
+
+    def part_steps(self, *, run_id: str, deadline: float) -> dict[int, set[int]]:
+        """Which nodes have put a part of which step of ``run_id`` here: ``{step: {node ranks}}``."""
+        return folder_parts.node_part_steps(self.root, run_id=run_id)
+
+    def _record_node_parts(self, parts: Sequence[PartManifest],
+                           recorded: Callable[[Record], None] | None) -> Record:
+        """The record made of every node's part (``folder_parts``: linked into a staging folder with its manifest,
+        swapped in under the record lock); a record already naming this step of the run (another node's) stands."""
+        first = parts[0]
+        target = self.root / CHECKPOINT_FOLDER
+        staging = local.staging_dir(f"{_STAGING}{os.getpid()}-", self.root)
+        try:
+            files = folder_parts.assemble(self.root, parts, staging)
+            manifest = {"step": first.step, "run_id": first.run_id, "nodes": first.nodes,
+                        **local.placed_source(first.source, first.place),
+                        "files": {rel: {"size": fs.size_bytes, "sha256": fs.sha256} for rel, fs in files.items()}}
+            with open(staging / MANIFEST_NAME, "w") as out:
+                json.dump(manifest, out, indent=1)
+                out.flush()
+                os.fsync(out.fileno())
+            local.fsync_dir(staging)
+            record = Record(step=first.step, run_id=first.run_id, files=files, revision=str(target),
+                            nodes=first.nodes, place=first.place, source=first.source)
+            with folder_parts.record_lock(self.root):
+                current = local.read_manifest(target) if target.is_dir() else {}
+                if current.get("run_id") == first.run_id and isinstance(current.get("step"), int) \
+                        and current["step"] >= first.step:
+                    self._log.info("the record at %s already names step %s of this run", self, current["step"])
+                    if recorded is not None and current["step"] == first.step:
+                        recorded(record)
+                    return record if current["step"] == first.step else Record(
+                        step=current["step"], run_id=first.run_id, files={}, revision=str(target), nodes=first.nodes)
+                old = _swap_in(staging, target)
+                local.fsync_dir(self.root)
+                if recorded is not None:
+                    recorded(record)
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
+            folder_parts.remove_older(self.root, run_id=first.run_id, step=first.step)
+            return record
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
 
     def read_record(self, *, deadline: float) -> Record | None:
         """``last-checkpoint`` (after ``_recover``) with its manifest's step (else its ``trainer_state.json``'s)
