@@ -129,3 +129,4 @@ def _leaves(obj: object) -> list[object]:
     if isinstance(obj, dict):
         return [leaf for value in obj.values() for leaf in _leaves(value)]
     return [obj]
+

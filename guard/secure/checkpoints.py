@@ -553,7 +553,11 @@ def newest_complete(output_dir: str | os.PathLike[str], *, now_s: float, stable_
                          admitted_by="reported" if told else "resumed" if fetched else "settled")
             required = requires(path, world_size=world_size if world_size > 1 else None)
             lacking = missing_required(required, {rel: size for rel, (size, _) in files.items()})
-            info = dataclasses.replace(info, requires=tuple(sorted(required.items())), part=bool(lacking))
+            # a part: its format names files it lacks (node 0's DCP .metadata), or, read as one node's whole
+            # checkpoint, it is not one (node 1's DCP shards without .metadata, a ZeRO rank's files alone)
+            alone = bool(lacking) or (parts and _check(path, now_s, 0.0, stat, reported=True,
+                                                       world_size=world_size, parts=False)[1] is not None)
+            info = dataclasses.replace(info, requires=tuple(sorted(required.items())), part=alone)
             _log_admitted(info, stable_for_s)
             return info
         if seen is None or (str(path), reason) not in seen:

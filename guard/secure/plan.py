@@ -819,7 +819,9 @@ class Plan:
             # lower-step saves then replaced it as "newer"); after a NaN the rewrite holds the bad weights.
             "saved_by_s": info.newest_mtime_s,
             # a snapshot's record names the folder the job saved in (guard.secure.snapshots)
-            **({"source": str(info.source)} if info.source is not None else {})}, deadline)
+            **({"source": str(info.source)} if info.source is not None else {}),
+            # this node's part of a many-node checkpoint (its format names files on other nodes' disks)
+            **({"part": True} if info.part else {})}, deadline)
         self._push = PushRecord(kind, info, handle, now)
         self._history.append(self._push)
         return [StartPush(kind, str(info.path), info.step, deadline, estimate_s)]

@@ -61,6 +61,9 @@ T = TypeVar("T")
 _MIN_ATTEMPT_S = 1.0  # don't start another attempt with less time than this left
 #: Many nodes: how often a node whose part is in looks for the others' (seconds; one listing each).
 PARTS_POLL_S = 0.5
+#: Many nodes: no node moves the record later than this before its push's deadline (seconds), so that every node,
+#: waiting until ``2 * PARTS_POLL_S`` before its own, sees it (the nodes' deadlines agree within a second or so).
+RECORD_CUTOFF_S = 3.0
 
 
 @dataclass(frozen=True)
@@ -181,7 +184,7 @@ class Securer:
 
     def push_checkpoint(self, local_dir: str | os.PathLike[str], *, step: int, deadline: float,
                         files: list[str] | None = None, saved_by_s: float | None = None,
-                        source: str | None = None) -> PushResult:
+                        source: str | None = None, part: bool = False) -> PushResult:
         """Secure a complete checkpoint folder as ``DEST/last-checkpoint/`` (replacing the previous one), verified:
         the store's put, then its record (on a Hub, the commit titled ``guard: checkpoint step N`` that
         ``fetch_last_checkpoint`` looks for, so that an unrelated commit on top never changes what is resumed from).
@@ -198,6 +201,9 @@ class Securer:
                 push fails rather than secure it under the old step. None: not checked.
             source: the folder the job saved the files in when ``local_dir`` is a copy of them
                 (``guard.secure.snapshots``): the record's placement; default ``local_dir``.
+            part: the folder is this node's part of a many-node checkpoint (``CheckpointInfo.part``: not complete
+                on its own): with ``nodes`` > 1 it is put as node ``node_rank``'s part and the record waits for every
+                node's; otherwise (default) the folder is a whole checkpoint, secured as on one node.
 
         Returns:
             The verified ``PushResult`` (``revision``: the record's, see ``PushResult``).
@@ -208,6 +214,7 @@ class Securer:
                 attempt. ``CheckpointRewrittenError`` (a subclass): a file was written again after ``saved_by_s``.
         """
         folder = Path(local_dir)
+        nodes, node_rank = (self.nodes, self.node_rank) if part and self.nodes > 1 else (1, 0)
         if files is None:
             files = list_files(folder) if folder.is_dir() else []
         else:
@@ -229,7 +236,7 @@ class Securer:
             rewritten = rewritten_after(folder, files, saved_by_s) if saved_by_s is not None else None
             if rewritten is not None:
                 raise self._rewritten(what, folder / rewritten[0], rewritten[1], step)
-            refuse_torn(what, folder, files, "local", str(self.destination), parts=self.nodes > 1)
+            refuse_torn(what, folder, files, "local", str(self.destination), parts=nodes > 1)
 
         still_that_save()
         where = placement(Path(source) if source else folder)
@@ -240,11 +247,11 @@ class Securer:
 
         def attempt() -> str:
             store = self.store
-            requires = formats.requires(folder) if self.nodes > 1 and folder.is_dir() else None
-            part = store.put_part(folder, files, run_id=self.run_id, step=step, node_rank=self.node_rank,
-                                  nodes=self.nodes, place=where["place"], source=where["output_dir"],
-                                  deadline=deadline, requires=requires, check=still_that_save)
-            parts = [part] if self.nodes == 1 else self._await_whole(step, deadline)
+            requires = formats.requires(folder) if nodes > 1 and folder.is_dir() else None
+            put = store.put_part(folder, files, run_id=self.run_id, step=step, node_rank=node_rank, nodes=nodes,
+                                 place=where["place"], source=where["output_dir"], deadline=deadline,
+                                 requires=requires, check=still_that_save)
+            parts = [put] if nodes == 1 else self._await_whole(step, deadline)
             return _revision(store.write_record(parts, deadline=deadline, recorded=recorded))
 
         return self._push(what, folder, files, step, attempt, deadline)
@@ -293,6 +300,15 @@ class Securer:
         while True:
             found = many.whole(store.parts(run_id=self.run_id, step=step, deadline=deadline), run_id=self.run_id,
                                step=step, nodes=self.nodes)
+            if found.complete and self._clock() > deadline - RECORD_CUTOFF_S and not self._records(store, step,
+                                                                                                 deadline):
+                # the other nodes stop waiting PARTS_POLL_S * 2 before their deadline: a record moved later than this
+                # could be unseen by some of them, whose VERDICT would then name an older step than the record (one
+                # another node moved in time is this node's too: the write below finds it in place)
+                raise PartsMissingError(
+                    f"checkpoint step {step} became whole at {self.destination} too late to move the record "
+                    f"({RECORD_CUTOFF_S:.0f}s before the deadline)", missing="", destination=str(self.destination),
+                    hint="a larger --margin leaves the nodes time to secure the checkpoint together")
             if found.complete:
                 self._log.info("%s", found.describe())
                 return list(found.parts.values())
@@ -313,6 +329,11 @@ class Securer:
                     hint=f"node {self.node_rank}'s part is there, verified; the record was not moved: look at the "
                          "VERDICT of the missing nodes")
             self._sleep(PARTS_POLL_S)
+
+    def _records(self, store: PartsStore, step: int, deadline: float) -> bool:
+        """Whether the destination's record names ``step`` of this run already (another node moved it)."""
+        record = store.read_record(deadline=deadline)
+        return record is not None and record.step == step and record.run_id in (None, self.run_id)
 
     def _others_ahead(self, store: PartsStore, step: int, deadline: float) -> int | None:
         """The lowest step after ``step`` that every other node has put a part of (they skipped ``step``: its push

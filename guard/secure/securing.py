@@ -306,6 +306,10 @@ class Securing:
                          requested: bool | None = None) -> None:
         """``CheckpointSeen(info, requested=...)`` to the plan; ``info`` is checked for a rewrite by the scans from
         now on."""
+        if self.parts_mode() and not info.part and self.node_rank != 0:
+            log.debug("node %d: %s is whole on this node's disk: node 0's guard secures its own copy", self.node_rank,
+                      info.path)
+            return
         self._fed.append(info)
         del self._fed[:-KNOWN_CHECKED]
         bad = self._not_finite
