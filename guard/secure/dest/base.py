@@ -34,7 +34,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar, Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 __all__ = [
     "CHECKPOINT_FOLDER",
@@ -50,6 +50,8 @@ __all__ = [
     "SharedStore",
     "Store",
     "Taint",
+    "part_from_json",
+    "part_json",
 ]
 
 #: The record's name at every destination (the folder swapped in, the Hub path, the S3 record's stem).
@@ -124,6 +126,31 @@ class PartManifest:
     place: str | None = None
     source: str | None = None
     requires: Mapping[str, int] = field(default_factory=dict)
+
+
+def part_json(part: PartManifest) -> dict[str, Any]:
+    """``part`` as JSON data, the layout every store writes a node manifest in: its fields, each file as
+    ``{"size_bytes": N, "sha256": HEX}``."""
+    return {"run_id": part.run_id, "step": part.step, "node_rank": part.node_rank, "nodes": part.nodes,
+            "files": {rel: {"size_bytes": fs.size_bytes, "sha256": fs.sha256} for rel, fs in part.files.items()},
+            "written_at_s": part.written_at_s, "place": part.place, "source": part.source,
+            "requires": dict(part.requires)}
+
+
+def part_from_json(body: Mapping[str, Any]) -> PartManifest:
+    """The :class:`PartManifest` ``part_json`` wrote.
+
+    Raises:
+        KeyError, TypeError, ValueError, AttributeError: ``body`` is not such a manifest.
+    """
+    files = body["files"]
+    place, source = body.get("place"), body.get("source")
+    return PartManifest(
+        run_id=str(body["run_id"]), step=int(body["step"]), node_rank=int(body["node_rank"]), nodes=int(body["nodes"]),
+        files={str(rel): FileSum(int(f["size_bytes"]), str(f["sha256"])) for rel, f in files.items()},
+        written_at_s=float(body.get("written_at_s") or 0.0), place=str(place) if place is not None else None,
+        source=str(source) if source is not None else None,
+        requires={str(k): int(v) for k, v in (body.get("requires") or {}).items()})
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 from guard.secure.dest import local
-from guard.secure.dest.base import FileSum, PartManifest
+from guard.secure.dest.base import FileSum, PartManifest, part_from_json, part_json
 from guard.secure.hubhttp import Mismatch
 
 __all__ = ["PARTS_FOLDER", "assemble", "node_part_steps", "node_parts", "put_node_part", "record_lock",
@@ -82,36 +82,12 @@ def put_node_part(root: Path, local_dir: Path, files: Sequence[str], *, run_id: 
                         source=source, requires=dict(requires or {}))
     tmp = step_dir / f".node-{node_rank}.json.{os.getpid()}.tmp"
     with open(tmp, "w") as out:
-        json.dump(_to_json(part), out)
+        json.dump(part_json(part), out)
         out.flush()
         os.fsync(out.fileno())
     os.replace(tmp, manifest_path)
     local.fsync_dir(step_dir)
     return part
-
-
-def _to_json(part: PartManifest) -> dict[str, object]:
-    return {"run_id": part.run_id, "step": part.step, "node_rank": part.node_rank, "nodes": part.nodes,
-            "files": {rel: {"size": fs.size_bytes, "sha256": fs.sha256} for rel, fs in part.files.items()},
-            "written_at_s": part.written_at_s, "place": part.place, "source": part.source,
-            "requires": dict(part.requires)}
-
-
-def _from_json(body: dict[str, object]) -> PartManifest | None:
-    try:
-        files = body["files"]
-        requires = body.get("requires") or {}
-        assert isinstance(files, dict) and isinstance(requires, dict)
-        return PartManifest(run_id=str(body["run_id"]), step=int(str(body["step"])),
-                            node_rank=int(str(body["node_rank"])), nodes=int(str(body["nodes"])),
-                            files={str(rel): FileSum(int(meta["size"]), str(meta["sha256"]))
-                                   for rel, meta in files.items()},
-                            written_at_s=float(str(body["written_at_s"])),
-                            place=str(body["place"]) if body.get("place") is not None else None,
-                            source=str(body["source"]) if body.get("source") is not None else None,
-                            requires={str(rel): int(least) for rel, least in requires.items()})
-    except (KeyError, TypeError, ValueError, AssertionError):
-        return None
 
 
 def node_parts(root: Path, *, run_id: str, step: int) -> list[PartManifest]:
@@ -128,9 +104,10 @@ def node_parts(root: Path, *, run_id: str, step: int) -> list[PartManifest]:
             body = json.loads((step_dir / name).read_text())
         except (OSError, ValueError):
             continue
-        part = _from_json(body) if isinstance(body, dict) else None
-        if part is not None:
-            found.append(part)
+        try:
+            found.append(part_from_json(body))
+        except (KeyError, TypeError, ValueError, AttributeError):
+            continue  # not a node manifest: skipped
     return sorted(found, key=lambda p: p.node_rank)
 
 

@@ -31,7 +31,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path, PurePosixPath
 from typing import Any, ClassVar
 
@@ -46,6 +46,8 @@ from guard.secure.dest.base import (
     Progress,
     Record,
     Taint,
+    part_from_json,
+    part_json,
 )
 from guard.secure.dest.s3io import REQUEST_ATTEMPTS, S3Io, WriteConflict, make_client, s3_error
 
@@ -473,23 +475,19 @@ def _sum_json(fs: FileSum) -> dict[str, Any]:
 
 
 def _manifest_json(m: S3PartManifest) -> dict[str, Any]:
-    return {"run_id": m.run_id, "step": m.step, "node_rank": m.node_rank, "nodes": m.nodes,
-            "files": {rel: {**_sum_json(fs), "checksum": m.checksums.get(rel)} for rel, fs in m.files.items()},
-            "written_at_s": m.written_at_s, "place": m.place, "source": m.source, "requires": dict(m.requires)}
+    body = part_json(m)  # the layout every store writes, and each file's stored checksum
+    for rel, entry in body["files"].items():
+        entry["checksum"] = m.checksums.get(rel)
+    return body
 
 
 def _manifest_from(body: Mapping[str, Any]) -> S3PartManifest:
     try:
-        files = body["files"]
-        return S3PartManifest(
-            run_id=str(body["run_id"]), step=int(body["step"]), node_rank=int(body["node_rank"]),
-            nodes=int(body["nodes"]), files={rel: FileSum(int(f["size_bytes"]), str(f["sha256"]))
-                                             for rel, f in files.items()},
-            written_at_s=float(body.get("written_at_s") or 0.0), place=body.get("place"), source=body.get("source"),
-            requires={str(k): int(v) for k, v in (body.get("requires") or {}).items()},
-            checksums={rel: str(f["checksum"]) for rel, f in files.items() if f.get("checksum")})
+        part = part_from_json(body)
+        checksums = {rel: str(f["checksum"]) for rel, f in body["files"].items() if f.get("checksum")}
     except (KeyError, TypeError, ValueError, AttributeError) as err:
         raise DestinationError(f"a node manifest at the destination is malformed: {err!r}") from err
+    return S3PartManifest(**{f.name: getattr(part, f.name) for f in fields(PartManifest)}, checksums=checksums)
 
 
 def _record_json(r: S3Record) -> dict[str, Any]:
