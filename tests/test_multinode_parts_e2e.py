@@ -62,8 +62,8 @@ def dest(request: pytest.FixtureRequest, tmp_path: Path) -> Dest:
     return Dest(request.param, tmp_path, moto)
 
 
-def _nodes(tmp_path: Path, dest: Dest, *guard_args: str) -> Nodes:
-    return Nodes(tmp_path, 2, JOBS / "dcp_loop.py",
+def _nodes(tmp_path: Path, dest: Dest, *guard_args: str, n: int = 2) -> Nodes:
+    return Nodes(tmp_path, n, JOBS / "dcp_loop.py",
                  guard_args=[*FAST, "--output-dir", "{out}", "--push-to", dest.push_to, *guard_args],
                  job_args=["{out}", "--every", "20", "--step-s", "0.05"], env=dest.env)
 
@@ -97,6 +97,39 @@ def test_at_the_deadline_both_nodes_parts_make_one_whole_checkpoint(tmp_path: Pa
     dcp_to_torch_save(str(fetched.path), str(tmp_path / "whole.pt"))
     state = torch.load(tmp_path / "whole.pt", weights_only=True)
     assert any(torch.is_tensor(v) for v in _leaves(state)), state.keys()
+
+
+def test_three_nodes_at_the_deadline_say_one_step_and_their_parts_load_as_one(tmp_path: Path) -> None:
+    """Three nodes, a folder destination: every node says TIMEOUT exit=75 with one secured_step; the record holds
+    .metadata and the three nodes' shards (``nodes: 3``), and the fetched checkpoint loads in one process."""
+    dest = Dest("folder", tmp_path, None)
+    nodes = _nodes(tmp_path, dest, "--timeout", "40s", n=3).start()
+    try:
+        runs = nodes.wait(150)
+    finally:
+        nodes.close()
+    stories = {(run.fields().get("status"), run.fields().get("exit"), run.fields().get("secured"),
+                run.fields().get("secured_step"), run.returncode) for run in runs}
+    assert len(stories) == 1 and len(runs) == 3, logs(runs)
+    status, code, secured, secured_step, returncode = stories.pop()
+    assert (status, code, secured, returncode) == ("TIMEOUT", "75", "yes", 75), logs(runs)
+    record = dest.record()
+    assert record is not None and str(record.step) == secured_step, logs(runs)
+    held = json.loads((tmp_path / "dest" / "last-checkpoint" / "guard_manifest.json").read_text())
+    shards = {".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp"}
+    assert held["nodes"] == 3 and shards <= set(held["files"]), held
+    assert shards <= {p.name for p in (tmp_path / "dest" / "last-checkpoint").rglob("*")}
+    (tmp_path / "fresh").mkdir()
+    fetched = dest.store.fetch(record, tmp_path / "fresh", deadline=time.monotonic() + 60)
+    assert fetched is not None
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(str(fetched.path), str(tmp_path / "whole.pt"))
+    state = torch.load(tmp_path / "whole.pt", weights_only=True)
+    step = int(state["step"])
+    assert step == int(secured_step), (step, secured_step)
+    for rank in range(3):  # every node's own shard, of that step
+        assert float(state[f"rank{rank}"][0]) == rank * 1000 + step, rank
 
 
 def test_a_node_lost_mid_run_never_makes_the_other_say_its_newest_step_is_secured(tmp_path: Path,
