@@ -136,9 +136,10 @@ def test_a_signal_during_the_final_push_ends_within_grace(hung_xet_hub: HubServe
 # -- the resume fetch through Xet ---------------------------------------------------------------------------------
 
 
-def secure_a_checkpoint(hub: HubServer, repo_id: str, tmp_path: Path, step: int = 20, *, xet: bool = False) -> None:
+def secure_a_checkpoint(hub: HubServer, repo_id: str, tmp_path: Path, step: int = 20, *,
+                        xet: bool = False) -> dict[str, bytes]:
     """A checkpoint secured the guard's way (commit ``guard: checkpoint step N``), pushed over LFS (``xet=False``:
-    the silent storage takes nothing) or through the local Hub's Xet storage."""
+    the silent storage takes nothing) or through the local Hub's Xet storage; returns its files' bytes by name."""
     from huggingface_hub import HfApi
 
     from guard.secure.securer import Securer
@@ -146,10 +147,13 @@ def secure_a_checkpoint(hub: HubServer, repo_id: str, tmp_path: Path, step: int 
     folder = tmp_path / "seed" / f"checkpoint-{step}"
     folder.mkdir(parents=True)
     (folder / "model.safetensors").write_bytes(os.urandom(2_000_000))
+    # opaque bytes that do not start as a pickle (0x80): the format check would read them as one cut short
+    (folder / "optimizer.pt").write_bytes(b"\0" + os.urandom(700_000))
     (folder / "trainer_state.json").write_text(json.dumps({"global_step": step}))
     with client_constants(xet=xet):
         api = HfApi(endpoint=hub.url, token=TOKENS["write"])
         Securer(repo_id, api=api).push_checkpoint(folder, step=step, deadline=time.monotonic() + 60)
+    return {p.name: p.read_bytes() for p in folder.iterdir()}
 
 
 def test_the_resume_fetch_hung_on_xet_ends_within_its_bound(hung_xet_hub: HubServer, tmp_path: Path) -> None:
@@ -234,6 +238,33 @@ def test_a_hub_without_xet_fails_the_push_with_a_hint_naming_HF_HUB_DISABLE_XET(
     again = run_guard([*args, "--output-dir", str(tmp_path / "out2")], env=env, timeout_s=120)
     assert again.returncode == 0 and again.fields()["status"] == "PASS", again.stderr[-3000:]
     assert any(r.method == "PUT" and r.path.startswith("/_lfs/") for r in xet_hub.requests)
+
+
+def test_the_resume_fetch_downloads_through_xet_and_places_the_secured_bytes(xet_hub: HubServer,
+                                                                             tmp_path: Path) -> None:
+    """The guard's resume fetch (its worker process, the client's default download with Xet on): every LFS file of
+    the secured checkpoint is rebuilt from the Xet storage's reconstruction, none is fetched over plain HTTP, and
+    the bytes placed in the output folder are the secured ones, well within the run's deadline."""
+    seeded = secure_a_checkpoint(xet_hub, "alice/xet-fetch", tmp_path, xet=True)
+    lfs = {"model.safetensors", "optimizer.pt"}
+    file_ids = {name: xet_hub.cas.file_id_for(hashlib.sha256(seeded[name]).hexdigest()) for name in lfs}
+    assert None not in file_ids.values(), file_ids  # both were uploaded through Xet
+    before = len(xet_hub.requests)
+    run, verdict_s, _ = run_timed(["--timeout", "60s", "--resume", "on", "--push-to", "alice/xet-fetch",
+                                   "--output-dir", str(tmp_path / "out"), str(JOBS / "plain_loop.py"), "--steps", "5"],
+                                  env=xet_env(xet_hub, tmp_path))
+    fields = run.fields()
+    assert (fields["status"], run.returncode) == ("PASS", 0), run.stdout[-2000:] + run.stderr[-3000:]
+    assert fields["resumed_from"].startswith(str(tmp_path / "out" / "checkpoint-20")), run.verdict
+    assert verdict_s < 60, verdict_s
+    seen = xet_hub.requests[before:]
+    assert any("/xet-read-token/" in r.path and r.status == 200 for r in seen)
+    for name, file_id in file_ids.items():
+        assert any(r.path.startswith(f"/cas/v2/reconstructions/{file_id}") and r.status == 200 for r in seen), name
+        assert not any(r.method == "GET" and r.path.endswith(f"/last-checkpoint/{name}") for r in seen), name
+    assert any("/cas/xorb-data/" in r.path and r.status in (200, 206) for r in seen)
+    placed = tmp_path / "out" / "checkpoint-20"
+    assert {p.name: p.read_bytes() for p in placed.iterdir()} == seeded
 
 
 def test_a_resume_fetch_stalled_in_the_xet_storage_ends_before_the_deadline(xet_hub: HubServer,

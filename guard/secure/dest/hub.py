@@ -10,7 +10,8 @@
   (``guard_manifest.json``: step, placement, the verified commit, each file's size and sha256) with
   ``parent_commit`` the verified upload: on top of exactly that commit, or not at all. An upload commit is never a
   record (``read_record``).
-- **fetch** downloads ``last-checkpoint/`` at the recorded commit (never a later unrelated HEAD) and checks every
+- **fetch** downloads ``last-checkpoint/`` at the recorded commit (never a later unrelated HEAD; the client's
+  default transfer: ``snapshot_download`` through ``hf_xet`` for every Xet-backed file) and checks every
   file against the tree listing (sha256 of LFS files, git sha1 of regular ones) and the manifest. The step comes
   from the checkpoint's ``trainer_state.json`` (``global_step``), else the manifest, else the newest commit titled
   ``... checkpoint step N``.
