@@ -10,8 +10,8 @@ node's securing worker runs): put every file verified by SHA-256, the node's man
 manifests until all n are in and whole, then one conditional write of the record. Timed, per round:
 
 - **record**: from the moment the last node's manifest was written (its part verified) to the first record write
-  that returned: the listing poll (``hub.PARTS_POLL_S``), the union check and the record's own verification (one
-  ``HEAD`` per file) and write;
+  that returned: the listing poll (``guard.secure.meeting.PARTS_POLL_S``), the union check and the record's own
+  verification (one ``HEAD`` per file) and write;
 - **securing**: from the start of the puts to that record write: what a deadline must leave for the whole
   checkpoint.
 

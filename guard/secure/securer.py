@@ -29,7 +29,6 @@ from guard.errors import (
     DestinationError,
     GuardError,
     HubError,
-    PartsMissingError,
     PushFailedError,
     TransientDestinationError,
 )
@@ -41,12 +40,12 @@ from guard.secure.dest.base import (
     FetchedCheckpoint,
     FinalPushed,
     PartManifest,
-    PartsStore,
     Record,
     Store,
 )
 from guard.secure.dest.local import final_model_files, list_files, placement, refuse_torn
 from guard.secure.hubhttp import PROGRESS, bounded, cause_hint, classify, failure_cause, fatal_hint, retry_after_s
+from guard.secure.meeting import await_whole, parts_store
 
 if TYPE_CHECKING:
     from huggingface_hub import HfApi
@@ -59,11 +58,6 @@ logger = logging.getLogger("guard.secure.securer")
 T = TypeVar("T")
 
 _MIN_ATTEMPT_S = 1.0  # don't start another attempt with less time than this left
-#: Many nodes: how often a node whose part is in looks for the others' (seconds; one listing each).
-PARTS_POLL_S = 0.5
-#: Many nodes: no node moves the record later than this before its push's deadline (seconds), so that every node,
-#: waiting until ``2 * PARTS_POLL_S`` before its own, sees it (the nodes' deadlines agree within a second or so).
-RECORD_CUTOFF_S = 3.0
 
 
 @dataclass(frozen=True)
@@ -251,7 +245,7 @@ class Securer:
             put = store.put_part(folder, files, run_id=self.run_id, step=step, node_rank=node_rank, nodes=nodes,
                                  place=where["place"], source=where["output_dir"], deadline=deadline,
                                  requires=requires, check=still_that_save)
-            parts = [put] if nodes == 1 else self._await_whole(step, deadline)
+            parts = [put] if nodes == 1 else self._await_whole(store, step, deadline)
             return _revision(store.write_record(parts, deadline=deadline, recorded=recorded))
 
         return self._push(what, folder, files, step, attempt, deadline)
@@ -275,73 +269,12 @@ class Securer:
         return self._push("the final model", folder, names, None,
                           lambda: _revision(self.store.put_final(folder, names, deadline=deadline)), deadline)
 
-    def _shared(self) -> PartsStore:
-        store = self.store
-        if not isinstance(store, PartsStore):
-            raise PushFailedError(f"a {self.destination.kind} destination keeps no node parts: {self.nodes} nodes "
-                                  "cannot each secure their own part there", destination=str(self.destination),
-                                  hint="secure from node 0 alone (a shared output folder), or use an s3:// "
-                                       "destination")
-        return store
-
-    def _await_whole(self, step: int, deadline: float) -> list[PartManifest]:
-        """Many nodes: this node's part of ``step`` is in; wait (polling the destination's listing every
-        ``PARTS_POLL_S``) until every node's part is and their union is whole (``nodes.whole``), then return the
-        parts for the record. Any node may move the record (a conditional write: the second writer finds it done).
-
-        Raises:
-            PartsMissingError: not whole before ``deadline`` (less the time of one more listing), or the other
-                nodes put a later step (they skipped this one).
-            PushFailedError: the store keeps no node parts.
-        """
-        from guard.secure import nodes as many
-
-        store, said = self._shared(), None
-        while True:
-            found = many.whole(store.parts(run_id=self.run_id, step=step, deadline=deadline), run_id=self.run_id,
-                               step=step, nodes=self.nodes)
-            if found.complete and self._clock() > deadline - RECORD_CUTOFF_S and not self._records(store, step,
-                                                                                                 deadline):
-                # the other nodes stop waiting PARTS_POLL_S * 2 before their deadline: a record moved later than this
-                # could be unseen by some of them, whose VERDICT would then name an older step than the record (one
-                # another node moved in time is this node's too: the write below finds it in place)
-                raise PartsMissingError(
-                    f"checkpoint step {step} became whole at {self.destination} too late to move the record "
-                    f"({RECORD_CUTOFF_S:.0f}s before the deadline)", missing="", destination=str(self.destination),
-                    hint="a larger --margin leaves the nodes time to secure the checkpoint together")
-            if found.complete:
-                self._log.info("%s", found.describe())
-                return list(found.parts.values())
-            if found.describe() != said:
-                said = found.describe()
-                self._log.info("waiting for the other nodes' parts: %s", said)
-            ahead = self._others_ahead(store, step, deadline)
-            if ahead is not None:  # the nodes missing here put a later step: they will never put this one
-                raise PartsMissingError(
-                    f"checkpoint step {step} will not be whole at {self.destination}: {said}; the other nodes put "
-                    f"step {ahead}", missing=found.missing_text(), destination=str(self.destination),
-                    hint="the nodes secure the same steps when their saves are as fast as their pushes; a later "
-                         "step is secured instead")
-            if self._clock() + 2 * PARTS_POLL_S >= deadline:
-                raise PartsMissingError(
-                    f"checkpoint step {step} is not whole at {self.destination}: {said}",
-                    missing=found.missing_text(), destination=str(self.destination),
-                    hint=f"node {self.node_rank}'s part is there, verified; the record was not moved: look at the "
-                         "VERDICT of the missing nodes")
-            self._sleep(PARTS_POLL_S)
-
-    def _records(self, store: PartsStore, step: int, deadline: float) -> bool:
-        """Whether the destination's record names ``step`` of this run already (another node moved it)."""
-        record = store.read_record(deadline=deadline)
-        return record is not None and record.step == step and record.run_id in (None, self.run_id)
-
-    def _others_ahead(self, store: PartsStore, step: int, deadline: float) -> int | None:
-        """The lowest step after ``step`` that every other node has put a part of (they skipped ``step``: its push
-        would wait for parts that never come), or None."""
-        others = set(range(self.nodes)) - {self.node_rank}
-        later = [s for s, ranks in store.part_steps(run_id=self.run_id, deadline=deadline).items()
-                 if s > step and others <= ranks]
-        return min(later) if later else None
+    def _await_whole(self, store: Store, step: int, deadline: float) -> list[PartManifest]:
+        """Many nodes: this node's part of ``step`` is in; wait for every node's (``guard.secure.meeting``)."""
+        shared = parts_store(store, destination=str(self.destination), kind=self.destination.kind, nodes=self.nodes)
+        return await_whole(shared, run_id=self.run_id, step=step, node_rank=self.node_rank, nodes=self.nodes,
+                           deadline=deadline, destination=str(self.destination), clock=self._clock,
+                           sleep=self._sleep, log=self._log)
 
     def tidy(self) -> None:
         """After the run (its pushes are over): what a push killed part way left at the destination goes (a
