@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from guard.errors import DestinationError, TransientDestinationError, UsageError
+from guard.secure.dest import local
 from guard.secure.dest.base import PartManifest, Store, Taint
 from guard.secure.dest.s3 import RECORD_NAME, S3Record, S3Store, parse_s3_url
 from guard.secure.dest.s3io import composite_checksum
@@ -85,7 +86,7 @@ def test_store_protocol(moto: MotoServer) -> None:
     assert str(store).startswith("s3://guard-") and str(store).endswith("/runs/r1")
 
 
-def test_put_record_fetch_round_trip(moto: MotoServer, tmp_path: Path) -> None:
+def test_put_record_fetch_round_trip(moto: MotoServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     store = make_store(moto, part_size_bytes=5 * MIB, multipart_threshold_bytes=5 * MIB)
     folder, files = checkpoint(tmp_path, 20, big_bytes=12 * MIB + 3)  # 3 parts
     seen: list[tuple[int, int]] = []
@@ -109,9 +110,19 @@ def test_put_record_fetch_round_trip(moto: MotoServer, tmp_path: Path) -> None:
     assert again is not None and again.revision == record.revision and again.files == record.files
 
     into = tmp_path / "resume"
+    synced: list[Path] = []
+    real_fsync_dir = local.fsync_dir
+    monkeypatch.setattr(local, "fsync_dir", lambda path: (synced.append(Path(path)), real_fsync_dir(path)))
     fetched = store.fetch(again, into, deadline=deadline())
     assert fetched.path == into / "checkpoint-20" and fetched.step == 20
     assert all(sha(into / "checkpoint-20" / f) == sha(folder / f) for f in files)
+    # placed as every store places (local.place_fetched): the rename made durable, the folder's default mode (not
+    # the 0700 of a temporary folder), and an identical copy kept as it is on the next fetch
+    assert synced == [into]
+    assert (into / "checkpoint-20").stat().st_mode & 0o777 == into.stat().st_mode & 0o777 != 0o700
+    inode = (into / "checkpoint-20").stat().st_ino
+    store.fetch(again, into, deadline=deadline())
+    assert (into / "checkpoint-20").stat().st_ino == inode and not list(into.glob(".checkpoint-20.replaced-*"))
     # a differing local copy is moved aside, never deleted
     (into / "checkpoint-20" / "config.json").write_text("changed")
     store.fetch(again, into, deadline=deadline())

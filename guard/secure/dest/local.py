@@ -1,7 +1,8 @@
-"""Local files for the folder and Hub stores: listing, hashing, copying, the manifest, placing a fetched checkpoint.
+"""Local files for the stores: listing, hashing, copying, the manifest, placing a fetched checkpoint.
 
 Every function here works on this machine's files only (no destination): the stores (``guard.secure.dest.folder``,
-``guard.secure.dest.hub``) and the securer call them. Hashes are SHA-256 (lowercase hex), sizes bytes, paths posix
+``guard.secure.dest.hub``, ``guard.secure.dest.s3``: its fetch places through ``place_fetched`` too) and the
+securer call them. Hashes are SHA-256 (lowercase hex), sizes bytes, paths posix
 and relative to the folder they are listed from.
 """
 
@@ -24,8 +25,8 @@ from guard.secure.dest.base import CHECKPOINT_FOLDER, MANIFEST_NAME, FetchedChec
 from guard.secure.layout import CHECKPOINT_FOLDER_RE
 
 __all__ = ["copy_and_hash", "final_model_files", "fsync_dir", "hash_file", "holds_final_model", "list_files",
-           "place_fetched", "placed", "placement", "read_manifest", "refuse_torn", "signatures", "staging_dir",
-           "step_from_trainer_state"]
+           "place_fetched", "placed", "placement", "read_manifest", "refuse_torn", "same_bytes", "signatures",
+           "staging_dir", "step_from_trainer_state"]
 
 #: Checkpoint folder names of the layouts the guard knows (their parent is the output folder).
 _CHECKPOINT_LIKE = re.compile(r"(?:tmp-)?(?:checkpoint-|checkpoint_|step_|global_step)[0-9]+")
@@ -199,25 +200,46 @@ def step_from_trainer_state(folder: Path) -> int | None:
         return None
 
 
+def same_bytes(a: Path, b: Path) -> bool:
+    """``a`` and ``b`` are regular files (links followed) with the same bytes, compared block by block: the sizes
+    first, then up to the first block that differs. Raises ``OSError`` (a file that cannot be read)."""
+    if not (a.is_file() and b.is_file()) or a.stat().st_size != b.stat().st_size:
+        return False
+    with open(a, "rb") as fa, open(b, "rb") as fb:
+        while True:
+            block = fa.read(1 << 20)
+            if block != fb.read(1 << 20):
+                return False
+            if not block:
+                return True
+
+
 def place_fetched(fetched: Path, into: Path, step: int | None, revision: str, files: list[str], size: int,
                   place: str | None, destination: str, log: logging.Logger) -> FetchedCheckpoint:
-    """Put the verified ``fetched`` folder where the checkpoint came from: ``into/<place>`` for a checkpoint
-    folder (``checkpoint-<step>`` when not recorded), or its files at the top of ``into`` (``place`` ``"."``:
-    ``out/ckpt.pt`` for a loop that reloads its own file). What is there already is kept when identical, else
-    moved aside to a hidden ``.NAME.replaced-<time>-<pid>`` (never deleted).
+    """Put the verified ``fetched`` folder (holding ``files``, ``size`` bytes in all) where the checkpoint came
+    from, for every store: ``into/<place>`` for a checkpoint folder (``checkpoint-<step>`` when not recorded), or
+    its files at the top of ``into`` (``place`` ``"."``: ``out/ckpt.pt`` for a loop that reloads its own file; a
+    ``place`` that ``placement`` never writes counts as not recorded).
+    What is there already is kept when it holds the same files with the same bytes (``same_bytes``), else moved
+    aside to a hidden ``.NAME.replaced-<time>-<pid>`` (never deleted). Every folder a file or the checkpoint was
+    renamed into is fsynced, so that the placed checkpoint outlives a crash of the machine right after.
 
     Raises:
         HubError: ``step`` is None (the checkpoint does not say its step).
-        OSError: a rename failed.
+        OSError: a rename or a read failed.
     """
     if step is None:
         raise HubError(f"cannot tell the step of {destination}/{CHECKPOINT_FOLDER}", destination=destination,
                        hint="it has no trainer_state.json and was not pushed by the guard")
+    if place is not None and place != "." and not _CHECKPOINT_LIKE.fullmatch(place):
+        place = None  # a place the guard never records (``placement``): never a path out of ``into``
     stamp = f"replaced-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    names = tuple(sorted(files))
     if place == ".":
-        for rel in sorted(files):
+        renamed_into = {into}
+        for rel in names:
             target = into / rel
-            if target.is_file() and hash_file(target) == hash_file(fetched / rel):
+            if same_bytes(target, fetched / rel):
                 continue
             if target.exists() or target.is_symlink():
                 aside = target.with_name(f".{target.name}.{stamp}")
@@ -225,20 +247,23 @@ def place_fetched(fetched: Path, into: Path, step: int | None, revision: str, fi
                 log.warning("%s differs from the secured checkpoint: moved it to %s", target, aside)
             target.parent.mkdir(parents=True, exist_ok=True)
             os.rename(fetched / rel, target)
-        fsync_dir(into)
-        where = into / files[0] if len(files) == 1 else into
+            renamed_into.add(target.parent)
+        for folder in sorted(renamed_into):
+            fsync_dir(folder)
+        where = into / names[0] if len(names) == 1 else into
         log.info("fetched %s/%s (step %d) back into %s", destination, CHECKPOINT_FOLDER, step, where)
-        return FetchedCheckpoint(where, step, revision, tuple(sorted(files)), size)
+        return FetchedCheckpoint(where, step, revision, names, size)
     target = into / (place or f"checkpoint-{step}")
     if target.exists():
-        mine = {rel: hash_file(target / rel) for rel in list_files(target)}
-        if mine == {rel: hash_file(fetched / rel) for rel in list_files(fetched)}:
+        if list_files(target) == list_files(fetched) and all(same_bytes(target / rel, fetched / rel)
+                                                              for rel in names):
             log.info("%s already holds the secured checkpoint (step %d): keeping it", target, step)
-            return FetchedCheckpoint(target, step, revision, tuple(sorted(files)), size)
-        aside = into / f".{target.name}.{stamp}"
+            return FetchedCheckpoint(target, step, revision, names, size)
+        aside = target.with_name(f".{target.name}.{stamp}")
         os.rename(target, aside)  # a partial or different local copy: kept aside (hidden), not deleted
         log.warning("%s differs from the secured checkpoint: moved it to %s", target, aside)
+    target.parent.mkdir(parents=True, exist_ok=True)
     os.rename(fetched, target)
-    fsync_dir(into)
+    fsync_dir(target.parent)
     log.info("fetched %s/%s (step %d) into %s", destination, CHECKPOINT_FOLDER, step, target)
-    return FetchedCheckpoint(target, step, revision, tuple(sorted(files)), size)
+    return FetchedCheckpoint(target, step, revision, names, size)

@@ -25,10 +25,8 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
 import shutil
-import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
@@ -36,6 +34,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any, ClassVar
 
 from guard.errors import DestinationError, UsageError
+from guard.secure.dest import local
 from guard.secure.dest.base import (
     CHECKPOINT_FOLDER,
     Destination,
@@ -382,8 +381,9 @@ class S3Store:
 
     def fetch(self, record: Record, into: Path, *, deadline: float) -> FetchedCheckpoint | None:
         """Download ``record``'s checkpoint into ``into`` (at ``record.place``), each file verified against the
-        record; a differing local copy is moved aside to a hidden ``.NAME.replaced-<time>-<pid>``. A record known
-        only by its revision (no step, no files) is read again first: None when there is none now."""
+        record, and placed as every store places it (``local.place_fetched``: a differing local copy is moved aside
+        to a hidden ``.NAME.replaced-<time>-<pid>``). A record known only by its revision (no step, no files) is
+        read again first: None when there is none now."""
         if record.step is None and not record.files:
             current = self.read_record(deadline=deadline)
             if current is None:
@@ -398,11 +398,13 @@ class S3Store:
                 keys.update({rel: f"{self._staging(part.run_id, part.step)}node-{part.node_rank}/{rel}"
                              for rel in part.files})
         into.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=".guard-fetch-", dir=into))
+        staging = local.staging_dir(".guard-fetch-", into)  # placed as it is: the folder's default permissions
         try:
             self.io.download_files([(rel, self.key(keys[rel]), fs.size_bytes, fs.sha256)
                                     for rel, fs in record.files.items()], staging, deadline)
-            return _place(staging, into, record, str(self))
+            return local.place_fetched(staging, into, record.step, record.revision, sorted(record.files),
+                                       sum(fs.size_bytes for fs in record.files.values()), record.place, str(self),
+                                       logger)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
 
@@ -506,50 +508,3 @@ def _record_from_json(body: Mapping[str, Any], etag: str) -> S3Record:
             restored_from=body.get("restored_from"), keys={rel: str(f["key"]) for rel, f in files.items()})
     except (KeyError, TypeError, ValueError, AttributeError) as err:
         raise DestinationError(f"the record {RECORD_NAME} at the destination is malformed: {err!r}") from err
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Placing a fetched checkpoint
-# ---------------------------------------------------------------------------------------------------------------
-
-
-def _same_file(a: Path, b: Path) -> bool:
-    import filecmp
-
-    return a.is_file() and b.is_file() and filecmp.cmp(a, b, shallow=False)
-
-
-def _place(fetched: Path, into: Path, record: Record, where: str) -> FetchedCheckpoint:
-    """Put the verified ``fetched`` folder where the checkpoint came from: ``into/<place>`` (``checkpoint-<step>``
-    when not recorded), or its files at the top of ``into`` (place ``"."``). What is there is kept when identical,
-    else moved aside to a hidden ``.NAME.replaced-<time>-<pid>`` (never deleted)."""
-    assert record.step is not None
-    files = sorted(record.files)
-    size = sum(fs.size_bytes for fs in record.files.values())
-    stamp = f"replaced-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
-    if record.place == ".":
-        for rel in files:
-            target = into / rel
-            if _same_file(target, fetched / rel):
-                continue
-            if target.exists() or target.is_symlink():
-                aside = target.with_name(f".{target.name}.{stamp}")
-                os.rename(target, aside)
-                logger.warning("%s differs from the secured checkpoint: moved it to %s", target, aside)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            os.rename(fetched / rel, target)
-        where_to = into / files[0] if len(files) == 1 else into
-        return FetchedCheckpoint(where_to, record.step, record.revision, tuple(files), size)
-    target = into / (record.place or f"checkpoint-{record.step}")
-    if target.exists():
-        mine = sorted(str(p.relative_to(target)) for p in target.rglob("*") if p.is_file())
-        if mine == files and all(_same_file(target / rel, fetched / rel) for rel in files):
-            logger.info("%s already holds the secured checkpoint (step %d): keeping it", target, record.step)
-            return FetchedCheckpoint(target, record.step, record.revision, tuple(files), size)
-        aside = target.with_name(f".{target.name}.{stamp}")
-        os.rename(target, aside)
-        logger.warning("%s differs from the secured checkpoint: moved it to %s", target, aside)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    os.rename(fetched, target)
-    logger.info("fetched %s (step %d) into %s", where, record.step, target)
-    return FetchedCheckpoint(target, record.step, record.revision, tuple(files), size)
