@@ -136,6 +136,22 @@ def test_deepspeed_requires_every_data_parallel_ranks_zero_file(tmp_path: Path) 
     assert part is not None and part.part and part.step == 5
 
 
+def test_a_zero_shard_alone_without_latest_is_a_nodes_part(tmp_path: Path) -> None:
+    # global rank 0 writes the model states and ``latest`` on node 0's disk; node 1's tag folder holds its ZeRO file
+    # alone, with no ``latest`` beside it: this node's part once settled, never a whole checkpoint
+    folder = tmp_path / "n1" / "global_step5"
+    folder.mkdir(parents=True)
+    torch.save({"optimizer_state_dict": {"r": 1}}, folder / "zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    settle(folder.parent)
+    now = time.time()
+    assert checkpoints.newest_complete(folder.parent, now_s=now, loose=False) is None  # one node: no latest
+    part = checkpoints.newest_complete(folder.parent, now_s=now, loose=False, parts=True)
+    assert part is not None and part.part and part.step == 5
+    assert "mp_rank_00_model_states.pt" in dict(part.requires)
+    (folder.parent / "latest").write_text("global_step4")  # a latest naming an older tag: still being written
+    assert checkpoints.newest_complete(folder.parent, now_s=now, loose=False, parts=True) is None
+
+
 @pytest.mark.parametrize(("name", "world_size"), [("rng_state_{}.pth", 2), ("random_states_{}.pkl", 3)])
 def test_per_rank_files_of_the_trainer_and_accelerate_are_required_for_every_rank(tmp_path: Path, name: str,
                                                                                   world_size: int) -> None:

@@ -19,7 +19,7 @@ import psutil
 import pytest
 import torch
 from conftest import JOBS
-from multinode import Nodes, logs
+from multinode import NodeRun, Nodes, logs
 from s3server import MotoServer
 from s3server import env as s3_env
 
@@ -108,10 +108,8 @@ def test_three_nodes_at_the_deadline_say_one_step_and_their_parts_load_as_one(tm
         runs = nodes.wait(150)
     finally:
         nodes.close()
-    stories = {(run.fields().get("status"), run.fields().get("exit"), run.fields().get("secured"),
-                run.fields().get("secured_step"), run.returncode) for run in runs}
-    assert len(stories) == 1 and len(runs) == 3, logs(runs)
-    status, code, secured, secured_step, returncode = stories.pop()
+    assert len(runs) == 3, logs(runs)
+    status, code, secured, secured_step, returncode = _one_story(runs)
     assert (status, code, secured, returncode) == ("TIMEOUT", "75", "yes", 75), logs(runs)
     record = dest.record()
     assert record is not None and str(record.step) == secured_step, logs(runs)
@@ -130,6 +128,50 @@ def test_three_nodes_at_the_deadline_say_one_step_and_their_parts_load_as_one(tm
     assert step == int(secured_step), (step, secured_step)
     for rank in range(3):  # every node's own shard, of that step
         assert float(state[f"rank{rank}"][0]) == rank * 1000 + step, rank
+
+
+def _zero(tmp_path: Path, dest: Dest, *job_args: str) -> Nodes:
+    return Nodes(tmp_path, 2, JOBS / "zero_parts_loop.py",
+                 guard_args=[*FAST, "--output-dir", "{out}", "--push-to", dest.push_to, "--timeout", "40s"],
+                 job_args=["{out}", "--every", "20", "--step-s", "0.05", *job_args], env=dest.env)
+
+
+def test_deepspeed_zero_shards_on_two_nodes_make_one_checkpoint(tmp_path: Path, dest: Dest) -> None:
+    """A ZeRO layout over two disks (node 0: the tag's model states, rank 0's optimizer shard, ``latest``; node 1:
+    rank 1's shard alone): both nodes TIMEOUT exit=75 with one secured_step, and the record holds every
+    data-parallel rank's ZeRO file of that step."""
+    nodes = _zero(tmp_path, dest).start()
+    try:
+        runs = nodes.wait(150)
+    finally:
+        nodes.close()
+    status, code, secured, secured_step, returncode = _one_story(runs)
+    assert (status, code, secured, returncode) == ("TIMEOUT", "75", "yes", 75), logs(runs)
+    record = dest.record()
+    assert record is not None and str(record.step) == secured_step, logs(runs)
+    (tmp_path / "fresh").mkdir()
+    fetched = dest.store.fetch(record, tmp_path / "fresh", deadline=time.monotonic() + 60)
+    assert fetched is not None
+    step = int(secured_step)
+    states = torch.load(fetched.path / "mp_rank_00_model_states.pt", weights_only=True)
+    assert states["global_steps"] == step and states["dp_world_size"] == 2
+    for rank in range(2):  # every data-parallel rank's shard, of that step
+        shard = torch.load(fetched.path / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt", weights_only=True)
+        assert float(shard["optimizer_state_dict"]["shard"][0]) == rank * 1000 + step, rank
+
+
+def test_deepspeed_rank_0s_shard_alone_is_never_secured(tmp_path: Path, dest: Dest) -> None:
+    """Node 1's rank never writes its ZeRO file: node 0 holds the model states, rank 0's shard and ``latest``, and
+    no node may say secured=yes; the destination records nothing."""
+    nodes = _zero(tmp_path, dest, "--no-shard", "1").start()
+    try:
+        runs = nodes.wait(150)
+    finally:
+        nodes.close()
+    for run in runs:
+        assert run.fields().get("status") == "TIMEOUT" and run.fields().get("secured") != "yes", logs(runs)
+    assert runs[0].fields().get("missing") in (None, "node1"), logs(runs)
+    assert dest.record() is None, logs(runs)
 
 
 def test_a_node_lost_mid_run_never_makes_the_other_say_its_newest_step_is_secured(tmp_path: Path,
@@ -156,6 +198,14 @@ def test_a_node_lost_mid_run_never_makes_the_other_say_its_newest_step_is_secure
         assert secured_step == str(record.step), logs(runs)  # the VERDICT names what the bucket holds
     assert node0.get("missing") in (None, "node1"), logs(runs)
     assert node0.get("status") in ("FAIL", "TIMEOUT") and node0.get("node") == "0", logs(runs)
+
+
+def _one_story(runs: list[NodeRun]) -> tuple[str | None, str | None, str | None, str | None, int]:
+    """What every node's VERDICT must tell alike: status, exit, secured, secured_step, and the guard's exit code."""
+    stories = {(run.fields().get("status"), run.fields().get("exit"), run.fields().get("secured"),
+                run.fields().get("secured_step"), run.returncode) for run in runs}
+    assert len(stories) == 1, logs(runs)
+    return stories.pop()
 
 
 def _leaves(obj: object) -> list[object]:

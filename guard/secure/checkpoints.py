@@ -309,7 +309,7 @@ def _check(path: Path, now_s: float, stable_for_s: float, stat: StatFn, reported
     if distcp and DISTCP_METADATA not in first and not parts:
         return first, f"no {DISTCP_METADATA} (a torch.distributed.checkpoint save writes it last)"
     if path.name.startswith("global_step"):
-        why = _deepspeed_unfinished(path)
+        why = _deepspeed_unfinished(path, parts)
         if why is not None:
             return first, why
     sharded = any(_SHARDED_FILE_RE.fullmatch(n.rsplit("/", 1)[-1]) for n in first)
@@ -364,12 +364,16 @@ def _unchecked_model_file(path: Path, files: Iterable[str]) -> str | None:
     return None
 
 
-def _deepspeed_unfinished(path: Path) -> str | None:
+def _deepspeed_unfinished(path: Path, parts: bool = False) -> str | None:
     """Why DeepSpeed's ``global_stepN`` folder is not finished: the ``latest`` file beside it (written after every
-    rank's part, ``DeepSpeedEngine.save_checkpoint``) does not name it or a later step; None when it does."""
+    rank's part, ``DeepSpeedEngine.save_checkpoint``) does not name it or a later step; None when it does. With
+    ``parts`` (many nodes, each with its own disk) no ``latest`` at all is no reason: global rank 0 writes it, on
+    node 0's disk, and this folder holds only this node's ranks' ZeRO files (judged by the settle rule instead)."""
     try:
         latest = (path.parent / DEEPSPEED_LATEST_NAME).read_text(encoding="utf-8").strip()
-    except (OSError, UnicodeDecodeError):
+    except (OSError, UnicodeDecodeError) as exc:
+        if parts and isinstance(exc, FileNotFoundError):
+            return None
         return f"no {DEEPSPEED_LATEST_NAME} file beside it (DeepSpeed writes it once every rank saved)"
     mine, named = _FOLDER_RE.fullmatch(path.name), _FOLDER_RE.fullmatch(latest)
     if mine is None or named is None or int(named[1]) < int(mine[1]):
