@@ -391,7 +391,7 @@ def test_folder_push_swaps_in_a_verified_copy(tmp_path):
     (newer / "sub" / "rng_state.txt").unlink()
     result = securer.push_checkpoint(newer, step=2, deadline=time.monotonic() + 60)
     target = dest / "last-checkpoint"
-    assert result.revision == first.revision == str(target) and result.pushed == f"{dest}@{target}"
+    assert result.revision == first.revision == str(target) and result.pushed == str(target)
     copied = local_files(target)
     manifest = json.loads(copied.pop(MANIFEST_NAME))
     assert copied == local_files(newer)

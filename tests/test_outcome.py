@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 from fakes import ckpt
 
+from guard.secure.dest.base import pushed_text
 from guard.secure.outcome import Verdict, checkpoint_fields, resume_step_text
 from guard.secure.plan import PlanReport, PushView, State
 
@@ -128,3 +129,15 @@ def test_a_torch_save_dict_tells_its_own_step(tmp_path) -> None:
     assert recorded_step(path) is None
     (tmp_path / "raw.pt").write_bytes(b"PK\x03\x04 not a zip")
     assert recorded_step(tmp_path / "raw.pt") is None
+
+
+@pytest.mark.parametrize(("destination", "revision", "pushed"), [
+    ("/data/dest", "/data/dest/last-checkpoint", "/data/dest/last-checkpoint"),  # a folder: the folder written
+    ("/data/dest", "/data/dest", "/data/dest"),  # a folder's final model: DEST itself
+    ("hf://acme/run", "3f2a9c1e", "hf://acme/run@3f2a9c1e"),
+    ("s3://bucket/run", "0123abcd", "s3://bucket/run@0123abcd"),
+])
+def test_pushed_names_the_folder_written_or_dest_at_revision(destination: str, revision: str, pushed: str) -> None:
+    """``pushed=`` as the contract says it: DEST@REVISION for the Hub and S3, the folder written for a folder, in
+    the VERDICT and in the guard's own lines alike (they said ``DEST@DEST/last-checkpoint`` before)."""
+    assert pushed_text(destination, revision) == pushed

@@ -394,7 +394,7 @@ def test_a_resumed_checkpoint_fetched_from_the_destination_stands_as_secured(clo
     pusher = FakePusher(clock)
     plan = make(clock, pusher, deadline_at=30.0)
     plan.on(AlreadySecured(ckpt(13), "/dest", "/dest/last-checkpoint"))
-    assert plan.report().secured is not None and plan.report().secured.pushed == "/dest@/dest/last-checkpoint"
+    assert plan.report().secured is not None and plan.report().secured.pushed == "/dest/last-checkpoint"
     plan.on(DeadlineNear(can_save=False))
     run_until(plan, clock, 40.0)
     assert pusher.started == []  # never pushed again
@@ -915,3 +915,18 @@ def test_a_taint_that_reaches_a_recorded_push_puts_the_newest_good_checkpoint_ba
     assert secured_step(plan) is None  # the destination holds step 20 until the push of step 10 ends
     run_until(plan, clock, 9.0)
     assert secured_step(plan) == 10 and [h.args["step"] for h in pusher.started] == [10, 20, 10]
+
+
+def test_a_save_whose_step_is_not_known_is_logged_as_such(clock: FakeClock,
+                                                           caplog: pytest.LogCaptureFixture) -> None:
+    """A file the scan found with no step of its own (a ``model.pt`` no agent reported) is pushed and logged as
+    "step not known", never "step None" (the new-user trial read "securing out/model.pt (step None, ...)")."""
+    pusher = FakePusher(clock, rate=lambda now: 1e6)
+    plan = make(clock, pusher)
+    info = dataclasses.replace(ckpt(10), path=Path("/out/model.pt"), step=None, files=("model.pt",))
+    with caplog.at_level(logging.INFO, logger="guard.secure"):
+        seen(plan, info)
+        run_until(plan, clock, 10.0)
+    assert pusher.started, "the save was not pushed"
+    assert "securing /out/model.pt (step not known" in caplog.text
+    assert "step None" not in caplog.text

@@ -52,7 +52,7 @@ def test_folder_push_returns_plain_data(tmp_path: Path) -> None:
     result = wait(worker.start("push_checkpoint", {"local_dir": str(ckpt), "step": 7}, time.monotonic() + 60,
                                destination=str(dest)))
     assert result.ok, result.error
-    assert result.pushed == f"{dest}@{dest / 'last-checkpoint'}"
+    assert result.pushed == str(dest / 'last-checkpoint')
     assert result.files == ("model.safetensors", "trainer_state.json") and result.step == 7
     assert result.size_bytes == sum(p.stat().st_size for p in ckpt.iterdir())
     secured = dest / "last-checkpoint" / "model.safetensors"
@@ -308,4 +308,4 @@ def test_a_push_killed_after_its_record_moved_reports_the_step_the_destination_h
     time.sleep(0.2)  # its line is written right after the swap (the worker may have ended meanwhile: the same)
     result = handle.kill()
     assert not result.ok and result.recorded_step == 7
-    assert result.pushed == f"{dest}@{dest / 'last-checkpoint'}"
+    assert result.pushed == str(dest / 'last-checkpoint')

@@ -1,5 +1,6 @@
 """Durations and sizes as the contract spells them (``7200``, ``45s``, ``1.5h``, ``D-HH:MM:SS``; ``500MB``,
-``1.5GiB``), parsed and rendered. Part of the guard's bottom layer: imports nothing of the guard but ``errors``."""
+``1.5GiB``), parsed and rendered, and a step as the guard's lines spell it. Part of the guard's bottom layer:
+imports nothing of the guard but ``errors``."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import re
 
 from guard.errors import UsageError
 
-__all__ = ["DURATION_FORMS", "SIZE_FORMS", "format_duration_s", "parse_duration", "parse_size"]
+__all__ = ["DURATION_FORMS", "SIZE_FORMS", "format_duration_s", "parse_duration", "parse_size", "step_text"]
 
 DURATION_FORMS = "whole seconds (7200), a number and a unit s/m/h/d (45s, 90m, 1.5h, 1d), HH:MM:SS or D-HH:MM:SS"
 SIZE_FORMS = "bytes (1000000) or a number and a unit (500MB, 10GB, 1.5GiB, 2T)"
@@ -78,3 +79,9 @@ def format_duration_s(seconds: float) -> str:
             parts.append(f"{total // size}{unit}")
             total %= size
     return "".join(parts) or "0s"
+
+
+def step_text(step: int | None) -> str:
+    """``"step N"``, or ``"step not known"`` for a save whose step neither the job reported nor the files record
+    (a ``model.pt`` found by the scan of the output folder): the guard's lines never say ``step None``."""
+    return "step not known" if step is None else f"step {step}"

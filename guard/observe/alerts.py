@@ -46,6 +46,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from guard.core.durations import step_text
+
 __all__ = ["AFTER_VERDICT_WAIT_S", "LEVELS", "AlertTracker", "Alerts", "ThroughputWatch", "WebhookWatch", "compose",
            "require_trackio", "wait_for_webhooks"]
 
@@ -366,8 +368,8 @@ class Alerts:
                 self.send(f"final:{where}", "info", "final model secured", f"at {where}")
             elif not suspect:
                 name = os.path.basename(os.path.normpath(str(view.path))) if view.path else "checkpoint"
-                if self.send(f"secured:{at}:{where}", "info", f"checkpoint secured: step {at}", f"{name} at {where}",
-                             step=at) and at is not None:
+                if self.send(f"secured:{at}:{where}", "info", f"checkpoint secured: {step_text(at)}",
+                             f"{name} at {where}", step=at) and at is not None:
                     self._alerted.add(int(at))
             return
         if view.killed or view.kind == "resumed" or view.rewritten:  # a newer save of the job's replaced it

@@ -436,9 +436,6 @@ def job_result(state: RunState, ended: JobExit, settings: RunSettings, *,
                     "files, call guard.checkpoint_saved(path) after a save, or pass --output-dir DIR")
             log.warning("%s", hint)
             result.extra.setdefault("hint", hint)  # PASS stays PASS: training went well, its result is not kept
-        pushed = result.extra.get("pushed")
-        if isinstance(pushed, str) and "@" in pushed and os.path.isabs(pushed.rsplit("@", 1)[1]):
-            result.extra["pushed"] = pushed.rsplit("@", 1)[1]  # a folder destination: the folder written
     if result.status == "PASS" and result.reason == "ok" and progress.step is None and facts.agents_seen:
         result.extra.setdefault("steps", 0)  # the agent was there and saw no training step: say so
     if not progress.sanity and result.status == "PASS":

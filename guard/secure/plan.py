@@ -65,6 +65,7 @@ import signal
 from collections.abc import Callable
 from typing import Any
 
+from guard.core.durations import step_text
 from guard.secure.budget import MarginEstimator
 from guard.secure.cadence import PUSH_STALL_S, PUSH_TIME_FACTOR, background_interval_s
 from guard.secure.checkpoints import CheckpointInfo, rewritten_after
@@ -340,15 +341,16 @@ class Plan:
             if info.step is None:
                 log.warning("checkpoint %s holds a tensor that is not finite: never pushed", info.path)
                 return []
-            log.warning("checkpoint %s (step %s) holds a tensor that is not finite: suspect from step %s on",
-                        info.path, info.step, info.step)
+            log.warning("checkpoint %s (%s) holds a tensor that is not finite: suspect from %s on",
+                        info.path, step_text(info.step), step_text(info.step))
             return self._on_taint(Tainted(info.step), now) + self._mark(info, why="saved at or after")
         if self._is_suspect(info):
             return self._mark(info, why="saved after")
         if hold and self._provisional(info):
             if all(not _same(info, held.info) for held, _ in self._held):
-                log.info("checkpoint %s (step %s): held until the losses through its step are read (read through "
-                         "step %s)", info.path, info.step, self._read_through)
+                log.info("checkpoint %s (%s): held until the losses through its step are read (read through "
+                         "%s)", info.path, step_text(info.step),
+                         "no step yet" if self._read_through is None else step_text(self._read_through))
                 self._held.append((event, self._reads))
             return []
         newest = self._newest
@@ -585,8 +587,8 @@ class Plan:
         if any(s.path == info.path and s.step == info.step for s in self._suspects):
             return []
         self._suspects.append(info)
-        log.warning("checkpoint %s (step %s) was %s the first non-finite loss (step %d): suspect, not pushed",
-                    info.path, info.step, why, self._bad_from_step)
+        log.warning("checkpoint %s (%s) was %s the first non-finite loss (step %d): suspect, not pushed",
+                    info.path, step_text(info.step), why, self._bad_from_step)
         return [MarkSuspect(str(info.path), info.step, self._bad_from_step)]
 
     def _measured(self, took_s: float) -> None:
@@ -607,7 +609,7 @@ class Plan:
             return []
         if self._stall_logged is not record:
             self._stall_logged = record
-            log.warning("push of step %s (%s) made no progress for %.0fs", record.info.step, record.info.path,
+            log.warning("push of %s (%s) made no progress for %.0fs", step_text(record.info.step), record.info.path,
                         idle_s)
         newer = self._queued if self._queued is not None else self._newest
         if newer is None or _same(newer, record.info) or _step(newer) < _step(record.info) \
@@ -615,8 +617,8 @@ class Plan:
             return []
         if self._state is State.SECURING and self._estimate_s(newer) > self.secure_by - now:
             return []
-        log.warning("push of step %s stalled: pushing the newer checkpoint %s (step %s) instead", record.info.step,
-                    newer.path, newer.step)
+        log.warning("push of %s stalled: pushing the newer checkpoint %s (%s) instead",
+                    step_text(record.info.step), newer.path, step_text(newer.step))
         self._stall_bound_s *= 2
         kind = record.kind
         actions = self._kill("stalled")
@@ -715,7 +717,7 @@ class Plan:
         target = self._newest
         log.warning("the destination holds %s, saved at or after the first non-finite loss: %s",
                     held.info.path if held is not None and held.info is not None else "a suspect save",
-                    f"pushing {target.path} (step {target.step}) over it" if target is not None and self._pusher
+                    f"pushing {target.path} ({step_text(target.step)}) over it" if target is not None and self._pusher
                     else "no older good checkpoint to put back; nothing counts as secured")
         if self._pusher is None or target is None or self._push is not None:
             return []
@@ -752,7 +754,7 @@ class Plan:
         else:
             decision = "keep"
         log.info("%s while %s is pushed: %s (about %.0fs + %.0fs of %.0fs left)",
-                 f"checkpoint {newer.path} (step {newer.step})" if newer is not None else "the final model",
+                 f"checkpoint {newer.path} ({step_text(newer.step)})" if newer is not None else "the final model",
                  running.info.path, {"follow": "it follows", "replace": "pushing it instead",
                                      "keep": "too late for it, the running push goes on"}[decision],
                  running_left_s, need_s, left_s)
@@ -795,9 +797,9 @@ class Plan:
         need_s = self._estimate_s(info)
         if self._measured_push_s is None or need_s <= deadline - now:
             return True
-        log.warning("not pushing %s (step %s): about %.1fs needed (measured pushes), %.1fs left; a push killed at "
-                    "the end of its window would leave the destination in doubt", info.path, info.step, need_s,
-                    max(0.0, deadline - now))
+        log.warning("not pushing %s (%s): about %.1fs needed (measured pushes), %.1fs left; a push killed at "
+                    "the end of its window would leave the destination in doubt", info.path, step_text(info.step),
+                    need_s, max(0.0, deadline - now))
         return False
 
     def _background_deadline(self, now: float) -> float:
@@ -809,7 +811,7 @@ class Plan:
         if kind == "background":
             self._last_start = now
         estimate_s = self._estimate_s(info)
-        log.info("securing %s (step %s, %.1f MB)%s, %.0fs allowed", info.path, info.step, info.size_bytes / 1e6,
+        log.info("securing %s (%s, %.1f MB)%s, %.0fs allowed", info.path, step_text(info.step), info.size_bytes / 1e6,
                  " in the background" if kind == "background" else "", deadline - now)
         handle = self._pusher.start("push_checkpoint", {
             "local_dir": str(info.folder), "step": info.step or 0, "files": list(info.files),
@@ -864,8 +866,8 @@ class Plan:
             log.error("the push of %s was stopped after the destination's record named it, but it was saved after "
                       "the first non-finite loss: the destination holds a suspect checkpoint", record.info.path)
         else:
-            log.warning("the push of %s was stopped after the destination's record named step %s: that checkpoint "
-                        "is secured", record.info.path, step)
+            log.warning("the push of %s was stopped after the destination's record named %s: that checkpoint "
+                        "is secured", record.info.path, step_text(step))
         return True
 
     def _push_ended(self, result: Any, now: float) -> list[Action]:
@@ -892,8 +894,9 @@ class Plan:
                     return restored
             else:
                 self._secured = record  # the destination's record now names it (its swap, its commit)
-                log.info("secured and verified: %s (step %s, %.1f MB in %.1fs)", result.pushed,
-                         record.info.step if record.info else None, result.size_bytes / 1e6, result.elapsed_s)
+                log.info("secured and verified: %s (%s, %.1f MB in %.1fs)", result.pushed,
+                         step_text(record.info.step if record.info else None), result.size_bytes / 1e6,
+                         result.elapsed_s)
         elif self._recorded_anyway(record):
             pass  # its worker died after the record moved: secured all the same
         else:

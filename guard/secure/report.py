@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from guard.secure.checkpoints import CheckpointInfo
+from guard.secure.dest.base import pushed_text
 from guard.secure.events import PushHandle
 
 __all__ = ["EndedHandle", "PlanReport", "PriorPush", "PushRecord", "PushView", "State"]
@@ -47,7 +48,7 @@ class PriorPush:
 
     @property
     def pushed(self) -> str:
-        return f"{self.destination}@{self.revision}"
+        return pushed_text(self.destination, self.revision)
 
 
 class EndedHandle:

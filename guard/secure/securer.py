@@ -42,6 +42,7 @@ from guard.secure.dest.base import (
     PartManifest,
     Record,
     Store,
+    pushed_text,
 )
 from guard.secure.dest.local import final_model_files, list_files, placement, refuse_torn
 from guard.secure.hubhttp import PROGRESS, bounded, cause_hint, classify, failure_cause, fatal_hint, retry_after_s
@@ -87,8 +88,8 @@ class PushResult:
 
     @property
     def pushed(self) -> str:
-        """``DEST@REVISION``, the VERDICT's ``pushed=`` value."""
-        return f"{self.destination}@{self.revision}"
+        """The VERDICT's ``pushed=`` value (``dest.base.pushed_text``)."""
+        return pushed_text(self.destination, self.revision)
 
     @property
     def bytes_per_s(self) -> float:

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from guard.contract import RunResult, signal_name
+from guard.core.durations import step_text
 from guard.core.helpers import FS_HELPERS, Submitter
 from guard.core.state import Message, Outcome, RunState, died_after_training, incomplete_reason
 from guard.errors import GuardError
@@ -713,7 +714,7 @@ class Securing:
             return
         sup = self._link
         self.latest_reported = info
-        log.info("the job saved %s (step %s, %.1f MB)", info.path, info.step, info.size_bytes / 1e6)
+        log.info("the job saved %s (%s, %.1f MB)", info.path, step_text(info.step), info.size_bytes / 1e6)
         if sup is not None:
             self._check_node(sup)
         self._seen_checkpoint(sup, info, now)
@@ -777,8 +778,8 @@ class Securing:
             self._requested[path] = requested if isinstance(requested, bool) else None
             # The first save at INFO; later ones are counted in the heartbeat (``saves=``), their detail at DEBUG.
             first, self._save_logged = not self._save_logged, True
-            log.log(logging.INFO if first else logging.DEBUG, "checkpoint saved by the job: %s (step %s, %.1f MB)%s",
-                    saved.path, saved.step, saved.size_bytes / 1e6,
+            log.log(logging.INFO if first else logging.DEBUG, "checkpoint saved by the job: %s (%s, %.1f MB)%s",
+                    saved.path, step_text(saved.step), saved.size_bytes / 1e6,
                     "; later saves are counted in the heartbeat" if first else "")
         elif path not in self.awaiting and path not in self.reported_paths:
             self.awaiting[path] = None  # the world's process zero reports the checkpoint itself
@@ -819,8 +820,8 @@ class Securing:
                 done.append((path, info))
             elif (path, str(missing)) not in self._awaiting_logged:
                 self._awaiting_logged.add((path, str(missing)))
-                log.info("checkpoint %s (step %s): waiting for rank(s) %s to report their part; not pushed before",
-                         path, info.step, ",".join(map(str, missing)))
+                log.info("checkpoint %s (%s): waiting for rank(s) %s to report their part; not pushed before",
+                         path, step_text(info.step), ",".join(map(str, missing)))
         for path, info in sorted(done, key=lambda item: item[1].step if item[1].step is not None else -1):
             del self.awaiting[path]
             self.saving_ranks |= self.saved_ranks.get(path, set())

@@ -53,6 +53,8 @@ from pathlib import Path
 from typing import Any
 
 from guard.core.children import CHILDREN, WORKER
+from guard.core.durations import step_text
+from guard.secure.dest.base import pushed_text
 
 __all__ = ["OPS", "Handle", "Pusher", "WorkResult", "reap_killed", "run_bounded", "start"]
 
@@ -134,9 +136,9 @@ class WorkResult:
         if self.data is None or "destination" not in self.data:
             return None
         if self.ok:
-            return f"{self.data['destination']}@{self.data['revision']}"
-        return f"{self.data['destination']}@{self.data['recorded_revision']}" if self.recorded_step is not None \
-            else None
+            return pushed_text(str(self.data["destination"]), str(self.data["revision"]))
+        return pushed_text(str(self.data["destination"]), str(self.data["recorded_revision"])) \
+            if self.recorded_step is not None else None
 
     @property
     def revision(self) -> str | None:
@@ -329,7 +331,7 @@ class Handle:
         text = ("the deadline was reached" if why == "deadline" else "stopped before it finished")
         recorded = self._recorded
         if recorded is not None:  # killed in its cleanup, after the destination's record moved to its step
-            text += f", after the destination's record named step {recorded.get('step')}"
+            text += f", after the destination's record named {step_text(recorded.get('step'))}"
         self.result = WorkResult(self.op, False, recorded, error=f"{self.op.replace('_', ' ')} killed: {text}",
                                  hint="a larger --margin (or --grace) leaves more time to secure it",
                                  error_type=why, elapsed_s=self.clock() - self.started)

@@ -52,6 +52,7 @@ __all__ = [
     "Taint",
     "part_from_json",
     "part_json",
+    "pushed_text",
 ]
 
 #: The record's name at every destination (the folder swapped in, the Hub path, the S3 record's stem).
@@ -302,3 +303,11 @@ class SharedStore(PartsStore, Protocol):
         """Remove ``run_id``'s staging places (``step`` None: all of them) that no record names: what a killed
         put left behind."""
         ...
+
+
+def pushed_text(destination: str, revision: str) -> str:
+    """The VERDICT's ``pushed=`` value (the contract: ``DEST@REVISION``, the Hub commit id or the folder written):
+    ``user/repo@<commit>`` for the Hub, ``s3://BUCKET/PREFIX@<ETag>`` for S3; for a folder destination, whose revision
+    is the folder written (``DEST/last-checkpoint`` for a checkpoint, ``DEST`` itself for the final model), that
+    folder alone: ``DEST@DEST/last-checkpoint`` would say the destination twice."""
+    return revision if Path(revision).is_absolute() else f"{destination}@{revision}"
