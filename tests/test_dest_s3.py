@@ -86,6 +86,21 @@ def test_store_protocol(moto: MotoServer) -> None:
     assert str(store).startswith("s3://guard-") and str(store).endswith("/runs/r1")
 
 
+def test_tidy_after_the_run_makes_no_s3_client(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The guard tidies its destination after the VERDICT: an S3 push leaves nothing to tidy (staged objects lie
+    under their run's id), so no store and no client is made for it (making one took 0.28 s, boto3's import and
+    client, after the VERDICT); a folder's tidy still runs (tests/test_folder_swap.py)."""
+    from guard.secure import securer
+    from guard.secure.dest import s3
+
+    made: list[object] = []
+    monkeypatch.setattr(s3, "make_client", lambda **kw: made.append(kw) or (object(), None))
+    securer.Securer("s3://guard-tidy/runs/r1").tidy()
+    assert made == []
+    securer.Securer("s3://guard-tidy/runs/r1").store.tidy()  # the store itself, made on purpose: one client
+    assert len(made) == 1
+
+
 def test_put_record_fetch_round_trip(moto: MotoServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     store = make_store(moto, part_size_bytes=5 * MIB, multipart_threshold_bytes=5 * MIB)
     folder, files = checkpoint(tmp_path, 20, big_bytes=12 * MIB + 3)  # 3 parts

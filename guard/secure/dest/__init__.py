@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     def _every_store_is_a_store(folder: FolderStore, hub: HubStore, s3: S3Store) -> tuple[Store, Store, Store]:
         return folder, hub, s3  # checked by mypy: a store that drifts from the protocol fails here
 
-__all__ = ["STORES", "Destination", "open_store", "parse_destination"]
+__all__ = ["STORES", "Destination", "open_store", "parse_destination", "store_class"]
 
 #: ``Destination.kind`` -> ``"module:Class"`` of its store.
 STORES: dict[str, str] = {
@@ -40,6 +40,13 @@ STORES: dict[str, str] = {
 _ACCEPTED_FORMS = ("hf://NS/NAME, hf://datasets/NS/NAME, NS/NAME (a Hub model repo), s3://BUCKET/PREFIX, "
                    "or a folder path (absolute, or starting with ./, ../ or file://)")
 _NAME = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,94}[A-Za-z0-9_])?")
+
+
+def store_class(kind: str) -> Any:
+    """The store class of a ``Destination.kind`` (``STORES``), imported now (a store module imports its client
+    only when a store is made: boto3 is not imported here). Raises ``KeyError`` for a kind with no store."""
+    module, _, name = STORES[kind].partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def open_store(destination: Destination, **options: Any) -> Store:
@@ -54,8 +61,7 @@ def open_store(destination: Destination, **options: Any) -> Store:
         KeyError: a ``kind`` with no store.
         DestinationError: the store cannot be made here (S3: boto3 not installed, a broken AWS configuration).
     """
-    module, _, name = STORES[destination.kind].partition(":")
-    return cast(Store, getattr(importlib.import_module(module), name).open(destination, **options))
+    return cast(Store, store_class(destination.kind).open(destination, **options))
 
 
 def parse_destination(text: str) -> Destination:

@@ -91,6 +91,7 @@ class FolderStore:
     """
 
     kind: ClassVar[str] = "folder"
+    leaves_staging: ClassVar[bool] = True  # a killed push's staging folder (``tidy``)
 
     def __init__(self, root: Path, *, log: logging.Logger | None = None) -> None:
         self.root = root

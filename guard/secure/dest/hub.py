@@ -88,6 +88,7 @@ class HubStore:
     """
 
     kind: ClassVar[str] = "hub"
+    leaves_staging: ClassVar[bool] = False  # an unverified upload commit is never a record: nothing to tidy
 
     def __init__(self, repo_id: str, repo_type: str = "model", *, api: HfApi | None = None,
                  token: str | None = None, log: logging.Logger | None = None) -> None:

@@ -125,6 +125,7 @@ class S3Store:
     """
 
     kind: ClassVar[str] = "s3"
+    leaves_staging: ClassVar[bool] = False  # staged objects lie under their run's id (``discard``): nothing to tidy
 
     def __init__(self, bucket: str, prefix: str = "", *, client: Any = None, max_concurrency: int = 8,
                  part_size_bytes: int = 16 * 1024 * 1024, multipart_threshold_bytes: int = 64 * 1024 * 1024,
