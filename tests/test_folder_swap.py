@@ -41,8 +41,8 @@ def test_a_push_killed_between_the_fallback_renames_keeps_the_secured_copy(tmp_p
     run_killed(f"""
         import os, signal, math
         from guard.secure import securer
-        from guard.secure.dest import folder
-        folder._rename_exchange = lambda a, b: False   # a file system without RENAME_EXCHANGE (NFS)
+        from guard.secure.dest import folder_swap
+        folder_swap.rename_exchange = lambda a, b: False   # a file system without RENAME_EXCHANGE (NFS)
         real, calls = os.rename, []
         def rename(a, b):
             calls.append(b)

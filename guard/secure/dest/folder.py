@@ -7,27 +7,28 @@ Layout (kept by every version of the guard; resume reads it back)::
     DEST/.last-checkpoint.tmp-<pid>-XXXX/         a put's staging copy, swapped in by the record
     DEST/.last-checkpoint.previous-<pid>/         the previous copy while the fallback swap runs
     DEST/.guard-final-journal.json                the final push's renames, while they run
+    DEST/.guard/staging/<run_id>/step-<N>/node-<k>/  many nodes: each node's part (``folder_parts``)
     DEST/<final model files>                      on PASS
+
+The atomic steps (the swap, the final push's journaled renames) and the recovery from a push killed between them
+are ``guard.secure.dest.folder_swap``'s; node parts are ``guard.secure.dest.folder_parts``'s.
 
 - **put** (``put_part``): a copy into the staging folder beside the target (unchanged files hard-linked from the
   previous secured copy when its manifest vouches for them), each file hashed while copied, the copy checked by
   format, the manifest written, everything fsynced, then every file verified again against the hashes.
 - **record** (``write_record``): the staging folder swapped in atomically as ``last-checkpoint``
-  (``renameat2(RENAME_EXCHANGE)`` on Linux, else two renames, ``_swap_in``); killed at any point, the next run
-  finds the previous copy or the new one, never neither (``_recover``).
+  (``folder_swap.swap_in``: ``renameat2(RENAME_EXCHANGE)`` on Linux, else two renames); killed at any point, the
+  next run finds the previous copy or the new one, never neither (``folder_swap.recover``).
 - **fetch**: a verified copy of ``last-checkpoint`` against its manifest, placed where the job looks for it.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import errno
 import json
 import logging
 import os
 import shutil
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -36,7 +37,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from guard.errors import DestinationError
-from guard.secure.dest import folder_parts, local
+from guard.secure.dest import folder_parts, folder_swap, local
 from guard.secure.dest.base import (
     CHECKPOINT_FOLDER,
     MANIFEST_NAME,
@@ -54,13 +55,6 @@ __all__ = ["FolderCopy", "FolderPart", "FolderStore"]
 
 logger = logging.getLogger("guard.secure.folder")
 
-#: Where the fallback swap keeps the previous secured copy until the new one is in place (never matched by the
-#: staging glob): ``.last-checkpoint.previous-<pid>``.
-_PREVIOUS = f".{CHECKPOINT_FOLDER}.previous-"
-#: A put's staging folder: ``.last-checkpoint.tmp-<pid>-XXXX``.
-_STAGING = f".{CHECKPOINT_FOLDER}.tmp-"
-#: The final push's journal: the renames of files staged and verified beside the root, replayed by the next run.
-_FINAL_JOURNAL = ".guard-final-journal.json"
 
 
 @dataclass(frozen=True)
@@ -131,8 +125,8 @@ class FolderStore:
                                               nodes=nodes, place=place, source=source, requires=requires,
                                               check=check, destination=str(self))
         target = self.root / CHECKPOINT_FOLDER
-        self._remove_stale_staging()
-        staging = local.staging_dir(f"{_STAGING}{os.getpid()}-", self.root)
+        folder_swap.remove_stale_staging(self.root, self._log)
+        staging = local.staging_dir(f"{folder_swap.STAGING_PREFIX}{os.getpid()}-", self.root)
         kept = False
         try:
             before = local.signatures(folder, rels)
@@ -222,7 +216,7 @@ class FolderStore:
                                    destination=str(self))
         target = self.root / CHECKPOINT_FOLDER
         try:
-            old = _swap_in(part.staging, target)
+            old = folder_swap.swap_in(part.staging, target)
             local.fsync_dir(self.root)
             record = Record(step=part.step, run_id=part.run_id, files=part.files, revision=str(target),
                             place=part.place, source=part.source)
@@ -248,7 +242,7 @@ class FolderStore:
         swapped in under the record lock); a record already naming this step of the run (another node's) stands."""
         first = parts[0]
         target = self.root / CHECKPOINT_FOLDER
-        staging = local.staging_dir(f"{_STAGING}{os.getpid()}-", self.root)
+        staging = local.staging_dir(f"{folder_swap.STAGING_PREFIX}{os.getpid()}-", self.root)
         try:
             files = folder_parts.assemble(self.root, parts, staging)
             manifest = {"step": first.step, "run_id": first.run_id, "nodes": first.nodes,
@@ -270,7 +264,7 @@ class FolderStore:
                         recorded(record)
                     return record if current["step"] == first.step else Record(
                         step=current["step"], run_id=first.run_id, files={}, revision=str(target), nodes=first.nodes)
-                old = _swap_in(staging, target)
+                old = folder_swap.swap_in(staging, target)
                 local.fsync_dir(self.root)
                 if recorded is not None:
                     recorded(record)
@@ -282,8 +276,9 @@ class FolderStore:
             shutil.rmtree(staging, ignore_errors=True)
 
     def read_record(self, *, deadline: float) -> Record | None:
-        """``last-checkpoint`` (after ``_recover``) with its manifest's step (else its ``trainer_state.json``'s)
-        and placement; None when there is none. ``files`` stays empty (fetch reads the manifest)."""
+        """``last-checkpoint`` (after ``folder_swap.recover``) with its manifest's step (else its
+        ``trainer_state.json``'s) and placement; None when there is none. ``files`` stays empty (fetch reads the
+        manifest)."""
         source = self._secured()
         if source is None:
             return None
@@ -294,9 +289,10 @@ class FolderStore:
                       files={}, revision=str(source), place=place, source=output_dir)
 
     def _secured(self) -> Path | None:
-        """``last-checkpoint`` once what a killed push left is recovered (``_recover``), or None when absent."""
+        """``last-checkpoint`` once what a killed push left is recovered (``folder_swap.recover``), or None when
+        absent."""
         if self.root.is_dir():
-            _recover(self.root, self._log)
+            folder_swap.recover(self.root, self._log)
         source = self.root / CHECKPOINT_FOLDER
         return source if source.is_dir() else None
 
@@ -346,7 +342,7 @@ class FolderStore:
         """The final model's files at ``DEST/``: every changed file is first copied beside its place
         (``.NAME.guard-tmp``) and verified; then a journal of the renames is written and fsynced, the renames done,
         the journal removed. Killed before the journal, nothing changed; after it, the next run finishes the renames
-        (``_recover``): never a mixed model. Returns ``FinalPushed(revision=DEST)``.
+        (``folder_swap.recover``): never a mixed model. Returns ``FinalPushed(revision=DEST)``.
 
         Raises:
             Mismatch: a file changed while it was copied, or does not verify in place.
@@ -354,7 +350,7 @@ class FolderStore:
         """
         root, folder = self.root, Path(local_dir)
         root.mkdir(parents=True, exist_ok=True)
-        _recover(root, self._log)
+        folder_swap.recover(root, self._log)
         sums: dict[str, tuple[int, str]] = {}
         staged: dict[str, Path] = {}
         try:
@@ -370,7 +366,7 @@ class FolderStore:
             for tmp in staged.values():  # each copy hashes as its source, which was checked whole by format
                 local.fsync_dir(tmp.parent)
             if staged:
-                _journaled_renames(root, staged)
+                folder_swap.journaled_renames(root, staged)
                 staged = {}
         finally:
             for tmp in staged.values():
@@ -380,36 +376,11 @@ class FolderStore:
         return FinalPushed(revision=str(root), files={rel: FileSum(*sum_) for rel, sum_ in sums.items()})
 
     def tidy(self) -> None:
-        """What a push killed part way left here (a staging folder, a previous copy aside: ``_recover``); a push
-        whose process still lives keeps its own. Raises ``OSError``."""
+        """What a push killed part way left here (a staging folder, a previous copy aside:
+        ``folder_swap.remove_stale_staging``); a push whose process still lives keeps its own. Raises ``OSError``."""
         if self.root.is_dir():
-            self._remove_stale_staging()
+            folder_swap.remove_stale_staging(self.root, self._log)
 
-    def _remove_stale_staging(self) -> None:
-        """Remove ``.last-checkpoint.tmp-<pid>-XXXX`` staging folders left by a push that was killed (its process is
-        gone), after ``_recover`` put back a previous copy that a killed swap left aside."""
-        _recover(self.root, self._log)
-        for entry in self.root.glob(f"{_STAGING}*"):
-            pid = entry.name[len(_STAGING):].split("-", 1)[0]
-            if entry.is_dir() and not entry.name.endswith(".old") and not _pid_alive(pid):
-                shutil.rmtree(entry, ignore_errors=True)
-
-
-def _journaled_renames(root: Path, staged: dict[str, Path]) -> None:
-    """Write the journal of ``staged`` renames (``{rel: staged file}``), fsynced; do them; remove the journal."""
-    journal = root / _FINAL_JOURNAL
-    with open(journal, "w") as out:
-        json.dump({"pid": os.getpid(), "renames": {rel: tmp.relative_to(root).as_posix()
-                                                    for rel, tmp in staged.items()}}, out)
-        out.flush()
-        os.fsync(out.fileno())
-    local.fsync_dir(root)
-    for rel, tmp in staged.items():
-        os.replace(tmp, root / rel)
-    for parent in {(root / rel).parent for rel in staged}:
-        local.fsync_dir(parent)
-    journal.unlink()
-    local.fsync_dir(root)
 
 
 def _verify_folder(target: Path, expected: dict[str, tuple[int, str]], exclude: set[str] | None) -> None:
@@ -455,82 +426,3 @@ def _reuse_unchanged(src: Path, previous: Path, dst: Path, recorded: tuple[int, 
     except OSError:  # EPERM, EXDEV, EMLINK, ENOTSUP: no hard links here
         return None
     return found
-
-
-def _rename_exchange(a: Path, b: Path) -> bool:
-    """Swap two paths atomically with Linux ``renameat2(RENAME_EXCHANGE)``; False where unsupported."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).renameat2
-    except (OSError, AttributeError):
-        return False
-    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-    at_fdcwd, rename_exchange = -100, 2
-    if fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
-        return True
-    code = ctypes.get_errno()
-    if code in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
-        return False
-    raise OSError(code, os.strerror(code), str(b))
-
-
-def _swap_in(staging: Path, target: Path) -> Path | None:
-    """Put ``staging`` at ``target`` atomically; returns the path now holding the old content (to delete).
-
-    ``renameat2(RENAME_EXCHANGE)`` where the file system has it; else (NFS and others) two renames, the previous
-    copy first moved to ``.last-checkpoint.previous-<pid>``: killed between the two, the next run finds no
-    ``last-checkpoint`` and that folder, and puts it back (``_recover``), so the secured copy is never lost."""
-    if not target.exists():
-        os.rename(staging, target)
-        return None
-    if _rename_exchange(staging, target):
-        return staging
-    old = target.with_name(f"{_PREVIOUS}{os.getpid()}")
-    if old.exists():
-        shutil.rmtree(old)
-    os.rename(target, old)
-    local.fsync_dir(target.parent)
-    os.rename(staging, target)
-    return old
-
-
-def _pid_alive(text: str) -> bool:
-    import psutil
-
-    return text.isdigit() and psutil.pid_exists(int(text))
-
-
-def _recover(root: Path, log: logging.Logger = logger) -> None:
-    """Finish what a push killed part way left at a folder destination (its process is gone):
-
-    - no ``last-checkpoint`` but a previous copy (``.last-checkpoint.previous-<pid>``, or ``.last-checkpoint.tmp-
-      <pid>-XXXX.old`` of older versions): it is put back; with ``last-checkpoint`` present it is removed;
-    - a final push's journal: every staged file it lists is renamed into place (all were verified before the
-      journal was written), then the journal is removed.
-    """
-    target = root / CHECKPOINT_FOLDER
-    previous = [e for e in root.glob(f"{_PREVIOUS}*") if not _pid_alive(e.name[len(_PREVIOUS):])]
-    previous += [e for e in root.glob(f"{_STAGING}*.old") if not _pid_alive(e.name[len(_STAGING):].split("-", 1)[0])]
-    for entry in sorted(previous, key=lambda e: e.stat().st_mtime, reverse=True):
-        if not target.exists() and entry.is_dir():
-            os.rename(entry, target)
-            local.fsync_dir(root)
-            log.warning("%s was missing after a push killed mid-swap: the previous secured copy is back in place",
-                        target)
-        else:
-            shutil.rmtree(entry, ignore_errors=True)
-    journal = root / _FINAL_JOURNAL
-    try:
-        entries = json.loads(journal.read_text())
-    except (OSError, ValueError):
-        return
-    if _pid_alive(str(entries.get("pid", ""))):
-        return
-    for rel, staged in entries.get("renames", {}).items():
-        if (root / staged).is_file():
-            os.replace(root / staged, root / rel)
-    local.fsync_dir(root)
-    journal.unlink()
-    log.warning("a final push to %s was killed while its files were put in place: finished it from its journal",
-                root)

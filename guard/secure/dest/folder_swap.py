@@ -1,0 +1,155 @@
+"""The atomic steps of a folder destination, and their recovery after a kill (``guard.secure.dest.folder``).
+
+A push may be SIGKILLed at any instruction (its deadline, a signal). What it leaves beside the record, and what
+the next look at the destination (``recover``) makes of it, so that ``DEST/last-checkpoint`` is always the previous
+secured copy or the new one, never neither, and the final model is never a mix of two::
+
+    DEST/.last-checkpoint.tmp-<pid>-XXXX/     a put's staging copy: removed once its process is gone
+                                              (``remove_stale_staging``, run by the next put and after the run)
+    DEST/.last-checkpoint.previous-<pid>/     the previous copy while the fallback swap runs: put back when
+                                              ``last-checkpoint`` is missing, else removed
+    DEST/.guard-final-journal.json            the final push's renames, written (fsynced) once every staged file
+                                              verified: finished from it
+
+- ``swap_in``: a staged folder in place as the record, atomically: ``renameat2(RENAME_EXCHANGE)`` on Linux where the
+  file system has it; else (NFS and others) two renames through ``.last-checkpoint.previous-<pid>``.
+- ``journaled_renames``: the final model's staged files renamed into place under a journal.
+- ``recover``: finishes or undoes what a killed push left (its process gone: ``psutil.pid_exists``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import json
+import logging
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from guard.secure.dest import local
+from guard.secure.dest.base import CHECKPOINT_FOLDER
+
+__all__ = ["STAGING_PREFIX", "journaled_renames", "recover", "remove_stale_staging", "rename_exchange", "swap_in"]
+
+logger = logging.getLogger("guard.secure.folder")
+
+#: Where the fallback swap keeps the previous secured copy until the new one is in place (never matched by the
+#: staging glob): ``.last-checkpoint.previous-<pid>``.
+_PREVIOUS = f".{CHECKPOINT_FOLDER}.previous-"
+#: A put's staging folder: ``.last-checkpoint.tmp-<pid>-XXXX`` (``local.staging_dir`` adds the ``XXXX``).
+STAGING_PREFIX = f".{CHECKPOINT_FOLDER}.tmp-"
+#: The final push's journal: the renames of files staged and verified beside the root, replayed by the next run.
+_FINAL_JOURNAL = ".guard-final-journal.json"
+
+
+def remove_stale_staging(root: Path, log: logging.Logger = logger) -> None:
+    """Remove the ``.last-checkpoint.tmp-<pid>-XXXX`` staging folders under ``root`` left by a push that was killed
+    (its process is gone), after ``recover`` put back a previous copy that a killed swap left aside. Raises
+    ``OSError``."""
+    recover(root, log)
+    for entry in root.glob(f"{STAGING_PREFIX}*"):
+        if entry.is_dir() and not entry.name.endswith(".old") and not _pid_alive(_staging_pid(entry)):
+            shutil.rmtree(entry, ignore_errors=True)
+
+
+def journaled_renames(root: Path, staged: dict[str, Path]) -> None:
+    """Write the journal of ``staged`` renames (``{rel: staged file}``), fsynced; do them; remove the journal."""
+    journal = root / _FINAL_JOURNAL
+    with open(journal, "w") as out:
+        json.dump({"pid": os.getpid(), "renames": {rel: tmp.relative_to(root).as_posix()
+                                                    for rel, tmp in staged.items()}}, out)
+        out.flush()
+        os.fsync(out.fileno())
+    local.fsync_dir(root)
+    for rel, tmp in staged.items():
+        os.replace(tmp, root / rel)
+    for parent in {(root / rel).parent for rel in staged}:
+        local.fsync_dir(parent)
+    journal.unlink()
+    local.fsync_dir(root)
+
+
+def rename_exchange(a: Path, b: Path) -> bool:
+    """Swap two paths atomically with Linux ``renameat2(RENAME_EXCHANGE)``; False where unsupported."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    at_fdcwd, exchange = -100, 2  # AT_FDCWD, RENAME_EXCHANGE (linux/fcntl.h, linux/fs.h)
+    if fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), exchange) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+        return False
+    raise OSError(code, os.strerror(code), str(b))
+
+
+def swap_in(staging: Path, target: Path) -> Path | None:
+    """Put ``staging`` at ``target`` atomically; returns the path now holding the old content (to delete).
+
+    ``renameat2(RENAME_EXCHANGE)`` where the file system has it; else (NFS and others) two renames, the previous
+    copy first moved to ``.last-checkpoint.previous-<pid>``: killed between the two, the next run finds no
+    ``last-checkpoint`` and that folder, and puts it back (``recover``), so the secured copy is never lost."""
+    if not target.exists():
+        os.rename(staging, target)
+        return None
+    if rename_exchange(staging, target):
+        return staging
+    old = target.with_name(f"{_PREVIOUS}{os.getpid()}")
+    if old.exists():
+        shutil.rmtree(old)
+    os.rename(target, old)
+    local.fsync_dir(target.parent)
+    os.rename(staging, target)
+    return old
+
+
+def _staging_pid(entry: Path) -> str:
+    """The pid in a staging folder's name (``.last-checkpoint.tmp-<pid>-XXXX``)."""
+    return entry.name[len(STAGING_PREFIX):].split("-", 1)[0]
+
+
+def _pid_alive(text: str) -> bool:
+    import psutil
+
+    return text.isdigit() and psutil.pid_exists(int(text))
+
+
+def recover(root: Path, log: logging.Logger = logger) -> None:
+    """Finish what a push killed part way left at a folder destination (its process is gone):
+
+    - no ``last-checkpoint`` but a previous copy (``.last-checkpoint.previous-<pid>``, or ``.last-checkpoint.tmp-
+      <pid>-XXXX.old`` of older versions): it is put back; with ``last-checkpoint`` present it is removed;
+    - a final push's journal: every staged file it lists is renamed into place (all were verified before the
+      journal was written), then the journal is removed.
+    """
+    target = root / CHECKPOINT_FOLDER
+    previous = [e for e in root.glob(f"{_PREVIOUS}*") if not _pid_alive(e.name[len(_PREVIOUS):])]
+    previous += [e for e in root.glob(f"{STAGING_PREFIX}*.old") if not _pid_alive(_staging_pid(e))]
+    for entry in sorted(previous, key=lambda e: e.stat().st_mtime, reverse=True):
+        if not target.exists() and entry.is_dir():
+            os.rename(entry, target)
+            local.fsync_dir(root)
+            log.warning("%s was missing after a push killed mid-swap: the previous secured copy is back in place",
+                        target)
+        else:
+            shutil.rmtree(entry, ignore_errors=True)
+    journal = root / _FINAL_JOURNAL
+    try:
+        entries = json.loads(journal.read_text())
+    except (OSError, ValueError):
+        return
+    if _pid_alive(str(entries.get("pid", ""))):
+        return
+    for rel, staged in entries.get("renames", {}).items():
+        if (root / staged).is_file():
+            os.replace(root / staged, root / rel)
+    local.fsync_dir(root)
+    journal.unlink()
+    log.warning("a final push to %s was killed while its files were put in place: finished it from its journal",
+                root)
