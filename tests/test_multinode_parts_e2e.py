@@ -208,6 +208,31 @@ def _one_story(runs: list[NodeRun]) -> tuple[str | None, str | None, str | None,
     return stories.pop()
 
 
+def test_a_part_that_never_comes_is_named_alike_in_every_nodes_verdict(tmp_path: Path) -> None:
+    """Node 1's guard watches a folder its job never saves in (node 0's watches its job's): node 1's part of no
+    step ever comes, while node 0 puts its part of every save. Both nodes' VERDICTs say missing=node1, read from the
+    destination at the end. Before, node 1's own pushes had seen nothing missing and its VERDICT said nothing of it
+    (in another run node 0 said missing=node1 of step 620 while node 1's last push was of step 640)."""
+    dest = Dest("folder", tmp_path, None)
+    (tmp_path / "node-0").mkdir()
+    (tmp_path / "node-0" / "watch").symlink_to(tmp_path / "node-0" / "out")
+    (tmp_path / "node-1" / "watch").mkdir(parents=True)
+    nodes = Nodes(tmp_path, 2, JOBS / "dcp_loop.py",
+                  guard_args=[*FAST, "--output-dir", "watch", "--push-to", dest.push_to, "--timeout", "30s"],
+                  job_args=["{out}", "--every", "20", "--step-s", "0.05"]).start()
+    try:
+        runs = nodes.wait(120)
+    finally:
+        nodes.close()
+    said = [run.fields() for run in runs]
+    assert [fields.get("missing") for fields in said] == ["node1", "node1"], logs(runs)
+    assert {(f.get("status"), f.get("exit"), f.get("secured")) for f in said} == {("TIMEOUT", "124", "no")}, \
+        logs(runs)
+    assert dest.record() is None
+    parts = {p.name for p in (tmp_path / "dest" / ".guard" / "staging" / "multinode-run").glob("step-*/node-*.json")}
+    assert parts and all(name == "node-0.json" for name in parts), parts
+
+
 def _leaves(obj: object) -> list[object]:
     if isinstance(obj, dict):
         return [leaf for value in obj.values() for leaf in _leaves(value)]

@@ -9,8 +9,10 @@ import signal
 import time
 from typing import Any
 
+from guard.contract import RunResult
 from guard.inside.agent._dist import DistRelay
-from guard.run.relay import relayed_signal
+from guard.run.relay import agree_on_missing, relayed_signal
+from guard.secure.outcome import missing_said
 
 
 class Store:
@@ -78,3 +80,45 @@ def test_a_signal_on_another_node_reaches_every_rank_and_their_guards() -> None:
     receiver.poll(count=20, every=10)
     assert len(agent.sent) == 1  # adopted once
     assert relayed_signal(agent.sent[0]) == signal.SIGTERM and relayed_signal({"signal": "SIGNOPE"}) is None
+
+
+def _stopped(missing: str | None, step: int | None, secured_step: int | None) -> RunResult:
+    hint = "the next run resumes from step 600: jobguard --resume on --push-to DEST ..."
+    extra: dict[str, Any] = {"secured": "yes" if secured_step is not None else "no"}
+    details: dict[str, Any] = {}
+    if secured_step is not None:
+        extra["secured_step"] = secured_step
+    if missing is not None:
+        extra["missing"] = missing
+        details["missing"] = {"step": step, "what": missing, "error": "not whole"}
+        hint = f"{missing_said(step, missing)}; {hint}"
+    return RunResult("TIMEOUT", "deadline", 75, 30.0, hint=hint, extra=extra, details=details)
+
+
+def test_missing_is_what_the_destination_holds_of_the_newest_step_not_this_nodes_last_push() -> None:
+    # node 0's own push of step 620 ended for want of node 1's part; node 1 then put its part of step 640 alone
+    result = _stopped("node1", 620, 600)
+    newest = {"step": 640, "complete": False, "missing": "node0", "present": [1], "missing_files": []}
+    agree_on_missing(result, read=lambda deadline: newest, wait_s=5.0)
+    assert result.extra["missing"] == "node0" and result.details["missing"]["step"] == 640
+    assert result.hint is not None and result.hint.startswith(missing_said(640, "node0"))
+    assert "step 620" not in result.hint and result.hint.endswith("jobguard --resume on --push-to DEST ...")
+
+
+def test_nothing_is_missing_when_the_newest_step_is_whole_or_secured() -> None:
+    for newest in ({"step": 640, "complete": True, "missing": "", "present": [0, 1]},
+                   {"step": 600, "complete": False, "missing": "node1", "present": [0]}, None):
+        result = _stopped("node1", 620, 600)
+        agree_on_missing(result, read=lambda deadline, found=newest: found, wait_s=5.0)
+        assert "missing" not in result.extra and "missing" not in result.details, newest
+        assert result.hint == "the next run resumes from step 600: jobguard --resume on --push-to DEST ...", newest
+
+
+def test_an_unreadable_destination_leaves_this_nodes_word() -> None:
+    def fails(deadline: float) -> dict[str, Any] | None:
+        raise OSError("stale file handle")
+
+    for read in (fails, lambda deadline: time.sleep(2.0)):
+        result = _stopped("node1", 620, 600)
+        agree_on_missing(result, read=read, wait_s=0.2)
+        assert result.extra["missing"] == "node1" and result.details["missing"]["step"] == 620

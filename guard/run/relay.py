@@ -11,6 +11,10 @@ stops its job at half the grace at the latest, so the VERDICT still comes within
 With a shared output folder, node 0's guard secures the one checkpoint every node wrote into it: the other nodes'
 guards take its word for it (``agree_with_node_0``), so that every node's VERDICT says the same ``secured=`` and
 exit code (75 on all when it is secured).
+
+With a folder per node, each node secures its own part, and a push of one node can end for want of another's part
+at a different step than another node's push did. So the VERDICT's ``missing=`` is read from the destination at
+the end (``agree_on_missing``): the nodes whose part of the run's newest step is not there, the same on every node.
 """
 
 from __future__ import annotations
@@ -18,13 +22,18 @@ from __future__ import annotations
 import logging
 import math
 import signal
+import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 from guard.contract import ExitCode, RunResult, signal_name
 from guard.run.joblink import LoopLink
+from guard.secure.outcome import missing_said
 from guard.secure.sharing import SECURED_KEYS, await_secured, post_secured
 
-__all__ = ["agree_with_node_0", "relay_signal", "relayed_signal"]
+__all__ = ["AGREE_WAIT_S", "MISSING_WAIT_S", "agree_on_missing", "agree_with_node_0", "relay_signal",
+           "relayed_signal"]
 
 log = logging.getLogger("guard.relay")
 
@@ -93,3 +102,65 @@ def agree_with_node_0(result: RunResult, *, shared: bool | None, output_dir: str
     result.hint = (f"node 0's guard secured the checkpoint of the shared output folder ({found.get('pushed')}): "
                    "the next run resumes from it (--resume)")
     log.info("node 0's guard secured %s: this node says the same", found.get("pushed"))
+
+
+#: The longest a node's end waits for the destination's listing of the nodes' parts (seconds); never past half the
+#: grace, nor closer than 5 s to the deadline.
+MISSING_WAIT_S = 10.0
+
+
+def agree_on_missing(result: RunResult, *, read: Callable[[float], dict[str, Any] | None], wait_s: float) -> None:
+    """Many nodes, each securing its own part: set the VERDICT's ``missing=`` from what the destination holds of the
+    run's newest step that any node put a part of, once this node's pushes are over, so that every node says the
+    same, whatever its own last push saw (one node's push of step 620 ended for want of node 1's part while node
+    1's push of step 640 ended for want of node 0's: both nodes now say ``missing=node0``, of step 640).
+
+    Nothing is missing when that step is whole or not newer than ``secured_step``. Only a result with checkpoint
+    fields (``secured=``) is changed: ``missing=``, ``details["missing"]`` and the hint's clause on it. When the
+    destination cannot be read within ``wait_s``, this node's own word stands (logged).
+
+    Args:
+        result: the run's result, changed in place.
+        read: ``(deadline) -> dict | None``: ``Securer.newest_parts`` (the deadline in ``time.monotonic`` seconds),
+            run on a thread of its own, waited for ``wait_s`` at most (a hung mount never holds the VERDICT back).
+        wait_s: the longest to wait for it (seconds).
+    """
+    if "secured" not in result.extra or wait_s <= 0:
+        return
+    answer: list[dict[str, Any] | None] = []
+    failed: list[BaseException] = []
+
+    def work() -> None:
+        try:
+            answer.append(read(time.monotonic() + wait_s))
+        except Exception as exc:  # noqa: BLE001 - any failure leaves this node's own word standing
+            failed.append(exc)
+    thread = threading.Thread(target=work, name="guard-missing", daemon=True)
+    thread.start()
+    thread.join(wait_s)
+    if not answer:
+        log.warning("the nodes' parts at the destination could not be read within %.1fs (%s): this node's missing= "
+                    "stands", wait_s, failed[0] if failed else "no answer")
+        return
+    found = answer[0]
+    old = result.extra.pop("missing", None)
+    old_details = result.details.pop("missing", None)
+    if isinstance(old, str) and isinstance(old_details, dict) and result.hint:
+        said = missing_said(old_details.get("step"), old)
+        result.hint = result.hint.replace(f"{said}; ", "").replace(said, "") or None
+    secured_step = result.extra.get("secured_step")
+    step = found.get("step") if found is not None else None
+    missing = str(found.get("missing") or "") if found is not None else ""
+    if found is None or not isinstance(step, int) or found.get("complete") or not missing \
+            or (isinstance(secured_step, int) and step <= secured_step):
+        if old:
+            log.info("the destination holds every node's part of the newest step: missing=%s is not said", old)
+        return
+    result.extra["missing"] = missing
+    result.details["missing"] = {"step": step, "what": missing, "present": found.get("present"),
+                                 "files": found.get("missing_files"), "seen": "destination"}
+    said = missing_said(step, missing)
+    result.hint = f"{said}; {result.hint}" if result.hint else said
+    if missing != old:
+        log.info("the destination holds nodes %s of step %d's parts: missing=%s (this node's own pushes said %s)",
+                 found.get("present"), step, missing, old or "nothing")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import signal
 import time
 from collections.abc import Callable, Mapping
@@ -490,6 +491,9 @@ def _run_job(config: Config, masker: Masker, started: float, platform: PlatformI
         secure = config.settings.secure
         agree_with_node_0(result, shared=sharing.answer.shared, output_dir=output_dir, run_id=secure.run_id,
                           node_rank=secure.node_rank, deadline_s=deadline.deadline_s, grace_s=secure.grace_s)
+    securing = getattr(supervisor, "securer", None)
+    if securer is not None and securing is not None and securing.parts_mode():
+        _agree_on_missing(config, result, securer, deadline)
     if fetched is not None:
         result.extra["resumed_from"] = f"{fetched.path}@{fetched.revision}"
         state = getattr(supervisor, "state", None)
@@ -508,6 +512,19 @@ def _run_job(config: Config, masker: Masker, started: float, platform: PlatformI
     if uv_env is not None:
         result.details["uv"] = {"python": uv_env.python, "environment": uv_env.prefix}
     return _with_platform(result, platform)
+
+
+def _agree_on_missing(config: Config, result: RunResult, securer: Securer, deadline: budget.Deadline) -> None:
+    """Many nodes, each securing its own part: the VERDICT's ``missing=`` from the destination's listing
+    (``guard.run.relay.agree_on_missing``), waited for ``MISSING_WAIT_S`` at most, half the grace, and never past 1 s
+    before the deadline."""
+    from guard.run.relay import MISSING_WAIT_S, agree_on_missing
+
+    secure = config.settings.secure
+    left_s = deadline.deadline_s - time.time() - 1.0 if deadline.deadline_s is not None else math.inf
+    wait_s = max(0.0, min(MISSING_WAIT_S, secure.grace_s / 2, left_s))
+    agree_on_missing(result, read=lambda until: securer.newest_parts(nodes=secure.nodes, deadline=until),
+                     wait_s=wait_s)
 
 
 def _supervisor(config: Config, masker: Masker, start: JobStart, *, deadline: budget.Deadline,

@@ -4,7 +4,8 @@ Each node's guard puts its own part of a checkpoint, then calls :func:`await_who
 listing (every ``PARTS_POLL_S``) until every node's part of that step is there and their union is whole
 (``guard.secure.nodes.whole``), and returns the parts for the record. Any node may then move the record (a
 conditional write: the second writer finds it done). The nodes share nothing but the destination, so a node that
-died simply never adds its part, and the wait ends in a ``PartsMissingError`` naming it.
+died simply never adds its part, and the wait ends in a ``PartsMissingError`` naming it. At the end of the run,
+:func:`newest_part` tells every node the same: which nodes' parts of the newest step are there.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from guard.errors import PartsMissingError, PushFailedError
 from guard.secure import nodes as many
 from guard.secure.dest.base import PartManifest, PartsStore, Store
 
-__all__ = ["PARTS_POLL_S", "RECORD_CUTOFF_S", "await_whole", "parts_store"]
+__all__ = ["PARTS_POLL_S", "RECORD_CUTOFF_S", "await_whole", "newest_part", "parts_store"]
 
 #: How often a node whose part is in looks for the others' (seconds; one listing each).
 PARTS_POLL_S = 0.5
@@ -109,3 +110,14 @@ def _others_ahead(store: PartsStore, run_id: str, step: int, node_rank: int, nod
     later = [s for s, ranks in store.part_steps(run_id=run_id, deadline=deadline).items()
              if s > step and others <= ranks]
     return min(later) if later else None
+
+
+def newest_part(store: PartsStore, *, run_id: str, nodes: int, deadline: float) -> many.Whole | None:
+    """What the destination holds of ``run_id``'s newest step that any node put a part of (one listing of the
+    steps, one of that step's manifests), or None when it holds no part of the run: every node that asks after the
+    pushes are over gets the same answer, whatever its own pushes saw (the VERDICT's ``missing=``)."""
+    steps = store.part_steps(run_id=run_id, deadline=deadline)
+    if not steps:
+        return None
+    step = max(steps)
+    return many.whole(store.parts(run_id=run_id, step=step, deadline=deadline), run_id=run_id, step=step, nodes=nodes)

@@ -16,7 +16,7 @@ from guard.contract import EXIT_PUSH_FAILED, EXIT_SECURED, EXIT_TIMEOUT_UNSECURE
 from guard.secure.checkpoints import CheckpointInfo
 from guard.secure.report import PlanReport, PushView
 
-__all__ = ["Fields", "Verdict", "checkpoint_fields", "resume_step_text"]
+__all__ = ["Fields", "Verdict", "checkpoint_fields", "missing_said", "resume_step_text"]
 
 
 @dataclass(frozen=True)
@@ -153,8 +153,7 @@ def checkpoint_fields(report: PlanReport, verdict: Verdict, *, step: int | None,
     if unwhole is not None and unwhole.missing and (secured is None or (secured.step or -1) < (unwhole.step or -1)):
         extra["missing"] = unwhole.missing  # the newest checkpoint is not whole at the destination (many nodes)
         details["missing"] = {"step": unwhole.step, "what": unwhole.missing, "error": unwhole.error}
-        said = (f"checkpoint step {unwhole.step} is not whole at the destination, missing {unwhole.missing}: see "
-                "that node's VERDICT")
+        said = missing_said(unwhole.step, unwhole.missing)
         hint = f"{said}; {hint}" if hint else said
     steps_lost = 0
     lost = ""
@@ -193,3 +192,9 @@ def checkpoint_fields(report: PlanReport, verdict: Verdict, *, step: int | None,
     if "missing" in extra and said not in (hint or ""):
         hint = f"{said}; {hint}" if hint else said
     return done(hint)
+
+
+def missing_said(step: int | None, missing: str) -> str:
+    """The hint's clause on a many-node checkpoint not whole at the destination (``missing``: the VERDICT's
+    ``missing=`` value)."""
+    return f"checkpoint step {step} is not whole at the destination, missing {missing}: see that node's VERDICT"

@@ -46,7 +46,7 @@ from guard.secure.dest.base import (
 )
 from guard.secure.dest.local import final_model_files, list_files, placement, refuse_torn
 from guard.secure.hubhttp import PROGRESS, bounded, cause_hint, classify, failure_cause, fatal_hint, retry_after_s
-from guard.secure.meeting import await_whole, parts_store
+from guard.secure.meeting import await_whole, newest_part, parts_store
 
 if TYPE_CHECKING:
     from huggingface_hub import HfApi
@@ -310,6 +310,26 @@ class Securer:
         """
         record = self._read(deadline)
         return None if record is None else SecuredRecord(_revision(record), record.step, record.source, record.place)
+
+    def newest_parts(self, *, nodes: int, deadline: float) -> dict[str, object] | None:
+        """Many nodes: what the destination holds of this run's newest step any node put a part of
+        (``guard.secure.meeting.newest_part``), or None when no part of the run is there. Keys: ``step``,
+        ``complete`` (every node's part there, their union whole), ``missing`` (the VERDICT's ``missing=`` value:
+        ``node1``, ``files``, ``conflict``; empty when whole), ``present`` (the nodes whose part is there),
+        ``missing_files`` (the first 20 required files no part holds). ``nodes``: the job's node count.
+
+        Raises:
+            PushFailedError: the store keeps no node parts. HubError: the destination cannot be read before
+                ``deadline``.
+        """
+        shared = parts_store(self.store, destination=str(self.destination), kind=self.destination.kind,
+                             nodes=nodes)
+        found, _ = self._with_retries("reading the nodes' parts", lambda: newest_part(
+            shared, run_id=self.run_id, nodes=nodes, deadline=deadline), deadline, push=False)
+        if found is None:
+            return None
+        return {"step": found.step, "complete": found.complete, "missing": found.missing_text(),
+                "present": list(found.present), "missing_files": list(found.missing_files[:20])}
 
     def _read(self, deadline: float) -> Record | None:
         result, _ = self._with_retries(f"reading {CHECKPOINT_FOLDER}'s record",
