@@ -141,22 +141,11 @@ def test_deepspeed_zero_shards_on_two_nodes_make_one_checkpoint(tmp_path: Path, 
     rank 1's shard alone): both nodes TIMEOUT exit=75 with one secured_step, and the record holds every
     data-parallel rank's ZeRO file of that step."""
     nodes = _zero(tmp_path, dest).start()
-    try:
-        runs = nodes.wait(150)
-    finally:
-        nodes.close()
-    status, code, secured, secured_step, returncode = _one_story(runs)
-    assert (status, code, secured, returncode) == ("TIMEOUT", "75", "yes", 75), logs(runs)
-    record = dest.record()
-    assert record is not None and str(record.step) == secured_step, logs(runs)
-    (tmp_path / "fresh").mkdir()
-    fetched = dest.store.fetch(record, tmp_path / "fresh", deadline=time.monotonic() + 60)
-    assert fetched is not None
-    step = int(secured_step)
-    states = torch.load(fetched.path / "mp_rank_00_model_states.pt", weights_only=True)
+    step, fetched = _secured_at_the_deadline(nodes, tmp_path, dest)
+    states = torch.load(fetched / "mp_rank_00_model_states.pt", weights_only=True)
     assert states["global_steps"] == step and states["dp_world_size"] == 2
     for rank in range(2):  # every data-parallel rank's shard, of that step
-        shard = torch.load(fetched.path / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt", weights_only=True)
+        shard = torch.load(fetched / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt", weights_only=True)
         assert float(shard["optimizer_state_dict"]["shard"][0]) == rank * 1000 + step, rank
 
 
@@ -172,6 +161,27 @@ def test_deepspeed_rank_0s_shard_alone_is_never_secured(tmp_path: Path, dest: De
         assert run.fields().get("status") == "TIMEOUT" and run.fields().get("secured") != "yes", logs(runs)
     assert runs[0].fields().get("missing") in (None, "node1"), logs(runs)
     assert dest.record() is None, logs(runs)
+
+
+@pytest.mark.parametrize("save_steps", ["5", "40"])
+def test_a_trainers_checkpoint_over_two_disks_is_secured_whole(tmp_path: Path, dest: Dest, save_steps: str) -> None:
+    """A Trainer on two nodes with local disks: node 0's checkpoint-N holds the model, the optimizer, the trainer
+    state and rng_state_0.pth, node 1's only rng_state_1.pth. Every node says TIMEOUT exit=75 with one
+    secured_step, and the record holds both ranks' RNG states with the model. Before: node 0 secured its folder as
+    a whole checkpoint (rng_state_1.pth not required: the description did not know the job's world size) while
+    node 1 put a part that never became whole and exited 143; with both as parts, saves every 0.5 s or 4 s (5 or
+    40 steps) never met on one step within 150 s."""
+    nodes = Nodes(tmp_path, 2, JOBS / "ddp_trainer.py",
+                  guard_args=[*FAST, "--output-dir", "{out}", "--push-to", dest.push_to, "--timeout", "50s"],
+                  job_args=["--output-dir", "{out}", "--step-s", "0.1", "--save-steps", save_steps],
+                  env=dest.env).start()
+    step, fetched = _secured_at_the_deadline(nodes, tmp_path, dest)
+    held = {p.relative_to(fetched).as_posix() for p in fetched.rglob("*") if p.is_file()}
+    assert {"rng_state_0.pth", "rng_state_1.pth", "trainer_state.json", "model.safetensors"} <= held, held
+    state = json.loads((fetched / "trainer_state.json").read_text())
+    assert state["global_step"] == step
+    for rank in range(2):  # each rank's own RNG state, loadable as the Trainer's resume loads it
+        assert "cpu" in torch.load(fetched / f"rng_state_{rank}.pth", weights_only=False)
 
 
 def test_a_node_lost_mid_run_never_makes_the_other_say_its_newest_step_is_secured(tmp_path: Path,
@@ -198,6 +208,23 @@ def test_a_node_lost_mid_run_never_makes_the_other_say_its_newest_step_is_secure
         assert secured_step == str(record.step), logs(runs)  # the VERDICT names what the bucket holds
     assert node0.get("missing") in (None, "node1"), logs(runs)
     assert node0.get("status") in ("FAIL", "TIMEOUT") and node0.get("node") == "0", logs(runs)
+
+
+def _secured_at_the_deadline(nodes: Nodes, tmp_path: Path, dest: Dest) -> tuple[int, Path]:
+    """Every node's VERDICT says TIMEOUT exit=75 secured=yes with one secured_step (the guards' exit code 75), the
+    record names that step: ``(step, the record fetched into tmp_path/fresh, every file verified)``."""
+    try:
+        runs = nodes.wait(150)
+    finally:
+        nodes.close()
+    status, code, secured, secured_step, returncode = _one_story(runs)
+    assert (status, code, secured, returncode) == ("TIMEOUT", "75", "yes", 75), logs(runs)
+    record = dest.record()
+    assert record is not None and str(record.step) == secured_step, logs(runs)
+    (tmp_path / "fresh").mkdir()
+    fetched = dest.store.fetch(record, tmp_path / "fresh", deadline=time.monotonic() + 60)
+    assert fetched is not None
+    return int(record.step), fetched.path
 
 
 def _one_story(runs: list[NodeRun]) -> tuple[str | None, str | None, str | None, str | None, int]:

@@ -469,7 +469,7 @@ def newest_complete(output_dir: str | os.PathLike[str], *, now_s: float, stable_
                     resumed: Collection[str] = (), world_size: int = 1,
                     waiting: Mapping[str, str] | None = None,
                     steps: Mapping[str, int] | None = None, parts: bool = False, run_id: str | None = None,
-                    refuse: Refusal | None = None) -> CheckpointInfo | None:
+                    refuse: Refusal | None = None, only_step: int | None = None) -> CheckpointInfo | None:
     """The newest complete checkpoint under ``output_dir`` (see the module docstring for what counts).
 
     Folders newer than the one returned that are skipped are logged with the reason (still being written, no state
@@ -510,6 +510,8 @@ def newest_complete(output_dir: str | os.PathLike[str], *, now_s: float, stable_
             None (resume): every marker that still names its save counts.
         refuse: ``(step, newest mtime in epoch seconds) -> reason or None``: a checkpoint it names a reason for is
             skipped with it (resume: a tainted run's, ``suspects.tainted_by``).
+        only_step: look at the folders of that step alone (many nodes: this node's part of the step node 0 put,
+            ``guard.secure.follow``); no loose files then. Default None: every folder.
 
     Returns:
         The :class:`CheckpointInfo`, or None when there is none (or ``output_dir`` does not exist).
@@ -528,6 +530,8 @@ def newest_complete(output_dir: str | os.PathLike[str], *, now_s: float, stable_
     known = {os.path.realpath(p): s for p, s in (steps or {}).items()}
     candidates = sorted(((known.get(os.path.realpath(base / name), int(m.group(1))), name) for name in names
                          if (m := _FOLDER_RE.fullmatch(name) or _SHARDED_FOLDER_RE.fullmatch(name))), reverse=True)
+    if only_step is not None:
+        candidates, loose = [c for c in candidates if c[0] == only_step], False
     for step, name in candidates:
         path = base / name
         if not path.is_dir() or path.is_symlink():
@@ -555,8 +559,7 @@ def newest_complete(output_dir: str | os.PathLike[str], *, now_s: float, stable_
             found, source = (step, "reported") if os.path.realpath(path) in known else _folder_step(path, step)
             info = _info(path, files, found, step_source=source,
                          admitted_by="reported" if told else "resumed" if fetched else "settled")
-            required = requires(path, world_size=world_size if world_size > 1 else None)
-            lacking = missing_required(required, {rel: size for rel, (size, _) in files.items()})
+            required, lacking = _required_here(path, files, world_size)
             # a part: its format names files it lacks (node 0's DCP .metadata), or, read as one node's whole
             # checkpoint, it is not one (node 1's DCP shards without .metadata, a ZeRO rank's files alone)
             alone = bool(lacking) or (parts and _check(path, now_s, 0.0, stat, reported=True,
@@ -777,12 +780,24 @@ def saved_folder(path: str | os.PathLike[str], *, now_s: float, steps: Mapping[s
     return _info(where, files, step, step_source=source, admitted_by="saved"), None
 
 
-def describe(path: str | os.PathLike[str], *, step: int | None = None, stat: StatFn = os.stat) -> CheckpointInfo:
+def _required_here(path: Path, files: Mapping[str, tuple[int, float]],
+                   world_size: int) -> tuple[dict[str, int], list[str]]:
+    """``(what the folder's format requires, what of it the folder lacks)`` (``formats.requires`` with the job's
+    ``world_size`` when above 1, ``formats.missing_required``); ``files``: the folder's ``{rel: (size, mtime)}``."""
+    required = requires(path, world_size=world_size if world_size > 1 else None)
+    return required, missing_required(required, {rel: size for rel, (size, _) in files.items()})
+
+
+def describe(path: str | os.PathLike[str], *, step: int | None = None, stat: StatFn = os.stat, parts: bool = False,
+             world_size: int = 1) -> CheckpointInfo:
     """Describe a checkpoint the job reported itself (``guard.checkpoint_saved(path)``), named freely.
 
     ``path`` may be a folder or a single file. The step is, in order: ``global_step`` from ``trainer_state.json``,
     the caller's ``step``, ``step`` from ``guard_checkpoint.json``, N from a ``checkpoint-N`` name, else None.
-    Completeness is not checked here: the job said the save is done.
+    Completeness is not checked here: the job said the save is done. ``parts``: the job has several nodes, each
+    with its own disk: a folder lacking files its format names for the job's ``world_size`` ranks (node 0's
+    ``checkpoint-N`` without ``rng_state_1.pth``, node 1's with that file alone) is this node's part
+    (``CheckpointInfo.part``, with ``requires``); default False.
 
     Raises:
         SupervisorError: ``path`` does not exist or holds no file.
@@ -806,7 +821,11 @@ def describe(path: str | os.PathLike[str], *, step: int | None = None, stat: Sta
         found, source = step, "reported"
     if found is None and (m := _FOLDER_RE.fullmatch(where.name)):
         found, source = int(m.group(1)), "name"
-    return _info(where, files, found, step_source=source, admitted_by="reported")
+    info = _info(where, files, found, step_source=source, admitted_by="reported")
+    if not parts or not where.is_dir():
+        return info
+    required, lacking = _required_here(where, files, world_size)
+    return dataclasses.replace(info, requires=tuple(sorted(required.items())), part=bool(lacking))
 
 
 def rewritten_after(folder: Path, files: Iterable[str], saved_s: float,

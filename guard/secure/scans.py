@@ -212,6 +212,16 @@ class Disk:
         followed = self.followed(final=asked.final, now_s=asked.now_s)
         return ScanFound(found, unchanged, final_model, holds_files, final_files, followed)
 
+    def part_at(self, asked: ScanAsked, step: int) -> CheckpointInfo | None:
+        """This node's part of ``step`` in the output folder (``checkpoints.newest_complete`` with ``only_step``,
+        as ``asked`` says), when complete and a part, else None; raises OSError as it does."""
+        found = checkpoints.newest_complete(asked.output_dir, now_s=asked.now_s, stat=self.stat, seen=self.seen,
+                                            stable_for_s=asked.stable_for_s, reported=set(asked.reported),
+                                            loose=False, since_s=asked.since_s, resumed=asked.resumed,
+                                            world_size=asked.world_size, parts=True, run_id=asked.run_id,
+                                            only_step=step)
+        return found if found is not None and found.part else None
+
     def final_files(self, output_dir: str, since_s: float | None) -> tuple[str, ...] | None:
         """The files of the output folder that are the final model: all of them (None), unless the folder is not
         the job's own (the working folder, from ``--save model.pt``; one above it): then only the files the job
@@ -241,9 +251,11 @@ class Disk:
             return None
         return found.size_bytes if found is not None else None
 
-    def reported(self, message: dict[str, Any], output_dir: str | None) -> ReportSeen:
+    def reported(self, message: dict[str, Any], output_dir: str | None, *, parts: bool = False,
+                 world_size: int = 1) -> ReportSeen:
         """Check the path of a ``checkpoint_saved`` message (``layout.check_reported_path``) and, from rank 0
-        (``zero``), describe it (``checkpoints.describe``)."""
+        (``zero``), describe it (``checkpoints.describe``, with ``parts`` and the job's ``world_size``: a node's
+        part of a many-node checkpoint is found as such)."""
         try:
             path = str(layout.check_reported_path(message.get("path"), output_dir=output_dir))
         except GuardError as exc:
@@ -251,7 +263,8 @@ class Disk:
         if not message.get("zero", True):
             return ReportSeen(path)
         try:
-            return ReportSeen(path, info=checkpoints.describe(path, step=message.get("step"), stat=self.stat))
+            return ReportSeen(path, info=checkpoints.describe(path, step=message.get("step"), stat=self.stat,
+                                                              parts=parts, world_size=world_size))
         except GuardError as exc:
             return ReportSeen(path, describe_error=exc)
 
@@ -385,10 +398,10 @@ class Disk:
         """This run starts on ``folder``: other runs' open taints there end at ``at_s`` (``suspects.close_taints``)."""
         suspects.close_taints(folder, run_id=run_id, at_s=at_s)
 
-    def describe(self, path: str, step: int | None) -> CheckpointInfo:
-        """``checkpoints.describe`` through the seam's ``stat`` (a reported folder once every rank's part is in);
-        raises ``GuardError`` as it does."""
-        return checkpoints.describe(path, step=step, stat=self.stat)
+    def describe(self, path: str, step: int | None, parts: bool = False, world_size: int = 1) -> CheckpointInfo:
+        """``checkpoints.describe`` through the seam's ``stat`` (a reported folder once every rank's part is in;
+        ``parts``, ``world_size`` as there); raises ``GuardError`` as it does."""
+        return checkpoints.describe(path, step=step, stat=self.stat, parts=parts, world_size=world_size)
 
     @staticmethod
     def mark_suspect(path: str, step: int | None, first_bad_step: int, run_id: str | None = None) -> None:

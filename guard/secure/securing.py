@@ -16,6 +16,7 @@ Nothing here reads or writes the plan's state: ``finish`` fills the VERDICT's ``
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import signal
@@ -58,6 +59,7 @@ from guard.secure.events import (
     Tick,
     TrainingStarted,
 )
+from guard.secure.follow import Follower
 from guard.secure.outcome import Verdict, checkpoint_fields
 from guard.secure.plan import Plan, State
 
@@ -74,6 +76,7 @@ SCAN_EVERY_S = 5.0  # how often the output folder is looked at for complete chec
 FILE_SETTLE_S = 1.0  # a torch.save'd file counts as a whole checkpoint after this long without another file
 STABLE_FOR_S = checkpoints.STABLE_FOR_S  # the scans' settle rule (seconds)
 FS_WAIT_S = 5.0  # how long a failure or the job's end waits for a fresh scan of the output folder (a hung mount)
+LIST_BOUND_S = 5.0  # many nodes: one listing of the destination's parts takes this long at most
 KNOWN_CHECKED = 16  # how many of the newest checkpoints fed to the plan each scan checks for a rewrite
 
 
@@ -252,6 +255,7 @@ class Securing:
         self.trainer_seen = False
         self.pending_file: tuple[checkpoints.CheckpointInfo, float] | None = None  # a save that may still grow
         self.follower = False
+        self._follower: Follower | None = None  # many nodes, not node 0: its parts follow node 0's steps
         self.node_0_secures = False  # another node's guard: node 0's secures the run's checkpoints and final model
         self.next_scan = -math.inf
         self._node_checked = False
@@ -307,16 +311,42 @@ class Securing:
                          requested: bool | None = None) -> None:
         """``CheckpointSeen(info, requested=...)`` to the plan; ``info`` is checked for a rewrite by the scans from
         now on."""
-        if self.parts_mode() and not info.part and self.node_rank != 0:
-            log.debug("node %d: %s is whole on this node's disk: node 0's guard secures its own copy", self.node_rank,
-                      info.path)
-            return
+        if self.parts_mode() and self.node_rank != 0:
+            if not info.part:
+                log.debug("node %d: %s is whole on this node's disk: node 0's guard secures its own copy",
+                          self.node_rank, info.path)
+                return
+            follower = self._following()
+            if follower is not None:  # to the plan once node 0 put its part of that step (guard.secure.follow)
+                follower.hold(info, requested)
+                return
+        self._to_plan(sup, info, now, requested)
+
+    def _to_plan(self, sup: JobLink | None, info: checkpoints.CheckpointInfo, now: float | None,
+                 requested: bool | None) -> None:
         self._fed.append(info)
         del self._fed[:-KNOWN_CHECKED]
         bad = self._not_finite
         finite = False if bad and (str(info.path) in bad or any(str(info.folder / rel) in bad for rel in info.files)) \
             else None
         self._feed(sup, CheckpointSeen(info, requested=requested, finite=finite), now)
+
+    def _following(self) -> Follower | None:
+        """This node's :class:`follow.Follower` (made on first use) when its store keeps node parts, else None."""
+        if self._follower is None and self.securer is not None:
+            securer = self.securer
+
+            def list_steps() -> dict[int, set[int]]:  # on the destination's thread
+                from guard.secure.dest.base import PartsStore
+
+                store = securer.store
+                if not isinstance(store, PartsStore):
+                    return {}
+                return store.part_steps(run_id=securer.run_id, deadline=time.monotonic() + LIST_BOUND_S)
+
+            self._follower = Follower(list_steps, lambda info, requested: self._to_plan(
+                self._link, info, self.clock(), requested), lookup=self._look_for_part)
+        return self._follower
 
     def _still_unchanged(self, info: checkpoints.CheckpointInfo) -> bool:
         """The plan's ``unchanged``, answered on the loop without a stat: False when a checkpoint fed later shares
@@ -356,18 +386,35 @@ class Securing:
         self._scans_asked += 1
         number = self._scans_asked
         self._scan_in_flight = True
+        self.port.submit(self.disk.scan, self._scan_asked(self.output_dir, final, stable_for_s),
+                         apply=lambda value, error: self._scanned(number, value, error))
+        return number
+
+    def _scan_asked(self, output_dir: str, final: bool = False, stable_for_s: float = STABLE_FOR_S) -> scans.ScanAsked:
+        """What a scan of ``output_dir`` needs from the loop (``scans.ScanAsked``)."""
         link = self._link
         waiting = tuple((path, self._waiting_reason(link, path, info)) for path, info in self.awaiting.items()) \
             if link is not None else ()
         if link is not None and link.job_exit_code() is not None and not link.job_alive():
             stable_for_s = 0.0  # the job's processes are gone: nothing is still being written, formats decide
-        asked = scans.ScanAsked(self.output_dir, self.wall(), loose=not self.trainer_seen, since_s=self.started_s,
-                                resumed=frozenset(self.resumed_paths), known=tuple(self._fed), final=final,
-                                reported=frozenset(self.reported_paths),
-                                world_size=link.world_size() if link is not None else 1, waiting=waiting,
-                                stable_for_s=stable_for_s, run_id=self.run_id, parts=self.parts_mode())
-        self.port.submit(self.disk.scan, asked, apply=lambda value, error: self._scanned(number, value, error))
-        return number
+        return scans.ScanAsked(output_dir, self.wall(), loose=not self.trainer_seen, since_s=self.started_s,
+                               resumed=frozenset(self.resumed_paths), known=tuple(self._fed), final=final,
+                               reported=frozenset(self.reported_paths),
+                               world_size=link.world_size() if link is not None else 1, waiting=waiting,
+                               stable_for_s=stable_for_s, run_id=self.run_id, parts=self.parts_mode())
+
+    def _look_for_part(self, step: int) -> None:
+        """Many nodes: look for this node's part of ``step`` (node 0 put its own) on the file system thread; found,
+        it goes to the follower (``guard.secure.follow``)."""
+        follower = self._follower
+        if not self.output_dir or follower is None:
+            return
+
+        def found(value: object, error: BaseException | None) -> None:
+            if isinstance(value, checkpoints.CheckpointInfo):
+                follower.hold(value)
+
+        self.port.submit(self.disk.part_at, self._scan_asked(self.output_dir), step, apply=found)
 
     def _scanned(self, number: int, value: object, error: BaseException | None) -> None:
         """A scan's answer (on the loop): a complete checkpoint the job did not report becomes ``CheckpointSeen``."""
@@ -448,6 +495,8 @@ class Securing:
             due.append(now + 60.0)
         if self._scanning():
             due.append(self.next_scan)
+        if self._follower is not None:
+            due.append(self._follower.due_at(now))
         if self._holds:
             hold = self._holds[0]
             due.append(hold.until if hold.settle_at is None else hold.settle_at)
@@ -568,6 +617,8 @@ class Securing:
                     self.deadline = moved
                     self._feed(sup, DeadlineMoved(self._to_clock(moved.deadline_s)), now)
         self._settle(sup, now)
+        if self._follower is not None:
+            self._follower.tick(now)
         if self.awaiting:
             self._complete_reports(sup)  # a rank that trained on past a save without reporting it had no part
         if self._scanning() and now >= self.next_scan:
@@ -743,8 +794,11 @@ class Securing:
     def on_checkpoint_saved(self, sup: JobLink, message: Message) -> None:
         """The job reported a finished save (``checkpoint_saved``, with the sender's ``rank``): its path is checked
         and described on the file system thread (``scans.Disk.reported``), the answer handled when it comes."""
-        self.port.submit(self.disk.reported, dict(message), self.output_dir,
-                         apply=lambda seen, error: self._reported(message, seen, error))
+        asked, parts = dict(message), self.parts_mode()
+        if parts and self.node_rank != 0:
+            asked["zero"] = True  # the world's process zero is on node 0: this node's ranks describe their part
+        self.port.submit(functools.partial(self.disk.reported, parts=parts, world_size=sup.world_size()), asked,
+                         self.output_dir, apply=lambda seen, error: self._reported(asked, seen, error))
         self._pump(sup, self.clock())
 
     def _reported(self, message: Message, seen: object, error: BaseException | None) -> None:
@@ -831,7 +885,8 @@ class Securing:
                 # described at the world's process zero's report: the other ranks' files came after it (rank 1's
                 # rng_state_1.pth), so the folder is described again (on the file system thread) now that every
                 # part is there; answers come back in order, so the checkpoints still reach the plan oldest first
-                self.port.submit(self.disk.describe, path, info.step, apply=self._described(requested))
+                self.port.submit(self.disk.describe, path, info.step, self.parts_mode(), sup.world_size(),
+                                 apply=self._described(requested))
             else:
                 self._parts_complete(info, None, requested)
         if done:

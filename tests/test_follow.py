@@ -1,0 +1,119 @@
+"""Many nodes: a node other than node 0 feeds its plan its part of a step only once node 0 put that step
+(``guard.secure.follow.Follower``), the newest such step; a step it holds no part of is looked for. Also the
+description of a reported save as a node's part (``checkpoints.describe`` with ``parts``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from fakes import InlineFs
+
+from guard.secure import checkpoints
+from guard.secure.checkpoints import CheckpointInfo
+from guard.secure.follow import Follower
+
+
+def part(step: int) -> CheckpointInfo:
+    return CheckpointInfo(Path(f"/out/step_{step}"), step, 10, ("__1_0.distcp",), 0.0, part=True)
+
+
+class Destination:
+    """What node 0 and the others put: ``{step: {node ranks}}``, as ``PartsStore.part_steps`` says."""
+
+    def __init__(self) -> None:
+        self.steps: dict[int, set[int]] = {}
+        self.listings = 0
+
+    def put(self, step: int, node: int) -> None:
+        self.steps.setdefault(step, set()).add(node)
+
+    def list(self) -> dict[int, set[int]]:
+        self.listings += 1
+        return {step: set(nodes) for step, nodes in self.steps.items()}
+
+
+@pytest.fixture
+def dest() -> Destination:
+    return Destination()
+
+
+def follower(dest: Destination, fed: list[int], looked: list[int] | None = None) -> Follower:
+    return Follower(dest.list, lambda info, requested: fed.append(info.step or -1), helpers=InlineFs(), every_s=1.0,
+                    lookup=(looked.append if looked is not None else None))
+
+
+def test_a_part_waits_for_node_0s_part_of_its_step(dest: Destination) -> None:
+    fed: list[int] = []
+    follow = follower(dest, fed)
+    follow.hold(part(20))
+    follow.hold(part(40))
+    follow.tick(0.0)
+    assert fed == [] and dest.listings == 1  # node 0 put nothing yet
+    dest.put(20, 0)
+    follow.tick(0.5)
+    assert fed == [] and dest.listings == 1  # the next listing comes every_s later
+    follow.tick(1.0)
+    assert fed == [20] and set(follow.held) == {40}
+    dest.put(40, 1)  # another follower's part is no lead
+    follow.tick(2.0)
+    assert fed == [20]
+    dest.put(40, 0)
+    follow.tick(3.0)
+    assert fed == [20, 40] and not follow.held
+
+
+def test_the_newest_step_node_0_put_is_followed_and_older_ones_dropped(dest: Destination) -> None:
+    fed: list[int] = []
+    follow = follower(dest, fed)
+    for step in (20, 40, 60):
+        follow.hold(part(step))
+        dest.put(step, 0)
+    follow.tick(0.0)
+    assert fed == [60] and not follow.held
+    follow.hold(part(40))  # older than the step fed: never to the plan
+    assert not follow.held
+
+
+def test_a_step_node_0_put_and_this_node_holds_no_part_of_is_looked_for(dest: Destination) -> None:
+    fed: list[int] = []
+    looked: list[int] = []
+    follow = follower(dest, fed, looked)
+    follow.hold(part(20))  # its scans found step 20; node 0 put 40
+    dest.put(40, 0)
+    follow.tick(0.0)
+    assert looked == [40] and fed == []
+    follow.hold(part(40))  # the lookup's answer: this node's part of 40, fed at once
+    assert fed == [40] and not follow.held
+
+
+def test_a_failed_listing_feeds_nothing(dest: Destination) -> None:
+    fed: list[int] = []
+
+    def broken() -> dict[int, set[int]]:
+        raise OSError("unreachable")
+
+    follow = Follower(broken, lambda info, requested: fed.append(1), helpers=InlineFs())
+    follow.hold(part(20))
+    follow.tick(0.0)
+    assert fed == [] and set(follow.held) == {20}
+
+
+@pytest.mark.parametrize(("files", "part"), [
+    (["model.safetensors", "trainer_state.json", "rng_state_0.pth"], True),  # node 0: rng_state_1.pth elsewhere
+    (["rng_state_1.pth"], True),  # node 1: its rank's file alone
+    (["model.safetensors", "trainer_state.json", "rng_state_0.pth", "rng_state_1.pth"], False),  # whole here
+])
+def test_a_reported_trainer_checkpoint_of_two_nodes_is_a_part_by_the_jobs_world_size(tmp_path: Path,
+                                                                                    files: list[str],
+                                                                                    part: bool) -> None:
+    folder = tmp_path / "checkpoint-10"
+    folder.mkdir()
+    for name in files:
+        (folder / name).write_bytes(b"x")
+    if "trainer_state.json" in files:
+        (folder / "trainer_state.json").write_text('{"global_step": 10}')
+    info = checkpoints.describe(folder, parts=True, world_size=2)
+    assert info.part is part and info.step == 10
+    assert {"rng_state_0.pth", "rng_state_1.pth"} <= dict(info.requires).keys()
+    assert not checkpoints.describe(folder).part  # one node: as before, no part
