@@ -330,7 +330,7 @@ def test_two_threads_calling_backward_keep_their_own_scaled_losses(monkeypatch: 
     monkeypatch.setattr(torch.amp.GradScaler, "update", torch.amp.GradScaler.update)
     agent = Agent(AgentSettings(socket_path=None, sanity_steps=5))
     seen: list[float] = []
-    monkeypatch.setattr(agent, "on_loss", lambda loss, step, source: seen.append(float(loss)))
+    monkeypatch.setattr(agent, "on_loss", lambda loss, step, source, mean=False: seen.append(float(loss)))
     monkeypatch.setattr(_core, "get", lambda: agent)
     _torch.patch(torch)
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)

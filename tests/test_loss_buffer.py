@@ -81,9 +81,11 @@ def test_under_gradient_accumulation_a_step_is_an_optimizer_step() -> None:
             watch.observe(torch.tensor(1.0), None, "backward")
         watch.optimizer_stepped(generator)
         watch.optimizer_stepped(discriminator)
-    assert [m["step"] for m in agent.sent] == [1] * 4 + [2] * 4 + [3] * 4
+    # one message per optimizer step, once it is whole, its loss the sum of its 4 micro-batches
+    assert [(m["step"], m["loss"]) for m in agent.sent] == [(1, 4.0), (2, 4.0), (3, 4.0)]
     watch.resumed(100)
     watch.observe(torch.tensor(1.0), None, "backward")
+    watch.optimizer_stepped(generator)
     assert agent.sent[-1]["step"] == 104
 
 

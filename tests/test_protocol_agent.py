@@ -228,7 +228,7 @@ def test_no_hook_work_during_cuda_graph_capture(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
     agent = Agent(AgentSettings(socket_path=None, sanity_steps=5))
     seen: list[Any] = []
-    monkeypatch.setattr(agent, "on_loss", lambda loss, step, source: seen.append(loss))
+    monkeypatch.setattr(agent, "on_loss", lambda loss, step, source, mean=False: seen.append(loss))
     monkeypatch.setattr(agent_module, "get", lambda: agent)
     _torch.patch(torch)
     w = torch.ones(3, requires_grad=True)
@@ -280,7 +280,7 @@ def test_backward_hook_reports_scalar_losses_only(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(torch.Tensor, "backward", torch.Tensor.backward)  # restored after the test
     agent = Agent(AgentSettings(socket_path=None, sanity_steps=5))  # a real agent with nobody to talk to
     seen: list[tuple[Any, Any, str]] = []
-    monkeypatch.setattr(agent, "on_loss", lambda loss, step, source: seen.append((loss, step, source)))
+    monkeypatch.setattr(agent, "on_loss", lambda loss, step, source, mean=False: seen.append((loss, step, source)))
     monkeypatch.setattr(agent_module, "get", lambda: agent)
     _torch.patch(torch)
     wrapped = torch.Tensor.backward
@@ -602,3 +602,64 @@ def test_a_load_of_the_jobs_own_save_at_the_resumed_path_is_no_resume(agents: li
     fresh = _agent(agents, None, resume_path=str(resumed), resume_step=15)
     fresh.resume_seen(str(resumed))  # loaded before any save: the resumed checkpoint
     assert fresh.resumed and fresh.watch.step == 15 and "resume_loaded" in fresh.api_used
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Gradient accumulation: one step per optimizer step, its loss combined from its micro-batches
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _accumulate(watch: LossWatch, steps: int, accum: int, loss_of: Any, *, mean: bool = False) -> None:
+    """``steps`` optimizer steps of ``accum`` micro-batches: ``loss_of(step, micro)`` each, then the step."""
+    watch.optimizer_built()
+    optimizer = object()
+    for step in range(1, steps + 1):
+        for micro in range(accum):
+            watch.observe(loss_of(step, micro), None, "backward", mean=mean)
+        watch.optimizer_stepped(optimizer)
+
+
+def test_under_accumulation_a_step_is_an_optimizer_step_and_its_loss_the_sum_of_its_micro_batches() -> None:
+    """A plain loop dividing each micro-batch's loss by 4: the step's loss is their sum (the mean of the undivided
+    losses, what nanoGPT prints), whether the sanity pass or a window (which ends inside a step: check_every=3)
+    reads it; windows send whole steps only, the sanity pass lasts 2 optimizer steps (not 2 .backward() calls)."""
+    fake = FakeAgent()
+    watch = LossWatch(fake, sanity_steps=2, check_every=3)  # type: ignore[arg-type]
+    _accumulate(watch, 6, 4, lambda step, micro: (10.0 * step + micro) / 4)
+    watch.flush("exit")
+    sent = [(m["step"], m["loss"]) for m in fake.sent]
+    expected = {step: sum(10.0 * step + micro for micro in range(4)) / 4 for step in range(1, 7)}
+    assert sent[:2] == [(1, expected[1]), (2, expected[2])]  # the sanity pass: each step once it is whole
+    assert [step for step, _ in sent] == sorted({step for step, _ in sent})  # never a step twice, never back
+    assert all(loss == pytest.approx(expected[step]) for step, loss in sent)  # never a partial step's loss
+    assert sent[-1][0] == 6 and all(m["finite"] for m in fake.sent)
+
+
+def test_a_loss_given_to_accelerate_or_deepspeed_is_averaged_over_the_micro_batches() -> None:
+    """``accelerator.backward(loss)`` divides by the accumulation steps itself: the user's losses are averaged."""
+    fake = FakeAgent()
+    watch = LossWatch(fake, sanity_steps=3, check_every=10)  # type: ignore[arg-type]
+    _accumulate(watch, 3, 4, lambda step, micro: float(step + micro), mean=True)
+    assert [(m["step"], m["loss"]) for m in fake.sent] == [(1, 2.5), (2, 3.5), (3, 4.5)]
+
+
+def test_a_non_finite_micro_batch_is_sent_at_once_with_its_optimizer_step() -> None:
+    fake = FakeAgent()
+    watch = LossWatch(fake, sanity_steps=1, check_every=100)  # type: ignore[arg-type]
+    _accumulate(watch, 5, 4, lambda step, micro: math.nan if (step, micro) == (4, 2) else 1.0)
+    bad = [m for m in fake.sent if not m["finite"]]
+    assert [(m["step"], m["n"]) for m in bad] == [(4, 1)] and fake.waits == 1
+
+
+def test_an_optimizer_whose_steps_are_never_seen_falls_back_to_a_step_per_backward() -> None:
+    """Built through torch.optim but stepped where the global hook does not see it: after UNSTEPPED_LIMIT
+    .backward() calls the watch counts a step per call again, so losses keep coming (before, every call stayed
+    'step 1' and, held as one unfinished step, nothing would have been sent)."""
+    from guard.inside.agent._losses import UNSTEPPED_LIMIT
+
+    fake = FakeAgent()
+    watch = LossWatch(fake, sanity_steps=1, check_every=10)  # type: ignore[arg-type]
+    watch.optimizer_built()
+    for _ in range(UNSTEPPED_LIMIT + 30):
+        watch.observe(1.0, None, "backward")
+    assert fake.sent and fake.sent[-1]["step"] > UNSTEPPED_LIMIT and watch.step_base is None

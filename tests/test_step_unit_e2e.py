@@ -42,6 +42,10 @@ def test_a_healthy_accumulating_loop_reports_its_saves_at_their_iteration(tmp_pa
     assert int(fields["step"]) == 20, run.verdict
     assert secured_step(dest) == 20
     assert torch.load(dest / "last-checkpoint" / "ckpt-20.pt", weights_only=True)["iter"] == 20
+    # loss= is the optimizer step's loss, the job's own printed value (the sum of its divided micro-batch losses),
+    # not its last micro-batch's divided loss (a quarter of it here; nanoGPT's 0.0976 against its printed 3.905)
+    printed = dict(re.findall(r"^iter (\d+): loss ([0-9.]+)$", run.stdout, re.M))
+    assert float(fields["loss"]) == pytest.approx(float(printed["20"]), rel=1e-4), (run.verdict, printed["20"])
 
 
 @pytest.mark.parametrize("hide", [False, True])
@@ -61,3 +65,16 @@ def test_a_gradient_norm_gone_nan_is_the_first_non_finite_step(tmp_path: Path, h
     assert secured_step(dest) == 20
     state = torch.load(dest / "last-checkpoint" / "ckpt-20.pt", weights_only=True)
     assert all(bool(torch.isfinite(t).all()) for t in state["model"].values())
+
+
+def test_a_trainer_under_gradient_accumulation_reports_the_loss_it_logs(tmp_path: Path) -> None:
+    """gradient_accumulation_steps=2: the step's loss is the sum of its micro-batches' training_step returns (each
+    divided by the accumulation steps), the loss the Trainer logs; before, their mean: half the logged loss."""
+    run = run_guard([*FAST, str(JOBS / "slow_trainer.py"), "--output-dir", str(tmp_path / "out"), "--max-steps",
+                     "6", "--step-s", "0", "--accum", "2", "--logging-steps", "1", "--save-steps", "100"],
+                    timeout_s=120)
+    fields = run.fields()
+    assert (fields["status"], int(fields["step"])) == ("PASS", 6), run.stderr[-3000:]
+    logged = re.findall(r"\{'loss': '([0-9.]+)'", run.stdout)
+    assert len(logged) == 6, run.stdout[-2000:]
+    assert float(fields["loss"]) == pytest.approx(float(logged[-1]), rel=1e-3), (run.verdict, logged[-1])

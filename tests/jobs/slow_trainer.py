@@ -14,6 +14,8 @@ parser.add_argument("--save-steps", type=int, default=50)
 parser.add_argument("--push-to-hub", action="store_true")
 parser.add_argument("--hub-model-id")
 parser.add_argument("--resume", action="store_true")
+parser.add_argument("--accum", type=int, default=1)  # gradient_accumulation_steps
+parser.add_argument("--logging-steps", type=int, default=10)
 args = parser.parse_args()
 
 
@@ -30,7 +32,8 @@ class Slow(TrainerCallback):
 
 ARGS_STEP_S = args.step_s
 training_args = TrainingArguments(
-    output_dir=args.output_dir, max_steps=args.max_steps, per_device_train_batch_size=8, logging_steps=10,
+    output_dir=args.output_dir, max_steps=args.max_steps, per_device_train_batch_size=8,
+    logging_steps=args.logging_steps, gradient_accumulation_steps=args.accum,
     save_strategy="steps", save_steps=args.save_steps, report_to="none", learning_rate=1e-2, use_cpu=True,
     disable_tqdm=True, push_to_hub=args.push_to_hub, hub_model_id=args.hub_model_id, seed=0,
 )

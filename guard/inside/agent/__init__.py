@@ -14,12 +14,12 @@ Design notes (why it looks like this):
 
 Modules: this ``__init__`` (the agent of one process: the channel, the loss watch; the hooks' installation),
 ``_core`` (what the hooks share: ``get()``, ``root_cause``, the stdout flusher), and the hooks ``_torch``,
-``_transformers`` and ``_dist``, which import ``_core``, never this package's ``__init__``: no circle.
+``_transformers`` and ``_dist``, which import ``_core``, never this package's ``__init__``: no circle; ``_losses``
+(the loss watch: losses in, ``step`` messages out; one step per optimizer step under gradient accumulation).
 """
 
 from __future__ import annotations
 
-import math
 import os
 import signal
 import socket
@@ -31,12 +31,13 @@ from ... import protocol
 from ..settings import AgentSettings, agent_settings
 from . import _core
 from ._core import _warn_once, get, root_cause
+from ._losses import LossWatch
 
 TYPE_CHECKING = False  # typing's own flag, without importing typing in every job process (see protocol.py)
 if TYPE_CHECKING:
     from typing import Any
 
-__all__ = ["Agent", "get", "install", "root_cause"]
+__all__ = ["Agent", "LossWatch", "get", "install", "root_cause"]
 
 _INSTALLED = False
 #: What a dormant agent (a ``multiprocessing`` spawn child) keeps to itself until it is seen to be a training rank.
@@ -57,210 +58,6 @@ def _rank_info() -> dict[str, Any]:
         "node_rank": _int("GROUP_RANK") if _int("GROUP_RANK") is not None else _int("NODE_RANK"),
         "error_file": os.environ.get("TORCHELASTIC_ERROR_FILE"),  # torchrun's per-rank error file (@record)
     }
-
-
-class _Slot:
-    """A kept loss's place in ``LossWatch._buffer``."""
-
-    __slots__ = ("index",)
-
-    def __init__(self, index: int) -> None:
-        self.index = index
-
-
-class LossWatch:
-    """Turns losses into ``step`` messages: one by one in the sanity pass, then every ``check_every`` steps.
-
-    After the sanity pass a device tensor's loss is copied into a small buffer on its device (no host-device sync;
-    see ``_copy``) and every ``check_every`` steps the kept losses are read in one transfer; a CPU tensor's loss is
-    read at once with ``item()`` (no transfer to save; cheaper than the copy) and kept in the same window. So the first
-    non-finite step between two reads is known exactly: its message carries that step and its non-finite value
-    (``n=1``), while a finite window's message carries the last step and loss and ``n`` (the steps it covers).
-    Float losses (``guard.report(loss=2.3)``) cost nothing to check: a non-finite one is sent at once.
-
-    With a ``GradScaler``, ``skipped`` (consecutive optimizer steps skipped for inf/NaN gradients, counted on the
-    device by ``_torch``) rides along on each message.
-    """
-
-    def __init__(self, agent: Agent, sanity_steps: int, check_every: int) -> None:
-        self.agent = agent
-        self.sanity_steps = sanity_steps
-        self.check_every = max(1, check_every)
-        self.count = 0
-        self.step = 0
-        self._kept: list[tuple[int, Any]] = []  # (step, detached tensor or float) since the last read
-        self._bad_float = False
-        self._buffer: Any = None  # check_every float32 slots on the loss's device (see _copy)
-        self._slots = 0  # slots of the buffer taken in this window
-        self.skipped: Any = None  # consecutive skipped optimizer steps: a device tensor (set by _torch), or None
-        #: The optimizer whose steps count (the first one that stepped: a GAN's second optimizer is not counted
-        #: twice), its steps since the count's base, and that base: the step counted when the first optimizer was
-        #: built (plus a resumed checkpoint's step). None: no optimizer built, a step is a ``.backward()`` call.
-        self.optimizer_id: int | None = None
-        self.optimizer_steps = 0
-        self.step_base: int | None = None
-        #: Gradient norms ``clip_grad_norm_`` returned since the last read: ``(step, a copy on its device)``, read
-        #: with the losses (a non-finite norm is a witness: the next update makes the weights non-finite).
-        self._norms: list[tuple[int, Any]] = []
-
-    def grad_norm(self, norm: Any) -> None:
-        """``torch.nn.utils.clip_grad_norm_`` returned ``norm`` (a 0-d tensor on the gradients' device) at this
-        step: kept as a device-side copy (no sync), read with the next window (``flush``) or at once during the
-        sanity pass; at most ``check_every`` are kept (the newest)."""
-        try:
-            kept = norm.detach().reshape(()).clone()
-        except Exception:  # not a tensor (a float from a wrapper): read now, it costs nothing
-            try:
-                kept = float(norm)
-            except (TypeError, ValueError):
-                return
-        self._norms.append((self.step, kept))
-        if len(self._norms) > self.check_every:
-            del self._norms[0]
-        if self.count <= self.sanity_steps:
-            self._read_norms("grad_norm")  # the sanity pass reads every step at once
-
-    def _read_norms(self, source: str) -> int | None:
-        """Read the kept gradient norms (one transfer): the step of the first non-finite one, else None. With
-        ``source`` (not None) such a step is sent at once as its non-finite witness (source ``grad_norm``)."""
-        if not self._norms:
-            return None
-        kept, self._norms = self._norms, []
-        try:
-            torch = sys.modules["torch"]
-            values = [float(v) for v in torch.stack([torch.as_tensor(v, dtype=torch.float32)
-                                                     if isinstance(v, float) else v.float()
-                                                     for _, v in kept]).tolist()]
-        except Exception:  # different devices: one by one
-            try:
-                values = [float(v) if isinstance(v, float) else float(v.item()) for _, v in kept]
-            except Exception:
-                return None
-        bad = next((kept[i][0] for i, value in enumerate(values) if not math.isfinite(value)), None)
-        if bad is not None and source:
-            self._send(bad, math.nan, False, 1, "grad_norm")
-        return bad
-
-    def optimizer_built(self) -> None:
-        """An optimizer was built (``torch.optim.Optimizer.__init__``): from now on a ``.backward()`` belongs to the
-        optimizer step it accumulates into (``observe``), whatever the gradient accumulation."""
-        if self.step_base is None:
-            self.step_base = self.step
-
-    def optimizer_stepped(self, optimizer: Any) -> None:
-        """``optimizer.step()`` returned (torch's global ``register_optimizer_step_post_hook``)."""
-        if self.optimizer_id is None:
-            self.optimizer_id = id(optimizer)
-        if id(optimizer) == self.optimizer_id:
-            self.optimizer_steps += 1
-
-    def resumed(self, step: int) -> None:
-        """The job loaded a checkpoint of ``step``: the count goes on from it."""
-        self.step += step
-        if self.step_base is not None:
-            self.step_base += step
-
-    def observe(self, loss: Any, step: int | None, source: str) -> None:
-        self.count += 1
-        if step is not None:
-            self.step = step
-        elif self.step_base is not None:  # the optimizer step this .backward() accumulates into
-            self.step = self.step_base + self.optimizer_steps + 1
-        else:
-            self.step += 1
-        is_float = isinstance(loss, (int, float))
-        if self.count <= self.sanity_steps:
-            value = float(loss) if is_float else float(loss.detach().float().item())
-            self._send(self.step, value, math.isfinite(value), 1, source)
-            return
-        if is_float:
-            self._kept.append((self.step, float(loss)))
-            if not math.isfinite(loss):
-                self._bad_float = True
-        elif getattr(loss, "is_cpu", False):
-            # A CPU tensor: its value read now (no device, no sync: one ``item()``, ~10 us in a real loop's step,
-            # where the buffer copy below costs ~45 us: four tensor ops with the step's caches cold), then kept in
-            # the window like a device loss's copy, so that a NaN is read every ``check_every`` steps on every device.
-            try:
-                self._kept.append((self.step, float(loss.item())))
-            except (RuntimeError, TypeError, ValueError):  # an unusual tensor: copied as a device loss is
-                self._kept.append((self.step, self._copy(loss)))
-        else:
-            self._kept.append((self.step, self._copy(loss)))
-        # Windows end every ``check_every`` steps after the sanity pass, whatever read came between (a save reads
-        # the pending losses early: the window after it still ends where it would have, so the steps a check names
-        # do not shift with the saves).
-        if self._bad_float or len(self._kept) >= self.check_every or \
-                (self.count - self.sanity_steps) % self.check_every == 0:
-            self.flush(source)
-
-    def _copy(self, loss: Any) -> Any:
-        """The step's scalar, copied now into a slot of a small buffer on its device (a device-side copy: no
-        host-device sync). The loss tensor itself may not survive until the window is read: under CUDA-graph trees
-        (``torch.compile(mode="reduce-overhead")``) the next replay overwrites it, and reading it then raises. A
-        ``_Slot`` (its index in ``self._buffer``), or the detached tensor when the copy cannot be made."""
-        slot = self._slots
-        try:
-            buffer = self._buffer
-            if buffer is None or buffer.device != loss.device or buffer.numel() < self.check_every:
-                torch = sys.modules["torch"]  # a plain tensor, whatever the loss's class
-                buffer = self._buffer = torch.empty(self.check_every, dtype=torch.float32, device=loss.device)
-            buffer[slot].copy_(loss.detach().reshape(()))
-            self._slots += 1
-            return _Slot(slot)
-        except Exception:  # an unusual tensor (a subclass, a meta tensor): keep it and read it later
-            return loss.detach()
-
-    def _values(self) -> list[float]:
-        items = [value for _, value in self._kept]
-        slots = [value.index for value in items if isinstance(value, _Slot)]
-        read: list[float] = []
-        if slots and self._buffer is not None:  # one transfer for the whole window
-            read = [float(v) for v in self._buffer[: max(slots) + 1].tolist()]
-        tensors = [value for value in items if not isinstance(value, (float, _Slot))]
-        if not tensors:
-            return [read[v.index] if isinstance(v, _Slot) else float(v) for v in items]
-        torch = sys.modules.get("torch")
-        if torch is not None and len(tensors) == len(items):
-            try:  # one kernel and one transfer for the whole window
-                return [float(v) for v in torch.stack([t.float().reshape(()) for t in tensors]).tolist()]
-            except (RuntimeError, TypeError, ValueError):  # different devices or shapes: one by one
-                pass
-        return [read[v.index] if isinstance(v, _Slot) else v if isinstance(v, float) else float(v.float().item())
-                for v in items]
-
-    def flush(self, source: str) -> None:
-        if not self._kept:
-            self._read_norms(source)
-            return
-        values = self._values()
-        steps = [step for step, _ in self._kept]
-        self._kept, self._bad_float, self._slots = [], False, 0
-        bad = next((i for i, value in enumerate(values) if not math.isfinite(value)), None)
-        bad_norm = self._read_norms("")  # in the same read: the earlier witness of the two is sent
-        if bad_norm is not None and (bad is None or bad_norm < steps[bad]):
-            self._send(bad_norm, math.nan, False, 1, "grad_norm")  # a gradient norm went non-finite first
-        elif bad is not None:  # the first non-finite step of the window, with its value
-            self._send(steps[bad], values[bad], False, 1, source)
-        else:
-            self._send(steps[-1], values[-1], True, len(values), source)
-
-    def non_finite_weights(self, tensor: str) -> None:
-        """A save's tensor ``tensor`` is not finite: sent as this step's non-finite loss (source ``weights``)."""
-        self._send(self.step, math.nan, False, 1, "weights")
-
-    def _send(self, step: int, value: float, finite: bool, n: int, source: str) -> None:
-        message = {"t": "step", "step": step, "loss": value, "finite": finite, "n": n, "source": source}
-        if self.skipped is not None:
-            try:
-                message["skipped"] = int(self.skipped.item())  # read with the losses: no extra sync per step
-            except (RuntimeError, TypeError, ValueError):
-                self.skipped = None
-        sent = self.agent.send(message)
-        if sent and not finite:
-            # The supervisor stops the job on a non-finite loss; wait for it here (bounded) so that the job does
-            # not train on past the bad step while the message travels.
-            self.agent.wait_stop()
 
 
 class Agent:
@@ -434,8 +231,10 @@ class Agent:
 
     # -- what the hooks and the public API call -------------------------------------------------------------
 
-    def on_loss(self, loss: Any, step: int | None, source: str) -> None:
-        self.watch.observe(loss, step, source)
+    def on_loss(self, loss: Any, step: int | None, source: str, *, mean: bool = False) -> None:
+        """A loss from a hook or ``guard.report`` (``LossWatch.observe``: ``mean``, a loss a library divides by the
+        accumulation steps itself)."""
+        self.watch.observe(loss, step, source, mean=mean)
         if self.watch.count % 16 == 1:
             self._probe_sigterm_handler()
 

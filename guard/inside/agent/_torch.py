@@ -96,13 +96,13 @@ def patch(torch: Any) -> None:
             agent.begun += 1
         if agent is not None and agent.backward_hook and self.numel() == 1:
             try:
-                loss = self
+                loss, mean = self, False
                 if agent.user_loss is not None:  # inside accelerator.backward(loss) / engine.backward(loss)
-                    loss = agent.user_loss
+                    loss, mean = agent.user_loss, True  # the library divides it by the accumulation steps
                 elif agent.scaled is not None and agent.scaled[0] is self:  # scaler.scale(loss).backward()
                     loss = agent.scaled[1]
                 agent.scaled = None
-                agent.on_loss(loss, None, "backward")
+                agent.on_loss(loss, None, "backward", mean=mean)
             except Exception as exc:  # never break the job
                 agent.backward_hook = False
                 agent_module._warn_once(f"loss hook disabled: {exc!r}")

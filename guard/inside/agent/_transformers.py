@@ -141,7 +141,9 @@ def patch(trainer_module: Any) -> None:
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             losses, self.micro = self.micro, []
             if losses:
-                loss = losses[0] if len(losses) == 1 else sum(losses) / len(losses)
+                # the step's loss as the Trainer logs it: the sum of its micro-batches' training_step returns
+                # (each divided by the accumulation steps, or already a share of num_items_in_batch)
+                loss = losses[0] if len(losses) == 1 else sum(losses)
                 self.agent.on_loss(loss, state.global_step, "trainer")
             if self.agent.checkpoint_due() and not self.requested:
                 self.requested = True
