@@ -288,6 +288,21 @@ def test_a_newer_save_while_securing_supersedes_the_running_push_when_only_it_fi
     assert secured_step(plan) == 20
 
 
+def test_a_newer_save_while_a_nodes_part_is_pushed_never_replaces_it(clock: FakeClock) -> None:
+    """Many nodes: node 0 replaced its push of step 220's part (waiting for node 2) by step 240's; nodes 1 and 2 then
+    made 220 whole and said secured_step=220 while node 0 said 180. A part's push goes on; the newer one follows if
+    it fits."""
+    pusher = FakePusher(clock, rate=lambda now: 0.05e6)
+    plan = make(clock, pusher, deadline_at=40.0)  # as _deadline_securing, with parts
+    clock.advance(1.0)
+    plan.on(DeadlineNear(can_save=False))
+    clock.advance(9.0)
+    seen(plan, dataclasses.replace(ckpt(10), part=True))
+    clock.advance(2.0)
+    seen(plan, dataclasses.replace(ckpt(20), part=True))  # only it would fit: the whole-checkpoint rule replaces
+    assert not pusher.killed and [h.args["step"] for h in pusher.started] == [10]
+
+
 @pytest.mark.parametrize("recorded", [False, True])
 def test_a_push_killed_at_secure_by_counts_by_what_the_destination_records(clock: FakeClock,
                                                                           recorded: bool) -> None:

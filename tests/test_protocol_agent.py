@@ -663,3 +663,36 @@ def test_an_optimizer_whose_steps_are_never_seen_falls_back_to_a_step_per_backwa
     for _ in range(UNSTEPPED_LIMIT + 30):
         watch.observe(1.0, None, "backward")
     assert fake.sent and fake.sent[-1]["step"] > UNSTEPPED_LIMIT and watch.step_base is None
+
+
+def test_a_distributed_checkpoint_save_is_reported_by_each_rank(monkeypatch: pytest.MonkeyPatch,
+                                                                 tmp_path: Path) -> None:
+    """``torch.distributed.checkpoint.save`` returned: each rank reports the folder as ``checkpoint_saved`` (rank 0
+    as the world's process zero), the step from its ``step_N`` name; a save through a storage writer alone is not
+    reported, nor one under a Trainer."""
+    from types import SimpleNamespace
+
+    from guard.inside.agent import _torch
+
+    calls: list[Any] = []
+    module = SimpleNamespace(save=lambda state, **kwargs: calls.append(kwargs) or "metadata")
+    agent = Agent(AgentSettings(socket_path=None, sanity_steps=5))
+    sent: list[dict[str, Any]] = []
+    monkeypatch.setattr(agent, "send", lambda message: sent.append(message) or True)
+    monkeypatch.setattr(agent_module, "get", lambda: agent)
+    _torch.patch_dcp(module)
+    wrapped = module.save
+    _torch.patch_dcp(module)  # idempotent
+    assert module.save is wrapped
+    monkeypatch.setenv("RANK", "1")
+    assert module.save({"w": 1}, checkpoint_id=str(tmp_path / "step_40")) == "metadata"  # the real save's answer
+    module.save({"w": 1}, storage_writer=object())
+    monkeypatch.setenv("RANK", "0")
+    module.save({"w": 1}, checkpoint_id=tmp_path / "latest")
+    assert len(calls) == 3
+    saved = [m for m in sent if m["t"] == "checkpoint_saved"]
+    assert [(m["path"], m["step"], m["zero"]) for m in saved] == [
+        (str(tmp_path / "step_40"), 40, False), (str(tmp_path / "latest"), agent.watch.step, True)]
+    agent.trainer = True  # a Trainer reports its own saves
+    module.save({"w": 1}, checkpoint_id=str(tmp_path / "step_60"))
+    assert len([m for m in sent if m["t"] == "checkpoint_saved"]) == 2

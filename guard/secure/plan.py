@@ -742,14 +742,16 @@ class Plan:
         """The one supersede rule, for a newer checkpoint (or the final model, ``newer`` None): ``follow`` (both
         fit one after the other: the running push finishes, then the newer one), ``replace`` (only the newer one
         is estimated to finish before ``secure_by``: kill the running push), ``keep`` (the newer one does not fit:
-        the running push goes on)."""
+        the running push goes on). A running push of a node's part (many nodes: ``CheckpointInfo.part``) is never
+        replaced: the other nodes put their parts of its step (``guard.secure.follow``), so killed, it leaves a
+        step they may still make whole without this node knowing, while the newer one needs them all again."""
         assert running.info is not None
         left_s = self.secure_by - now
         need_s = self._estimate_s(newer) if newer is not None else self._estimator.secure_estimate_s()
         running_left_s = max(0.0, self._estimate_s(running.info) - (now - running.started))
         if running_left_s + need_s <= left_s:
             decision = "follow"
-        elif need_s <= left_s:
+        elif need_s <= left_s and not running.info.part:
             decision = "replace"
         else:
             decision = "keep"

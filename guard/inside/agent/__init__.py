@@ -21,6 +21,7 @@ Modules: this ``__init__`` (the agent of one process: the channel, the loss watc
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import sys
@@ -40,6 +41,8 @@ if TYPE_CHECKING:
 __all__ = ["Agent", "LossWatch", "get", "install", "root_cause"]
 
 _INSTALLED = False
+#: A checkpoint folder's step in its name, as the guard reads it (``checkpoint-N``, ``step_N``, ``global_stepN``).
+_STEP_NAME_RE = re.compile(r"^(?:checkpoint-|checkpoint_|step_|step-|global_step)([0-9]+)$")
 #: What a dormant agent (a ``multiprocessing`` spawn child) keeps to itself until it is seen to be a training rank.
 HELD_WHILE_DORMANT = frozenset({"watching", "dist"})
 
@@ -294,6 +297,21 @@ class Agent:
         checkpoints with ``should_checkpoint``/``checkpoint_saved``)."""
         return not (self.trainer or self.api_used & {"should_checkpoint", "checkpoint_saved"})
 
+    def dcp_saved(self, path: str, save_s: float) -> None:
+        """``torch.distributed.checkpoint.save`` returned on this rank (``path``: its ``checkpoint_id``): this rank's
+        shard is written, and so is the coordinator's ``.metadata`` (every rank waits for the coordinator's finish
+        before it returns). Reported as ``checkpoint_saved`` from each rank (``zero``: the world's rank 0), so that
+        the guard needs no settle time, and each node's guard of a many-node job finds its part at once; not under
+        a Trainer nor a script that reports its own saves. The step is the N of a ``step_N``-like name (the job's
+        own count), else the agent's."""
+        if not self.reports_saves():
+            return
+        self.watch.flush("save")
+        named = _STEP_NAME_RE.search(os.path.basename(os.path.normpath(path)))
+        self.send({"t": "checkpoint_saved", "path": os.path.abspath(path), "save_s": round(save_s, 3),
+                   "step": int(named[1]) if named else self.watch.step, "requested": False,
+                   "zero": _rank_info()["rank"] in (None, 0)})
+
     def file_saved(self, path: str, save_s: float, bad_tensor: str | None = None) -> None:
         """``torch.save`` wrote ``path`` (complete: the call returned); not reported under a Trainer (its callback
         reports its saves) nor once the script uses ``should_checkpoint``/``checkpoint_saved`` (it reports them).
@@ -479,6 +497,7 @@ def install() -> None:
     hooks = {"torch": _torch.patch, "transformers.trainer": _transformers.patch,
              "transformers.training_args": _transformers.patch_arguments,
              "accelerate.accelerator": _torch.patch_accelerate, "deepspeed.runtime.engine": _torch.patch_deepspeed,
+             "torch.distributed.checkpoint": _torch.patch_dcp,
              "torch.optim.optimizer": _torch.patch_optimizer, "torch.utils.data.dataloader": _torch.patch_dataloader}
     for name, hook in list(hooks.items()):
         if name in sys.modules:  # already imported (rare: the agent was installed late)

@@ -57,7 +57,7 @@ TYPE_CHECKING = False  # typing's own flag, without importing typing in every jo
 if TYPE_CHECKING:
     from typing import Any
 
-__all__ = ["patch", "patch_accelerate", "patch_dataloader", "patch_deepspeed", "patch_optimizer"]
+__all__ = ["patch", "patch_accelerate", "patch_dataloader", "patch_dcp", "patch_deepspeed", "patch_optimizer"]
 
 
 def _capture_probe(torch: Any) -> Callable[[], bool]:
@@ -285,6 +285,33 @@ def patch_deepspeed(module: Any) -> None:
     """Wrap ``deepspeed.runtime.engine.DeepSpeedEngine.backward`` to remember the loss it was given, before its
     division by the gradient accumulation steps and its fp16 loss scale (idempotent)."""
     _remember_loss(module.DeepSpeedEngine)
+
+
+def patch_dcp(module: Any) -> None:
+    """Wrap ``torch.distributed.checkpoint.save``: when it returns, a save to a named folder (``checkpoint_id`` a
+    path) is reported (``Agent.dcp_saved``) (idempotent; a save through a ``storage_writer`` alone is left to the
+    guard's scans)."""
+    from . import _core as agent_module
+
+    original = getattr(module, "save", None)
+    if original is None or getattr(original, "__guard_wrapped__", False):
+        return
+
+    @functools.wraps(original)
+    def save(*args: Any, **kwargs: Any) -> Any:
+        started = time.monotonic()
+        result = original(*args, **kwargs)
+        agent = agent_module.get()
+        where = kwargs.get("checkpoint_id")
+        if agent is not None and isinstance(where, (str, os.PathLike)):
+            try:
+                agent.dcp_saved(os.fspath(where), time.monotonic() - started)
+            except Exception as exc:  # never break the job
+                agent_module._warn_once(f"distributed checkpoint hook failed: {exc!r}")
+        return result
+
+    save.__guard_wrapped__ = True  # type: ignore[attr-defined]
+    module.save = save
 
 
 def _remember_loss(cls: Any) -> None:
