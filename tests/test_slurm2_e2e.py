@@ -4,11 +4,15 @@ job steps seeing their own disk at one path), one guard per node (tests/slurm/gu
 
 Checked: the time limit and scancel reach both nodes and both tell the same story (the same VERDICT status, reason
 and exit code; the same deadline, from scontrol); each node's run id is the job's; each node saves on its own disk.
+With a folder per node and a destination both reach, each node secures its own part of a DCP checkpoint at the time
+limit, the destination holds the whole of it, and a requeue resumes it on both nodes.
 Without the cluster the tests skip with the reason; with ``CI=true`` that skip is a failure.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import re
 import shlex
@@ -20,8 +24,10 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 from conftest import JOBS, guard_env
 from multinode import free_port
 
@@ -30,14 +36,17 @@ pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 DIR = Path(os.environ.get("JOBGUARD_SLURM2_DIR", "/run/jobguard-slurm2"))
 CONF = DIR / "slurm.conf"
 SBATCH = Path(__file__).resolve().parent / "slurm" / "guarded2.sbatch"
+PARTS_SBATCH = SBATCH.with_name("parts2.sbatch")  # torchrun --nnodes=$SLURM_NNODES --node-rank=$SLURM_NODEID
 SCRATCH = DIR / "scratch"  # each node's own folder there (DIR/local/n1, DIR/local/n2)
 DRIVERS: list[Driver] = []  # the module's one driver (the fixture's), for the tests' checks
 TERMINAL = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "DEADLINE")
 
 
 def slurm_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    # the interpreter's own bin folder first: torchrun is found there also when its environment is not activated
+    path = os.pathsep.join(p for p in (str(Path(sys.executable).parent), os.environ.get("PATH", "")) if p)
     return guard_env({"SLURM_CONF": str(CONF), "JOBGUARD_PYTHON": sys.executable, "OMP_NUM_THREADS": "1",
-                      **(extra or {})})
+                      "PATH": path, **(extra or {})})
 
 
 def _run(argv: list[str], **kwargs: object) -> subprocess.CompletedProcess[str]:
@@ -67,11 +76,12 @@ def cluster() -> None:
         pytest.skip(problem)
 
 
-def submit(folder: Path, sbatch_options: list[str], guard_args: list[str]) -> str:
+def submit(folder: Path, sbatch_options: list[str], guard_args: list[str], *, script: Path = SBATCH,
+           env: dict[str, str] | None = None) -> str:
     folder.mkdir(parents=True, exist_ok=True)
     proc = subprocess.run(["sbatch", "--parsable", "-N2", f"--output={folder / 'batch.log'}", f"--chdir={folder}",
-                           *sbatch_options, str(SBATCH), *guard_args], capture_output=True, text=True, timeout=30,
-                          check=False, env=slurm_env({"JOBGUARD_NODE_LOGS": str(folder)}))
+                           *sbatch_options, str(script), *guard_args], capture_output=True, text=True, timeout=30,
+                          check=False, env=slurm_env({"JOBGUARD_NODE_LOGS": str(folder), **(env or {})}))
     assert proc.returncode == 0, f"sbatch failed: {proc.stderr}"
     return proc.stdout.strip().split(";")[0]
 
@@ -90,6 +100,19 @@ def wait_end(job_id: str, timeout_s: float) -> dict[str, str]:
             _run(["scancel", job_id])
             pytest.fail(f"job {job_id} did not end within {timeout_s:g}s: {info}")
         time.sleep(1)
+
+
+def cancel(job_id: str, timeout_s: float = 90) -> None:
+    """Cancel a job to its end: a guard with ``--requeue`` secures at scancel's SIGTERM and requeues the job, which
+    is then cancelled again while it waits to start."""
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        state = show(job_id).get("JobState")
+        if state in TERMINAL:
+            return
+        if state != "COMPLETING":
+            _run(["scancel", job_id])
+        time.sleep(2)
 
 
 def node_logs(folder: Path) -> list[str]:
@@ -234,3 +257,74 @@ def test_a_requeue_after_a_stop_resumes_on_both_nodes(jobs: dict[str, tuple[str,
     for text in logs:
         assert f"run slurm-{job_id}-r1 (SLURM_JOB_ID and SLURM_RESTART_COUNT)" in text, both
         assert "resum" in text.split("VERDICT: ", 2)[-1], both  # the second run resumed on this node too
+
+
+def test_node_parts_at_the_time_limit_then_a_requeue_resumes_both_nodes(cluster: None, tmp_path: Path) -> None:
+    """A DCP job on two nodes, each saving on its own disk (``.metadata`` and rank 0's shard on n1, rank 1's on n2),
+    securing to a folder both nodes reach: at the time limit (``--time=1``) both nodes say TIMEOUT exit=75 with one
+    secured_step, and the destination holds every node's shard of that step (``dcp_to_torch_save`` loads it); node
+    0's guard then requeues the job (``--requeue``), and its next run resumes on both nodes from the destination
+    (each node's job loads the whole checkpoint from its own disk) and secures a later step together."""
+    token = f"jg-{uuid.uuid4().hex[:8]}"
+    out, dest, folder = SCRATCH / token, DIR / "shared" / token / "dest", tmp_path / "parts"
+    job_id = submit(folder, ["--time=1", "--requeue"], [
+        "--no-preflight", "--grace", "8s", "--margin", "20s", "--requeue", "--output-dir", str(out), "--push-to",
+        str(dest), "--", str(JOBS / "dcp_loop.py"), str(out), "--every", "20", "--step-s", "0.05"],
+        script=PARTS_SBATCH, env={"MASTER_PORT": str(free_port())})
+    try:
+        end = time.monotonic() + 240
+        while not all("VERDICT: " in text for text in node_logs(folder)):  # the first run's, on both nodes
+            if time.monotonic() > end or show(job_id).get("JobState") in TERMINAL:
+                pytest.fail(f"job {job_id}: no VERDICT on both nodes: {show(job_id)}\n{node_logs(folder)}")
+            time.sleep(0.5)
+        secured = tmp_path / "secured"  # before the next run moves the record on
+        shutil.copytree(dest / "last-checkpoint", secured)
+        logs = node_logs(folder)
+        both = "\n".join(f"--- node {n}\n{text[-3000:]}" for n, text in enumerate(logs))
+        first = [verdict(text.split("VERDICT: ", 2)[0] + "VERDICT: " + text.split("VERDICT: ", 2)[1].split("\n")[0])
+                 for text in logs]
+        assert [(f["status"], f["exit"], f.get("secured"), f["node"]) for f in first] == [
+            ("TIMEOUT", "75", "yes", "0"), ("TIMEOUT", "75", "yes", "1")], both
+        step = first[0]["secured_step"]
+        # the same missing= too (the job cannot be asked for a checkpoint: it saves on until the guard stops it, so
+        # the newest save may have only one node's part at the destination)
+        assert first[1]["secured_step"] == step and first[0].get("missing") == first[1].get("missing"), both
+        held = json.loads((secured / "guard_manifest.json").read_text())
+        assert (held["step"], held["nodes"], held["run_id"]) == (int(step), 2, f"slurm-{job_id}"), held
+        assert {".metadata", "__0_0.distcp", "__1_0.distcp"} <= set(held["files"]), held
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+        dcp_to_torch_save(str(secured), str(tmp_path / "whole.pt"))
+        state = torch.load(tmp_path / "whole.pt", weights_only=True)
+        assert int(state["step"]) == int(step)
+        for rank in (0, 1):  # each node's own shard, of that step
+            assert float(state[f"rank{rank}"][0]) == rank * 1000 + int(step), rank
+        # the requeued run: each node fetches the whole checkpoint onto its own disk and goes on from it
+        record = dest / "last-checkpoint" / "guard_manifest.json"
+
+        def moved_on() -> dict[str, Any] | None:
+            with contextlib.suppress(OSError, ValueError):
+                now = json.loads(record.read_text())
+                if now.get("run_id") == f"slurm-{job_id}-r1" and now.get("step", 0) > int(step):
+                    return dict(now)
+            return None
+        end = time.monotonic() + 180
+        while (later := moved_on()) is None:
+            if time.monotonic() > end or show(job_id).get("JobState") in TERMINAL:
+                pytest.fail(f"job {job_id}: the requeued run secured no later step: {show(job_id)}\n"
+                            f"{node_logs(folder)}")
+            time.sleep(0.5)
+        assert later["nodes"] == 2 and {"__0_0.distcp", "__1_0.distcp"} <= set(later["files"]), later
+        logs = node_logs(folder)
+        both = "\n".join(f"--- node {n}\n{text[-4000:]}" for n, text in enumerate(logs))
+        for rank, text in enumerate(logs):
+            second = text.split("VERDICT: ", 2)[1]
+            assert f"run slurm-{job_id}-r1 (SLURM_JOB_ID and SLURM_RESTART_COUNT)" in second, both
+            assert f"rank {rank}: resumed from step {step}" in second, both  # the whole checkpoint, this disk
+        for node in ("n1", "n2"):  # fetched onto each node's own disk: every shard there
+            assert {".metadata", "__0_0.distcp", "__1_0.distcp"} <= {
+                p.name for p in (DIR / "local" / node / token / f"step_{step}").iterdir()}, node
+    finally:
+        cancel(job_id)
+        for leftover in [*(DIR / "local").glob(f"*/{token}"), dest.parent]:
+            shutil.rmtree(leftover, ignore_errors=True)

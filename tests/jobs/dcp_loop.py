@@ -1,7 +1,8 @@
 """A 2-rank loop for torchrun on the CPU (gloo) that saves with torch.distributed.checkpoint: every --every steps
 ``OUT/step_N/`` (one ``.distcp`` shard per rank, ``.metadata`` written last by the coordinator). On start it
-resumes from the newest ``OUT/step_N`` with ``dcp.load`` (``resumed from step N``); --ready FILE is created once a
-save of at least --ready-step is done."""
+resumes with ``dcp.load`` (``resumed from step N``) from the checkpoint the guard fetched (``guard.resume_path()``:
+the secured one, whole on this node's disk), else from the newest ``OUT/step_N`` (a newer save there may be only
+this node's part of it); --ready FILE is created once a save of at least --ready-step is done."""
 
 import argparse
 import os
@@ -37,12 +38,17 @@ def state(step: int) -> dict:
 
 
 start = 0
+try:
+    import guard
+
+    fetched = guard.resume_path()
+except ImportError:  # run without the guard on the path
+    fetched = None
 saved = sorted((int(m[1]), name) for name in (os.listdir(args.out) if os.path.isdir(args.out) else [])
                if (m := re.fullmatch(r"step_(\d+)", name)))
-if saved:
-    step, name = saved[-1]
+if fetched or saved:
     loaded = state(0)
-    dcp.load(loaded, checkpoint_id=os.path.join(args.out, name))
+    dcp.load(loaded, checkpoint_id=fetched or os.path.join(args.out, saved[-1][1]))
     model.load_state_dict(loaded["model"])
     start = int(loaded["step"])
     assert float(loaded[f"rank{rank}"][0]) == rank * 1000 + start, "this rank's own shard"
