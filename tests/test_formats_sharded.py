@@ -148,6 +148,11 @@ def test_a_zero_shard_alone_without_latest_is_a_nodes_part(tmp_path: Path) -> No
     part = checkpoints.newest_complete(folder.parent, now_s=now, loose=False, parts=True)
     assert part is not None and part.part and part.step == 5
     assert "mp_rank_00_model_states.pt" in dict(part.requires)
+    # saved by torch.save and trained on past: taken at once as the node's part, no settle time
+    fresh = time.time()
+    found, why = checkpoints.saved_folder(folder, now_s=fresh, world_size=2, parts=True)
+    assert found is not None and found.part and found.step == 5, why
+    assert checkpoints.saved_folder(folder, now_s=fresh, world_size=2)[0] is None  # one node: no latest
     (folder.parent / "latest").write_text("global_step4")  # a latest naming an older tag: still being written
     assert checkpoints.newest_complete(folder.parent, now_s=now, loose=False, parts=True) is None
 

@@ -754,7 +754,8 @@ class SavedFiles:
 
 
 def saved_folder(path: str | os.PathLike[str], *, now_s: float, steps: Mapping[str, int] | None = None,
-                 stat: StatFn = os.stat, world_size: int = 1) -> tuple[CheckpointInfo | None, str | None]:
+                 stat: StatFn = os.stat, world_size: int = 1,
+                 parts: bool = False) -> tuple[CheckpointInfo | None, str | None]:
     """A checkpoint folder the job saved a file into with ``torch.save`` and trained on past: ``(the checkpoint,
     None)`` when it is complete by its completion files and formats (``why_incomplete``'s rules without the settle
     time: the job wrote it and went on), else ``(None, why not)``. Its step is the one the scan gives it
@@ -763,9 +764,11 @@ def saved_folder(path: str | os.PathLike[str], *, now_s: float, steps: Mapping[s
 
     Args:
         path: the folder. now_s: now, epoch seconds. stat: ``os.stat``-like callable. world_size: the job's ranks.
+        parts: the job has several nodes, each with its own disk: a folder holding this node's part is taken as
+            such (``CheckpointInfo.part``, as ``newest_complete`` finds it).
     """
     where = Path(path)
-    files, reason = _check(where, now_s, 0.0, stat, world_size=world_size)
+    files, reason = _check(where, now_s, 0.0, stat, world_size=world_size, parts=parts)
     if reason is not None:
         return None, reason
     known = {os.path.realpath(p): s for p, s in (steps or {}).items()}
@@ -777,7 +780,11 @@ def saved_folder(path: str | os.PathLike[str], *, now_s: float, steps: Mapping[s
         step, source = _folder_step(where, int(match.group(1)))
     else:
         step, source = None, None
-    return _info(where, files, step, step_source=source, admitted_by="saved"), None
+    info = _info(where, files, step, step_source=source, admitted_by="saved")
+    if parts:
+        required, lacking = _required_here(where, files, world_size)
+        info = dataclasses.replace(info, requires=tuple(sorted(required.items())), part=bool(lacking))
+    return info, None
 
 
 def _required_here(path: Path, files: Mapping[str, tuple[int, float]],

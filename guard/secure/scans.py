@@ -377,12 +377,15 @@ class Disk:
                 taken.append(seen.info)
         return tuple(taken)
 
-    def saved_folder(self, info: CheckpointInfo, now_s: float, world_size: int) -> CheckpointInfo | None:
+    def saved_folder(self, info: CheckpointInfo, now_s: float, world_size: int,
+                     parts: bool = False) -> CheckpointInfo | None:
         """A checkpoint folder the job saved into (``FileSeen.info`` with ``admitted_by`` ``"saved-folder"``), once
         the job trained on: the folder as it is now when complete by its completion files and formats
-        (``checkpoints.saved_folder``), else None (the scans judge it later; logged at debug)."""
+        (``checkpoints.saved_folder``; ``parts``: a node's part is one), else None (the scans judge it later;
+        logged at debug)."""
         found, why = checkpoints.saved_folder(info.path, now_s=now_s, stat=self.stat, world_size=world_size,
-                                              steps={str(p): s for p, s in self.save_count_steps.items()})
+                                              steps={str(p): s for p, s in self.save_count_steps.items()},
+                                              parts=parts)
         if found is None:
             log.debug("checkpoint folder %s: not taken at its save (%s); the scans judge it", info.path, why)
         return found

@@ -732,8 +732,9 @@ class Securing:
             self.estimator.observe_save(float(message["save_s"]), info.size_bytes)
         else:
             self.estimator.observe_size(info.size_bytes)
-        if message.get("rank") not in (None, 0):
-            return  # another rank's shard: rank 0's save names the checkpoint
+        if message.get("rank") not in (None, 0) and not (self.parts_mode() and self.node_rank != 0):
+            return  # another rank's shard: rank 0's save names the checkpoint (on node 0: another node's ranks
+            # name their node's part)
         # A loop may save model.pt, then optim.pt: the set is taken once the job trains on (a later step) or a
         # moment passes without another file (see _settle).
         self.pending_file = (info, self.clock())
@@ -752,7 +753,7 @@ class Securing:
         if info.admitted_by == "saved-folder":
             # a checkpoint folder the job saved into and trained on past: judged whole now, on the file system
             # thread, by its completion files and formats (no settle time)
-            self.port.submit(self.disk.saved_folder, info, self.wall(), sup.world_size(),
+            self.port.submit(self.disk.saved_folder, info, self.wall(), sup.world_size(), self.parts_mode(),
                              apply=lambda found, error: self._taken(
                                  found if isinstance(found, checkpoints.CheckpointInfo) else None))
             self._pump(sup, now)
