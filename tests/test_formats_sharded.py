@@ -174,3 +174,30 @@ def test_a_plain_folder_requires_nothing(tmp_path: Path) -> None:
     torch.save({"w": torch.ones(2)}, tmp_path / "model.pt")
     assert formats.requires(tmp_path) == {}
     assert formats.requires(tmp_path / "missing") == {}
+
+
+def test_a_deepspeed_tag_placed_back_is_named_by_latest(tmp_path: Path) -> None:
+    """DeepSpeed's ``latest`` lies beside the tag folder, so the record holds the tag alone: placed back, the tag is
+    named by a ``latest`` written beside it (DeepSpeed's ``load_checkpoint`` reads it), unless one names a later
+    tag."""
+    import logging
+
+    from guard.secure.dest.local import place_fetched
+
+    def fetched(step: int) -> Path:
+        folder = tmp_path / f"download-{step}"
+        folder.mkdir()
+        (folder / "mp_rank_00_model_states.pt").write_bytes(b"x")
+        return folder
+
+    out = tmp_path / "out"
+    out.mkdir()
+    log = logging.getLogger("test")
+    placed = place_fetched(fetched(5), out, 5, "rev", ["mp_rank_00_model_states.pt"], 1, "global_step5", "dest", log)
+    assert placed.path == out / "global_step5" and (out / "latest").read_text() == "global_step5"
+    (out / "latest").write_text("global_step9")  # the job's own later save: kept
+    place_fetched(fetched(7), out, 7, "rev", ["mp_rank_00_model_states.pt"], 1, "global_step7", "dest", log)
+    assert (out / "latest").read_text() == "global_step9"
+    place_fetched(fetched(3), out, 3, "rev", ["mp_rank_00_model_states.pt"], 1, "checkpoint-3", "dest", log)
+    assert (out / "latest").read_text() == "global_step9"  # not a DeepSpeed tag
+    assert not list(out.glob(".latest.tmp-*"))

@@ -17,6 +17,7 @@ from plain_sgd import PlainSGD
 parser = argparse.ArgumentParser()
 parser.add_argument("out")
 parser.add_argument("--every", type=int, default=20)
+parser.add_argument("--steps", type=int, default=10**9)
 parser.add_argument("--step-s", type=float, default=0.05)
 parser.add_argument("--no-shard", type=int, default=-1)
 args = parser.parse_args()
@@ -40,7 +41,7 @@ if os.path.exists(latest):
     assert float(mine["optimizer_state_dict"]["shard"][0]) == rank * 1000 + start, "this rank's own shard"
     print(f"rank {rank}: resumed from step {start}", flush=True)
 
-for step in range(start + 1, 10**9):
+for step in range(start + 1, args.steps + 1):
     loss = torch.nn.functional.mse_loss(model(x), y)
     opt.zero_grad()
     loss.backward()

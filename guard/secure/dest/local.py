@@ -258,12 +258,44 @@ def place_fetched(fetched: Path, into: Path, step: int | None, revision: str, fi
         if list_files(target) == list_files(fetched) and all(same_bytes(target / rel, fetched / rel)
                                                               for rel in names):
             log.info("%s already holds the secured checkpoint (step %d): keeping it", target, step)
+            _name_deepspeed_tag(target, log)
             return FetchedCheckpoint(target, step, revision, names, size)
         aside = target.with_name(f".{target.name}.{stamp}")
         os.rename(target, aside)  # a partial or different local copy: kept aside (hidden), not deleted
         log.warning("%s differs from the secured checkpoint: moved it to %s", target, aside)
     target.parent.mkdir(parents=True, exist_ok=True)
     os.rename(fetched, target)
+    _name_deepspeed_tag(target, log)
     fsync_dir(target.parent)
     log.info("fetched %s/%s (step %d) into %s", destination, CHECKPOINT_FOLDER, step, target)
     return FetchedCheckpoint(target, step, revision, names, size)
+
+
+#: DeepSpeed's tag folder (``save_checkpoint``'s default tag ``global_step<N>``) and the file beside it naming the
+#: tag to load (``DeepSpeedEngine.load_checkpoint`` with no tag reads it; ``deepspeed/runtime/engine.py``).
+_DEEPSPEED_TAG = re.compile(r"global_step([0-9]+)")
+_DEEPSPEED_LATEST = "latest"
+
+
+def _name_deepspeed_tag(target: Path, log: logging.Logger) -> None:
+    """A DeepSpeed tag folder placed back (``global_stepN``): ``latest`` beside it names it, as DeepSpeed wrote it
+    after the save (it lies outside the tag folder, so the record does not hold it), unless one names a later tag.
+    Written atomically (a temporary file renamed); never raises (the job then loads the tag it is given)."""
+    mine = _DEEPSPEED_TAG.fullmatch(target.name)
+    if mine is None:
+        return
+    latest = target.parent / _DEEPSPEED_LATEST
+    try:
+        named = _DEEPSPEED_TAG.fullmatch(latest.read_text(encoding="utf-8").strip())
+    except (OSError, UnicodeDecodeError):
+        named = None
+    if named is not None and int(named[1]) >= int(mine[1]):
+        return
+    scratch = latest.with_name(f".{_DEEPSPEED_LATEST}.tmp-{os.getpid()}")
+    try:
+        scratch.write_text(target.name, encoding="utf-8")
+        os.replace(scratch, latest)
+    except OSError as exc:
+        log.warning("cannot write %s naming %s (DeepSpeed loads the tag it names): %s", latest, target.name, exc)
+        return
+    log.info("%s names %s (DeepSpeed's load_checkpoint reads it)", latest, target.name)
