@@ -179,6 +179,31 @@ def test_deepspeed_rank_0s_shard_alone_is_never_secured(tmp_path: Path, dest: De
     assert dest.record() is None, logs(runs)
 
 
+def _trainer(tmp_path: Path, dest: Dest, *guard_args: str, job_args: tuple[str, ...] = (),
+             run_id: str = "multinode-run") -> Nodes:
+    return Nodes(tmp_path, 2, JOBS / "ddp_trainer.py", run_id=run_id,
+                 guard_args=[*FAST, "--output-dir", "{out}", "--push-to", dest.push_to, *guard_args],
+                 job_args=["--output-dir", "{out}", "--step-s", "0.1", *job_args], env=dest.env)
+
+
+def test_a_trainer_resumes_on_fresh_nodes_with_every_ranks_part(tmp_path: Path) -> None:
+    """The next run on fresh folders (``--resume on``): each node fetches the whole checkpoint (model, trainer state,
+    both ranks' RNG states) onto its own disk, the Trainer resumes from it on both ranks (the agent passes
+    ``resume_from_checkpoint``; rank 1 loads its own rng_state_1.pth, which lay on node 1's disk) and trains on."""
+    dest = Dest("folder", tmp_path, None)
+    first = _trainer(tmp_path / "first", dest, "--timeout", "40s", job_args=("--save-steps", "5"))
+    step, _ = _secured_at_the_deadline(first.start(), tmp_path, dest)
+    second = _trainer(tmp_path / "second", dest, "--resume", "on", run_id="multinode-run-2",
+                      job_args=("--max-steps", str(step + 3))).start()
+    runs = second.wait(150)
+    assert [run.story()[0] for run in runs] == ["PASS", "PASS"], logs(runs)
+    for run in runs:
+        assert "resumed_from=" in run.verdict, logs(runs)
+        held = second.out(run.node) / f"checkpoint-{step}"
+        assert {"rng_state_0.pth", "rng_state_1.pth", "trainer_state.json"} <= {p.name for p in held.iterdir()}
+        assert "did not load the resumed checkpoint" not in run.stdout, logs(runs)
+
+
 @pytest.mark.parametrize("save_steps", ["5", "40"])
 def test_a_trainers_checkpoint_over_two_disks_is_secured_whole(tmp_path: Path, dest: Dest, save_steps: str) -> None:
     """A Trainer on two nodes with local disks: node 0's checkpoint-N holds the model, the optimizer, the trainer
@@ -187,10 +212,7 @@ def test_a_trainers_checkpoint_over_two_disks_is_secured_whole(tmp_path: Path, d
     a whole checkpoint (rng_state_1.pth not required: the description did not know the job's world size) while
     node 1 put a part that never became whole and exited 143; with both as parts, saves every 0.5 s or 4 s (5 or
     40 steps) never met on one step within 150 s."""
-    nodes = Nodes(tmp_path, 2, JOBS / "ddp_trainer.py",
-                  guard_args=[*FAST, "--output-dir", "{out}", "--push-to", dest.push_to, "--timeout", "50s"],
-                  job_args=["--output-dir", "{out}", "--step-s", "0.1", "--save-steps", save_steps],
-                  env=dest.env).start()
+    nodes = _trainer(tmp_path, dest, "--timeout", "50s", job_args=("--save-steps", save_steps)).start()
     step, fetched = _secured_at_the_deadline(nodes, tmp_path, dest)
     held = {p.relative_to(fetched).as_posix() for p in fetched.rglob("*") if p.is_file()}
     assert {"rng_state_0.pth", "rng_state_1.pth", "trainer_state.json", "model.safetensors"} <= held, held
