@@ -417,6 +417,11 @@ class Routes:
                     except (binascii.Error, KeyError) as err:
                         raise HttpError(400, f"bad file line: {err}") from err
                 elif key == "lfsFile":
+                    # also a copy (``CommitOperationCopy`` of an LFS or Xet file): huggingface_hub sends the source's
+                    # sha256 with no size (``_commit_api._prepare_commit_payload``) and the Hub points the new path
+                    # at the object it already stores, no byte sent again; an object never uploaded to this repo is
+                    # refused (a copy from another repo is duplicated into it first, ``HfApi._duplicate_lfs_files``).
+                    # A regular file's copy is downloaded by the client and sent as a ``file`` line.
                     oid = value.get("oid", "")
                     if oid not in repo.lfs_oids:
                         raise HttpError(422, f"LFS object {oid} was not uploaded to {repo_id}")

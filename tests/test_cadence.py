@@ -19,6 +19,15 @@ def test_the_hub_stays_under_its_commit_rate_limit() -> None:
     assert pushes_per_hour * 2 <= 128 * 0.25
 
 
+@pytest.mark.parametrize("nodes", [2, 4, 8])
+def test_many_nodes_parts_at_the_hub_stay_under_its_commit_rate_limit(nodes: int) -> None:
+    """Each push is every node's two commits (part files, manifest) and the record's: 2 * nodes + 1 commits. At the
+    one-node interval (225 s) four nodes would make 9 commits every 225 s, 144 an hour: over the Hub's 128."""
+    interval_s = background_interval_s("hub-parts", nodes=nodes)
+    assert (3600 / interval_s) * (2 * nodes + 1) <= 128 * 0.25 + 1e-9
+    assert (3600 / background_interval_s("hub")) * (2 * 4 + 1) > 128  # what the one-node cadence would do
+
+
 def test_a_slow_push_widens_the_hub_interval() -> None:
     assert background_interval_s("hub", measured_push_s=10.0) == pytest.approx(225.0)
     assert background_interval_s("hub", measured_push_s=300.0) == pytest.approx(900.0)

@@ -3,7 +3,8 @@ each in its own folder under its own guard, a torch.distributed.checkpoint job (
 ``__0_0.distcp`` on node 0's disk, ``__1_0.distcp`` on node 1's), a destination both nodes reach (a folder, as an
 NFS mount would be; an S3 bucket on moto). Each node puts its own part; the record moves once every node's part
 is in; every node's VERDICT tells the same story; the destination's bytes are a whole checkpoint that
-``dcp_to_torch_save`` loads in one process."""
+``dcp_to_torch_save`` loads in one process. The deadline and a lost node run against a Hub repo too (the local Hub,
+tests/hubserver.py, Xet on: the client's default)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,9 @@ from s3server import env as s3_env
 
 from guard.secure.dest.base import Record
 from guard.secure.dest.folder import FolderStore
+from guard.secure.dest.hub import HubStore
 from guard.secure.dest.s3 import S3Store
+from tests.hubserver import TOKENS, HubServer, client_constants
 
 pytestmark = [pytest.mark.slow]
 
@@ -38,12 +41,24 @@ def moto(tmp_path: Path) -> Iterator[MotoServer]:
         yield server
 
 
+@pytest.fixture
+def hub() -> Iterator[HubServer]:
+    with client_constants(), HubServer() as server:
+        yield server
+
+
 class Dest:
     """Where the nodes secure to: ``push_to``, the guards' environment, and the record read back from it."""
 
-    def __init__(self, kind: str, tmp_path: Path, moto: MotoServer | None) -> None:
+    def __init__(self, kind: str, tmp_path: Path, moto: MotoServer | None, hub: HubServer | None = None) -> None:
         self.kind, self.moto = kind, moto
-        if kind == "s3":
+        if kind == "hub":
+            assert hub is not None
+            from huggingface_hub import HfApi
+
+            self.push_to, self.env = "hf://alice/many-nodes", hub.env(token=TOKENS["write"], hf_home=tmp_path / "hf")
+            self.store = HubStore("alice/many-nodes", api=HfApi(endpoint=hub.url, token=TOKENS["write"]))
+        elif kind == "s3":
             assert moto is not None
             bucket = moto.bucket()
             self.push_to, self.env = f"s3://{bucket}/run", s3_env(moto.url)
@@ -51,9 +66,25 @@ class Dest:
         else:
             self.push_to, self.env = str(tmp_path / "dest"), {}
             self.store = FolderStore(tmp_path / "dest")
+        self.hub, self.root = hub, tmp_path / "dest"
 
     def record(self) -> Record | None:
         return self.store.read_record(deadline=time.monotonic() + 60)
+
+    def held(self, record: Record) -> tuple[int, set[str]]:
+        """What ``record`` holds, read at the destination: the node count its manifest (or S3 record) says, and
+        the checkpoint's files there (the folder's, or the Hub repo's ``last-checkpoint/`` at the record commit)."""
+        if self.kind == "s3":
+            return record.nodes, set(record.files)
+        if self.kind == "hub":
+            assert self.hub is not None
+            there = self.hub.repo_files("alice/many-nodes", revision=record.revision)
+            held = json.loads(there["last-checkpoint/guard_manifest.json"])
+            files = {path.split("/", 1)[1] for path in there if path.startswith("last-checkpoint/")}
+            assert files - {"guard_manifest.json"} == set(held["files"]), (files, held)
+            return held["nodes"], files
+        held = json.loads((self.root / "last-checkpoint" / "guard_manifest.json").read_text())
+        return held["nodes"], set(held["files"])
 
 
 @pytest.fixture(params=["folder", "s3"])
@@ -62,15 +93,26 @@ def dest(request: pytest.FixtureRequest, tmp_path: Path) -> Dest:
     return Dest(request.param, tmp_path, moto)
 
 
+@pytest.fixture(params=["folder", "s3", pytest.param("hub", marks=pytest.mark.hub)])
+def any_dest(request: pytest.FixtureRequest, tmp_path: Path) -> Dest:
+    """``dest``, and a Hub repo on the local Hub (Xet on)."""
+    moto = request.getfixturevalue("moto") if request.param == "s3" else None
+    hub = request.getfixturevalue("hub") if request.param == "hub" else None
+    return Dest(request.param, tmp_path, moto, hub)
+
+
 def _nodes(tmp_path: Path, dest: Dest, *guard_args: str, n: int = 2) -> Nodes:
     return Nodes(tmp_path, n, JOBS / "dcp_loop.py",
                  guard_args=[*FAST, "--output-dir", "{out}", "--push-to", dest.push_to, *guard_args],
                  job_args=["{out}", "--every", "20", "--step-s", "0.05"], env=dest.env)
 
 
-def test_at_the_deadline_both_nodes_parts_make_one_whole_checkpoint(tmp_path: Path, dest: Dest) -> None:
+def test_at_the_deadline_both_nodes_parts_make_one_whole_checkpoint(tmp_path: Path, any_dest: Dest) -> None:
     """Before: 'nothing in node-0/out was recognisable as a complete checkpoint', TIMEOUT exit=124 secured=no on
-    both nodes of a job that saved every 20 steps (node 0 holds .metadata and its shard, node 1 only its shard)."""
+    both nodes of a job that saved every 20 steps (node 0 holds .metadata and its shard, node 1 only its shard).
+    At a Hub repo, before its store kept node parts: node 0 alone secured, its part never whole by format, both
+    nodes TIMEOUT exit=124 secured=no at step 560 ('nothing in node-0/out was recognisable')."""
+    dest = any_dest
     nodes = _nodes(tmp_path, dest, "--timeout", "45s").start()
     try:
         runs = nodes.wait(150)
@@ -83,11 +125,8 @@ def test_at_the_deadline_both_nodes_parts_make_one_whole_checkpoint(tmp_path: Pa
     assert (status, code, secured) == ("TIMEOUT", "75", "yes"), logs(runs)
     record = dest.record()
     assert record is not None and str(record.step) == secured_step
-    if dest.kind == "s3":
-        assert record.nodes == 2 and {".metadata", "__0_0.distcp", "__1_0.distcp"} <= set(record.files), record
-    else:
-        held = json.loads((tmp_path / "dest" / "last-checkpoint" / "guard_manifest.json").read_text())
-        assert held["nodes"] == 2 and {".metadata", "__0_0.distcp", "__1_0.distcp"} <= set(held["files"]), held
+    nodes_held, files = dest.held(record)
+    assert nodes_held == 2 and {".metadata", "__0_0.distcp", "__1_0.distcp"} <= files, (nodes_held, files)
     # the next run's fetch on a fresh node: the whole checkpoint, every file verified, loads in one process
     (tmp_path / "fresh").mkdir()
     fetched = dest.store.fetch(record, tmp_path / "fresh", deadline=time.monotonic() + 60)
@@ -223,10 +262,11 @@ def test_a_trainers_checkpoint_over_two_disks_is_secured_whole(tmp_path: Path, d
 
 
 def test_a_node_lost_mid_run_never_makes_the_other_say_its_newest_step_is_secured(tmp_path: Path,
-                                                                                    dest: Dest) -> None:
+                                                                                    any_dest: Dest) -> None:
     """Every process of node 1 killed (a lost node): node 0's part of a later step never becomes whole; node 0's
     VERDICT never claims a step the bucket does not hold whole, and names node 1 when a push of its ended for want
     of node 1's part."""
+    dest = any_dest
     nodes = _nodes(tmp_path, dest, "--timeout", "60s").start()
     try:
         assert nodes.wait_for(lambda: len(list((nodes.out(1)).glob("step_*"))) >= 3, 120), logs(nodes.wait(5))
@@ -240,7 +280,7 @@ def test_a_node_lost_mid_run_never_makes_the_other_say_its_newest_step_is_secure
     node0 = runs[0].fields()
     record = dest.record()
     secured_step = node0.get("secured_step")
-    if record is None:
+    if record is None or record.step is None:  # a Hub repo with no record reads as the commit below the uploads
         assert node0.get("secured") == "no", logs(runs)
     else:
         assert secured_step == str(record.step), logs(runs)  # the VERDICT names what the bucket holds
@@ -273,18 +313,21 @@ def _one_story(runs: list[NodeRun]) -> tuple[str | None, str | None, str | None,
     return stories.pop()
 
 
-def test_a_part_that_never_comes_is_named_alike_in_every_nodes_verdict(tmp_path: Path) -> None:
+@pytest.mark.parametrize("kind", ["folder", pytest.param("hub", marks=pytest.mark.hub)])
+def test_a_part_that_never_comes_is_named_alike_in_every_nodes_verdict(tmp_path: Path, kind: str,
+                                                                       request: pytest.FixtureRequest) -> None:
     """Node 1's guard watches a folder its job never saves in (node 0's watches its job's): node 1's part of no
     step ever comes, while node 0 puts its part of every save. Both nodes' VERDICTs say missing=node1, read from the
     destination at the end. Before, node 1's own pushes had seen nothing missing and its VERDICT said nothing of it
-    (in another run node 0 said missing=node1 of step 620 while node 1's last push was of step 640)."""
-    dest = Dest("folder", tmp_path, None)
+    (in another run node 0 said missing=node1 of step 620 while node 1's last push was of step 640). At a Hub repo,
+    before, node 0 secured alone and found nothing whole: secured=no, missing= never said."""
+    dest = Dest(kind, tmp_path, None, request.getfixturevalue("hub") if kind == "hub" else None)
     (tmp_path / "node-0").mkdir()
     (tmp_path / "node-0" / "watch").symlink_to(tmp_path / "node-0" / "out")
     (tmp_path / "node-1" / "watch").mkdir(parents=True)
     nodes = Nodes(tmp_path, 2, JOBS / "dcp_loop.py",
                   guard_args=[*FAST, "--output-dir", "watch", "--push-to", dest.push_to, "--timeout", "30s"],
-                  job_args=["{out}", "--every", "20", "--step-s", "0.05"]).start()
+                  job_args=["{out}", "--every", "20", "--step-s", "0.05"], env=dest.env).start()
     try:
         runs = nodes.wait(120)
     finally:
@@ -293,9 +336,10 @@ def test_a_part_that_never_comes_is_named_alike_in_every_nodes_verdict(tmp_path:
     assert [fields.get("missing") for fields in said] == ["node1", "node1"], logs(runs)
     assert {(f.get("status"), f.get("exit"), f.get("secured")) for f in said} == {("TIMEOUT", "124", "no")}, \
         logs(runs)
-    assert dest.record() is None
-    parts = {p.name for p in (tmp_path / "dest" / ".guard" / "staging" / "multinode-run").glob("step-*/node-*.json")}
-    assert parts and all(name == "node-0.json" for name in parts), parts
+    record = dest.record()
+    assert record is None or record.step is None, record
+    parts = dest.store.part_steps(run_id="multinode-run", deadline=time.monotonic() + 60)
+    assert parts and all(nodes == {0} for nodes in parts.values()), parts
 
 
 def _leaves(obj: object) -> list[object]:

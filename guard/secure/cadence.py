@@ -16,6 +16,10 @@ commit rate limit on the Hub.
   - the time bound: ``PUSH_TIME_FACTOR`` = 3 times the last measured push (upload and verification), so that at
     most a third of the wall time has a push in flight (its upload shares the job's network and disk).
 
+  With many nodes each putting its own part at a Hub repo (``"hub-parts"``), a push is ``COMMITS_PER_PUSH``
+  commits on each node (the part's files, then its manifest) and one record commit: ``2 * nodes + 1`` commits, so
+  the rate bound grows with the node count (two nodes: 562 s; eight: 1,912 s).
+
 An explicit ``--push-interval`` wins over both (the caller passes it instead of asking here).
 """
 
@@ -42,23 +46,26 @@ PUSH_STALL_S = 30.0
 
 def background_interval_s(destination_kind: str, *, measured_push_s: float | None = None,
                           commits_per_hour: float = HUB_COMMITS_PER_HOUR, share: float = HUB_SHARE,
-                          commits_per_push: int = COMMITS_PER_PUSH) -> float:
+                          commits_per_push: int = COMMITS_PER_PUSH, nodes: int = 1) -> float:
     """The least time between two background push starts for a destination, in seconds.
 
     Args:
         destination_kind: ``dest.base.Destination.kind``: ``"folder"``, ``"hub"`` or ``"s3"``; ``"parts"``: every node
             of a many-node job puts its own part of each checkpoint (each complete save, so that all put the same
-            steps).
+            steps); ``"hub-parts"``: the same at a Hub repo, under its commit rate limit.
         measured_push_s: the last background push's duration (``PushResult.elapsed_s``), or None before the
             first one.
         commits_per_hour: the destination's commit rate limit (default ``HUB_COMMITS_PER_HOUR``).
         share: the share of it background pushes may use (default ``HUB_SHARE``), in (0, 1].
-        commits_per_push: commits each push makes (default ``COMMITS_PER_PUSH``).
+        commits_per_push: commits each push makes on each node (default ``COMMITS_PER_PUSH``).
+        nodes: the job's node count (``"hub-parts"``: the repo gets ``commits_per_push * nodes + 1`` commits a
+            push, the record included); default 1.
 
     Returns:
         0.0 for a folder and for ``"parts"`` (every complete save); ``PUSH_TIME_FACTOR * measured_push_s`` for S3
         (0.0 before the first push); for the Hub ``max(3600 * commits_per_push / (commits_per_hour *
-        share), PUSH_TIME_FACTOR * measured_push_s)``.
+        share), PUSH_TIME_FACTOR * measured_push_s)``, with ``commits_per_push * nodes + 1`` commits for
+        ``"hub-parts"``.
 
     Raises:
         ValueError: an unknown ``destination_kind``, or a rate or share that is not positive.
@@ -68,6 +75,8 @@ def background_interval_s(destination_kind: str, *, measured_push_s: float | Non
     measured = measured_push_s if measured_push_s is not None and math.isfinite(measured_push_s) else 0.0
     if destination_kind == "s3":  # no commit rate limit; each push is paid requests: not more than a third of the time
         return PUSH_TIME_FACTOR * max(0.0, measured)
+    if destination_kind == "hub-parts":  # every node's part (files, manifest), then one record commit
+        commits_per_push, destination_kind = commits_per_push * max(1, nodes) + 1, "hub"
     if destination_kind != "hub":
         raise ValueError(f"unknown destination kind {destination_kind!r}: expected 'folder', 'hub' or 's3'")
     if not (commits_per_hour > 0 and 0 < share <= 1 and commits_per_push > 0):

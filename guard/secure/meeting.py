@@ -27,15 +27,16 @@ RECORD_CUTOFF_S = 3.0
 
 
 def parts_store(store: Store, *, destination: str, kind: str, nodes: int) -> PartsStore:
-    """``store`` as a ``PartsStore`` (a folder, S3: where each node can keep its own part).
+    """``store`` as a ``PartsStore`` (a folder, S3, a Hub repo: where each node can keep its own part).
 
     Raises:
-        PushFailedError: the store keeps no node parts (a Hub repository).
+        PushFailedError: the store keeps no node parts.
     """
     if not isinstance(store, PartsStore):
         raise PushFailedError(f"a {kind} destination keeps no node parts: {nodes} nodes cannot each secure their "
                               "own part there", destination=destination,
-                              hint="secure from node 0 alone (a shared output folder), or use an s3:// destination")
+                              hint="secure from node 0 alone (a shared output folder), or use a folder, s3:// or "
+                                   "hf:// destination")
     return store
 
 

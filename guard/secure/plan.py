@@ -160,7 +160,7 @@ class Plan:
                  deadline_at: float | None = None, grace_s: float = 30.0, background: bool = True,
                  push_interval_s: float | None = 600.0, final_output_dir: str | None = None,
                  final_window_s: float = 180.0, unchanged: Callable[[CheckpointInfo], bool] = _unchanged_on_disk,
-                 destination_kind: str | None = None, stall_s: float = PUSH_STALL_S) -> None:
+                 destination_kind: str | None = None, stall_s: float = PUSH_STALL_S, nodes: int = 1) -> None:
         self._clock = clock
         self._pusher = pusher
         self._estimator = estimator
@@ -169,6 +169,7 @@ class Plan:
         self._background = background
         self._fixed_interval_s = push_interval_s
         self._destination_kind = destination_kind
+        self._nodes = nodes
         self._measured_push_s: float | None = None  # the last push that ended well (its upload and verification)
         self._stall_s = stall_s if stall_s > 0 else math.inf
         self._stall_bound_s = self._stall_s  # doubled by each push killed for no progress, reset by a good end
@@ -267,7 +268,8 @@ class Plan:
         the last measured push (``cadence.background_interval_s``)."""
         if self._fixed_interval_s is not None:
             return self._fixed_interval_s
-        return background_interval_s(self._destination_kind or "hub", measured_push_s=self._measured_push_s)
+        return background_interval_s(self._destination_kind or "hub", measured_push_s=self._measured_push_s,
+                                     nodes=self._nodes)
 
     def deadline_due(self, now: float) -> bool:
         """The deadline's request is due (send ``DeadlineNear``)."""

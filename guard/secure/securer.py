@@ -134,7 +134,7 @@ class Securer:
         store: the destination's ``guard.secure.dest.base.Store``; default ``open_store(destination)``, made on
             first use.
         node_rank, nodes: this node's index and the job's node count (``SecureSettings``), when every node secures
-            its own part of each checkpoint (many nodes, each with its own disk; a ``PartsStore``: a folder, S3):
+            its own part of each checkpoint (many nodes, each with its own disk; a ``PartsStore``: folder, S3, Hub):
             the record moves only once every node's part is there (``guard.secure.nodes.whole``); default 0 and 1
             (one node: part and record are one push).
 

@@ -242,7 +242,7 @@ class Securing:
                          deadline_at=self._to_clock(deadline.deadline_s), grace_s=grace_s, background=background,
                          push_interval_s=push_interval_s, final_output_dir=output_dir, final_window_s=final_window_s,
                          unchanged=self._still_unchanged,
-                         destination_kind=self._cadence_kind(securer), stall_s=push_stall_s)
+                         destination_kind=self._cadence_kind(securer), stall_s=push_stall_s, nodes=self.nodes)
         self.latest_reported: checkpoints.CheckpointInfo | None = None
         self.last_step_at: float | None = None
         self.saved_ranks: dict[str, set[int]] = {}  # checkpoint path -> ranks that reported their part of it
@@ -272,8 +272,10 @@ class Securing:
                      budget.format_duration_s(round(deadline.deadline_s - wall())), deadline.source)
             estimator.margin_s()  # logs the starting margin
         if self.plan.has_pusher:
-            if push_interval_s is None and self._kind(securer) == "hub":
-                every = (f"at most one push every {budget.format_duration_s(background_interval_s('hub'))}, longer "
+            cadence = self._cadence_kind(securer)
+            if push_interval_s is None and cadence in ("hub", "hub-parts"):
+                least_s = background_interval_s(str(cadence), nodes=self.nodes)
+                every = (f"at most one push every {budget.format_duration_s(least_s)}, longer "
                          f"when a push takes more than 1/{PUSH_TIME_FACTOR:.0f} of that (the Hub's commit rate limit)")
             elif push_interval_s:
                 every = f"at most one push every {budget.format_duration_s(push_interval_s)}"
@@ -291,9 +293,12 @@ class Securing:
 
     def _cadence_kind(self, securer: Securer | None) -> str | None:
         """The destination kind the background cadence follows (``cadence.background_interval_s``): ``"parts"``
-        when many nodes secure their own parts of each checkpoint (every node pushes every complete save, so that
-        all push the same steps), else the destination's."""
+        when many nodes secure their own parts of each checkpoint at S3 (every node pushes every complete save, so
+        that all push the same steps), ``"hub-parts"`` at a Hub repo (under its commit rate limit, each push being
+        every node's commits and the record's), else the destination's."""
         kind = self._kind(securer)
+        if kind == "hub" and self.nodes > 1 and self.shared() is not True:
+            return "hub-parts"
         return "parts" if kind == "s3" and self.nodes > 1 else kind
 
     def _make_pusher(self, securer: Securer | None) -> Pusher | None:
@@ -537,9 +542,10 @@ class Securing:
     def parts_mode(self) -> bool:
         """Every node secures its own part of each checkpoint, the record moving once all are in
         (``securer.Securer``'s many-node push): many nodes, an output folder not known to be shared, and a destination
-        whose store keeps node parts (a folder, S3). Otherwise node 0's guard secures the checkpoints alone."""
+        whose store keeps node parts (a folder, S3, a Hub repo). Otherwise node 0's guard secures the checkpoints
+        alone."""
         kind = getattr(getattr(self.securer, "destination", None), "kind", None)
-        return self.nodes > 1 and kind in ("s3", "folder") and self.shared() is not True
+        return self.nodes > 1 and kind in ("s3", "folder", "hub") and self.shared() is not True
 
     def _check_node(self, sup: JobLink) -> None:
         if self._node_checked or not self.plan.has_pusher or self.parts_mode():

@@ -20,11 +20,11 @@ same call may succeed if tried again" (a reset, a timeout, 408/429/5xx, S3's 503
 same for every store.
 
 The stores: ``guard.secure.dest.folder.FolderStore`` (also a :class:`PartsStore`: node parts,
-``guard.secure.dest.folder_parts``), ``guard.secure.dest.hub.HubStore`` (one node: a put then its record) and
-``guard.secure.dest.s3.S3Store`` (also a :class:`SharedStore`: node parts, taints, probe, restore),
-each opened from a :class:`Destination` by ``guard.secure.dest.open_store``. A new destination is one module with a
-class implementing :class:`Store` (and an ``open(destination, **options)`` classmethod) plus one line in
-``guard.secure.dest.STORES``.
+``guard.secure.dest.folder_parts``), ``guard.secure.dest.hub.HubStore`` (also a :class:`PartsStore`:
+``guard.secure.dest.hub_parts``) and ``guard.secure.dest.s3.S3Store`` (also a :class:`SharedStore`: node parts,
+taints, probe, restore), each opened from a :class:`Destination` by ``guard.secure.dest.open_store``. A new
+destination is one module with a class implementing :class:`Store` (and an ``open(destination, **options)``
+classmethod) plus one line in ``guard.secure.dest.STORES``.
 
 Everything here is plain data and a ``typing.Protocol``: this module imports the standard library only.
 """
@@ -269,8 +269,8 @@ class Store(Protocol):
 
 @runtime_checkable
 class PartsStore(Store, Protocol):
-    """A store that keeps node parts (a folder, S3): each node of a many-node job puts its own part of a checkpoint
-    (``put_part`` with ``nodes`` > 1) and ``write_record`` takes every node's part once all are there."""
+    """A store that keeps node parts (a folder, S3, a Hub repo): each node of a many-node job puts its own part of a
+    checkpoint (``put_part`` with ``nodes`` > 1) and ``write_record`` takes every node's part once all are there."""
 
     def parts(self, *, run_id: str, step: int, deadline: float) -> list[PartManifest]:
         """The node manifests of ``run_id``'s checkpoint ``step`` present at the destination (any order)."""

@@ -10,6 +10,9 @@
   (``guard_manifest.json``: step, placement, the verified commit, each file's size and sha256) with
   ``parent_commit`` the verified upload: on top of exactly that commit, or not at all. An upload commit is never a
   record (``read_record``).
+- **node parts** (many nodes, each with its own disk: ``put_part`` with ``nodes`` > 1, ``parts``, ``part_steps``,
+  ``write_record`` of every node's part): each node's files and manifest under ``.guard/staging/`` in commits of
+  their own, the record one commit that copies them into ``last-checkpoint/`` (``guard.secure.dest.hub_parts``).
 - **fetch** downloads ``last-checkpoint/`` at the recorded commit (never a later unrelated HEAD; the client's
   default transfer: ``snapshot_download`` through ``hf_xet`` for every Xet-backed file) and checks every
   file against the tree listing (sha256 of LFS files, git sha1 of regular ones) and the manifest. The step comes
@@ -32,11 +35,11 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from guard.secure.dest import local
+from guard.secure.dest import hub_parts, local
 from guard.secure.dest.base import (
     CHECKPOINT_FOLDER,
     MANIFEST_NAME,
@@ -64,7 +67,9 @@ CHECKPOINT_COMMIT_TITLE = "guard: checkpoint step {step}"
 UPLOAD_COMMIT_TITLE = "guard: upload of step {step}, not verified yet"
 _STEP_IN_TITLE = re.compile(r"checkpoint step (\d+)")
 _GUARD_TITLE = re.compile(r"guard: checkpoint step (\d+)")
-_UPLOAD_TITLE = re.compile(r"guard: upload of step (\d+), not verified yet")
+#: The guard's commits that are never a record: a one-node upload, a node part's files and its manifest.
+_UPLOAD_TITLE = re.compile(r"guard: (upload of step \d+, not verified yet|upload of node \d+'s part of step \d+, not "
+                           r"verified yet|node \d+'s part of step \d+ verified, not a record)")
 
 
 @dataclass(frozen=True)
@@ -95,6 +100,7 @@ class HubStore:
         self.repo_id, self.repo_type = repo_id, repo_type
         self._api, self._token, self._log = api, token, log or logger
         self._repo_ready = False
+        self._parts_read: dict[str, PartManifest] = {}  # node manifests read, by git blob id
 
     @classmethod
     def open(cls, destination: Destination, **options: Any) -> HubStore:
@@ -123,13 +129,19 @@ class HubStore:
                  progress: Progress | None = None, requires: Mapping[str, int] | None = None,
                  check: Callable[[], None] | None = None) -> HubPart:
         """One upload commit of ``files`` into ``last-checkpoint/`` (replacing what was there), verified; ``check``
-        runs once the files' first signatures are taken, before any byte is sent. One node's whole checkpoint: the
-        store keeps no node parts (``requires`` is not recorded).
+        runs once the files' first signatures are taken, before any byte is sent. With ``nodes`` > 1 the files are
+        node ``node_rank``'s part and go under the run's staging path instead, then the node's manifest (with
+        ``requires``; ``guard.secure.dest.hub_parts``).
 
         Raises:
             Mismatch: a file is missing or differs at the commit, or changed locally while it was uploaded.
             PushFailedError: the uploaded files are not whole by format.
         """
+        if nodes > 1:
+            part, oid = hub_parts.put_node_part(self, Path(local_dir), files, run_id=run_id, step=step,
+                                                node_rank=node_rank, nodes=nodes, place=place, source=source,
+                                                requires=requires, check=check)
+            return HubPart(**{f.name: getattr(part, f.name) for f in fields(PartManifest)}, commit=oid)
         folder, prefix = Path(local_dir), f"{CHECKPOINT_FOLDER}/"
         oid, adds = self._commit_verified(folder, list(files), prefix, UPLOAD_COMMIT_TITLE.format(step=step),
                                           f"checkpoint step {step}", replace=True, check=check)
@@ -137,6 +149,14 @@ class HubStore:
                 for op in adds}
         return HubPart(run_id=run_id, step=step, node_rank=node_rank, nodes=nodes, files=sums,
                        written_at_s=time.time(), place=place, source=source, commit=oid)
+
+    def parts(self, *, run_id: str, step: int, deadline: float) -> list[PartManifest]:
+        """The node manifests of ``run_id``'s checkpoint ``step`` in the repo (``hub_parts.node_parts``)."""
+        return hub_parts.node_parts(self, run_id=run_id, step=step, cache=self._parts_read)
+
+    def part_steps(self, *, run_id: str, deadline: float) -> dict[int, set[int]]:
+        """Which nodes have put a part of which step of ``run_id`` in the repo: ``{step: {node ranks}}``."""
+        return hub_parts.node_part_steps(self, run_id=run_id)
 
     def write_record(self, parts: Sequence[PartManifest], *, deadline: float,
                      recorded: Callable[[Record], None] | None = None) -> Record:
@@ -147,6 +167,9 @@ class HubStore:
             ValueError: not one ``HubPart``.
             Mismatch: the manifest does not verify at the record commit.
         """
+        if parts and all(p.nodes > 1 for p in parts):
+            return hub_parts.record_node_parts(self, parts, deadline=deadline, recorded=recorded,
+                                               title=CHECKPOINT_COMMIT_TITLE.format(step=parts[0].step))
         part = parts[0] if len(parts) == 1 else None
         if not isinstance(part, HubPart):
             raise ValueError(f"a Hub destination records one node's uploaded part, not {len(parts)} parts")
@@ -168,9 +191,11 @@ class HubStore:
         return record
 
     def _commit_verified(self, folder: Path, files: list[str], prefix: str, title: str, what: str, *,
-                         replace: bool, check: Callable[[], None] | None = None) -> tuple[str, list[Any]]:
+                         replace: bool, check: Callable[[], None] | None = None,
+                         parts: bool = False) -> tuple[str, list[Any]]:
         """One commit of ``files`` under ``prefix`` titled ``title`` (with ``replace``, deleting the other files
-        under it), verified, the local files unchanged meanwhile and whole. Returns ``(commit id, its adds)``."""
+        under it), verified, the local files unchanged meanwhile and whole (``parts``: as one node's part of a
+        many-node checkpoint). Returns ``(commit id, its adds)``."""
         from huggingface_hub import CommitOperationAdd, CommitOperationDelete, RepoFile
         from huggingface_hub.errors import EntryNotFoundError
 
@@ -198,7 +223,7 @@ class HubStore:
         changed = local.changed_since(folder, files, before)
         if changed:  # rewritten in place while uploading: what was sent may be torn; the retry's commit replaces it
             raise Mismatch([f"{rel} changed while it was uploaded" for rel in changed])
-        local.refuse_torn(what, folder, files, "uploaded", str(self))
+        local.refuse_torn(what, folder, files, "uploaded", str(self), parts=parts)
         return info.oid, adds
 
     def _verify(self, revision: str, adds: list[CommitOperationAdd], contents: dict[str, bytes] | None = None) -> None:
@@ -244,11 +269,9 @@ class HubStore:
             commits = list(self.api.list_repo_commits(self.repo_id, repo_type=self.repo_type))  # newest first
         except (RepositoryNotFoundError, RevisionNotFoundError):
             return None
-        for commit in commits:
-            if match := _GUARD_TITLE.fullmatch(commit.title.strip()):
-                output_dir, place = local.placed(self._manifest(commit.commit_id))
-                return Record(step=int(match[1]), run_id=None, files={}, revision=commit.commit_id, place=place,
-                              source=output_dir)
+        record = self.newest_record(commits)
+        if record is not None:
+            return record
         # no record: a last-checkpoint/ pushed by something else, read at the newest commit below every upload of
         # the guard's own (an upload commit is a record only once its files verified; one that failed verification,
         # or was cut off before its record, is never resumed from, nor is a commit on top of it)
@@ -264,19 +287,38 @@ class HubStore:
                        f" (below {len(uploads)} unverified upload commit(s) of the guard's)" if uploads else "")
         return Record(step=None, run_id=None, files={}, revision=below[0].commit_id)
 
+    def newest_record(self, commits: Sequence[Any]) -> Record | None:
+        """The record of the newest of ``commits`` (``list_repo_commits``, newest first) titled
+        ``CHECKPOINT_COMMIT_TITLE``, with its manifest's placement (and run id and node count: a record of node
+        parts), or None."""
+        for commit in commits:
+            if match := _GUARD_TITLE.fullmatch(commit.title.strip()):
+                manifest = self._manifest(commit.commit_id)
+                output_dir, place = local.placed(manifest)
+                run_id, nodes = manifest.get("run_id"), manifest.get("nodes")
+                return Record(step=int(match[1]), run_id=run_id if isinstance(run_id, str) else None, files={},
+                              revision=commit.commit_id, place=place, source=output_dir,
+                              nodes=nodes if isinstance(nodes, int) else 1)
+        return None
+
     def _manifest(self, revision: str) -> dict[str, Any]:
         """The record's manifest at ``revision`` (a small file), or ``{}`` (a record of an older guard)."""
+        return self.read_json(f"{CHECKPOINT_FOLDER}/{MANIFEST_NAME}", revision)
+
+    def read_json(self, path: str, revision: str | None) -> dict[str, Any]:
+        """The JSON object of the small file ``path`` at ``revision`` (None: the default branch), or ``{}`` when it
+        is not there or not a JSON object."""
         from huggingface_hub.errors import EntryNotFoundError
 
         with tempfile.TemporaryDirectory(prefix=".guard-peek-") as tmp:
             try:
-                path = self.api.hf_hub_download(self.repo_id, f"{CHECKPOINT_FOLDER}/{MANIFEST_NAME}",
-                                                revision=revision, repo_type=self.repo_type, local_dir=tmp,
-                                                cache_dir=Path(tmp) / ".cache")
-                manifest = json.loads(Path(path).read_text())
+                local_path = self.api.hf_hub_download(self.repo_id, path, revision=revision,
+                                                      repo_type=self.repo_type, local_dir=tmp,
+                                                      cache_dir=Path(tmp) / ".cache")
+                body = json.loads(Path(local_path).read_text())
             except (EntryNotFoundError, OSError, ValueError):
                 return {}
-        return manifest if isinstance(manifest, dict) else {}
+        return body if isinstance(body, dict) else {}
 
     def fetch(self, record: Record, into: Path, *, deadline: float) -> FetchedCheckpoint | None:
         """Download ``last-checkpoint/`` at ``record.revision``, verify every file (tree listing and manifest) and
