@@ -3,11 +3,14 @@
 Run from the repository root: ``python benchmarks/bench_destinations.py [--rounds 3] [--size-mb 200] [--files 60]
 [--only folder,hub-xet,hub-lfs,s3]``.
 
-The checkpoint is ``--size-mb`` MB (10^6 bytes) of random bytes (after a zero first byte) in ``--files`` files:
-four model shards of 3/16 of the size each, an optimizer state of the rest less 1 MB, and small files (config,
-trainer state, RNG states) that make up the count, like a sharded Trainer save. Random bytes do not compress and do
-not deduplicate, and each round writes a new checkpoint (not timed), so no round gains from what an earlier one
-stored (hf_xet remembers the chunks it uploaded in its local cache and would send nothing the second time).
+The checkpoint is ``--size-mb`` MB (10^6 bytes) of random bytes in ``--files`` files: four model shards of 3/16 of
+the size each (real safetensors files: one ``F32`` tensor of random finite values each, so the push reads their
+weights as it would a Trainer's, ``guard.secure.weights``), an optimizer state of the rest less 1 MB (random bytes
+after a zero first byte), and small files (config, trainer state, RNG states) that make up the count, like a sharded
+Trainer save. Random bytes do not compress and do not deduplicate, and each round writes a new checkpoint (not
+timed), so no round gains from what an earlier one stored (hf_xet remembers the chunks it uploaded in its local cache
+and would send nothing the second time). Before the pushes, the weights check alone (``weights.check_files`` on the
+four shards, the page cache warm as a push finds it) is timed on its own checkpoint: the share of a push it is.
 
 A destination is a function ``(workdir) -> context manager yielding push(checkpoint_dir, round_no) -> bytes``: the
 push is the guard's verified push into a fresh place at that destination (upload or copy, then verification
@@ -63,6 +66,9 @@ def make_checkpoint(root: Path, size_mb: int, files: int) -> Path:
     sizes.update({f"rng_state_{i}.pth": (mb - 4096) // rng_files for i in range(rng_files)})
     sizes["scheduler.pt"] = 1_064
     for name, size in sizes.items():
+        if name.endswith(".safetensors"):
+            _write_safetensors(folder / name, size)
+            continue
         with open(folder / name, "wb") as out:
             out.write(b"\0")  # a first byte of no known format (0x80 would be checked as a pickle, and refused)
             for offset in range(1, size, 16 * mb):
@@ -70,6 +76,43 @@ def make_checkpoint(root: Path, size_mb: int, files: int) -> Path:
     (folder / "config.json").write_text('{"model_type": "gpt2", "n_layer": 12}')
     (folder / "trainer_state.json").write_text('{"global_step": 100, "log_history": []}' + " " * 3000)
     return folder
+
+
+#: Clears the second-highest bit of an F32's top byte: the exponent is never all ones, the value always finite.
+_FINITE_TOP = bytes(value & 0xBF for value in range(256))
+
+
+def _write_safetensors(path: Path, size: int) -> None:
+    """A safetensors file of about ``size`` bytes: one ``F32`` tensor of random finite values."""
+    import json
+
+    count = (size - 8 - 128) // 4
+    header = json.dumps({"weight": {"dtype": "F32", "shape": [count], "data_offsets": [0, count * 4]}}).encode()
+    header += b" " * (-len(header) % 8)
+    with open(path, "wb") as out:
+        out.write(len(header).to_bytes(8, "little") + header)
+        chunk = 16 << 20
+        for offset in range(0, count * 4, chunk):
+            data = bytearray(os.urandom(min(chunk, count * 4 - offset)))
+            data[3::4] = data[3::4].translate(_FINITE_TOP)
+            out.write(data)
+
+
+def time_weights_check(workdir: Path, args: Any) -> list[tuple[float, int]]:
+    """(seconds, bytes read) of ``weights.check_files`` on a checkpoint's safetensors shards, ``args.rounds`` times
+    after one warm-up read."""
+    from guard.secure.weights import check_files
+
+    checkpoint = make_checkpoint(workdir / "src-weights", args.size_mb, args.files)
+    names = sorted(p.name for p in checkpoint.glob("*.safetensors"))
+    check_files(checkpoint, names)
+    runs = []
+    for _ in range(args.rounds):
+        start = time.perf_counter()
+        checked = check_files(checkpoint, names)
+        runs.append((time.perf_counter() - start, checked.size_bytes))
+        assert checked.bad is None and checked.files == 4
+    return runs
 
 
 @contextlib.contextmanager
@@ -188,6 +231,7 @@ def main() -> int:
     load_before = os.getloadavg()
     results: dict[str, list[tuple[float, int]]] = {}
     with tempfile.TemporaryDirectory(prefix="bench-dest-") as tmp:
+        checks = time_weights_check(Path(tmp), args)
         for name in names:
             results[name] = measure(name, Path(tmp), args)
     load_after = os.getloadavg()
@@ -197,6 +241,10 @@ def main() -> int:
           f"{args.rounds} rounds per destination after {args.warmup} warm-up; load average (1/5/15 min) "
           f"{'/'.join(f'{x:.1f}' for x in load_before)} before, {'/'.join(f'{x:.1f}' for x in load_after)} after, "
           f"{os.cpu_count()} cores")
+    check_s = statistics.median(t for t, _ in checks)
+    print(f"weights check alone (part of every push): {checks[0][1] / 1e6:.1f} MB of safetensors in {check_s:.3f}s "
+          f"median (min {min(t for t, _ in checks):.3f}, max {max(t for t, _ in checks):.3f}): "
+          f"{checks[0][1] / 1e6 / check_s:.0f} MB/s")
     print()
     print("| destination | verified push, median s | min s | max s | MB/s (median) |")
     print("|---|---:|---:|---:|---:|")

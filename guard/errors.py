@@ -142,3 +142,15 @@ class CheckpointRewrittenError(PushFailedError):
     """A checkpoint's file was written again (in place, or replaced) after the save it was reported for, before or
     while it was copied: it no longer holds that step, so it is never secured under it. The job's newer save is
     reported on its own and secured under its own step."""
+
+
+class WeightsNotFiniteError(PushFailedError):
+    """A checkpoint's saved weights hold a NaN or an infinity (read by the guard, ``guard.secure.weights``): never
+    secured (a push refuses it before any byte moves) and never resumed (a fetch refuses it before placing it).
+    ``file`` is the file (relative to the checkpoint), ``tensor`` the first such tensor in it."""
+
+    def __init__(self, message: str, *, file: str, tensor: str, destination: str | None = None,
+                 hint: str | None = None) -> None:
+        super().__init__(message, destination=destination, hint=hint)
+        self.file = file
+        self.tensor = tensor

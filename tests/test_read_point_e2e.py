@@ -67,3 +67,24 @@ def test_weights_gone_nan_under_a_finite_loss_are_never_pushed(tmp_path: Path) -
     pushed = sorted(dest.rglob("*.pt"))
     assert all(_all_finite(p) for p in pushed), [str(p) for p in pushed]
     assert not (out / "model.pt").exists(), "the job was stopped at the NaN save, before its final model"
+
+
+def test_safetensors_weights_gone_nan_are_read_by_the_guard_and_never_secured(tmp_path: Path) -> None:
+    """ModernBERT #233 with saves the agent does not see (``safetensors.torch.save_file``): the guard finds the
+    folders on disk and reads their weights itself before a push. Before, the run ended PASS with checkpoint-40
+    (NaN weights, finite loss 0.0) secured and the NaN final model published; now FAIL non_finite_loss naming the
+    file and tensor, step 20 secured, nothing non-finite at the destination."""
+    from safetensors.torch import load_file
+
+    out, dest = tmp_path / "out", tmp_path / "dest"
+    run = run_guard([*FAST, "--push-interval", "0s", "--push-to", str(dest), str(JOBS / "masked_mean_nan.py"),
+                     "--output-dir", str(out), "--steps", "40", "--save-every", "10", "--empty-at", "25",
+                     "--step-s", "0.4", "--format", "safetensors"], timeout_s=200)
+    fields = run.fields()
+    assert (fields["status"], fields["reason"], run.returncode) == ("FAIL", "non_finite_loss", 4), run.stderr[-3000:]
+    assert "model.safetensors: tensor" in run.stderr and "has a NaN or an infinity" in run.stderr, run.stderr[-2000:]
+    assert fields.get("secured") == "yes" and int(fields["secured_step"]) < 30, run.verdict
+    pushed = sorted(dest.rglob("*.safetensors"))
+    assert pushed, sorted(str(p) for p in dest.rglob("*"))
+    assert all(bool(torch.isfinite(t).all()) for p in pushed for t in load_file(str(p)).values()), pushed
+    assert not (dest / "model.safetensors").exists()  # the NaN final model is never published

@@ -469,7 +469,8 @@ def newest_complete(output_dir: str | os.PathLike[str], *, now_s: float, stable_
                     resumed: Collection[str] = (), world_size: int = 1,
                     waiting: Mapping[str, str] | None = None,
                     steps: Mapping[str, int] | None = None, parts: bool = False, run_id: str | None = None,
-                    refuse: Refusal | None = None, only_step: int | None = None) -> CheckpointInfo | None:
+                    refuse: Refusal | None = None, only_step: int | None = None,
+                    vet: Callable[[CheckpointInfo], str | None] | None = None) -> CheckpointInfo | None:
     """The newest complete checkpoint under ``output_dir`` (see the module docstring for what counts).
 
     Folders newer than the one returned that are skipped are logged with the reason (still being written, no state
@@ -512,6 +513,8 @@ def newest_complete(output_dir: str | os.PathLike[str], *, now_s: float, stable_
             skipped with it (resume: a tainted run's, ``suspects.tainted_by``).
         only_step: look at the folders of that step alone (many nodes: this node's part of the step node 0 put,
             ``guard.secure.follow``); no loose files then. Default None: every folder.
+        vet: the last word on a checkpoint that passed every other rule: a reason skips it for the next one
+            (resume: its saved weights are not finite, ``guard.secure.weights``); None (default): none.
 
     Returns:
         The :class:`CheckpointInfo`, or None when there is none (or ``output_dir`` does not exist).
@@ -565,14 +568,16 @@ def newest_complete(output_dir: str | os.PathLike[str], *, now_s: float, stable_
             alone = bool(lacking) or (parts and _check(path, now_s, 0.0, stat, reported=True,
                                                        world_size=world_size, parts=False)[1] is not None)
             info = dataclasses.replace(info, requires=tuple(sorted(required.items())), part=alone)
-            _log_admitted(info, stable_for_s)
-            return info
+            reason = vet(info) if vet is not None else None
+            if reason is None:
+                _log_admitted(info, stable_for_s)
+                return info
         if seen is None or (str(path), reason) not in seen:
             log.info("skipped checkpoint %s: %s", path, reason)
             if seen is not None:
                 seen.add((str(path), reason))
     return loose_files(base, now_s=now_s, stable_for_s=stable_for_s, stat=stat, since_s=since_s, resumed=kept,
-                       seen=seen, run_id=run_id, refuse=refuse) if loose else None
+                       seen=seen, run_id=run_id, refuse=refuse, vet=vet) if loose else None
 
 
 def _holds_sharded(path: Path) -> bool:
@@ -620,15 +625,16 @@ def _is_model_file(name: str) -> bool:
 def loose_files(output_dir: str | os.PathLike[str], *, now_s: float, stable_for_s: float = STABLE_FOR_S,
                 stat: StatFn = os.stat, since_s: float | None = None, resumed: Collection[str] = (),
                 seen: set[tuple[str, str]] | None = None, run_id: str | None = None,
-                refuse: Refusal | None = None) -> CheckpointInfo | None:
+                refuse: Refusal | None = None,
+                vet: Callable[[CheckpointInfo], str | None] | None = None) -> CheckpointInfo | None:
     """A stable set of model/optimizer files at the top of ``output_dir``, as one checkpoint (``root`` is the
     folder; ``files`` the set), or None. Files last written before ``since_s`` (an earlier run's, e.g. a leftover
     ``model_step_30.pt``) are left alone and logged, unless one of ``resumed``.
 
     Files named with a step (``model_step_200.pt``) are grouped by it; the group with the highest step wins over
     the files without one when it is as new; the files without a step form one set, step unknown. A set counts
-    only when none of its files changed within ``stable_for_s`` and two stat passes agree. ``run_id`` and
-    ``refuse``: as for ``newest_complete``.
+    only when none of its files changed within ``stable_for_s`` and two stat passes agree. ``run_id``, ``refuse``
+    and ``vet``: as for ``newest_complete``.
     """
     base = Path(output_dir)
     try:
@@ -694,6 +700,10 @@ def loose_files(output_dir: str | os.PathLike[str], *, now_s: float, stable_for_
         return None
     path = base / next(iter(chosen)) if len(chosen) == 1 else base
     info = _info(path, chosen, step, root=base, step_source="name", admitted_by="settled")
+    vetoed = vet(info) if vet is not None else None
+    if vetoed is not None:
+        log.info("left out %s in %s: %s", ", ".join(sorted(chosen)), base, vetoed)
+        return None
     _log_admitted(info, stable_for_s)
     return info
 

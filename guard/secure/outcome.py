@@ -12,7 +12,7 @@ import signal
 from dataclasses import dataclass, field
 from typing import Any
 
-from guard.contract import EXIT_PUSH_FAILED, EXIT_SECURED, EXIT_TIMEOUT_UNSECURED, signal_name
+from guard.contract import EXIT_NON_FINITE, EXIT_PUSH_FAILED, EXIT_SECURED, EXIT_TIMEOUT_UNSECURED, signal_name
 from guard.secure.checkpoints import CheckpointInfo
 from guard.secure.report import PlanReport, PushView
 
@@ -75,7 +75,8 @@ def checkpoint_fields(report: PlanReport, verdict: Verdict, *, step: int | None,
     Returns:
         :class:`Fields`: a ``PASS`` for a training that completed even after the deadline's request; exit 75 for a
         deadline or signal with a secured checkpoint; ``secured=`` never names a suspect save; a non-finite loss
-        heard after the outcome was decided is said in the hint.
+        heard after the outcome was decided is said in the hint; a ``PASS`` whose saved weights a push found not
+        finite (the loss stayed finite) is ``FAIL non_finite_loss`` (exit 4), its hint naming the file and tensor.
     """
     extra: dict[str, Any] = {}
     details: dict[str, Any] = {"pushes": [_view(p) for p in report.history]}
@@ -104,6 +105,19 @@ def checkpoint_fields(report: PlanReport, verdict: Verdict, *, step: int | None,
             details["finished_before_deadline"] = True
             if hint and "margin" in hint:
                 hint = None
+    trigger = report.trigger
+    refused = next((p for p in reversed(report.history) if p.not_finite), None)
+    if bad is not None and status == "PASS":
+        # the loss stayed finite but a push read non-finite saved weights (guard.secure.weights): a failure as at a
+        # non-finite loss, with what was secured before it
+        status, reason, code, trigger = "FAIL", "non_finite_loss", EXIT_NON_FINITE, "failure"
+        hint = f"the saved weights went non-finite while the loss stayed finite: {refused.error}" \
+            if refused is not None and refused.error else \
+            f"the saved weights went non-finite at step {bad} while the loss was finite"
+    elif report.failure_reason == "non_finite_loss" and status == "PASS" and refused is not None:
+        status, reason, code = "FAIL", "non_finite_loss", EXIT_NON_FINITE  # the final model's weights
+        hint = f"the saved weights went non-finite while the loss stayed finite: {refused.error}" \
+            if refused.error else None
 
     def done(hint_text: str | None) -> Fields:
         if bad is not None and reason != "non_finite_loss":
@@ -112,7 +126,7 @@ def checkpoint_fields(report: PlanReport, verdict: Verdict, *, step: int | None,
         return Fields(Verdict(status, reason, code, hint_text, sig), extra, details)
 
     final = report.final
-    if final is not None:
+    if final is not None and not (final.not_finite and reason == "non_finite_loss"):
         if final.ok:
             extra["pushed"] = final.pushed
             details["final_push"] = {"files": final.files, "size_bytes": final.size_bytes,
@@ -133,7 +147,6 @@ def checkpoint_fields(report: PlanReport, verdict: Verdict, *, step: int | None,
         extra["secured"] = "no"
         return done("the job finished, but no time was left to push its final model (it is still in the output "
                     "folder): push it again")
-    trigger = report.trigger
     if trigger == "ended":  # ended well without final model files: its newest checkpoint was secured
         if secured is None and newest is not None and status == "PASS":
             failed = next((p for p in reversed(report.history) if not p.running), None)

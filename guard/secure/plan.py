@@ -32,7 +32,8 @@ wait for its save and every push's deadline derive from it.
 that the window's read will show. While losses are being read (a ``ReadThrough`` came), a save of a step past the
 last one read finite is held, neither pushed nor secured, until its step is read (then it is taken as any save),
 a taint makes it suspect, or no more losses can come (the job's exit, a failure). A save whose tensors the agent saw
-non-finite (``CheckpointSeen.finite`` False) taints every save from its step on.
+non-finite (``CheckpointSeen.finite`` False) taints every save from its step on; so does a push that read a NaN or an
+infinity in the save's weights itself (``report.NOT_FINITE``: ``guard.secure.weights``, before any byte moved).
 
 **A push that cannot finish is not started.** Once a push was measured, a push whose estimate
 (``budget.MarginEstimator.secure_estimate_s``) exceeds the time left before its own deadline is not started
@@ -96,7 +97,7 @@ from guard.secure.events import (
     Tick,
     TrainingStarted,
 )
-from guard.secure.report import REWRITTEN, EndedHandle, PlanReport, PriorPush, PushRecord, PushView, State
+from guard.secure.report import NOT_FINITE, REWRITTEN, EndedHandle, PlanReport, PriorPush, PushRecord, PushView, State
 
 __all__ = ["LATE_REQUEST_S", "SAFETY_S", "STOP_BEFORE_S", "TRANSITIONS", "Action", "Plan", "PlanReport",
            "PriorPush", "PushView", "State", "bound_s"]
@@ -905,14 +906,41 @@ class Plan:
             pass  # its worker died after the record moved: secured all the same
         else:
             rewritten = getattr(result, "error_type", None) == REWRITTEN and self._bad_from_step is None
+            # the push read the save's weights and found a NaN or an infinity: a witness, as the agent's
+            not_finite = getattr(result, "error_type", None) == NOT_FINITE and record.kind != "final" \
+                and record.info is not None
             if rewritten:  # the job saved over it again: not the destination's failure; its newer save follows
                 log.info("%s: its newer save is secured instead", result.error)
             else:
                 log.error("%s", result.error)
             if not getattr(result, "killed", False):
                 self._estimator.discard_push_progress()  # an error is not a rate measurement
-            if record.kind != "background" and not rewritten:
+            if record.kind != "background" and not rewritten and not not_finite:
                 self._error = record
+            if record.kind == "final" and getattr(result, "error_type", None) == NOT_FINITE:
+                return self._final_not_finite(now)
+            if not_finite and record.info is not None:
+                tainted = self._checkpoint(CheckpointSeen(record.info, finite=False), now, hold=False)
+                if any(isinstance(action, StartPush) for action in tainted):
+                    return tainted  # the taint already started the newest good one's push
+                return tainted + self._after_push(record, result, now)
+        return self._after_push(record, result, now)
+
+    def _final_not_finite(self, now: float) -> list[Action]:
+        """The final model's weights are not finite (the push read them): the run failed as at a non-finite loss;
+        its newest good checkpoint is secured instead, when one is not yet."""
+        log.warning("the job's final model is not finite: securing its newest good checkpoint instead")
+        self._trigger, self._failure_reason, self._complete = "failure", "non_finite_loss", False
+        self._final_pending = False
+        self._window_end = min(self._window_end, now + self._final_allowance_s())
+        self._state = State.SECURING
+        actions = self._secure_newest(now)
+        if not any(isinstance(action, StartPush) for action in actions):
+            self._state = State.DONE
+        return actions
+
+    def _after_push(self, record: PushRecord, result: Any, now: float) -> list[Action]:
+        """What follows a push's end in each state (a final push pending, a newer checkpoint, a queued one)."""
         if self._state is State.FINAL_PUSH:
             if self._final_pending and now < self.secure_by:
                 return self._start_final(now)

@@ -27,6 +27,10 @@ class State(enum.Enum):
 #: ``WorkResult.error_type`` of a push refused because the job wrote the checkpoint again after that save
 #: (``guard.errors.CheckpointRewrittenError``, by name: nothing here imports the error classes)
 REWRITTEN = "CheckpointRewrittenError"
+#: ``WorkResult.error_type`` of a push refused because the save's weights hold a NaN or an infinity
+#: (``guard.errors.WeightsNotFiniteError``, read by ``guard.secure.weights``): a witness of the run's first
+#: non-finite step, as the agent's
+NOT_FINITE = "WeightsNotFiniteError"
 
 
 @dataclass(frozen=True)
@@ -90,6 +94,7 @@ class PushRecord:
             error=getattr(result, "error", None) if result is not None else None,
             hint=getattr(result, "hint", None) if result is not None else None,
             rewritten=bool(result is not None and getattr(result, "error_type", None) == REWRITTEN),
+            not_finite=bool(result is not None and getattr(result, "error_type", None) == NOT_FINITE),
             missing=getattr(result, "missing", None) if result is not None else None)
 
 
@@ -98,7 +103,8 @@ class PushView:
     """One push as the report shows it: what (``kind``, ``path``, ``step``) and how it ended (``running`` while it
     runs; ``ok``, ``killed``, ``pushed`` = ``DEST@REVISION``, ``destination``, ``files`` count, ``size_bytes``,
     ``elapsed_s``, ``attempts``, ``error``, ``hint``; ``rewritten``: refused because the job wrote the checkpoint
-    again after that save, see ``REWRITTEN``; ``missing``: a many-node checkpoint whose other parts never came)."""
+    again after that save, see ``REWRITTEN``; ``not_finite``: refused because the weights it holds are not finite,
+    see ``NOT_FINITE``; ``missing``: a many-node checkpoint whose other parts never came)."""
 
     kind: str
     path: str | None
@@ -116,6 +122,7 @@ class PushView:
     error: str | None
     hint: str | None
     rewritten: bool = False
+    not_finite: bool = False
     missing: str | None = None  # a many-node checkpoint not whole at the destination: what is missing (``node1``)
 
 

@@ -7,6 +7,11 @@
   whose taint is recorded beside the folder (``guard.secure.suspects``), at or after that run's first non-finite
   step, never counts, marker or not (``checkpoint-108`` saved one step after the NaN of step 107 while still
   "being written" had none); nor does a save a marker still names.
+- Saved weights are read (``guard.secure.weights``: every safetensors file, for a NaN or an infinity) before a
+  checkpoint is resumed from: a local one that holds one is skipped for the next newest (logged with its file and
+  tensor), and a fetched one is refused before it is placed (``WeightsNotFiniteError``), the output folder's own
+  older checkpoint (or a fresh start) taken instead; a checkpoint secured before the guard read weights, or by an
+  older run, is never resumed so.
 - A partial ``checkpoint-N`` folder newer than the chosen one, which a Trainer would pick up itself
   (``get_last_checkpoint`` takes the highest N), is moved aside as ``checkpoint-N.partial-guard`` and named in the
   log; so is a partial accelerate ``checkpoint_N``/``step_N`` folder (``load_state()`` with automatic naming takes
@@ -34,7 +39,8 @@ from typing import Any
 
 from guard.core.helpers import call_until
 from guard.errors import HubError
-from guard.secure import checkpoints, suspects
+from guard.secure import checkpoints, suspects, weights
+from guard.secure.report import NOT_FINITE
 
 __all__ = ["FALLBACK_FOLDER", "PARTIAL_SUFFIX", "FetchTimedOut", "Interrupted", "ResumeFrom", "choose",
            "move_aside_partials"]
@@ -160,6 +166,10 @@ def _save_counts(local: checkpoints.CheckpointInfo | None, record: dict[str, Any
     return (int(mine[1]), int(theirs[1])) if mine is not None and theirs is not None else None
 
 
+class _NotFinite(HubError):
+    """The fetched checkpoint's weights are not finite (the worker's ``WeightsNotFiniteError``): nothing placed."""
+
+
 class FetchTimedOut(HubError):
     """The peek or the fetch did not finish by its deadline (the worker was killed), or the output folder did not
     answer by then: nothing was damaged."""
@@ -179,6 +189,10 @@ def _on_disk(work: Callable[[], Any], what: str, folder: Path, deadline: float, 
                             destination=str(securer.destination),
                             hint=f"check the mount of {folder} (a job would hang on it too); --resume if-valid "
                                  "starts fresh when the checkpoint cannot be read")
+    if isinstance(pending.error, weights.CheckTimedOut):
+        raise FetchTimedOut(f"reading the saved weights of {pending.error.path} did not end within "
+                            f"{deadline - started:.0f}s: stopped", destination=str(securer.destination),
+                            hint="--resume if-valid starts fresh when the checkpoint cannot be read in time")
     if pending.error is not None:
         raise pending.error
     return pending.result()
@@ -197,6 +211,9 @@ def _bounded(run: Callable[..., Any], op: str, args: dict[str, Any], deadline: f
                             "(its bound: half of the time left): stopped", destination=str(securer.destination),
                             hint="check the destination's download speed (a hung transfer, Xet included, is "
                                  "stopped at this bound); --resume if-valid starts fresh when it cannot be fetched")
+    if not result.ok and result.error_type == NOT_FINITE:
+        raise _NotFinite(result.error or "the secured checkpoint's weights are not finite",
+                         destination=str(securer.destination), hint=result.hint)
     if not result.ok:
         raise HubError(result.error or f"{op} failed", destination=str(securer.destination),
                        hint=result.hint or "check the destination; --resume if-valid starts fresh instead")
@@ -232,8 +249,8 @@ def choose(folder: str | os.PathLike[str], securer: Any, *, deadline: float, abo
     if os.fspath(folder) == FALLBACK_FOLDER and record is not None and record.get("output_dir"):
         base = Path(str(record["output_dir"]))
         log.info("output folder: %s (where the secured checkpoint came from, as its record says)", base)
-    local = _on_disk(lambda: _local_candidate(base, record), "looking for a complete checkpoint", base, deadline,
-                     abort, securer)
+    local = _on_disk(lambda: _local_candidate(base, record, deadline), "looking for a complete checkpoint", base,
+                     deadline, abort, securer)
     chosen: ResumeFrom | None = None
     counted = local.save_counts if local is not None else None
     if counted is not None and counted[0] > counted[1] and local is not None and local.accelerate_saved:
@@ -254,8 +271,16 @@ def choose(folder: str | os.PathLike[str], securer: Any, *, deadline: float, abo
             log.info("the output folder's %s (%s) is older than the secured step %s (or not comparable): "
                      "fetching the secured one", local.info.path,
                      "step not known" if local.info.step is None else f"step {local.info.step}", record.get("step"))
-        data = _bounded(run, "fetch_last_checkpoint", {"into_dir": str(base), "revision": record["revision"]},
-                        deadline, abort, securer)
+        try:
+            data = _bounded(run, "fetch_last_checkpoint", {"into_dir": str(base), "revision": record["revision"]},
+                            deadline, abort, securer)
+        except _NotFinite as exc:
+            data = None
+            log.error("%s", exc.message)
+            older = local.info if local is not None else None
+            if older is not None:
+                log.warning("resuming from the output folder's own %s (step %s) instead", older.path, older.step)
+                chosen = ResumeFrom(older.path, older.step, "local", older.size_bytes, "output folder")
         if data is not None:
             chosen = ResumeFrom(Path(data["path"]), data["step"], data["revision"], int(data["size_bytes"]),
                                 "destination")
@@ -278,9 +303,23 @@ class _Local:
     save_counts: tuple[int, int] | None
 
 
-def _local_candidate(base: Path, record: dict[str, Any] | None) -> _Local | None:
-    """The output folder's newest complete checkpoint (the folder is created when missing). File system calls:
-    run through ``_on_disk``."""
+def _weights_refused(info: checkpoints.CheckpointInfo, deadline: float) -> str | None:
+    """Why ``info`` is not resumed from by its saved weights (a NaN or an infinity, named), or None. Raises
+    ``weights.CheckTimedOut`` past ``deadline``."""
+    try:
+        bad = weights.check_files(info.folder, info.files, deadline=deadline).bad
+    except OSError as exc:
+        return f"its weights cannot be read ({exc})"
+    if bad is None:
+        return None
+    log.error("the output folder's %s holds weights that are not finite (%s has a NaN or an infinity): not resumed "
+              "from", info.path, bad.describe())
+    return f"its weights are not finite ({bad.describe()})"
+
+
+def _local_candidate(base: Path, record: dict[str, Any] | None, deadline: float) -> _Local | None:
+    """The output folder's newest complete checkpoint whose saved weights are finite (the folder is created when
+    missing). File system calls: run through ``_on_disk``."""
     base.mkdir(parents=True, exist_ok=True)
     place = record.get("place") if record is not None else None
     if isinstance(place, str) and (secured_n := _SAVE_COUNT_RE.fullmatch(place)) is not None:
@@ -291,7 +330,8 @@ def _local_candidate(base: Path, record: dict[str, Any] | None) -> _Local | None
     # first non-finite step are refused, wherever they lie and whether or not their marker was written
     taints = suspects.close_taints(base, run_id=None, at_s=time.time())
     refuse = suspects.tainted_by(taints) if taints else None
-    local = checkpoints.newest_complete(base, now_s=time.time(), stable_for_s=0.0, refuse=refuse)
+    local = checkpoints.newest_complete(base, now_s=time.time(), stable_for_s=0.0, refuse=refuse,
+                                        vet=lambda info: _weights_refused(info, deadline))
     if local is None:
         return None
     return _Local(local, _accelerate_saved(local.path), _save_counts(local, record, base))

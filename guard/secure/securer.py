@@ -5,7 +5,8 @@ a destination does for that (a folder's swap, the Hub's two commits, S3's condit
 (``guard.secure.dest``: ``open_store``); this module holds what every destination shares:
 
 - the checks on the local files: not marked suspect, not rewritten since the save (``saved_by_s``), whole by format
-  (a torn file is refused before anything moves);
+  (a torn file is refused before anything moves), finite weights (``guard.secure.weights``: a safetensors file
+  holding a NaN or an infinity is refused before anything moves, its file and tensor named);
 - retries of one attempt (put, then record) with backoff, bounded by the deadline: a store's
   ``TransientDestinationError``, network errors and 408/429/5xx (``guard.secure.hubhttp.classify``), one retry of a
   verification mismatch, the Hub's ``Retry-After`` never cut short;
@@ -44,7 +45,7 @@ from guard.secure.dest.base import (
     Store,
     pushed_text,
 )
-from guard.secure.dest.local import final_model_files, list_files, placement, refuse_torn
+from guard.secure.dest.local import final_model_files, list_files, placement, refuse_not_finite, refuse_torn
 from guard.secure.hubhttp import PROGRESS, bounded, cause_hint, classify, failure_cause, fatal_hint, retry_after_s
 from guard.secure.meeting import await_whole, newest_part, parts_store
 
@@ -70,11 +71,13 @@ class PushResult:
         revision: the Hub commit id (40 hex), the folder written (absolute path), or the S3 record's ETag.
         files: paths of the files secured, relative to the checkpoint (or output) folder, sorted.
         size_bytes: their total size.
-        elapsed_s: seconds the push took, upload and verification, all attempts (injected clock).
+        elapsed_s: seconds the push took, the weights check, upload and verification, all attempts (injected
+            clock).
         attempts: attempts made (1 when the first one succeeded).
         step: the checkpoint's training step; None for the final model.
-        attempt_s: seconds of the attempt that succeeded alone (no failed attempt, no backoff or Retry-After wait):
-            what a throughput estimate may learn from; None when unknown.
+        attempt_s: seconds of the attempt that succeeded alone (no failed attempt, no backoff or Retry-After wait)
+            plus the weights check's (``guard.secure.weights``: it reads the same bytes once more): what a
+            throughput estimate may learn from; None when unknown.
     """
 
     destination: str
@@ -207,6 +210,8 @@ class Securer:
             PushFailedError: no files, a file marked suspect, a torn file, no time left, a non-retryable error
                 (auth, permission, a local read error), or the retries ran out of time; its message lists every
                 attempt. ``CheckpointRewrittenError`` (a subclass): a file was written again after ``saved_by_s``.
+                ``WeightsNotFiniteError`` (a subclass): a safetensors file holds a NaN or an infinity
+                (``guard.secure.weights``, read before any byte moves; its file and tensor named).
         """
         folder = Path(local_dir)
         nodes, node_rank = (self.nodes, self.node_rank) if part and self.nodes > 1 else (1, 0)
@@ -234,6 +239,9 @@ class Securer:
             refuse_torn(what, folder, files, "local", str(self.destination), parts=nodes > 1)
 
         still_that_save()
+        # the weights read before any byte moves (a NaN save never reaches the destination, staging included)
+        read_s = refuse_not_finite(what, folder, files, str(self.destination), deadline=deadline, clock=self._clock,
+                                   log=self._log)
         where = placement(Path(source) if source else folder)
 
         def recorded(record: Record) -> None:
@@ -249,7 +257,7 @@ class Securer:
             parts = [put] if nodes == 1 else self._await_whole(store, step, deadline)
             return _revision(store.write_record(parts, deadline=deadline, recorded=recorded))
 
-        return self._push(what, folder, files, step, attempt, deadline)
+        return self._push(what, folder, files, step, attempt, deadline, read_s=read_s)
 
     def push_final(self, output_dir: str | os.PathLike[str], *, files: Collection[str] | None = None,
                    deadline: float) -> PushResult:
@@ -267,8 +275,11 @@ class Securer:
                                   destination=str(self.destination),
                                   hint="the job wrote no final model to its output folder; check --output-dir")
         refuse_torn("the final model", folder, names, "local", str(self.destination))
+        read_s = refuse_not_finite("the final model", folder, names, str(self.destination), deadline=deadline,
+                                   clock=self._clock, log=self._log)
         return self._push("the final model", folder, names, None,
-                          lambda: _revision(self.store.put_final(folder, names, deadline=deadline)), deadline)
+                          lambda: _revision(self.store.put_final(folder, names, deadline=deadline)), deadline,
+                          read_s=read_s)
 
     def _await_whole(self, store: Store, step: int, deadline: float) -> list[PartManifest]:
         """Many nodes: this node's part of ``step`` is in; wait for every node's (``guard.secure.meeting``)."""
@@ -364,7 +375,7 @@ class Securer:
     # -- retries ----------------------------------------------------------------------------------------------
 
     def _push(self, what: str, folder: Path, files: list[str], step: int | None, attempt: Callable[[], str],
-              deadline: float) -> PushResult:
+              deadline: float, *, read_s: float = 0.0) -> PushResult:
         start = self._clock()
         size = sum((folder / rel).stat().st_size for rel in files)  # before: the job may rotate the folder out later
         self._log.info("securing %s (%d files, %.1f MB) at %s", what, len(files), size / 1e6, self.destination)
@@ -375,8 +386,10 @@ class Securer:
             revision, attempts = self._with_retries(f"securing {what}", attempt, deadline, push=True)
         finally:
             PROGRESS.pop()
-        result = PushResult(str(self.destination), revision, tuple(files), size, self._clock() - start, attempts, step,
-                            attempt_s=self.last_attempt_s)
+        # the weights check reads the same bytes once more: its seconds count in the throughput the margin learns
+        attempt_s = self.last_attempt_s + read_s if self.last_attempt_s is not None else None
+        result = PushResult(str(self.destination), revision, tuple(files), size, self._clock() - start + read_s,
+                            attempts, step, attempt_s=attempt_s)
         self._log.info("secured %s at %s in %.1fs (%.1f MB/s)", what, result.pushed, result.elapsed_s,
                        result.bytes_per_s / 1e6)
         return result

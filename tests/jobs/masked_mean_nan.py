@@ -2,7 +2,9 @@
 keeps the loss finite (0.0) on a batch with nothing to predict, but its backward is 0 * (0/0) = NaN: the gradients
 and then the weights go NaN, and with each error passed through ``nan_to_num`` every later loss is 0.0, finite.
 Saves OUT/checkpoint-N/model.pt with torch.save every --save-every steps; the batch of step --empty-at has no
-labelled token; OUT/model.pt at the end."""
+labelled token; OUT/model.pt at the end. ``--format safetensors``: OUT/checkpoint-N/model.safetensors and
+OUT/model.safetensors written with ``safetensors.torch.save_file`` instead (a save the agent does not see: the guard
+finds the folders on disk and reads their weights itself)."""
 
 import argparse
 import os
@@ -10,6 +12,7 @@ import time
 
 import torch
 from plain_sgd import PlainSGD
+from safetensors.torch import save_file
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--output-dir", required=True)
@@ -17,6 +20,7 @@ parser.add_argument("--steps", type=int, default=40)
 parser.add_argument("--save-every", type=int, default=10)
 parser.add_argument("--empty-at", type=int, default=25)
 parser.add_argument("--step-s", type=float, default=0.05)
+parser.add_argument("--format", choices=("torch", "safetensors"), default="torch")
 args = parser.parse_args()
 
 torch.manual_seed(0)
@@ -35,7 +39,13 @@ for step in range(1, args.steps + 1):
     if step % args.save_every == 0:
         folder = os.path.join(args.output_dir, f"checkpoint-{step}")
         os.makedirs(folder, exist_ok=True)
-        torch.save({"model": model.state_dict(), "step": step}, os.path.join(folder, "model.pt"))
+        if args.format == "safetensors":
+            save_file(model.state_dict(), os.path.join(folder, "model.safetensors"))
+        else:
+            torch.save({"model": model.state_dict(), "step": step}, os.path.join(folder, "model.pt"))
     time.sleep(args.step_s)
-torch.save(model.state_dict(), os.path.join(args.output_dir, "model.pt"))
+if args.format == "safetensors":
+    save_file(model.state_dict(), os.path.join(args.output_dir, "model.safetensors"))
+else:
+    torch.save(model.state_dict(), os.path.join(args.output_dir, "model.pt"))
 print("done", flush=True)

@@ -20,13 +20,13 @@ from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
-from guard.errors import HubError, PushFailedError
+from guard.errors import HubError, PushFailedError, WeightsNotFiniteError
 from guard.secure.dest.base import CHECKPOINT_FOLDER, MANIFEST_NAME, FetchedCheckpoint
 from guard.secure.layout import CHECKPOINT_FOLDER_RE
 
 __all__ = ["copy_and_hash", "final_model_files", "fsync_dir", "hash_file", "holds_final_model", "list_files",
-           "place_fetched", "placed", "placement", "read_manifest", "refuse_torn", "same_bytes", "signatures",
-           "staging_dir", "step_from_trainer_state"]
+           "place_fetched", "placed", "placement", "read_manifest", "refuse_not_finite", "refuse_torn", "same_bytes",
+           "signatures", "staging_dir", "step_from_trainer_state"]
 
 #: Checkpoint folder names of the layouts the guard knows (their parent is the output folder).
 _CHECKPOINT_LIKE = re.compile(r"(?:tmp-)?(?:checkpoint-|checkpoint_|step_|global_step)[0-9]+")
@@ -73,6 +73,48 @@ def refuse_torn(what: str, folder: Path, files: list[str], where: str, destinati
                               "is left as it was", destination=destination,
                               hint="the job was still writing the checkpoint (or cut it short): let its save finish "
                                    "(a longer --grace), or save to a temporary name and rename it into place")
+
+
+def refuse_not_finite(what: str, folder: Path, files: list[str], destination: str, *, fetched: bool = False,
+                      deadline: float | None = None, clock: Callable[[], float] = time.monotonic,
+                      log: logging.Logger | None = None) -> float:
+    """Read the weights of ``files`` under ``folder`` (``guard.secure.weights.check_files``: the safetensors files)
+    and raise ``WeightsNotFiniteError`` naming the file and tensor when one holds a NaN or an infinity; ``fetched``:
+    the files were fetched for a resume (the message says "not resumed"), else they are about to be pushed. Returns
+    the seconds the check took.
+
+    Raises:
+        WeightsNotFiniteError: a tensor is not finite.
+        PushFailedError: the check did not end by ``deadline`` (``clock`` seconds), or a file cannot be read.
+    """
+    from guard.secure.weights import CheckTimedOut, check_files
+
+    try:
+        checked = check_files(folder, files, deadline=deadline, clock=clock)
+    except CheckTimedOut as exc:
+        raise PushFailedError(f"cannot secure {what}: {exc} (the push's deadline)", destination=destination,
+                              hint="a larger --margin leaves time to read the weights before they are secured") \
+            from exc
+    except OSError as exc:
+        raise PushFailedError(f"cannot read the weights of {what}: {exc}", destination=destination,
+                              hint="check the files' permissions and the disk") from exc
+    if checked.files and log is not None:
+        log.debug("weights of %s finite: %d safetensors file(s), %.1f MB read in %.2fs", what, checked.files,
+                  checked.size_bytes / 1e6, checked.elapsed_s)
+    bad = checked.bad
+    if bad is None:
+        return checked.elapsed_s
+    if fetched:
+        raise WeightsNotFiniteError(
+            f"{what} at {destination} holds weights that are not finite ({bad.describe()} has a NaN or an "
+            "infinity): not resumed", file=bad.file, tensor=bad.tensor, destination=destination,
+            hint="it was secured before the guard read saved weights; the next good save replaces it (or remove "
+                 "it from the destination)")
+    raise WeightsNotFiniteError(
+        f"cannot secure {what}: its weights are not finite ({folder / bad.file}: tensor {bad.tensor} ({bad.dtype}) "
+        "has a NaN or an infinity): never pushed", file=bad.file, tensor=bad.tensor, destination=destination,
+        hint="the weights went non-finite while the loss was finite (a NaN-safe loss, a gradient that overflowed): "
+             "the newest good checkpoint saved before it is secured instead")
 
 
 def _default_dir_mode() -> int:
@@ -226,6 +268,7 @@ def place_fetched(fetched: Path, into: Path, step: int | None, revision: str, fi
 
     Raises:
         HubError: ``step`` is None (the checkpoint does not say its step).
+        WeightsNotFiniteError: a fetched safetensors file holds a NaN or an infinity (nothing is placed).
         OSError: a rename or a read failed.
     """
     if step is None:
@@ -233,6 +276,7 @@ def place_fetched(fetched: Path, into: Path, step: int | None, revision: str, fi
                        hint="it has no trainer_state.json and was not pushed by the guard")
     if place is not None and place != "." and not _CHECKPOINT_LIKE.fullmatch(place):
         place = None  # a place the guard never records (``placement``): never a path out of ``into``
+    refuse_not_finite(f"{CHECKPOINT_FOLDER} (step {step})", fetched, files, destination, fetched=True, log=log)
     stamp = f"replaced-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
     names = tuple(sorted(files))
     if place == ".":

@@ -1,0 +1,230 @@
+"""The saved weights read by the guard itself: a save holding a NaN or an infinity is never secured, never resumed.
+
+The agent checks the tensors the job saves where it sees them (``torch.save``), on their device. This module reads
+what lies on disk, in the guard's own processes (the push worker, the resume's look at the output folder), for the
+files whose format it reads without a framework:
+
+- **safetensors** (the format's spec, ``huggingface/safetensors`` README): an 8-byte little-endian header length,
+  a JSON header naming every tensor's ``dtype``, ``shape`` and ``data_offsets`` (begin, end, relative to the end of
+  the header), then the raw little-endian data. The floating dtypes are checked: ``F64``, ``F32``, ``F16``,
+  ``BF16``, ``F8_E5M2`` and ``F8_E4M3``; integer and boolean tensors hold no NaN.
+- **torch.save zip** and every other pickle are not read here: their tensors' dtypes lie in a pickle, and reading
+  them without torch means running a pickle of the job's (``weights_only`` in torch itself); the agent's
+  ``torch.save`` witness checks those tensors in the job, before the file is reported.
+
+How a value is told non-finite without numpy (which the guard does not depend on): an IEEE value is NaN or
+infinite exactly when its exponent bits are all ones. The byte holding the sign and the top exponent bits is
+taken for every element at once (``bytes[k::width]``, in C) and the bytes that could be such a value are kept
+(``bytes.translate`` with the other 250-odd values deleted): for ``F16`` and the 8-bit floats that byte holds the
+whole exponent, so the test is exact; for ``F32``, ``BF16`` and ``F64`` it holds all but the lowest exponent
+bit(s), so only a value of magnitude at least 2**127 (2**1023 for ``F64``) passes, and such a chunk is tested
+exactly: the chunk as one integer, each element's exponent masked and one added below it, a carry into the sign
+bit of any element is a non-finite value (no carry crosses elements). About 1.3 GB/s from the page cache on one
+core of the project's test machine (``benchmarks/bench_destinations.py``); a non-finite chunk costs one integer
+pass more.
+
+The reading is bounded: ``deadline`` (monotonic seconds) is looked at between chunks of ``CHUNK_BYTES``;
+past it, ``CheckTimedOut`` is raised. It never runs on the guard's loop (its callers are the push worker and the
+resume's file system thread).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import struct
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+__all__ = ["CHECKED_DTYPES", "CHUNK_BYTES", "CheckTimedOut", "NonFinite", "WeightsCheck", "check_files",
+           "first_non_finite"]
+
+#: Bytes read at a time (a multiple of every element width).
+CHUNK_BYTES = 16 << 20
+_MAX_HEADER_BYTES = 100_000_000  # the spec's limit on the header length
+
+
+@dataclasses.dataclass(frozen=True)
+class _Dtype:
+    """How a floating dtype is tested: element ``width`` in bytes, ``top`` the byte index (little-endian) holding
+    the sign and the top exponent bits, ``suspect`` those of its 256 values that may be a non-finite element,
+    ``exact`` whether that byte alone tells (its whole exponent is in it), and ``exponent`` the exponent's bits in
+    the element."""
+
+    width: int
+    top: int
+    suspect: bytes
+    exact: bool
+    exponent: int
+
+    @property
+    def others(self) -> bytes:
+        """The top-byte values that cannot be a non-finite element (deleted by ``translate``)."""
+        return bytes(sorted(set(range(256)) - set(self.suspect)))
+
+
+def _top_bytes(mask: int) -> bytes:
+    return bytes(value for value in range(256) if value & mask == mask)
+
+
+#: The safetensors dtypes that can hold a NaN or an infinity, and how each is tested. ``F8_E4M3`` (``float8_e4m3fn``)
+#: has no infinity: its NaN is S.1111.111 (the top byte is the element).
+CHECKED_DTYPES: dict[str, _Dtype] = {
+    "F64": _Dtype(8, 7, _top_bytes(0x7F), False, 0x7FF0_0000_0000_0000),
+    "F32": _Dtype(4, 3, _top_bytes(0x7F), False, 0x7F80_0000),
+    "BF16": _Dtype(2, 1, _top_bytes(0x7F), False, 0x7F80),
+    "F16": _Dtype(2, 1, _top_bytes(0x7C), True, 0x7C00),
+    "F8_E5M2": _Dtype(1, 0, _top_bytes(0x7C), True, 0x7C),
+    "F8_E4M3": _Dtype(1, 0, _top_bytes(0x7F), True, 0x7F),
+}
+_OTHERS = {name: kind.others for name, kind in CHECKED_DTYPES.items()}
+
+
+class CheckTimedOut(Exception):
+    """The check did not end by its deadline (``path``: the file it was reading)."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(f"the weights check of {path} did not end before its deadline")
+        self.path = path
+
+
+@dataclasses.dataclass(frozen=True)
+class NonFinite:
+    """The first non-finite tensor found: ``file`` (relative to the checkpoint folder), ``tensor`` (its name in
+    the file), ``dtype`` (the safetensors dtype)."""
+
+    file: str
+    tensor: str
+    dtype: str
+
+    def describe(self) -> str:
+        """``"model.safetensors: tensor lm_head.weight (F32)"``."""
+        return f"{self.file}: tensor {self.tensor} ({self.dtype})"
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightsCheck:
+    """What ``check_files`` read: ``bad`` (the first non-finite tensor, None when all were finite), ``files`` (the
+    safetensors files read), ``size_bytes`` (their tensor data), ``elapsed_s`` (seconds)."""
+
+    bad: NonFinite | None
+    files: int
+    size_bytes: int
+    elapsed_s: float
+
+
+def _exactly_non_finite(chunk: bytes | bytearray, kind: _Dtype) -> bool:
+    """Whether an element of ``chunk`` (whole elements) has every exponent bit set: each element's exponent masked,
+    plus one below it, carries into its sign bit exactly then; no sum crosses into the next element."""
+    lanes = len(chunk) // kind.width
+    if lanes == 0:
+        return False
+    low = kind.exponent & -kind.exponent  # the exponent's lowest bit
+    sign = 1 << (8 * kind.width - 1)
+
+    def spread(value: int) -> int:
+        return int.from_bytes(value.to_bytes(kind.width, "little") * lanes, "little")
+
+    value = int.from_bytes(chunk[:lanes * kind.width], "little")
+    return bool(((value & spread(kind.exponent)) + spread(low)) & spread(sign))
+
+
+def _chunk_non_finite(chunk: bytes | bytearray, kind: _Dtype, others: bytes) -> bool:
+    if not chunk[kind.top::kind.width].translate(None, others):
+        return False  # no element's top byte could be one (the common case: one C pass)
+    return kind.exact or _exactly_non_finite(chunk, kind)
+
+
+def _tensors(header: dict[str, object]) -> list[tuple[int, int, str, str]]:
+    """``(begin, end, name, dtype)`` of every tensor of a checked dtype, in file order."""
+    found = []
+    for name, entry in header.items():
+        if name == "__metadata__" or not isinstance(entry, dict):
+            continue
+        dtype, offsets = entry.get("dtype"), entry.get("data_offsets")
+        if dtype in CHECKED_DTYPES and isinstance(offsets, list) and len(offsets) == 2 \
+                and all(isinstance(o, int) for o in offsets) and 0 <= offsets[0] <= offsets[1]:
+            found.append((offsets[0], offsets[1], name, str(dtype)))
+    return sorted(found)
+
+
+def first_non_finite(path: str | os.PathLike[str], *, deadline: float | None = None,
+                     clock: Callable[[], float] = time.monotonic) -> tuple[str, str] | None:
+    """The first tensor (in file order) of the safetensors file at ``path`` holding a NaN or an infinity, as
+    ``(name, dtype)``, or None when every checked tensor is finite or the file is not a readable safetensors file
+    (its structure is ``guard.secure.formats``' to judge).
+
+    Args:
+        path: the file.
+        deadline: ``clock()`` value after which the reading stops (looked at between chunks); None: no bound.
+        clock: monotonic seconds.
+
+    Raises:
+        CheckTimedOut: ``deadline`` passed before the check ended.
+        OSError: the file cannot be read.
+    """
+    where = os.fspath(path)
+    with open(where, "rb", buffering=0) as file:
+        head = file.read(8)
+        if len(head) < 8:
+            return None
+        (header_len,) = struct.unpack("<Q", head)
+        if header_len > _MAX_HEADER_BYTES:
+            return None
+        try:
+            header = json.loads(file.read(header_len))
+        except ValueError:
+            return None
+        if not isinstance(header, dict):
+            return None
+        start = 8 + header_len
+        buffer = bytearray(CHUNK_BYTES)
+        view = memoryview(buffer)
+        for begin, end, name, dtype in _tensors(header):
+            kind, others = CHECKED_DTYPES[dtype], _OTHERS[dtype]
+            file.seek(start + begin)
+            left = end - begin
+            while left > 0:
+                if deadline is not None and clock() > deadline:
+                    raise CheckTimedOut(where)
+                got = file.readinto(view[:min(left, CHUNK_BYTES)])
+                if not got:
+                    return None  # cut short: formats' to say
+                left -= got
+                if _chunk_non_finite(buffer[:got] if got < CHUNK_BYTES else buffer, kind, others):
+                    return name, dtype
+    return None
+
+
+def _data_bytes(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def check_files(folder: str | os.PathLike[str], files: Iterable[str], *, deadline: float | None = None,
+                clock: Callable[[], float] = time.monotonic) -> WeightsCheck:
+    """Read every safetensors file of ``files`` (relative to ``folder``; a file named ``*.safetensors`` that starts
+    like one, ``guard.secure.formats.kind_of``) and return the first non-finite tensor, if any. Other files are not
+    read (see the module docstring).
+
+    Raises:
+        CheckTimedOut: ``deadline`` passed first.
+        OSError: a file cannot be read.
+    """
+    from guard.secure.formats import kind_of
+
+    base, started = Path(folder), clock()
+    read, size = 0, 0
+    for rel in sorted(files):
+        path = base / rel
+        if not rel.endswith(".safetensors") or kind_of(path) != "safetensors":
+            continue
+        read, size = read + 1, size + _data_bytes(path)
+        bad = first_non_finite(path, deadline=deadline, clock=clock)
+        if bad is not None:
+            return WeightsCheck(NonFinite(rel, bad[0], bad[1]), read, size, clock() - started)
+    return WeightsCheck(None, read, size, clock() - started)
