@@ -27,6 +27,7 @@ import json
 import shutil
 import signal
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -79,7 +80,8 @@ class InlineHandle:
         if self.mode == "fail":
             return FakeResult(self.op, False, error=f"{self.op}: HTTP 503", error_type="PushFailedError",
                               elapsed_s=elapsed)
-        securer = Securer(str(self.pusher.dest))
+        securer = self.pusher.make_securer()
+        self.pusher.pushes_run += 1  # the destination may change from here on
         try:
             if self.op == "push_final":
                 pushed = securer.push_final(self.args["output_dir"], files=self.args.get("files"), deadline=1e18)
@@ -90,7 +92,7 @@ class InlineHandle:
         except GuardError as exc:
             return FakeResult(self.op, False, error=exc.message, error_type=type(exc).__name__, elapsed_s=elapsed)
         return FakeResult(self.op, True, int(pushed.size_bytes), elapsed, step=self.args.get("step"),
-                          files=tuple(pushed.files), destination=str(self.pusher.dest), revision=pushed.revision)
+                          files=tuple(pushed.files), destination=str(securer.destination), revision=pushed.revision)
 
     def kill(self, why: str = "killed") -> FakeResult:
         if self.result is None:
@@ -102,10 +104,11 @@ class InlineHandle:
 class InlinePusher:
     """``events.Pusher`` for the machine: the next push's ``mode`` and ``duration_s`` are the machine's to set."""
 
-    def __init__(self, clock: FakeClock, dest: Path) -> None:
-        self.clock, self.dest = clock, dest
+    def __init__(self, clock: FakeClock, make_securer: Callable[[], Securer]) -> None:
+        self.clock, self.make_securer = clock, make_securer
         self.next_mode, self.next_duration_s = "ok", 1.0
         self.started: list[InlineHandle] = []
+        self.pushes_run = 0  # pushes that reached the destination (ran the real Securer)
 
     def start(self, op: str, args: dict[str, Any], deadline: float) -> InlineHandle:
         handle = InlineHandle(self, op, dict(args), deadline, self.next_mode, self.next_duration_s)
@@ -141,21 +144,41 @@ def recorded(dest: Path) -> tuple[int | None, list[dict[str, Any]]] | None:
 
 
 class SecureMachine(RuleBasedStateMachine):
-    """The real securing code, a real folder destination, a fake job (see the module docstring)."""
+    """The real securing code, a real folder destination, a fake job (see the module docstring). A subclass with
+    another destination overrides ``securer`` and ``held`` (``HubSecureMachine``)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.root = Path(tempfile.mkdtemp(prefix="secure-machine-"))
 
-    @initialize(timeout_s=st.sampled_from([None, 60.0, 200.0]), background=st.booleans())
-    def start(self, timeout_s: float | None, background: bool) -> None:
+    def securer(self) -> Securer:
+        """A ``Securer`` of this example's destination (a new one for every push, as each worker process makes)."""
+        return Securer(str(self.dest))
+
+    def held(self) -> tuple[int | None, list[dict[str, Any]]] | None:
+        """What the destination's record names, read on its bytes (``recorded``)."""
+        return recorded(self.dest)
+
+    @initialize(timeout_s=st.sampled_from([None, 60.0, 200.0]), background=st.booleans(), warm=st.integers(0, 6),
+                how=st.sampled_from(["folder", "in_place", "new_file", "renamed", "new_folder"]))
+    def start(self, timeout_s: float | None, background: bool, warm: int = 0, how: str = "folder") -> None:
+        """The run starts; with ``warm``, the job first trains that many finite steps and saves (read, a second
+        to push): without it most examples end before any push (a NaN drawn early ends the job, and hypothesis
+        leaves whole rules out of an example)."""
+        self._begin(timeout_s, background)
+        if warm:
+            self.train(n=warm, bad=None)
+            self.save(how=how, read_first=True, requested=False)
+            self.tick(dt=1.0)
+
+    def _begin(self, timeout_s: float | None, background: bool) -> None:
         self.out, self.dest = self.root / "out", self.root / "dest"
         self.out.mkdir()
         self.clock = FakeClock(CLOCK_START)
-        self.pusher = InlinePusher(self.clock, self.dest)
+        self.pusher = InlinePusher(self.clock, self.securer)
         deadline = (Deadline(WALL_START, timeout_s, WALL_START + timeout_s, "--timeout") if timeout_s
                     else Deadline(WALL_START, None, None, "none"))
-        securer = Securer(str(self.dest))
+        securer = self.securer()
         self.securing = Securing(deadline=deadline, estimator=MarginEstimator(log_changes=False), securer=securer,
                                  output_dir=str(self.out), clock=self.clock,
                                  wall=lambda: WALL_START + (self.clock.now - CLOCK_START), grace_s=20.0,
@@ -198,11 +221,13 @@ class SecureMachine(RuleBasedStateMachine):
                 if self.exited:
                     return
 
-    @precondition(lambda self: not self.exited and self.first_bad is None and self.weights_bad_from is None)
+    @precondition(lambda self: not self.exited and self.first_bad is None and self.weights_bad_from is None
+                  and self.step not in self.saves)
     @rule()
     def weights_go_bad(self) -> None:
         """The update of this step made the weights non-finite under a finite loss (ModernBERT #233); the next
-        loss is NaN."""
+        loss is NaN. Not once this step was saved: the weights change only with an update, so two saves of one
+        step hold the same weights (a finite save of step N, then a NaN one of step N, is no job's)."""
         self.weights_bad_from = self.step
 
     @precondition(lambda self: not self.exited)
@@ -328,7 +353,7 @@ class SecureMachine(RuleBasedStateMachine):
                            outcome.exit_code if outcome else 0, step=self.step)
         self.securing.finish(result, step=self.step)
         self.ended = True
-        held = recorded(self.dest)
+        held = self.held()
         secured = result.extra.get("secured")
         push = result.details.get("push")
         if held is None:
@@ -344,7 +369,7 @@ class SecureMachine(RuleBasedStateMachine):
         nothing when nothing is recorded, else the recorded step's files, each a save of this run made before the
         first non-finite loss, with finite weights."""
         into = self.root / f"resume-{self.salt}"
-        fetched = Securer(str(self.dest)).fetch_last_checkpoint(into, deadline=float("inf"))
+        fetched = self.securer().fetch_last_checkpoint(into, deadline=float("inf"))
         if held is None:
             assert fetched is None, f"nothing is recorded at DEST, yet a resume fetched {fetched}"
             return
@@ -365,7 +390,7 @@ class SecureMachine(RuleBasedStateMachine):
     def destination_holds_a_good_save(self) -> None:
         if not hasattr(self, "dest"):
             return
-        held = recorded(self.dest)
+        held = self.held()
         if held is None:
             return
         step, heads = held
@@ -379,3 +404,55 @@ class SecureMachine(RuleBasedStateMachine):
 
     def teardown(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)
+
+
+class HubSecureMachine(SecureMachine):
+    """The same machine with the local Hub server as the destination (``tests/hubserver.py``, Xet on: every model
+    file is an LFS file that hf_xet uploads and downloads through the server's Xet storage, ``tests/xetcas.py``), a
+    new repo per example. ``hub`` is set by the test module (one server for all examples). What the destination
+    holds is read on its bytes: the record commit's ``last-checkpoint/`` downloaded (once per record revision) and
+    every file checked against its manifest. Every example starts warm (``SecureMachine.start``): the random
+    orders that follow start from a destination that holds a record."""
+
+    hub: Any = None
+
+    @initialize(timeout_s=st.sampled_from([None, 60.0, 200.0]), background=st.booleans(), warm=st.integers(1, 6),
+                how=st.sampled_from(["folder", "in_place", "new_file", "renamed", "new_folder"]))
+    def start(self, timeout_s: float | None, background: bool, warm: int = 0, how: str = "folder") -> None:
+        """As the folder machine's, always warm: the Hub allows fewer examples."""
+        super().start(timeout_s, background, warm, how)
+
+    def securer(self) -> Securer:
+        from huggingface_hub import HfApi
+
+        from tests.hubserver import TOKENS
+
+        if not hasattr(self, "repo_id"):
+            self.repo_id = f"alice/machine-{self.root.name[-8:]}"
+        return Securer(self.repo_id, api=HfApi(endpoint=self.hub.url, token=TOKENS["write"]))
+
+    def held(self) -> tuple[int | None, list[dict[str, Any]]] | None:
+        """The record read through the Hub client again only once a push ran since the last read (nothing else
+        writes to the repo); its files downloaded once per record revision."""
+        ran = self.pusher.pushes_run
+        if self.__dict__.get("_read_after") == ran:
+            return self.__dict__["_last_held"]
+        record = self.securer().peek_last_checkpoint(deadline=float("inf"))
+        self._read_after, self._last_held = ran, None
+        if record is None:
+            return None
+        cache: dict[str, tuple[int | None, list[dict[str, Any]]] | None] = self.__dict__.setdefault("_held", {})
+        if record.revision not in cache:
+            from huggingface_hub import HfApi
+
+            from tests.hubserver import TOKENS
+
+            local = self.root / f"hub-{record.revision[:12]}"
+            HfApi(endpoint=self.hub.url, token=TOKENS["write"]).snapshot_download(
+                self.repo_id, revision=record.revision, allow_patterns=["last-checkpoint/*"], local_dir=local,
+                cache_dir=local / ".cache")
+            # None: no last-checkpoint/ at that revision (the store's fallback to HEAD when no commit is a record:
+            # a resume fetches nothing from it, which ``_what_a_resume_loads`` checks)
+            cache[record.revision] = recorded(local)
+        self._last_held = cache[record.revision]
+        return self._last_held

@@ -36,7 +36,7 @@ class Rig:
         self.root, self.dest = tmp_path, tmp_path / "dest"
         self.clock = FakeClock(CLOCK_START)
         self.wall_start = time.time()
-        self.pusher = InlinePusher(self.clock, self.dest)
+        self.pusher = InlinePusher(self.clock, lambda: Securer(str(self.dest)))
         deadline = (Deadline(self.wall_start, timeout_s, self.wall_start + timeout_s, "--timeout") if timeout_s
                     else Deadline(self.wall_start, None, None, "none"))
         self.securing = Securing(deadline=deadline, estimator=MarginEstimator(log_changes=False),

@@ -1,7 +1,12 @@
 """Property-based test of what the destination holds: the real securing code and a real folder destination
 driven through random orders of saves, losses, pushes, signals, deadlines and exits (``secure_machine``), the
 destination's bytes checked after every step and against the VERDICT at the end. The CI profile is derandomized
-and small (real files, an in-process push)."""
+and small (real files, an in-process push).
+
+The same machine runs against the local Hub server with Xet on (``HubSecureMachine``: two commits a push, every
+model file uploaded by hf_xet, the record commit's ``last-checkpoint/`` downloaded and checked on its bytes after
+every step, the next run's fetch at the end), with fewer examples: a Hub push costs tens of milliseconds where a
+folder's costs one."""
 
 from __future__ import annotations
 
@@ -10,10 +15,14 @@ from collections.abc import Iterator
 
 import pytest
 from hypothesis import HealthCheck, settings
-from secure_machine import SecureMachine
+from secure_machine import HubSecureMachine, SecureMachine
+
+from tests.hubserver import HubServer, client_constants
 
 settings.register_profile("secure-ci", max_examples=200,
                           stateful_step_count=30, deadline=None, derandomize=True,
+                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+settings.register_profile("secure-hub-ci", max_examples=150, stateful_step_count=30, deadline=None, derandomize=True,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 
 
@@ -28,6 +37,19 @@ def _quiet() -> Iterator[None]:
 
 TestDestinationHoldsWhatTheVerdictSays = SecureMachine.TestCase
 TestDestinationHoldsWhatTheVerdictSays.settings = settings.get_profile("secure-ci")
+
+
+@pytest.fixture(scope="module")
+def _hub() -> Iterator[None]:
+    with client_constants(xet=True), HubServer() as server:
+        HubSecureMachine.hub = server
+        yield
+        HubSecureMachine.hub = None
+
+
+TestHubHoldsWhatTheVerdictSays = pytest.mark.hub(pytest.mark.slow(pytest.mark.usefixtures("_hub")(
+    HubSecureMachine.TestCase)))
+TestHubHoldsWhatTheVerdictSays.settings = settings.get_profile("secure-hub-ci")
 
 
 def _replay(*steps: tuple[str, dict[str, object]]) -> SecureMachine:
@@ -58,3 +80,12 @@ def test_a_save_whose_weights_the_agent_saw_non_finite_is_never_secured() -> Non
     _replay(("train", {"n": 3, "bad": None}), ("weights_go_bad", {}),
             ("save", {"how": "folder", "read_first": False, "requested": False}), ("train", {"n": 1, "bad": None}),
             ("tick", {"dt": 1.0}), ("end", {}))
+
+
+def test_a_save_renamed_after_the_agent_saw_it_non_finite_is_never_secured() -> None:
+    """timm's ``tmp.pth.tar`` renamed to ``last.pth.tar`` (timm PR #693) holding weights the agent saw non-finite:
+    the flag stayed on the temporary name and ``last.pth.tar`` (step 1, NaN weights) was secured once the scans
+    followed the rename (a derandomized example of the machine, on the code before the scans passed the rename on)."""
+    _replay(("weights_go_bad", {}), ("train", {"n": 1, "bad": None}),
+            ("save", {"how": "renamed", "read_first": False, "requested": False}), ("tick", {"dt": 0.3}),
+            ("tick", {"dt": 1.0}))

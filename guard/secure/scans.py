@@ -121,7 +121,8 @@ class ScanFound:
         model files (None: not asked). holds_files: it holds any file at all (None: not asked). final_files: the
         final model's files when the output folder is not the job's own (``Disk.final_files``), else None.
         followed: saves made under a temporary name and found since under their final one (``Disk.followed``),
-        oldest first.
+        oldest first. renamed: ``(temporary path, final path)`` of each of them, so that what was known of the save
+        under its first name (the agent saw a tensor of it that is not finite) follows it.
     """
 
     found: CheckpointInfo | None
@@ -130,6 +131,7 @@ class ScanFound:
     holds_files: bool | None = None
     final_files: tuple[str, ...] | None = None
     followed: tuple[CheckpointInfo, ...] = ()
+    renamed: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -188,6 +190,7 @@ class Disk:
         self.snapshots = snapshots.Snapshots(stat)  # copies of the files saved in place faster than a push starts
         #: saves under a temporary name, followed until renamed: path -> (step, signature, rank, output folder)
         self.following: dict[str, tuple[int | None, snapshots.Signature, int | None, str | None]] = {}
+        self.renamed: list[tuple[str, str]] = []  # (temporary path, final path) of followed saves, for the next scan
         self._special_logged: set[str] = set()
 
     def scan(self, asked: ScanAsked) -> ScanFound:
@@ -210,7 +213,8 @@ class Disk:
             final_model = holds_final_model(asked.output_dir, final_files)
             holds_files = layout.holds_any_file(asked.output_dir)
         followed = self.followed(final=asked.final, now_s=asked.now_s)
-        return ScanFound(found, unchanged, final_model, holds_files, final_files, followed)
+        renamed, self.renamed = tuple(self.renamed), []
+        return ScanFound(found, unchanged, final_model, holds_files, final_files, followed, renamed)
 
     def part_at(self, asked: ScanAsked, step: int) -> CheckpointInfo | None:
         """This node's part of ``step`` in the output folder (``checkpoints.newest_complete`` with ``only_step``,
@@ -372,6 +376,8 @@ class Disk:
             del self.following[name]
             if found is None:
                 continue
+            if found != where:
+                self.renamed.append((name, str(found)))
             seen = self._candidate(found, step, output_dir, rank, signature)
             if seen.info is not None and seen.info.admitted_by != "saved-folder":
                 taken.append(seen.info)

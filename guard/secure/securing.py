@@ -435,6 +435,9 @@ class Securing:
                 self._holds_files = value.holds_files
             if value.final_model is not None:
                 self._final_files_found = value.final_files
+            for old, new in value.renamed:  # a save the agent saw non-finite stays so under its final name
+                if old in self._not_finite:
+                    self._not_finite.add(new)
             for followed in value.followed:  # saves under a temporary name, now under their own
                 self._taken(followed)
             found = value.found
