@@ -188,15 +188,19 @@ def test_deepspeed_zero_shards_on_two_nodes_make_one_checkpoint(tmp_path: Path, 
         assert float(shard["optimizer_state_dict"]["shard"][0]) == rank * 1000 + step, rank
 
 
-def test_deepspeed_zero_parts_resume_on_fresh_nodes_from_the_secured_tag(tmp_path: Path) -> None:
+@pytest.mark.parametrize("kind", ["folder", pytest.param("hub", marks=pytest.mark.hub)])
+def test_deepspeed_zero_parts_resume_on_fresh_nodes_from_the_secured_tag(tmp_path: Path, kind: str,
+                                                                         request: pytest.FixtureRequest) -> None:
     """The next run on fresh folders (``--resume on``): each node fetches the whole tag folder onto its own disk with
     ``latest`` naming it (it lay beside the tag, not in the record), and each rank loads its own ZeRO shard of that
-    step and trains on. Before: no ``latest`` was written, and the job started from step 0."""
-    dest = Dest("folder", tmp_path, None)
+    step and trains on. Before: no ``latest`` was written, and the job started from step 0. At a Hub repo each node
+    fetches the record commit the parts were copied into."""
+    dest = Dest(kind, tmp_path, None, request.getfixturevalue("hub") if kind == "hub" else None)
     step, _ = _secured_at_the_deadline(_zero(tmp_path / "first", dest).start(), tmp_path, dest)
     second = Nodes(tmp_path / "second", 2, JOBS / "zero_parts_loop.py", run_id="multinode-run-2",
                    guard_args=[*FAST, "--output-dir", "{out}", "--push-to", dest.push_to, "--resume", "on"],
-                   job_args=["{out}", "--every", "20", "--step-s", "0.01", "--steps", str(step + 10)]).start()
+                   job_args=["{out}", "--every", "20", "--step-s", "0.01", "--steps", str(step + 10)],
+                   env=dest.env).start()
     runs = second.wait(120)
     for run in runs:
         assert f"rank {run.node}: resumed from step {step}" in run.stdout, logs(runs)
