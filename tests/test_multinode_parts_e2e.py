@@ -234,7 +234,7 @@ def test_a_trainer_resumes_on_fresh_nodes_with_every_ranks_part(tmp_path: Path) 
     both ranks' RNG states) onto its own disk, the Trainer resumes from it on both ranks (the agent passes
     ``resume_from_checkpoint``; rank 1 loads its own rng_state_1.pth, which lay on node 1's disk) and trains on."""
     dest = Dest("folder", tmp_path, None)
-    first = _trainer(tmp_path / "first", dest, "--timeout", "40s", job_args=("--save-steps", "5"))
+    first = _trainer(tmp_path / "first", dest, "--timeout", "50s", job_args=("--save-steps", "5"))
     step, _ = _secured_at_the_deadline(first.start(), tmp_path, dest)
     second = _trainer(tmp_path / "second", dest, "--resume", "on", run_id="multinode-run-2",
                       job_args=("--max-steps", str(step + 3))).start()
