@@ -18,22 +18,35 @@ commit rate limit on the Hub.
 
   With many nodes each putting its own part at a Hub repo (``"hub-parts"``), a push is ``COMMITS_PER_PUSH``
   commits on each node (the part's files, then its manifest) and one record commit: ``2 * nodes + 1`` commits, so
-  the rate bound grows with the node count (two nodes: 562 s; eight: 1,912 s).
+  node 0's rate bound grows with the node count (two nodes: 562 s; eight: 1,912 s); the other nodes push each step
+  node 0 put at once (``"parts"``).
 
 An explicit ``--push-interval`` wins over both (the caller passes it instead of asking here).
+
+The nodes of a many-node job meet through the destination's listing (``guard.secure.follow``): at a Hub repo a
+listing is API requests, which the Hub limits to ``HUB_API_REQUESTS_PER_5MIN`` = 1,000 per 5-minute window for a
+free user (huggingface/hub-docs, docs/hub/rate-limits.md, September 2025; PRO 2,500). A node listing every 0.5 s
+(about 3 requests: the run's steps, then each step's manifests) made 1,800 requests in 5 minutes on its own, so
+``listing_interval_s`` spaces the listings of the nodes that follow node 0 so that together they use ``HUB_SHARE``
+of that budget: 3.6 s each on two nodes, 25 s on eight.
 """
 
 from __future__ import annotations
 
 import math
 
-__all__ = ["COMMITS_PER_PUSH", "HUB_COMMITS_PER_HOUR", "HUB_SHARE", "PUSH_STALL_S", "PUSH_TIME_FACTOR",
-           "background_interval_s"]
+__all__ = ["COMMITS_PER_PUSH", "HUB_API_REQUESTS_PER_5MIN", "HUB_COMMITS_PER_HOUR", "HUB_REQUESTS_PER_LISTING",
+           "HUB_SHARE", "PUSH_STALL_S", "PUSH_TIME_FACTOR", "background_interval_s", "listing_interval_s"]
 
 #: The Hub's commit rate limit per repository (commits per hour; the 429 message of the Hub, free tier).
 HUB_COMMITS_PER_HOUR = 128
-#: The share of that budget background securing may use.
+#: The share of that budget background securing may use (and of the API budget, the nodes' listings).
 HUB_SHARE = 0.25
+#: The Hub's API rate limit for a free user: requests per 5-minute window (tree listings count; huggingface/hub-docs
+#: docs/hub/rate-limits.md, September 2025).
+HUB_API_REQUESTS_PER_5MIN = 1000
+#: Requests one listing of a run's parts costs at a Hub repo (the run's steps, then each step's manifests: 1 + steps).
+HUB_REQUESTS_PER_LISTING = 3
 #: Commits per checkpoint push: the files, then the record after verification.
 COMMITS_PER_PUSH = 2
 #: The interval is at least this many times the measured push time.
@@ -83,3 +96,24 @@ def background_interval_s(destination_kind: str, *, measured_push_s: float | Non
         raise ValueError("commits_per_hour, share and commits_per_push must be positive (share at most 1)")
     rate_bound_s = 3600.0 * commits_per_push / (commits_per_hour * share)
     return max(rate_bound_s, PUSH_TIME_FACTOR * max(0.0, measured))
+
+
+def listing_interval_s(destination_kind: str, *, nodes: int, least_s: float,
+                       requests_per_5min: float = HUB_API_REQUESTS_PER_5MIN, share: float = HUB_SHARE) -> float:
+    """The least time between two listings of the nodes' parts by one node that follows node 0 (seconds).
+
+    Args:
+        destination_kind: ``"folder"``, ``"hub"`` or ``"s3"``.
+        nodes: the job's node count (``nodes - 1`` nodes follow).
+        least_s: the interval where the destination sets no bound (``follow.LIST_EVERY_S``).
+        requests_per_5min: the Hub's API rate limit (default ``HUB_API_REQUESTS_PER_5MIN``).
+        share: the share of it the listings may use together (default ``HUB_SHARE``).
+
+    Returns:
+        ``least_s`` for a folder and S3; for the Hub at least ``HUB_REQUESTS_PER_LISTING * (nodes - 1)`` requests
+        over ``share`` of the rate limit: 3.6 s on two nodes.
+    """
+    if destination_kind != "hub":
+        return least_s
+    per_s = requests_per_5min / 300.0 * share
+    return max(least_s, HUB_REQUESTS_PER_LISTING * max(1, nodes - 1) / per_s)

@@ -33,7 +33,7 @@ from guard.core.helpers import FS_HELPERS, Submitter
 from guard.core.state import Message, Outcome, RunState, died_after_training, incomplete_reason
 from guard.errors import GuardError
 from guard.secure import budget, checkpoints, layout, scans, snapshots, suspects, worker
-from guard.secure.cadence import PUSH_STALL_S, PUSH_TIME_FACTOR, background_interval_s
+from guard.secure.cadence import PUSH_STALL_S, PUSH_TIME_FACTOR, background_interval_s, listing_interval_s
 from guard.secure.events import (
     Action,
     AlreadySecured,
@@ -59,7 +59,7 @@ from guard.secure.events import (
     Tick,
     TrainingStarted,
 )
-from guard.secure.follow import Follower
+from guard.secure.follow import LIST_EVERY_S, Follower
 from guard.secure.outcome import Verdict, checkpoint_fields
 from guard.secure.plan import Plan, State
 
@@ -294,11 +294,14 @@ class Securing:
     def _cadence_kind(self, securer: Securer | None) -> str | None:
         """The destination kind the background cadence follows (``cadence.background_interval_s``): ``"parts"``
         when many nodes secure their own parts of each checkpoint at S3 (every node pushes every complete save, so
-        that all push the same steps), ``"hub-parts"`` at a Hub repo (under its commit rate limit, each push being
-        every node's commits and the record's), else the destination's."""
+        that all push the same steps); at a Hub repo ``"hub-parts"`` on node 0 (under its commit rate limit, each
+        push being every node's commits and the record's) and ``"parts"`` on the others, which push only the steps
+        node 0 put (``guard.secure.follow``): under an interval of their own, a part fed between two of node 0's
+        pushes waited for the next one, and at the deadline for the save the job was asked for, past its time
+        (node 1 held step 240 from 26.4 s to 2.3 s before its deadline); else the destination's."""
         kind = self._kind(securer)
         if kind == "hub" and self.nodes > 1 and self.shared() is not True:
-            return "hub-parts"
+            return "hub-parts" if self.node_rank == 0 else "parts"
         return "parts" if kind == "s3" and self.nodes > 1 else kind
 
     def _make_pusher(self, securer: Securer | None) -> Pusher | None:
@@ -349,8 +352,12 @@ class Securing:
                     return {}
                 return store.part_steps(run_id=securer.run_id, deadline=time.monotonic() + LIST_BOUND_S)
 
+            every_s = listing_interval_s(self._kind(securer) or "folder", nodes=self.nodes, least_s=LIST_EVERY_S)
+            if every_s > LIST_EVERY_S:
+                log.info("node %d lists %s for node 0's parts every %.1fs at most (the Hub's API rate limit, shared "
+                         "by %d following nodes)", self.node_rank, securer.destination, every_s, self.nodes - 1)
             self._follower = Follower(list_steps, lambda info, requested: self._to_plan(
-                self._link, info, self.clock(), requested), lookup=self._look_for_part)
+                self._link, info, self.clock(), requested), lookup=self._look_for_part, every_s=every_s)
         return self._follower
 
     def _still_unchanged(self, info: checkpoints.CheckpointInfo) -> bool:
