@@ -124,3 +124,21 @@ def test_a_commit_between_the_decision_and_the_record_makes_it_decided_again(hub
     assert [c.title for c in log[-3:]] == ["another writer", "another writer", "guard: checkpoint step 30"]
     assert record.revision == log[-1].oid and log[-1].parent == log[-2].oid  # on top of the head it was decided at
     assert store.read_record(deadline=time.monotonic() + 60).step == 30
+
+
+def test_a_listing_of_the_parts_never_outlives_its_deadline(hub, api, repo_id, tmp_path):  # noqa: F811
+    """The nodes' listings (the follower's, the end of run's) are bounded by the deadline they are given, as a
+    push's requests are (guard.secure.hubhttp.bounded): a Hub that answers a tree listing after 3 s is given up on
+    after the 1 s left."""
+    from guard.secure.hubhttp import classify
+
+    store = HubStore(repo_id, api=api)
+    put(store, tmp_path, 10, 0)
+    hub.inject(latency_s=3.0, methods=("GET",), path_contains="/tree/")
+    started = time.monotonic()
+    with pytest.raises(Exception) as caught:
+        store.part_steps(run_id=RUN, deadline=time.monotonic() + 1.0)
+    assert time.monotonic() - started < 2.5
+    assert classify(caught.value)[0] == "deadline", caught.value
+    hub.reset_faults()
+    assert store.part_steps(run_id=RUN, deadline=time.monotonic() + 60) == {10: {0}}

@@ -51,7 +51,7 @@ from guard.secure.dest.base import (
     Progress,
     Record,
 )
-from guard.secure.hubhttp import Mismatch, install_request_bounds
+from guard.secure.hubhttp import Mismatch, bounded, install_request_bounds
 
 if TYPE_CHECKING:
     from huggingface_hub import CommitOperationAdd, HfApi
@@ -151,12 +151,16 @@ class HubStore:
                        written_at_s=time.time(), place=place, source=source, commit=oid)
 
     def parts(self, *, run_id: str, step: int, deadline: float) -> list[PartManifest]:
-        """The node manifests of ``run_id``'s checkpoint ``step`` in the repo (``hub_parts.node_parts``)."""
-        return hub_parts.node_parts(self, run_id=run_id, step=step, cache=self._parts_read)
+        """The node manifests of ``run_id``'s checkpoint ``step`` in the repo (``hub_parts.node_parts``); no request
+        outlives ``deadline`` (``hubhttp.bounded``: ``DeadlineExceeded``)."""
+        with bounded(lambda: deadline - time.monotonic()):
+            return hub_parts.node_parts(self, run_id=run_id, step=step, cache=self._parts_read)
 
     def part_steps(self, *, run_id: str, deadline: float) -> dict[int, set[int]]:
-        """Which nodes have put a part of which step of ``run_id`` in the repo: ``{step: {node ranks}}``."""
-        return hub_parts.node_part_steps(self, run_id=run_id)
+        """Which nodes have put a part of which step of ``run_id`` in the repo: ``{step: {node ranks}}``; bounded
+        as ``parts``."""
+        with bounded(lambda: deadline - time.monotonic()):
+            return hub_parts.node_part_steps(self, run_id=run_id)
 
     def write_record(self, parts: Sequence[PartManifest], *, deadline: float,
                      recorded: Callable[[Record], None] | None = None) -> Record:

@@ -11,7 +11,8 @@ Layout in the repo (the folder's and S3's, ``guard.secure.dest.folder_parts``)::
   ones), then the node's manifest in a second commit. Neither commit is a record: their titles never match
   ``CHECKPOINT_COMMIT_TITLE``, and ``HubStore.read_record`` reads below them.
 - **meet**: ``parts`` lists ``step-<N>/`` and reads each ``node-<k>.json`` (by its git blob id, read once);
-  ``part_steps`` lists the run's steps, then each step's manifests.
+  ``part_steps`` lists the run's steps, then each step's manifests; no request of either outlives the deadline it is
+  given (``HubStore.parts``, ``guard.secure.hubhttp.bounded``).
 - **record**: ONE commit, with ``parent_commit`` the head it was decided at, that makes ``last-checkpoint/`` the
   union of the parts (``CommitOperationCopy`` from the staging paths at that head: the Hub copies an LFS or Xet file
   server-side by its sha256, without a byte sent again; ``huggingface_hub`` downloads a regular file and adds it
