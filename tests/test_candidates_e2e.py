@@ -71,7 +71,8 @@ def test_a_healthy_run_saving_in_place_after_a_nan_run_is_secured(tmp_path: Path
     first = run_guard([*FAST, "--push-interval", "0s", "--push-to", str(dest), nano, f"--out_dir={out}",
                        "--eval_interval=20", "--nan_at=30", "--max_iters=200"], timeout_s=120)
     assert first.fields()["reason"] == "non_finite_loss", first.stderr[-3000:]
-    assert read_taints(out) and read_taints(out)[0].first_step == 30, "the NaN run's taint, beside its folder"
+    # the NaN run's taint, beside its folder: step 30's NaN came from the weights after step 29, suspect from there
+    assert read_taints(out) and read_taints(out)[0].first_step == 29, read_taints(out)
     # its save after the NaN, marked as the guard marks one (whichever of the run's saves it saw last)
     assert mark_suspect(out / "ckpt.pt", step=40, first_non_finite_step=30, run_id=read_taints(out)[0].run_id)
     # saves more than snapshots.SNAPSHOT_BELOW_S apart: each one is pushed from out/ckpt.pt itself, marker beside it

@@ -88,3 +88,19 @@ def test_safetensors_weights_gone_nan_are_read_by_the_guard_and_never_secured(tm
     assert pushed, sorted(str(p) for p in dest.rglob("*"))
     assert all(bool(torch.isfinite(t).all()) for p in pushed for t in load_file(str(p)).values()), pushed
     assert not (dest / "model.safetensors").exists()  # the NaN final model is never published
+
+
+def test_the_save_whose_weights_gave_the_first_non_finite_loss_is_never_secured(tmp_path: Path) -> None:
+    # run_clm.py and trl's sft.py at --learning_rate 1e6 --save_steps 1: checkpoint-1 held finite weights of 1e6,
+    # step 2's loss (their forward pass) was NaN, and the guard secured checkpoint-1 and said "resume from step 1"
+    out, dest = tmp_path / "out", tmp_path / "dest"
+    run = run_guard([*FAST, "--push-interval", "0s", "--push-to", str(dest), str(JOBS / "saving_loop.py"),
+                     "--output-dir", str(out), "--steps", "30", "--save-every", "1", "--blow-at", "8"], timeout_s=200)
+    fields = run.fields()
+    assert (fields["status"], fields["reason"], run.returncode) == ("FAIL", "non_finite_loss", 4), run.stderr[-3000:]
+    assert fields["step"] == "9" and fields["loss"] == "inf", run.verdict
+    assert fields.get("secured_step") != "8", run.verdict
+    state = torch.load(dest / "last-checkpoint" / "model.pt", weights_only=True)
+    assert state["step"] == int(fields["secured_step"]) < 8, (state["step"], run.verdict)
+    x = torch.randn(64, 8)
+    assert bool(torch.isfinite((x @ state["model"]["weight"].T + state["model"]["bias"]).pow(2).mean()))

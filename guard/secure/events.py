@@ -142,9 +142,18 @@ class Failure:
 
 @dataclass(frozen=True)
 class Tainted:
-    """The loss was not finite from step ``from_step`` on: every save at or after it is suspect, in every state."""
+    """Step ``from_step`` was not finite: every save from :attr:`saves_from` on is suspect, in every state.
+    ``witness``: ``"loss"`` (the step's loss) or ``"weights"`` (a save at ``from_step`` holds a non-finite tensor)."""
 
     from_step: int
+    witness: str = "loss"
+
+    @property
+    def saves_from(self) -> int:
+        """The first save step made suspect. A save at step N holds the weights after N optimizer steps, and step
+        N+1's loss is their forward pass: a non-finite loss at step S makes the save at S-1 suspect as well (its
+        weights gave that loss; resumed, they give it again). A save holding a non-finite tensor is suspect itself."""
+        return max(0, self.from_step - 1) if self.witness == "loss" else self.from_step
 
 
 @dataclass(frozen=True)
@@ -261,8 +270,8 @@ class MarkSuspect:
 
 @dataclass(frozen=True)
 class RecordTaint:
-    """Record the run's taint (its first non-finite step, ``first_bad_step``) beside its output folders
-    (``suspects.record_taint``): resume refuses every checkpoint of the run from that step on."""
+    """Record the run's taint (its first suspect save step, ``first_bad_step``: ``Tainted.saves_from``) beside its
+    output folders (``suspects.record_taint``): resume refuses every checkpoint of the run from that step on."""
 
     first_bad_step: int
 

@@ -39,8 +39,10 @@ infinity in the save's weights itself (``report.NOT_FINITE``: ``guard.secure.wei
 (``budget.MarginEstimator.secure_estimate_s``) exceeds the time left before its own deadline is not started
 (logged with both figures): killed at ``secure_by`` it would only have left the destination in doubt.
 
-**A taint in every state.** ``Tainted(N)``: every save at or after step N is suspect (``MarkSuspect``), never pushed,
-never secured; a running push of one is killed, a secured one is replaced by the newest good one secured before.
+**A taint in every state.** ``Tainted(N)``: every save at or after ``Tainted.saves_from`` (N-1 for a loss: the save at
+N-1 holds the weights step N's loss came from; N for a save holding a non-finite tensor) is suspect (``MarkSuspect``),
+never pushed, never secured; a running push of one is killed, a secured one is replaced by the newest good one secured
+before.
 
 **One supersede rule** (:meth:`Plan._supersede`): a running push is killed for a newer checkpoint only when the
 newer one is estimated to finish before ``secure_by``; when both fit one after the other, the running one finishes
@@ -194,7 +196,8 @@ class Plan:
         self._error: PushRecord | None = None
         self._newest: CheckpointInfo | None = None
         self._suspects: list[CheckpointInfo] = []
-        self._bad_from_step: int | None = None
+        self._bad_from_step: int | None = None  # the first non-finite step
+        self._suspect_from: int | None = None  # the first suspect save step (``Tainted.saves_from``)
         self._wait_save_until: float | None = None
         self._awaiting_after_step = -1
         self._follow_saves = False
@@ -346,9 +349,10 @@ class Plan:
                 return []
             log.warning("checkpoint %s (%s) holds a tensor that is not finite: suspect from %s on",
                         info.path, step_text(info.step), step_text(info.step))
-            return self._on_taint(Tainted(info.step), now) + self._mark(info, why="saved at or after")
+            taint = Tainted(info.step, witness="weights")
+            return self._on_taint(taint, now) + self._mark(info, why="saved at or after")
         if self._is_suspect(info):
-            return self._mark(info, why="saved after")
+            return self._mark(info, why="saved at or after")
         if hold and self._provisional(info):
             if all(not _same(info, held.info) for held, _ in self._held):
                 log.info("checkpoint %s (%s): held until the losses through its step are read (read through "
@@ -458,19 +462,21 @@ class Plan:
     def _on_taint(self, event: Tainted, now: float) -> list[Action]:
         """The loss went non-finite at ``from_step``: in every state, every save at or after it is suspect."""
         first = event.from_step if self._bad_from_step is None else min(self._bad_from_step, event.from_step)
-        if first == self._bad_from_step:
+        saves_from = event.saves_from if self._suspect_from is None else min(self._suspect_from, event.saves_from)
+        if first == self._bad_from_step and saves_from == self._suspect_from:
             return []
-        self._bad_from_step = first
-        log.warning("the loss went non-finite at step %d: checkpoints saved from then on are suspect", first)
-        actions: list[Action] = [RecordTaint(first)]
+        self._bad_from_step, self._suspect_from = first, saves_from
+        log.warning("the loss went non-finite at step %d: checkpoints saved at or after step %d are suspect (a save "
+                    "at step N holds the weights step N+1's loss was computed on)", first, saves_from)
+        actions: list[Action] = [RecordTaint(saves_from)]
         for info in self._seen + [held.info for held, _ in self._held]:
             if self._is_suspect(info):
-                actions += self._mark(info, why="saved after")
+                actions += self._mark(info, why="saved at or after")
         self._held = [(held, reads) for held, reads in self._held if not self._is_suspect(held.info)]
         if self._queued is not None and self._is_suspect(self._queued):
             self._queued = None
         if self._newest is not None and self._is_suspect(self._newest):
-            self._newest = self._older_than(first)
+            self._newest = self._older_than(saves_from)
         restore = self._secured is not None and self._is_suspect(self._secured.info)
         running = self._push
         if running is not None and running.info is not None and self._is_suspect(running.info):
@@ -582,16 +588,16 @@ class Plan:
     # -- internals --------------------------------------------------------------------------------------------
 
     def _is_suspect(self, info: CheckpointInfo | None) -> bool:
-        return (info is not None and self._bad_from_step is not None and info.step is not None
-                and info.step >= self._bad_from_step)
+        return (info is not None and self._suspect_from is not None and info.step is not None
+                and info.step >= self._suspect_from)
 
     def _mark(self, info: CheckpointInfo, *, why: str) -> list[Action]:
         assert self._bad_from_step is not None
         if any(s.path == info.path and s.step == info.step for s in self._suspects):
             return []
         self._suspects.append(info)
-        log.warning("checkpoint %s (%s) was %s the first non-finite loss (step %d): suspect, not pushed",
-                    info.path, step_text(info.step), why, self._bad_from_step)
+        log.warning("checkpoint %s (%s) was %s the first suspect step (%d; the first non-finite step: %d): suspect, "
+                    "not pushed", info.path, step_text(info.step), why, self._suspect_from, self._bad_from_step)
         return [MarkSuspect(str(info.path), info.step, self._bad_from_step)]
 
     def _measured(self, took_s: float) -> None:

@@ -128,9 +128,10 @@ class RunTaint:
     """One run's taint as recorded beside an output folder.
 
     Attributes:
-        run_id: the run. first_step: its first non-finite step (the guard's step count). witness: what went
-            non-finite (``"loss"``). started_s: when the run's job started (epoch seconds). tainted_at_s: when the
-            guard heard of it. ended_s: when a later run started, as that run recorded it; None while none did.
+        run_id: the run. first_step: its first suspect save step (the guard's step count; ``Tainted.saves_from``).
+            witness: what went non-finite (``"loss"``). started_s: when the run's job started (epoch seconds).
+            tainted_at_s: when the guard heard of it. ended_s: when a later run started, as that run recorded it; None
+            while none did.
     """
 
     run_id: str
@@ -151,7 +152,7 @@ class RunTaint:
         return step >= self.first_step if step is not None else newest_mtime_s >= self.tainted_at_s
 
     def describe(self) -> str:
-        return f"run {self.run_id} went non-finite at step {self.first_step}"
+        return f"run {self.run_id} went non-finite: its saves from step {self.first_step} on are suspect"
 
 
 def _taint_path(folder: str | os.PathLike[str], run_id: str) -> Path:

@@ -1,5 +1,7 @@
 """A plain loop that saves OUT/checkpoint-N/ every --save-every steps and reports it with guard.checkpoint_saved;
---nan-at, --crash-at or --hang-at K make step K fail (NaN loss from then on, an exception, a hang)."""
+--nan-at, --crash-at or --hang-at K make step K fail (NaN loss from then on, an exception, a hang); --blow-at K
+leaves finite weights of 1e30 after step K's update (an Adam step at a learning rate of 1e6 does the like), so step
+K's checkpoint holds finite tensors only and step K+1's loss, their forward pass, is inf."""
 
 import argparse
 import os
@@ -21,6 +23,7 @@ parser.add_argument("--save-every", type=int, default=10)
 parser.add_argument("--nan-at", type=int, default=0)
 parser.add_argument("--crash-at", type=int, default=0)
 parser.add_argument("--hang-at", type=int, default=0)
+parser.add_argument("--blow-at", type=int, default=0)
 args = parser.parse_args()
 
 torch.manual_seed(0)
@@ -38,6 +41,9 @@ for step in range(1, args.steps + 1):
     opt.zero_grad()
     loss.backward()
     opt.step()
+    if step == args.blow_at:
+        with torch.no_grad():
+            model.weight.fill_(1e30)
     print(f"step {step} loss={loss.item():.4f}", flush=True)
     if step % args.save_every == 0:
         folder = os.path.join(args.output_dir, f"checkpoint-{step}")
