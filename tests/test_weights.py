@@ -79,14 +79,50 @@ def test_integer_and_boolean_tensors_are_not_read(tmp_path: Path) -> None:
 def test_other_files_and_files_cut_short_are_left_to_the_format_checks(tmp_path: Path) -> None:
     bad = torch.randn(100)
     bad[50] = float("nan")
-    torch.save({"w": bad}, tmp_path / "model.pt")  # a torch pickle: not read here (the agent's witness reads it)
+    torch.save({"w": bad}, tmp_path / "legacy.pt", _use_new_zipfile_serialization=False)  # pre-1.6 layout: not read
+    (tmp_path / "raw.bin").write_bytes(b"\0" + bad.numpy().tobytes())  # a job's own bytes: no format known
     whole = save(tmp_path / "m.safetensors", {"w": bad}).read_bytes()
     (tmp_path / "cut.safetensors").write_bytes(whole[:-300])  # the NaN's bytes are gone
     (tmp_path / "junk.safetensors").write_bytes(b"not a safetensors file")
-    checked = weights.check_files(tmp_path, ["model.pt", "cut.safetensors", "junk.safetensors"])
+    checked = weights.check_files(tmp_path, ["legacy.pt", "raw.bin", "cut.safetensors", "junk.safetensors"])
     assert (checked.bad, checked.files) == (None, 1)
-    found = weights.check_files(tmp_path, ["model.pt", "m.safetensors"]).bad
+    found = weights.check_files(tmp_path, ["legacy.pt", "m.safetensors"]).bad
     assert found is not None and (found.file, found.tensor, found.dtype) == ("m.safetensors", "w", "F32")
+
+
+TORCH_FLOATS = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+
+
+@pytest.mark.parametrize(("dtype", "value"), list(itertools.product(sorted(TORCH_FLOATS), ("nan", "inf", "-inf"))))
+def test_a_torch_save_zip_is_read_without_torch_and_names_the_tensor(tmp_path: Path, dtype: str,
+                                                                       value: str) -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)).to(TORCH_FLOATS[dtype])
+    state = {"step": 7, "model": model.state_dict(), "ids": torch.arange(5),
+             "optimizer": {"state": {0: {"exp_avg": torch.zeros(4, dtype=TORCH_FLOATS[dtype])}}, "lr": 0.1}}
+    torch.save(state, tmp_path / "ckpt.pt")
+    assert weights.first_non_finite(tmp_path / "ckpt.pt") is None
+    with torch.no_grad():
+        model[1].bias[1] = float(value)
+    torch.save(state, tmp_path / "ckpt.pt")
+    assert weights.first_non_finite(tmp_path / "ckpt.pt") == ("model.1.bias", dtype)
+    state["optimizer"]["state"][0]["exp_avg"][3] = float(value)
+    with torch.no_grad():
+        model[1].bias[1] = 0.0
+    torch.save(state, tmp_path / "ckpt.pt")
+    assert weights.first_non_finite(tmp_path / "ckpt.pt") == ("optimizer.state.0.exp_avg", dtype)
+
+
+def test_a_whole_module_and_a_view_are_read_with_their_storage(tmp_path: Path) -> None:
+    model = torch.nn.Linear(3, 3)
+    with torch.no_grad():
+        model.weight[2, 2] = float("nan")
+    torch.save(model, tmp_path / "model.pt")  # a pickled module: its class is named, never imported
+    name = weights.first_non_finite(tmp_path / "model.pt")
+    assert name is not None and name[0].endswith("weight") and name[1] == "F32"
+    base = torch.arange(10.0)
+    base[8] = float("inf")
+    torch.save({"view": base[2:5]}, tmp_path / "view.pt")  # torch.save writes the whole storage of a view
+    assert weights.first_non_finite(tmp_path / "view.pt") == ("view", "F32")
 
 
 def test_the_check_stops_at_its_deadline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -157,6 +193,19 @@ def test_resume_never_fetches_a_secured_checkpoint_of_non_finite_weights(tmp_pat
     fresh = tmp_path / "fresh"
     assert resume.choose(fresh, Securer(str(dest)), deadline=time.monotonic() + 60, abort=lambda: False) is None
     assert os.listdir(fresh) == []
+
+
+def test_resume_skips_an_older_runs_ckpt_pt_of_non_finite_weights(tmp_path: Path) -> None:
+    """A loop's ``out/ckpt.pt`` saved in place (nanoGPT) by a run the guard did not watch, its weights NaN: no
+    marker, no taint; only its bytes tell. Resume starts fresh rather than load it."""
+    out = tmp_path / "out"
+    out.mkdir()
+    weight = torch.randn(4, 4)
+    weight[0, 0] = float("nan")
+    torch.save({"model": {"fc.weight": weight}, "iter_num": 40}, out / "ckpt.pt")
+    assert resume.choose(out, Securer(str(tmp_path / "dest")), deadline=time.monotonic() + 60,
+                         abort=lambda: False) is None
+    assert (out / "ckpt.pt").is_file()  # left where it is: the job's own file
 
 
 def test_resume_skips_a_local_checkpoint_of_non_finite_weights(tmp_path: Path,

@@ -29,6 +29,7 @@ debug log says; the settle rule of ``guard.secure.checkpoints`` still applies to
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -42,7 +43,8 @@ from pathlib import Path
 from typing import IO, Any
 
 __all__ = ["DISTCP_METADATA", "MEGATRON_COMMON", "MEGATRON_METADATA", "MODEL_SUFFIXES", "RECORDED_STEP_KEYS",
-           "check_file", "check_files", "kind_of", "missing_required", "recorded_step", "requires"]
+           "TorchStorage", "check_file", "check_files", "kind_of", "missing_required", "recorded_step", "requires",
+           "torch_zip_storages"]
 
 log = logging.getLogger("guard.formats")
 
@@ -166,6 +168,103 @@ def _top_level(path: str | os.PathLike[str]) -> dict[Any, Any] | None:
     except Exception:  # noqa: BLE001 - a file of any content: never an error here
         return None
     return obj if isinstance(obj, dict) else None
+
+
+class _StorageRef:
+    """A storage as the stub unpickler's ``persistent_load`` gives it: its key and type name."""
+
+    def __init__(self, key: str, kind: str) -> None:
+        self.key, self.kind = key, kind
+
+
+class _StorageUnpickler(_StubUnpickler):
+    def persistent_load(self, pid: Any) -> Any:
+        super().persistent_load(pid)
+        if isinstance(pid, tuple) and len(pid) >= 3 and pid[0] == "storage" and isinstance(pid[2], str):
+            return _StorageRef(pid[2], getattr(pid[1], "__name__", str(pid[1])))
+        return None
+
+
+@dataclasses.dataclass(frozen=True)
+class TorchStorage:
+    """One storage of a ``torch.save`` zip: ``record`` (its zip record, ``PREFIX/data/KEY``), ``kind`` (its
+    storage type's name: ``FloatStorage``, ``BFloat16Storage``...), ``tensor`` (the name of the first tensor built on
+    it, its keys joined by dots: ``model.fc.weight``; the key when none names it), ``offset`` and ``size_bytes``
+    (where its bytes lie in the file, stored uncompressed as ``torch.save`` writes them)."""
+
+    record: str
+    kind: str
+    tensor: str
+    offset: int
+    size_bytes: int
+
+
+def _storage_names(root: Any, limit: int = 1_000_000) -> dict[str, str]:
+    """Storage key -> the dotted name of the first tensor (depth first, in the pickle's order) built on it."""
+    names: dict[str, str] = {}
+    stack: list[tuple[str, Any]] = [("", root)]
+    seen: set[int] = set()
+    while stack and len(seen) < limit:
+        name, value = stack.pop()
+        if id(value) in seen:
+            continue
+        seen.add(id(value))
+        children: list[tuple[str, Any]] = []
+        if isinstance(value, _StorageRef):
+            names.setdefault(value.key, name or value.key)
+        elif isinstance(value, _Stub):
+            if value.args and isinstance(value.args[0], _StorageRef):  # torch._utils._rebuild_tensor_v2(storage, ...)
+                names.setdefault(value.args[0].key, name or value.args[0].key)
+                continue
+            children = [(_dotted(name, key if key is not None else index), item)
+                        for index, (key, item) in enumerate(value.items.values())]
+            children += [(name, arg) for arg in value.args] + [(name, value.state)]
+        elif isinstance(value, dict):
+            children = [(_dotted(name, key), item) for key, item in value.items()]
+        elif isinstance(value, (list, tuple)):
+            children = [(_dotted(name, index), item) for index, item in enumerate(value)]
+        stack.extend(reversed(children))
+    return names
+
+
+def _dotted(name: str, key: Any) -> str:
+    return f"{name}.{key}" if name else str(key)
+
+
+def torch_zip_storages(path: str | os.PathLike[str]) -> list[TorchStorage] | None:
+    """Every storage of the ``torch.save`` zip at ``path``, in file order, read from its ``data.pkl`` with the stub
+    unpickler (no code of the file run, no tensor bytes read) and its records' local headers; None when the file is
+    not one, or its storages cannot be told (a record compressed, missing or outside the file: ``check_file``'s to
+    judge). Raises OSError when it cannot be read."""
+    where = Path(path)
+    if kind_of(where) != "torch-zip":
+        return None
+    try:
+        with zipfile.ZipFile(where) as archive:
+            records = {r.filename: r for r in archive.infolist()}
+            pkl = next((r for name, r in records.items() if name == "data.pkl" or name.endswith("/data.pkl")), None)
+            if pkl is None or pkl.file_size > _DATA_PKL_LIMIT:
+                return None
+            prefix = pkl.filename[: -len("data.pkl")]
+            with archive.open(pkl) as handle:
+                reader = _StorageUnpickler(handle)
+                names = _storage_names(reader.load())
+    except Exception:  # noqa: BLE001 - a file of any content: never an error here
+        return None
+    found = []
+    with open(where, "rb") as file:
+        for key, (kind, _) in reader.storages.items():
+            record = records.get(f"{prefix}data/{key}")
+            if record is None or record.compress_type != zipfile.ZIP_STORED:
+                return None
+            file.seek(record.header_offset)
+            header = file.read(30)
+            if len(header) < 30 or header[:4] != _ZIP_MAGIC:
+                return None
+            name_len, extra_len = struct.unpack("<HH", header[26:30])
+            found.append(TorchStorage(record.filename, kind, names.get(key, key),
+                                      record.header_offset + 30 + name_len + extra_len, record.file_size))
+    return sorted(found, key=lambda storage: storage.offset)
 
 
 def recorded_step(path: str | os.PathLike[str]) -> tuple[str, int] | None:

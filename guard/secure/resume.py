@@ -7,11 +7,11 @@
   whose taint is recorded beside the folder (``guard.secure.suspects``), at or after that run's first non-finite
   step, never counts, marker or not (``checkpoint-108`` saved one step after the NaN of step 107 while still
   "being written" had none); nor does a save a marker still names.
-- Saved weights are read (``guard.secure.weights``: every safetensors file, for a NaN or an infinity) before a
-  checkpoint is resumed from: a local one that holds one is skipped for the next newest (logged with its file and
-  tensor), and a fetched one is refused before it is placed (``WeightsNotFiniteError``), the output folder's own
-  older checkpoint (or a fresh start) taken instead; a checkpoint secured before the guard read weights, or by an
-  older run, is never resumed so.
+- Saved weights are read (``guard.secure.weights``: safetensors files and ``torch.save`` zips, for a NaN or an
+  infinity) before a checkpoint is resumed from: a local one that holds one is skipped for the next newest (logged
+  with its file and tensor), and a fetched one is refused before it is placed (``WeightsNotFiniteError``), the
+  output folder's own older checkpoint (or a fresh start) taken instead; a checkpoint secured before the guard read
+  weights, or by an older run, is never resumed so.
 - A partial ``checkpoint-N`` folder newer than the chosen one, which a Trainer would pick up itself
   (``get_last_checkpoint`` takes the highest N), is moved aside as ``checkpoint-N.partial-guard`` and named in the
   log; so is a partial accelerate ``checkpoint_N``/``step_N`` folder (``load_state()`` with automatic naming takes

@@ -5,7 +5,7 @@ a destination does for that (a folder's swap, the Hub's two commits, S3's condit
 (``guard.secure.dest``: ``open_store``); this module holds what every destination shares:
 
 - the checks on the local files: not marked suspect, not rewritten since the save (``saved_by_s``), whole by format
-  (a torn file is refused before anything moves), finite weights (``guard.secure.weights``: a safetensors file
+  (a torn file is refused before anything moves), finite weights (``guard.secure.weights``: a weight file
   holding a NaN or an infinity is refused before anything moves, its file and tensor named);
 - retries of one attempt (put, then record) with backoff, bounded by the deadline: a store's
   ``TransientDestinationError``, network errors and 408/429/5xx (``guard.secure.hubhttp.classify``), one retry of a
@@ -210,7 +210,7 @@ class Securer:
             PushFailedError: no files, a file marked suspect, a torn file, no time left, a non-retryable error
                 (auth, permission, a local read error), or the retries ran out of time; its message lists every
                 attempt. ``CheckpointRewrittenError`` (a subclass): a file was written again after ``saved_by_s``.
-                ``WeightsNotFiniteError`` (a subclass): a safetensors file holds a NaN or an infinity
+                ``WeightsNotFiniteError`` (a subclass): a weight file holds a NaN or an infinity
                 (``guard.secure.weights``, read before any byte moves; its file and tensor named).
         """
         folder = Path(local_dir)

@@ -8,9 +8,13 @@ files whose format it reads without a framework:
   a JSON header naming every tensor's ``dtype``, ``shape`` and ``data_offsets`` (begin, end, relative to the end of
   the header), then the raw little-endian data. The floating dtypes are checked: ``F64``, ``F32``, ``F16``,
   ``BF16``, ``F8_E5M2`` and ``F8_E4M3``; integer and boolean tensors hold no NaN.
-- **torch.save zip** and every other pickle are not read here: their tensors' dtypes lie in a pickle, and reading
-  them without torch means running a pickle of the job's (``weights_only`` in torch itself); the agent's
-  ``torch.save`` witness checks those tensors in the job, before the file is reported.
+- **torch.save zip** (``torch.save``'s default since PyTorch 1.6): its ``data.pkl`` names every storage with its
+  type (``FloatStorage``, ``DoubleStorage``, ``HalfStorage``, ``BFloat16Storage``) and the tensors built on it; it
+  is read with the stub unpickler of ``guard.secure.formats`` (no class imported, no code of the file run), and each
+  storage's bytes, stored uncompressed in its zip record, are read as a safetensors tensor's are
+  (``formats.torch_zip_storages``). A whole storage is read (a view saves all of it). Storages without a typed name
+  (the 8-bit floats: ``UntypedStorage``) and the legacy (pre-1.6) pickle layout are not read; the agent's
+  ``torch.save`` witness checks every tensor in the job, before the file is reported.
 
 How a value is told non-finite without numpy (which the guard does not depend on): an IEEE value is NaN or
 infinite exactly when its exponent bits are all ones. The byte holding the sign and the top exponent bits is
@@ -37,9 +41,10 @@ import struct
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
-__all__ = ["CHECKED_DTYPES", "CHUNK_BYTES", "CheckTimedOut", "NonFinite", "WeightsCheck", "check_files",
-           "first_non_finite"]
+__all__ = ["CHECKED_DTYPES", "CHUNK_BYTES", "TORCH_STORAGES", "CheckTimedOut", "NonFinite", "WeightsCheck",
+           "check_files", "first_non_finite"]
 
 #: Bytes read at a time (a multiple of every element width).
 CHUNK_BYTES = 16 << 20
@@ -80,6 +85,8 @@ CHECKED_DTYPES: dict[str, _Dtype] = {
     "F8_E4M3": _Dtype(1, 0, _top_bytes(0x7F), True, 0x7F),
 }
 _OTHERS = {name: kind.others for name, kind in CHECKED_DTYPES.items()}
+#: ``torch.save``'s typed storage names (``torch.storage.TypedStorage._pickle_storage_type``) -> the dtype read.
+TORCH_STORAGES = {"DoubleStorage": "F64", "FloatStorage": "F32", "BFloat16Storage": "BF16", "HalfStorage": "F16"}
 
 
 class CheckTimedOut(Exception):
@@ -104,10 +111,15 @@ class NonFinite:
         return f"{self.file}: tensor {self.tensor} ({self.dtype})"
 
 
+#: Names of the files read: safetensors, and ``torch.save``'s (the Trainer's ``optimizer.pt``, ``pytorch_model.bin``,
+#: a loop's ``ckpt.pt``, timm's ``last.pth.tar``).
+_READ_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin", ".ckpt", ".tar")
+
+
 @dataclasses.dataclass(frozen=True)
 class WeightsCheck:
     """What ``check_files`` read: ``bad`` (the first non-finite tensor, None when all were finite), ``files`` (the
-    safetensors files read), ``size_bytes`` (their tensor data), ``elapsed_s`` (seconds)."""
+    safetensors files and ``torch.save`` zips read), ``size_bytes`` (their size), ``elapsed_s`` (seconds)."""
 
     bad: NonFinite | None
     files: int
@@ -150,11 +162,30 @@ def _tensors(header: dict[str, object]) -> list[tuple[int, int, str, str]]:
     return sorted(found)
 
 
+def _span_non_finite(file: Any, begin: int, length: int, dtype: str, buffer: bytearray, *, where: str,
+                     deadline: float | None, clock: Callable[[], float]) -> bool | None:
+    """Whether ``length`` bytes of ``dtype`` elements from ``begin`` in ``file`` hold a non-finite one; None when
+    the file ends first (cut short: ``formats``' to say)."""
+    kind, others, view = CHECKED_DTYPES[dtype], _OTHERS[dtype], memoryview(buffer)
+    file.seek(begin)
+    left = length
+    while left > 0:
+        if deadline is not None and clock() > deadline:
+            raise CheckTimedOut(where)
+        got = file.readinto(view[:min(left, len(buffer))])
+        if not got:
+            return None
+        left -= got
+        if _chunk_non_finite(buffer[:got] if got < len(buffer) else buffer, kind, others):
+            return True
+    return False
+
+
 def first_non_finite(path: str | os.PathLike[str], *, deadline: float | None = None,
                      clock: Callable[[], float] = time.monotonic) -> tuple[str, str] | None:
-    """The first tensor (in file order) of the safetensors file at ``path`` holding a NaN or an infinity, as
-    ``(name, dtype)``, or None when every checked tensor is finite or the file is not a readable safetensors file
-    (its structure is ``guard.secure.formats``' to judge).
+    """The first tensor (in file order) of the safetensors file or ``torch.save`` zip at ``path`` holding a NaN or
+    an infinity, as ``(name, dtype)`` (a safetensors dtype), or None when every checked tensor is finite or the file
+    is of neither format, or not readable as one (its structure is ``guard.secure.formats``' to judge).
 
     Args:
         path: the file.
@@ -165,8 +196,35 @@ def first_non_finite(path: str | os.PathLike[str], *, deadline: float | None = N
         CheckTimedOut: ``deadline`` passed before the check ended.
         OSError: the file cannot be read.
     """
+    from guard.secure.formats import kind_of, torch_zip_storages
+
     where = os.fspath(path)
+    kind = kind_of(where)
+    if kind == "safetensors":
+        spans = _safetensors_spans(where)
+    elif kind == "torch-zip":
+        storages = torch_zip_storages(where)
+        spans = None if storages is None else [(st.offset, st.size_bytes, st.tensor, TORCH_STORAGES[st.kind])
+                                               for st in storages if st.kind in TORCH_STORAGES]
+    else:
+        return None
+    if not spans:
+        return None
+    buffer = bytearray(CHUNK_BYTES)
     with open(where, "rb", buffering=0) as file:
+        for begin, length, name, dtype in spans:
+            found = _span_non_finite(file, begin, length, dtype, buffer, where=where, deadline=deadline, clock=clock)
+            if found is None:
+                return None
+            if found:
+                return name, dtype
+    return None
+
+
+def _safetensors_spans(where: str) -> list[tuple[int, int, str, str]] | None:
+    """``(file offset, length, name, dtype)`` of every tensor of a checked dtype, in file order; None when the
+    header cannot be read."""
+    with open(where, "rb") as file:
         head = file.read(8)
         if len(head) < 8:
             return None
@@ -177,25 +235,10 @@ def first_non_finite(path: str | os.PathLike[str], *, deadline: float | None = N
             header = json.loads(file.read(header_len))
         except ValueError:
             return None
-        if not isinstance(header, dict):
-            return None
-        start = 8 + header_len
-        buffer = bytearray(CHUNK_BYTES)
-        view = memoryview(buffer)
-        for begin, end, name, dtype in _tensors(header):
-            kind, others = CHECKED_DTYPES[dtype], _OTHERS[dtype]
-            file.seek(start + begin)
-            left = end - begin
-            while left > 0:
-                if deadline is not None and clock() > deadline:
-                    raise CheckTimedOut(where)
-                got = file.readinto(view[:min(left, CHUNK_BYTES)])
-                if not got:
-                    return None  # cut short: formats' to say
-                left -= got
-                if _chunk_non_finite(buffer[:got] if got < CHUNK_BYTES else buffer, kind, others):
-                    return name, dtype
-    return None
+    if not isinstance(header, dict):
+        return None
+    start = 8 + header_len
+    return [(start + begin, end - begin, name, dtype) for begin, end, name, dtype in _tensors(header)]
 
 
 def _data_bytes(path: Path) -> int:
@@ -207,9 +250,9 @@ def _data_bytes(path: Path) -> int:
 
 def check_files(folder: str | os.PathLike[str], files: Iterable[str], *, deadline: float | None = None,
                 clock: Callable[[], float] = time.monotonic) -> WeightsCheck:
-    """Read every safetensors file of ``files`` (relative to ``folder``; a file named ``*.safetensors`` that starts
-    like one, ``guard.secure.formats.kind_of``) and return the first non-finite tensor, if any. Other files are not
-    read (see the module docstring).
+    """Read every safetensors file and ``torch.save`` zip of ``files`` (relative to ``folder``; told by
+    ``guard.secure.formats.kind_of``) and return the first non-finite tensor, if any. Other files are not read (see
+    the module docstring).
 
     Raises:
         CheckTimedOut: ``deadline`` passed first.
@@ -221,7 +264,7 @@ def check_files(folder: str | os.PathLike[str], files: Iterable[str], *, deadlin
     read, size = 0, 0
     for rel in sorted(files):
         path = base / rel
-        if not rel.endswith(".safetensors") or kind_of(path) != "safetensors":
+        if not rel.endswith(_READ_SUFFIXES) or kind_of(path) not in ("safetensors", "torch-zip"):
             continue
         read, size = read + 1, size + _data_bytes(path)
         bad = first_non_finite(path, deadline=deadline, clock=clock)

@@ -78,10 +78,10 @@ def refuse_torn(what: str, folder: Path, files: list[str], where: str, destinati
 def refuse_not_finite(what: str, folder: Path, files: list[str], destination: str, *, fetched: bool = False,
                       deadline: float | None = None, clock: Callable[[], float] = time.monotonic,
                       log: logging.Logger | None = None) -> float:
-    """Read the weights of ``files`` under ``folder`` (``guard.secure.weights.check_files``: the safetensors files)
-    and raise ``WeightsNotFiniteError`` naming the file and tensor when one holds a NaN or an infinity; ``fetched``:
-    the files were fetched for a resume (the message says "not resumed"), else they are about to be pushed. Returns
-    the seconds the check took.
+    """Read the weights of ``files`` under ``folder`` (``guard.secure.weights.check_files``: safetensors files,
+    ``torch.save`` zips) and raise ``WeightsNotFiniteError`` naming the file and tensor when one holds a NaN or an
+    infinity; ``fetched``: the files were fetched for a resume (the message says "not resumed"), else they are about
+    to be pushed. Returns the seconds the check took.
 
     Raises:
         WeightsNotFiniteError: a tensor is not finite.
@@ -99,7 +99,7 @@ def refuse_not_finite(what: str, folder: Path, files: list[str], destination: st
         raise PushFailedError(f"cannot read the weights of {what}: {exc}", destination=destination,
                               hint="check the files' permissions and the disk") from exc
     if checked.files and log is not None:
-        log.debug("weights of %s finite: %d safetensors file(s), %.1f MB read in %.2fs", what, checked.files,
+        log.debug("weights of %s finite: %d weight file(s), %.1f MB read in %.2fs", what, checked.files,
                   checked.size_bytes / 1e6, checked.elapsed_s)
     bad = checked.bad
     if bad is None:
@@ -268,7 +268,7 @@ def place_fetched(fetched: Path, into: Path, step: int | None, revision: str, fi
 
     Raises:
         HubError: ``step`` is None (the checkpoint does not say its step).
-        WeightsNotFiniteError: a fetched safetensors file holds a NaN or an infinity (nothing is placed).
+        WeightsNotFiniteError: a fetched weight file holds a NaN or an infinity (nothing is placed).
         OSError: a rename or a read failed.
     """
     if step is None:
