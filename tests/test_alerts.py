@@ -150,6 +150,7 @@ class FakePlan(SimpleNamespace):
 
     has_pusher = True
     non_finite_from_step: int | None = None
+    suspect_from_step: int | None = None
 
     def report(self) -> FakePlan:
         return self
@@ -172,6 +173,19 @@ def test_a_revoked_push_is_not_secured_and_a_refused_suspect_push_is_no_network_
     alerts.on_securing(plan, 122)
     assert [(t, lvl) for t, _, lvl, _ in rec.alerts][1:] == [
         ("checkpoint of step 100 no longer counts as secured", "warn")]
+
+
+def test_the_push_of_the_save_whose_weights_gave_the_nan_is_revoked() -> None:
+    # a NaN loss at step 101 came from the weights saved at step 100: the plan's suspects start at step 100
+    alerts, rec = make()
+    plan: Any = FakePlan(trigger=None, state=SimpleNamespace(name="WATCHING"), history=[], secured=None)
+    plan.history.append(push("background", 100, True))
+    alerts.on_securing(plan, 101)
+    plan.non_finite_from_step, plan.suspect_from_step = 101, 100
+    alerts.on_securing(plan, 102)
+    assert [(t, (b or "").split("\n")[0]) for t, b, _, _ in rec.alerts][1:] == [
+        ("checkpoint of step 100 no longer counts as secured",
+         "it was saved at or after step 100 (the first non-finite loss: step 101)")], rec.alerts
 
 
 def test_securing_started_secured_checkpoints_and_failing_pushes() -> None:

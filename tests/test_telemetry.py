@@ -428,7 +428,8 @@ def test_heartbeat_figures_a_person_reads_and_the_alerts_it_carries() -> None:
     secured = SimpleNamespace(kind="background", step=15, path="/out/checkpoint-15", running=False, ok=True,
                               killed=False, pushed="hf://a/b@r1", destination="hf://a/b", error=None, hint=None)
     snapshot = SimpleNamespace(trigger=None, state=SimpleNamespace(name="WATCHING"), history=(secured,),
-                               secured=secured, has_pusher=True, non_finite_from_step=None)  # Plan.report()
+                               secured=secured, has_pusher=True, non_finite_from_step=None,
+                               suspect_from_step=None)  # Plan.report()
     plan = SimpleNamespace(report=lambda: snapshot)
     hb.observe(clock.now, SimpleNamespace(exploded=None, rose=None), plan)
     clock.now = 10.0

@@ -342,7 +342,8 @@ class Alerts:
             self.send(f"securing:{trigger}", "info", f"securing started: {why}",
                       "the guard secures the newest checkpoint before the job is stopped", step=step)
         history = report.history
-        bad_from = report.non_finite_from_step
+        bad = report.non_finite_from_step
+        bad_from = report.suspect_from_step if report.suspect_from_step is not None else bad
         while self._next_record < len(history) and not history[self._next_record].running:
             view = history[self._next_record]
             self._next_record += 1
@@ -350,7 +351,7 @@ class Alerts:
         if bad_from is not None:
             for at in sorted(s for s in self._alerted if s >= bad_from):
                 self.send(f"revoked:{at}", "warn", f"checkpoint of step {at} no longer counts as secured",
-                          f"it was saved at or after the first non-finite loss (step {bad_from})", step=at,
+                          f"it was saved at or after step {bad_from} (the first non-finite loss: step {bad})", step=at,
                           hint="resume from the checkpoint the VERDICT names")
         secured = report.secured
         if secured is not None and secured.step is not None:

@@ -137,7 +137,8 @@ class PlanReport:
         secured: the newest verified checkpoint push (never a suspect, incomplete or killed one), or None.
         newest: the newest complete checkpoint that may be secured (never a suspect), or None.
         suspect: the newest checkpoint saved at or after the first non-finite step, or None; suspects: all of them.
-        non_finite_from_step: the first non-finite step heard of, or None.
+        non_finite_from_step: the first non-finite step heard of, or None. suspect_from_step: the first suspect save
+            step (``Tainted.saves_from``: the step before a non-finite loss, whose weights gave it), or None.
         final: the final model's push, or None. error: the last failed securing/final push, or None.
         history: every push, oldest first. has_pusher: a destination is known and this guard pushes.
         training_complete: the job ended having trained to its end (PASS, even after the deadline's request).
@@ -166,3 +167,4 @@ class PlanReport:
     superseded_trigger: str | None
     final_wanted: bool
     ignored: tuple[str, ...]
+    suspect_from_step: int | None = None
