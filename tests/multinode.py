@@ -72,14 +72,17 @@ class Nodes:
         procs: processes per node.
         shared: one output folder for every node instead of one each.
         env: extra environment for every guard.
+        node_guard_args: more options for one node's guard (``{0: ["--margin", "25s"]}``).
     """
 
     def __init__(self, tmp_path: Path, n: int, job: str | Path, *, job_args: Sequence[str] = (),
                  guard_args: Sequence[str] = (), procs: int = 1, shared: bool = False,
-                 env: dict[str, str] | None = None, run_id: str = "multinode-run") -> None:
+                 env: dict[str, str] | None = None, run_id: str = "multinode-run",
+                 node_guard_args: dict[int, Sequence[str]] | None = None) -> None:
         self.tmp_path, self.n, self.procs, self.shared = tmp_path, n, procs, shared
         self.job, self.job_args, self.guard_args = str(job), list(job_args), list(guard_args)
         self.env, self.run_id = dict(env or {}), run_id
+        self.node_guard_args = {node: list(args) for node, args in (node_guard_args or {}).items()}
         self.port = free_port()
         self.procs_started: list[subprocess.Popen[bytes]] = []
 
@@ -95,7 +98,8 @@ class Nodes:
         def fill(items: Sequence[str]) -> list[str]:
             return [item.replace("{out}", str(self.out(node))).replace("{node}", str(node)) for item in items]
 
-        return [sys.executable, "-m", "guard", *fill(self.guard_args), "--run-id", self.run_id, "--",
+        return [sys.executable, "-m", "guard", *fill(self.guard_args), *fill(self.node_guard_args.get(node, [])),
+                "--run-id", self.run_id, "--",
                 TORCHRUN, "--nnodes", str(self.n), "--node-rank", str(node), "--nproc-per-node", str(self.procs),
                 "--master-addr", "127.0.0.1", "--master-port", str(self.port), self.job, *fill(self.job_args)]
 

@@ -12,7 +12,7 @@ import contextlib
 import json
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -223,8 +223,8 @@ def test_deepspeed_rank_0s_shard_alone_is_never_secured(tmp_path: Path, dest: De
 
 
 def _trainer(tmp_path: Path, dest: Dest, *guard_args: str, job_args: tuple[str, ...] = (),
-             run_id: str = "multinode-run") -> Nodes:
-    return Nodes(tmp_path, 2, JOBS / "ddp_trainer.py", run_id=run_id,
+             run_id: str = "multinode-run", node_guard_args: dict[int, Sequence[str]] | None = None) -> Nodes:
+    return Nodes(tmp_path, 2, JOBS / "ddp_trainer.py", run_id=run_id, node_guard_args=node_guard_args,
                  guard_args=[*FAST, "--output-dir", "{out}", "--push-to", dest.push_to, *guard_args],
                  job_args=["--output-dir", "{out}", "--step-s", "0.1", *job_args], env=dest.env)
 
@@ -263,6 +263,21 @@ def test_a_trainers_checkpoint_over_two_disks_is_secured_whole(tmp_path: Path, d
     assert state["global_step"] == step
     for rank in range(2):  # each rank's own RNG state, loadable as the Trainer's resume loads it
         assert "cpu" in torch.load(fetched / f"rng_state_{rank}.pth", weights_only=False)
+
+
+def test_node_0s_earlier_deadline_request_is_every_nodes_deadline(tmp_path: Path) -> None:
+    """Node 0's margin is its own (its push moves the record: 4.6 s against node 1's 0.6 s at a Hub repo gave it a
+    23 s margin), so its request to save and stop reaches every rank before node 1's own deadline request is due.
+    Node 1's guard must take it as its deadline: secure its part of that step and say TIMEOUT exit=75 with node 0.
+    Before, node 1's job ended on a request its guard never heard of: PASS exit=0, no part of that step put, and node
+    0 said secured=no missing=node1 (here: margins of 25 s and 3 s given outright)."""
+    dest = Dest("folder", tmp_path, None)
+    nodes = _trainer(tmp_path, dest, "--timeout", "50s", job_args=("--save-steps", "40"),
+                     node_guard_args={0: ["--margin", "25s"], 1: ["--margin", "3s"]}).start()
+    step, fetched = _secured_at_the_deadline(nodes, tmp_path, dest)
+    held = {p.name for p in fetched.rglob("*") if p.is_file()}
+    assert {"rng_state_0.pth", "rng_state_1.pth", "trainer_state.json"} <= held, held
+    assert json.loads((fetched / "trainer_state.json").read_text())["global_step"] == step
 
 
 def test_a_node_lost_mid_run_never_makes_the_other_say_its_newest_step_is_secured(tmp_path: Path,

@@ -97,7 +97,7 @@ def test_the_deadline_asks_a_trainer_for_a_checkpoint_then_secures_it(tmp_path: 
     rig.run_for(69.0)
     assert rig.link.sent == [] and rig.link.state.outcome is None
     rig.run_for(2.0)  # past deadline - margin
-    assert rig.link.sent == [{"t": "checkpoint", "stop": True}]
+    assert rig.link.sent == [{"t": "checkpoint", "stop": True, "trigger": "deadline"}]
     assert rig.link.state.outcome is not None and rig.link.state.outcome.status == "TIMEOUT"
     assert rig.link.stops, "the job is stopped before the deadline"
     rig.saved(41)
@@ -117,7 +117,7 @@ def test_with_several_ranks_the_request_names_a_step_ahead_of_all(tmp_path: Path
     rig.link.state.facts.trainer_config = {"output_dir": str(rig.out)}
     rig.link.state.progress.step = 50
     rig.run_for(71.0)
-    assert rig.link.sent == [{"t": "checkpoint", "stop": True, "at_step": 50 + 2 * 10 + 2}]
+    assert rig.link.sent == [{"t": "checkpoint", "stop": True, "trigger": "deadline", "at_step": 50 + 2 * 10 + 2}]
 
 
 def test_a_job_that_cannot_save_is_not_asked(tmp_path: Path) -> None:

@@ -14,7 +14,7 @@ import signal
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from guard.contract import signal_name
+from guard.contract import ExitCode, signal_name
 from guard.core.masking import Masker
 from guard.core.state import Message, Outcome
 from guard.run.channel import AgentConn
@@ -92,7 +92,12 @@ class Dispatch:
         (``guard.run.relay``): handled as if this guard had received it, once, without asking the job again (it
         already saves at that step), and the job stopped at half the grace unless it ends first."""
         signum, origin = relayed_signal(message), message.get("origin")
-        if self.relayed or signum is None or origin == self.link.node_rank or self.state.outcome is not None:
+        if self.relayed or origin == self.link.node_rank or self.state.outcome is not None:
+            return
+        if signum is None and message.get("trigger") == "deadline":
+            self.on_relayed_deadline(message, now)
+            return
+        if signum is None:
             return
         self.relayed = True
         log.warning("%s on node %s: every rank saves at step %s and stops; handled here as if received",
@@ -104,6 +109,22 @@ class Dispatch:
         self.executor.decide(Outcome("INTERRUPTED", "signal", 128 + signum, extra={"signal": signal_name(signum)},
                                      hint=f"node {origin} received {signal_name(signum)}; the job stopped on every "
                                           "node: rerun it"), stop=False)
+        grace_s = self.link.settings.grace_s
+        self.link.stop_job_at(now + grace_s / 2, grace_s / 2)
+
+    def on_relayed_deadline(self, message: Message, now: float) -> None:
+        """Node 0's guard asked every rank to save at one step and stop for its deadline, before this node's own
+        request was due (node 0's margin includes the record's time): handled as this node's deadline, once, the
+        job not asked again (it already saves at that step), and stopped at half the grace unless it ends first."""
+        self.relayed = True
+        log.warning("node 0's deadline: every rank saves at step %s and stops; handled here as this node's deadline",
+                    message.get("at_step"))
+        if self.securer is not None:
+            self.securer.relayed = True  # the job already has its request: securing asks for no other step
+            if self.securer.on_relayed_deadline(self.link, now):
+                return
+        self.executor.decide(Outcome("TIMEOUT", "deadline", int(ExitCode.TIMEOUT_UNSECURED),
+                                     hint="node 0's guard stopped the job at its deadline on every node"), stop=False)
         grace_s = self.link.settings.grace_s
         self.link.stop_job_at(now + grace_s / 2, grace_s / 2)
 

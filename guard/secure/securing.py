@@ -606,6 +606,11 @@ class Securing:
                      "job to save and end", sup.node_rank)
             return
         request: dict[str, Any] = {"t": "checkpoint", "stop": True}
+        report = self.plan.report()
+        if report.trigger in ("deadline", "signal"):  # the other nodes' guards learn why (guard/run/relay.py)
+            request["trigger"] = report.trigger
+            if report.trigger == "signal" and report.signum is not None:
+                request["trigger_signal"] = signal_name(report.signum)
         ranks = sup.training_ranks()
         world_size = sup.world_size()
         if len(ranks) > 1 or world_size > 1:
@@ -660,6 +665,17 @@ class Securing:
         (``checkpoints.newest_complete``, on the file system thread); its answer is handled when it comes."""
         self._request_scan()
         self._pump(sup, self.clock())
+
+    def on_relayed_deadline(self, sup: JobLink, now: float) -> bool:
+        """Many nodes: node 0's guard asked every rank to save and stop for its deadline (its margin is its own: its
+        push moves the record), before this node's own deadline request was due: handled as this node's deadline,
+        so that its part of that step is secured and its VERDICT says ``TIMEOUT`` as node 0's does. False when the
+        plan is past watching (it decided already)."""
+        if self.plan.state is not State.WATCHING or sup.state.outcome is not None:
+            return False
+        self._feed(sup, DeadlineNear(can_save=self._can_save(sup), handles_term=sup.state.facts.handles_sigterm),
+                   now)
+        return True
 
     def on_signal(self, sup: JobLink, signum: int, now: float) -> bool:
         """Feed a termination signal to the plan; False lets the supervisor handle it (no destination, or done)."""
