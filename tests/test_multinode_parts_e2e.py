@@ -12,7 +12,7 @@ import contextlib
 import json
 import signal
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +33,6 @@ from tests.hubserver import TOKENS, HubServer, client_constants
 pytestmark = [pytest.mark.slow]
 
 FAST = ["--no-preflight", "--grace", "8s", "--sanity-steps", "2"]
-
 
 @pytest.fixture
 def moto(tmp_path: Path) -> Iterator[MotoServer]:
@@ -169,117 +168,6 @@ def test_three_nodes_at_the_deadline_say_one_step_and_their_parts_load_as_one(tm
         assert float(state[f"rank{rank}"][0]) == rank * 1000 + step, rank
 
 
-def _zero(tmp_path: Path, dest: Dest, *job_args: str) -> Nodes:
-    return Nodes(tmp_path, 2, JOBS / "zero_parts_loop.py",
-                 guard_args=[*FAST, "--output-dir", "{out}", "--push-to", dest.push_to, "--timeout", "40s"],
-                 job_args=["{out}", "--every", "20", "--step-s", "0.05", *job_args], env=dest.env)
-
-
-def test_deepspeed_zero_shards_on_two_nodes_make_one_checkpoint(tmp_path: Path, dest: Dest) -> None:
-    """A ZeRO layout over two disks (node 0: the tag's model states, rank 0's optimizer shard, ``latest``; node 1:
-    rank 1's shard alone): both nodes TIMEOUT exit=75 with one secured_step, and the record holds every
-    data-parallel rank's ZeRO file of that step."""
-    nodes = _zero(tmp_path, dest).start()
-    step, fetched = _secured_at_the_deadline(nodes, tmp_path, dest)
-    states = torch.load(fetched / "mp_rank_00_model_states.pt", weights_only=True)
-    assert states["global_steps"] == step and states["dp_world_size"] == 2
-    for rank in range(2):  # every data-parallel rank's shard, of that step
-        shard = torch.load(fetched / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt", weights_only=True)
-        assert float(shard["optimizer_state_dict"]["shard"][0]) == rank * 1000 + step, rank
-
-
-@pytest.mark.parametrize("kind", ["folder", pytest.param("hub", marks=pytest.mark.hub)])
-def test_deepspeed_zero_parts_resume_on_fresh_nodes_from_the_secured_tag(tmp_path: Path, kind: str,
-                                                                         request: pytest.FixtureRequest) -> None:
-    """The next run on fresh folders (``--resume on``): each node fetches the whole tag folder onto its own disk with
-    ``latest`` naming it (it lay beside the tag, not in the record), and each rank loads its own ZeRO shard of that
-    step and trains on. Before: no ``latest`` was written, and the job started from step 0. At a Hub repo each node
-    fetches the record commit the parts were copied into."""
-    dest = Dest(kind, tmp_path, None, request.getfixturevalue("hub") if kind == "hub" else None)
-    step, _ = _secured_at_the_deadline(_zero(tmp_path / "first", dest).start(), tmp_path, dest)
-    second = Nodes(tmp_path / "second", 2, JOBS / "zero_parts_loop.py", run_id="multinode-run-2",
-                   guard_args=[*FAST, "--output-dir", "{out}", "--push-to", dest.push_to, "--resume", "on"],
-                   job_args=["{out}", "--every", "20", "--step-s", "0.01", "--steps", str(step + 10)],
-                   env=dest.env).start()
-    runs = second.wait(120)
-    for run in runs:
-        assert f"rank {run.node}: resumed from step {step}" in run.stdout, logs(runs)
-        assert (second.out(run.node) / "latest").read_text() == f"global_step{step}"
-    assert {run.returncode for run in runs} == {0}, logs(runs)
-
-
-def test_deepspeed_rank_0s_shard_alone_is_never_secured(tmp_path: Path, dest: Dest) -> None:
-    """Node 1's rank never writes its ZeRO file: node 0 holds the model states, rank 0's shard and ``latest``, and
-    no node may say secured=yes; the destination records nothing."""
-    nodes = _zero(tmp_path, dest, "--no-shard", "1").start()
-    try:
-        runs = nodes.wait(150)
-    finally:
-        nodes.close()
-    for run in runs:
-        assert run.fields().get("status") == "TIMEOUT" and run.fields().get("secured") != "yes", logs(runs)
-    assert runs[0].fields().get("missing") in (None, "node1"), logs(runs)
-    assert dest.record() is None, logs(runs)
-
-
-def _trainer(tmp_path: Path, dest: Dest, *guard_args: str, job_args: tuple[str, ...] = (),
-             run_id: str = "multinode-run", node_guard_args: dict[int, Sequence[str]] | None = None) -> Nodes:
-    return Nodes(tmp_path, 2, JOBS / "ddp_trainer.py", run_id=run_id, node_guard_args=node_guard_args,
-                 guard_args=[*FAST, "--output-dir", "{out}", "--push-to", dest.push_to, *guard_args],
-                 job_args=["--output-dir", "{out}", "--step-s", "0.1", *job_args], env=dest.env)
-
-
-def test_a_trainer_resumes_on_fresh_nodes_with_every_ranks_part(tmp_path: Path) -> None:
-    """The next run on fresh folders (``--resume on``): each node fetches the whole checkpoint (model, trainer state,
-    both ranks' RNG states) onto its own disk, the Trainer resumes from it on both ranks (the agent passes
-    ``resume_from_checkpoint``; rank 1 loads its own rng_state_1.pth, which lay on node 1's disk) and trains on."""
-    dest = Dest("folder", tmp_path, None)
-    first = _trainer(tmp_path / "first", dest, "--timeout", "50s", job_args=("--save-steps", "5"))
-    step, _ = _secured_at_the_deadline(first.start(), tmp_path, dest)
-    second = _trainer(tmp_path / "second", dest, "--resume", "on", run_id="multinode-run-2",
-                      job_args=("--max-steps", str(step + 3))).start()
-    runs = second.wait(150)
-    assert [run.story()[0] for run in runs] == ["PASS", "PASS"], logs(runs)
-    for run in runs:
-        assert "resumed_from=" in run.verdict, logs(runs)
-        held = second.out(run.node) / f"checkpoint-{step}"
-        assert {"rng_state_0.pth", "rng_state_1.pth", "trainer_state.json"} <= {p.name for p in held.iterdir()}
-        assert "did not load the resumed checkpoint" not in run.stdout, logs(runs)
-
-
-@pytest.mark.parametrize("save_steps", ["5", "40"])
-def test_a_trainers_checkpoint_over_two_disks_is_secured_whole(tmp_path: Path, dest: Dest, save_steps: str) -> None:
-    """A Trainer on two nodes with local disks: node 0's checkpoint-N holds the model, the optimizer, the trainer
-    state and rng_state_0.pth, node 1's only rng_state_1.pth. Every node says TIMEOUT exit=75 with one
-    secured_step, and the record holds both ranks' RNG states with the model. Before: node 0 secured its folder as
-    a whole checkpoint (rng_state_1.pth not required: the description did not know the job's world size) while
-    node 1 put a part that never became whole and exited 143; with both as parts, saves every 0.5 s or 4 s (5 or
-    40 steps) never met on one step within 150 s."""
-    nodes = _trainer(tmp_path, dest, "--timeout", "50s", job_args=("--save-steps", save_steps)).start()
-    step, fetched = _secured_at_the_deadline(nodes, tmp_path, dest)
-    held = {p.relative_to(fetched).as_posix() for p in fetched.rglob("*") if p.is_file()}
-    assert {"rng_state_0.pth", "rng_state_1.pth", "trainer_state.json", "model.safetensors"} <= held, held
-    state = json.loads((fetched / "trainer_state.json").read_text())
-    assert state["global_step"] == step
-    for rank in range(2):  # each rank's own RNG state, loadable as the Trainer's resume loads it
-        assert "cpu" in torch.load(fetched / f"rng_state_{rank}.pth", weights_only=False)
-
-
-def test_node_0s_earlier_deadline_request_is_every_nodes_deadline(tmp_path: Path) -> None:
-    """Node 0's margin is its own (its push moves the record: 4.6 s against node 1's 0.6 s at a Hub repo gave it a
-    23 s margin), so its request to save and stop reaches every rank before node 1's own deadline request is due.
-    Node 1's guard must take it as its deadline: secure its part of that step and say TIMEOUT exit=75 with node 0.
-    Before, node 1's job ended on a request its guard never heard of: PASS exit=0, no part of that step put, and node
-    0 said secured=no missing=node1 (here: margins of 25 s and 3 s given outright)."""
-    dest = Dest("folder", tmp_path, None)
-    nodes = _trainer(tmp_path, dest, "--timeout", "50s", job_args=("--save-steps", "40"),
-                     node_guard_args={0: ["--margin", "25s"], 1: ["--margin", "3s"]}).start()
-    step, fetched = _secured_at_the_deadline(nodes, tmp_path, dest)
-    held = {p.name for p in fetched.rglob("*") if p.is_file()}
-    assert {"rng_state_0.pth", "rng_state_1.pth", "trainer_state.json"} <= held, held
-    assert json.loads((fetched / "trainer_state.json").read_text())["global_step"] == step
-
-
 def test_a_node_lost_mid_run_never_makes_the_other_say_its_newest_step_is_secured(tmp_path: Path,
                                                                                     any_dest: Dest) -> None:
     """Every process of node 1 killed (a lost node): node 0's part of a later step never becomes whole; node 0's
@@ -365,4 +253,3 @@ def _leaves(obj: object) -> list[object]:
     if isinstance(obj, dict):
         return [leaf for value in obj.values() for leaf in _leaves(value)]
     return [obj]
-
