@@ -97,7 +97,7 @@ def test_a_scan_stuck_in_stat_leaves_the_deadline_and_the_verdict_alone(tmp_path
     assert rig.link.state.outcome is None
     rig.run_for(2.0)  # past deadline - margin: decided, asked, stopped, as with a folder that answers
     assert rig.link.state.outcome is not None and rig.link.state.outcome.reason == "deadline"
-    assert rig.link.sent == [{"t": "checkpoint", "stop": True}] and rig.link.stops
+    assert rig.link.sent == [{"t": "checkpoint", "stop": True, "trigger": "deadline"}] and rig.link.stops
     rig.link.exit(-signal.SIGTERM)  # stopped before the deadline
     rig.securing.on_job_exit(rig.link, rig.clock.now)
     assert rig.securing.busy(), "the job's end waits for a fresh scan"

@@ -192,7 +192,8 @@ def test_the_loss_given_to_accelerate_backward_is_reported() -> None:
 
 def test_the_loss_given_to_a_deepspeed_engine_backward_is_reported() -> None:
     # DeepSpeedEngine.backward divides by the 4 accumulation steps and multiplies by the fp16 loss scale (2**16)
-    run = run_guard([str(JOBS / "deepspeed_loop.py"), "--steps", "12"])
+    # 12 micro-steps are 3 optimizer steps: a sanity pass of 2 of them (it counts optimizer steps)
+    run = run_guard(["--sanity-steps", "2", str(JOBS / "deepspeed_loop.py"), "--steps", "12"])
     assert run.returncode == 0, run.stderr[-3000:]
     fields = run.fields()
     assert fields["step"] == "3"  # optimizer steps, as DeepSpeed's global_steps: 12 micro-steps of 4 each
