@@ -77,6 +77,25 @@ def test_a_signal_on_node_1_alone_stops_every_node_at_one_step(tmp_path: Path) -
     assert saves[0] and saves[1] and saves[0][-1][1] == saves[1][-1][1], saves  # one step on both nodes
 
 
+
+def test_a_signal_on_node_0_alone_is_interrupted_on_every_node(tmp_path: Path) -> None:
+    # run_clm.py on two nodes, SIGTERM to node 0's guard only: node 0 asked every rank (through the job's store) to
+    # save and stop, and node 1's job stopped at that step, but node 1's guard was never told: PASS exit=0
+    nodes = Nodes(tmp_path, 2, JOBS / "ddp_trainer.py",
+                  guard_args=[*FAST, "--grace", "40s", "--push-to", str(tmp_path / "dest")],
+                  job_args=["--output-dir", "{out}", "--step-s", "0.05", "--save-steps", "10"]).start()
+    try:
+        assert nodes.wait_for(lambda: all("sanity pass" in nodes.stderr(n) for n in (0, 1)), 150), \
+            logs(nodes.wait(5))
+        nodes.signal(0, signal.SIGTERM)
+        runs = nodes.wait(120)
+    finally:
+        nodes.close()
+    assert [run.story()[:2] for run in runs] == [("INTERRUPTED", "signal")] * 2, logs(runs)
+    assert "SIGTERM on node 0: every rank saves at step" in runs[1].stderr, logs(runs)
+    saves = [re.findall(r"rank (\d): saved at step (\d+)", run.stdout) for run in runs]
+    assert saves[0] and saves[1] and saves[0][-1][1] == saves[1][-1][1], saves  # one step on both nodes
+
 def test_resume_into_a_shared_folder_fetches_once(tmp_path: Path) -> None:
     dest = tmp_path / "dest"
     first = Nodes(tmp_path / "first", 2, JOBS / "ddp_trainer.py", shared=True,

@@ -621,6 +621,11 @@ class Securing:
             ahead = (sup.newest_rank_step() or 0) + 2 * every + 2
             request["at_step"] = ahead
             log.info("%d ranks: each saves at step %d", max(len(ranks), world_size), ahead)
+        report = self.plan.report()
+        if report.trigger == "signal" and report.signum is not None:
+            # many nodes: the other nodes' agents adopt this request through the job's store; with the signal named
+            # they tell their guards (``relayed``), which then say INTERRUPTED too, not PASS for a job that stopped
+            request.update(origin=sup.node_rank, signal=signal_name(report.signum))
         sup.broadcast(request)
 
     # -- hooks ------------------------------------------------------------------------------------------------
