@@ -607,10 +607,8 @@ class Securing:
             return
         request: dict[str, Any] = {"t": "checkpoint", "stop": True}
         report = self.plan.report()
-        if report.trigger in ("deadline", "signal"):  # the other nodes' guards learn why (guard/run/relay.py)
-            request["trigger"] = report.trigger
-            if report.trigger == "signal" and report.signum is not None:
-                request["trigger_signal"] = signal_name(report.signum)
+        if report.trigger == "deadline":  # the other nodes' guards take it as their deadline (guard/run/relay.py)
+            request["trigger"] = "deadline"
         ranks = sup.training_ranks()
         world_size = sup.world_size()
         if len(ranks) > 1 or world_size > 1:
@@ -621,7 +619,6 @@ class Securing:
             ahead = (sup.newest_rank_step() or 0) + 2 * every + 2
             request["at_step"] = ahead
             log.info("%d ranks: each saves at step %d", max(len(ranks), world_size), ahead)
-        report = self.plan.report()
         if report.trigger == "signal" and report.signum is not None:
             # many nodes: the other nodes' agents adopt this request through the job's store; with the signal named
             # they tell their guards (``relayed``), which then say INTERRUPTED too, not PASS for a job that stopped

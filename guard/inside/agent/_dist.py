@@ -131,9 +131,8 @@ class DistRelay:
         if request.get("signal"):  # another node's guard got a termination signal: this node's guard must know
             self.agent.send({"t": "relayed", "signal": request["signal"], "origin": request.get("origin"),
                              "at_step": request.get("at_step")})
-        elif request.get("stop") and request.get("trigger") and request.get("origin") is None:
-            # node 0's guard's own request (its deadline, or a signal it received): this node's guard must know too,
-            # or its job ends on a request it never heard of (node 0's margin, larger by its record's time, came
-            # before this node's own deadline request: node 1 said PASS exit=0 and put no part of that step)
-            self.agent.send({"t": "relayed", "trigger": request["trigger"], "signal": request.get("trigger_signal"),
-                             "origin": 0, "at_step": request.get("at_step")})
+        elif request.get("stop") and request.get("trigger") == "deadline" and request.get("origin") is None:
+            # node 0's guard's deadline request: this node's guard must know too, or its job ends on a request it
+            # never heard of (node 0's margin, larger by its record's time, came before this node's own deadline
+            # request: node 1 said PASS exit=0 and put no part of that step)
+            self.agent.send({"t": "relayed", "trigger": "deadline", "origin": 0, "at_step": request.get("at_step")})
