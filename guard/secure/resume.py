@@ -40,6 +40,7 @@ from typing import Any
 from guard.core.helpers import call_until
 from guard.errors import HubError
 from guard.secure import checkpoints, suspects, weights
+from guard.secure.dest.base import pushed_text
 from guard.secure.report import NOT_FINITE
 
 __all__ = ["FALLBACK_FOLDER", "PARTIAL_SUFFIX", "FetchTimedOut", "Interrupted", "ResumeFrom", "choose",
@@ -284,8 +285,8 @@ def choose(folder: str | os.PathLike[str], securer: Any, *, deadline: float, abo
         if data is not None:
             chosen = ResumeFrom(Path(data["path"]), data["step"], data["revision"], int(data["size_bytes"]),
                                 "destination")
-            log.info("resuming from %s (step %s, secured at %s@%s)", chosen.path, chosen.step, securer.destination,
-                     chosen.revision)
+            log.info("resuming from %s (step %s, secured at %s)", chosen.path, chosen.step,
+                     pushed_text(str(securer.destination), str(chosen.revision)))
     chosen = _on_disk(lambda: _settle(base, chosen), "moving partial checkpoints aside", base, deadline, abort,
                       securer)
     if chosen is None:
