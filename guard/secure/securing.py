@@ -653,8 +653,7 @@ class Securing:
         if sup.state.progress.step is not None:
             self._training_started(sup, now)  # a step was seen: the deadline's request follows the margin
         if sup.job_running() and sup.state.outcome is None and self.plan.deadline_due(now):
-            self._feed(sup, DeadlineNear(can_save=self._can_save(sup), handles_term=sup.state.facts.handles_sigterm),
-                       now)
+            self._deadline_near(sup, now)
         self._feed(sup, Tick(), now)
 
     def _training_started(self, sup: JobLink, now: float) -> None:
@@ -668,6 +667,11 @@ class Securing:
         self._request_scan()
         self._pump(sup, self.clock())
 
+    def _deadline_near(self, sup: JobLink, now: float) -> None:
+        """Feed the plan the deadline's ``DeadlineNear`` (this node's own, or node 0's relayed)."""
+        self._feed(sup, DeadlineNear(can_save=self._can_save(sup), handles_term=sup.state.facts.handles_sigterm),
+                   now)
+
     def on_relayed_deadline(self, sup: JobLink, now: float) -> bool:
         """Many nodes: node 0's guard asked every rank to save and stop for its deadline (its margin is its own: its
         push moves the record), before this node's own deadline request was due: handled as this node's deadline,
@@ -675,8 +679,7 @@ class Securing:
         plan is past watching (it decided already)."""
         if self.plan.state is not State.WATCHING or sup.state.outcome is not None:
             return False
-        self._feed(sup, DeadlineNear(can_save=self._can_save(sup), handles_term=sup.state.facts.handles_sigterm),
-                   now)
+        self._deadline_near(sup, now)
         return True
 
     def on_signal(self, sup: JobLink, signum: int, now: float) -> bool:
