@@ -87,6 +87,29 @@ def test_skips_a_folder_still_being_written(tmp_path, caplog):
     assert newest_complete(tmp_path, now_s=NOW + 5, stable_for_s=2.0).step == 200
 
 
+def test_a_folder_whose_save_the_guard_saw_settles_quietly(tmp_path, caplog):
+    """A folder the job's ``torch.save`` into was seen (``quiet``) is judged at that save: the scans' settle rule
+    says nothing about it at INFO. Before, a plain loop's log had "skipped checkpoint out/checkpoint-40: still being
+    written (state.pt changed 0.6s ago)" for a save already secured."""
+    trainer_checkpoint(tmp_path, 100)
+    newer = trainer_checkpoint(tmp_path, 200, mtime_s=NOW - 0.5)
+    with caplog.at_level(logging.INFO, logger="guard.checkpoints"):
+        assert newest_complete(tmp_path, now_s=NOW, stable_for_s=2.0, quiet={os.path.realpath(newer)}).step == 100
+    assert "still being written" not in caplog.text
+    with caplog.at_level(logging.DEBUG, logger="guard.checkpoints"):
+        newest_complete(tmp_path, now_s=NOW, stable_for_s=2.0, quiet={os.path.realpath(newer)})
+    assert "checkpoint-200: still being written" in caplog.text  # still there at debug
+
+
+def test_with_no_process_left_a_folder_counts_by_format_and_the_log_says_so(tmp_path, caplog):
+    """The job's processes are gone (``stable_for_s`` 0): no "unchanged for 0.0s", which read as a contradiction."""
+    trainer_checkpoint(tmp_path, 300, mtime_s=NOW - 0.1)
+    with caplog.at_level(logging.INFO, logger="guard.checkpoints"):
+        assert newest_complete(tmp_path, now_s=NOW, stable_for_s=0.0).step == 300
+    assert "unchanged for 0.0s" not in caplog.text
+    assert "whole by format (no process of the job is running to write it)" in caplog.text
+
+
 def test_skips_a_folder_with_the_jit_sentinel(tmp_path, caplog):
     trainer_checkpoint(tmp_path, 100)
     folder = trainer_checkpoint(tmp_path, 200)

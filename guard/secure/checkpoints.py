@@ -409,10 +409,11 @@ def _info(path: Path, files: dict[str, tuple[int, float]], step: int | None, *, 
 _admitted_logged: set[tuple[str, float]] = set()
 
 
-def _log_admitted(info: CheckpointInfo, stable_for_s: float) -> None:
-    """Say once per checkpoint (path and newest mtime) which rule admitted it."""
+def _log_admitted(info: CheckpointInfo, stable_for_s: float, *, quiet: bool = False) -> None:
+    """Say once per checkpoint (path and newest mtime) which rule admitted it (``quiet``: a folder whose save the
+    guard saw and judged at it: not said again)."""
     key = (str(info.path), info.newest_mtime_s)
-    if key in _admitted_logged:
+    if key in _admitted_logged or quiet:
         return
     _admitted_logged.add(key)
     if info.admitted_by == "reported":
@@ -423,7 +424,11 @@ def _log_admitted(info: CheckpointInfo, stable_for_s: float) -> None:
     else:
         # the scan's own rule, whoever wrote the files (the scan does not know which saves the agent saw return:
         # never "written by other means", which a file the guard saw saved contradicted)
-        log.info("checkpoint %s counts: every file unchanged for %.1fs and whole by format", info.path, stable_for_s)
+        if stable_for_s > 0:
+            log.info("checkpoint %s counts: every file unchanged for %.1fs and whole by format", info.path,
+                     stable_for_s)
+        else:  # the job's processes are gone (or resume): nothing is being written, the formats decide
+            log.info("checkpoint %s counts: whole by format (no process of the job is running to write it)", info.path)
 
 
 def _folder_step(path: Path, name_step: int) -> tuple[int, str]:
@@ -470,7 +475,8 @@ def newest_complete(output_dir: str | os.PathLike[str], *, now_s: float, stable_
                     waiting: Mapping[str, str] | None = None,
                     steps: Mapping[str, int] | None = None, parts: bool = False, run_id: str | None = None,
                     refuse: Refusal | None = None, only_step: int | None = None,
-                    vet: Callable[[CheckpointInfo], str | None] | None = None) -> CheckpointInfo | None:
+                    vet: Callable[[CheckpointInfo], str | None] | None = None,
+                    quiet: Collection[str] = ()) -> CheckpointInfo | None:
     """The newest complete checkpoint under ``output_dir`` (see the module docstring for what counts).
 
     Folders newer than the one returned that are skipped are logged with the reason (still being written, no state
@@ -515,6 +521,9 @@ def newest_complete(output_dir: str | os.PathLike[str], *, now_s: float, stable_
             ``guard.secure.follow``); no loose files then. Default None: every folder.
         vet: the last word on a checkpoint that passed every other rule: a reason skips it for the next one
             (resume: its saved weights are not finite, ``guard.secure.weights``); None (default): none.
+        quiet: resolved paths of folders the job's ``torch.save`` into was seen (judged at that save): their
+            "still being written" skip is logged at debug, not info (no news: the guard already took or judged
+            them). Default: none.
 
     Returns:
         The :class:`CheckpointInfo`, or None when there is none (or ``output_dir`` does not exist).
@@ -570,10 +579,11 @@ def newest_complete(output_dir: str | os.PathLike[str], *, now_s: float, stable_
             info = dataclasses.replace(info, requires=tuple(sorted(required.items())), part=alone)
             reason = vet(info) if vet is not None else None
             if reason is None:
-                _log_admitted(info, stable_for_s)
+                _log_admitted(info, stable_for_s, quiet=os.path.realpath(path) in quiet)
                 return info
         if seen is None or (str(path), reason) not in seen:
-            log.info("skipped checkpoint %s: %s", path, reason)
+            settling = reason.startswith("still being written") and os.path.realpath(path) in quiet
+            log.log(logging.DEBUG if settling else logging.INFO, "skipped checkpoint %s: %s", path, reason)
             if seen is not None:
                 seen.add((str(path), reason))
     return loose_files(base, now_s=now_s, stable_for_s=stable_for_s, stat=stat, since_s=since_s, resumed=kept,

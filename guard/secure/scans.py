@@ -192,6 +192,9 @@ class Disk:
         self.following: dict[str, tuple[int | None, snapshots.Signature, int | None, str | None]] = {}
         self.renamed: list[tuple[str, str]] = []  # (temporary path, final path) of followed saves, for the next scan
         self._special_logged: set[str] = set()
+        #: checkpoint folders the agent saw a ``torch.save`` into (resolved): the scans' settle rule is no news for
+        #: them (the save was seen and is judged at it), so their "still being written" is logged at debug only
+        self.saved_folders: set[str] = set()
 
     def scan(self, asked: ScanAsked) -> ScanFound:
         """Scan the output folder (``checkpoints.newest_complete``); raises OSError as it does."""
@@ -201,7 +204,7 @@ class Disk:
                                             reported=set(asked.reported), loose=asked.loose,
                                             since_s=asked.since_s, resumed=asked.resumed,
                                             world_size=asked.world_size, waiting=dict(asked.waiting),
-                                            parts=asked.parts, run_id=asked.run_id)
+                                            parts=asked.parts, run_id=asked.run_id, quiet=self.saved_folders)
         unchanged = {key(info): checkpoints.rewritten_after(info.folder, info.files, info.newest_mtime_s,
                                                             stat=self.stat) is None for info in asked.known}
         final_model = holds_files = None
@@ -323,6 +326,7 @@ class Disk:
         if info is None:
             return FileSeen(learnt)
         if info.admitted_by == "saved-folder":
+            self.saved_folders.add(os.path.realpath(info.path))
             return FileSeen(learnt, info)  # judged whole once the job trained on (``saved_folder``)
         if not all(self.snapshots.current(info.folder / rel) for rel in info.files):
             return FileSeen(learnt)  # saved again since: its newer save is reported on its own
