@@ -66,6 +66,7 @@ __all__ = [
     "ENV_CHECK_EVERY",
     "ENV_RESUME_PATH",
     "ENV_RESUME_STEP",
+    "ENV_RUN_ID",
     "ENV_SANITY_STEPS",
     "ENV_SOCKET",
     "MAX_MESSAGE_BYTES",
@@ -84,6 +85,9 @@ ENV_CHECK_EVERY = "GUARD_AGENT_CHECK_EVERY"
 ENV_RESUME_PATH = "GUARD_AGENT_RESUME_PATH"
 #: The training step of that checkpoint: a plain loop's ``.backward()`` count continues from it.
 ENV_RESUME_STEP = "GUARD_AGENT_RESUME_STEP"
+#: Many nodes: this node's guard's run id. Global rank 0 (on node 0) puts node 0's in the job's store; the other
+#: nodes' agents tell their guard when it differs from theirs (``guard.inside.agent._dist``).
+ENV_RUN_ID = "GUARD_AGENT_RUN_ID"
 #: The folder holding the ``guard`` package (informational: the agent's ``sitecustomize`` finds the package from its
 #: own location and loads it under a private name, see ``guard.PRIVATE_NAME``).
 

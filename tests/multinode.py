@@ -5,7 +5,7 @@
 --ntasks-per-node=1`` does on a cluster. Each node runs in a folder of its own (``tmp_path/node-k``, its working
 folder; ``{out}`` in the arguments is that node's output folder ``node-k/out``, or one shared ``tmp_path/shared``
 with ``shared=True``): node-local disks without any privilege, as shared/reference/multinode.md checked. Every node
-gets the same ``--run-id``.
+gets the same ``--run-id`` (``run_id=None``: none, as plain torchrun gives).
 
 Each guard's stdout and stderr go to ``node-k/guard.out`` and ``guard.err`` (``stderr(k)`` reads it while it runs).
 ``wait()`` returns each node's ``NodeRun`` (exit code, output, VERDICT fields); whatever happens, nothing is left
@@ -69,6 +69,7 @@ class Nodes:
         n: the node count.
         job: the job's script; job_args: its arguments (``{out}``, ``{node}`` are replaced per node).
         guard_args: the guards' options (``{out}``, ``{node}`` likewise); ``--run-id`` is added.
+        run_id: the ``--run-id`` every guard gets; None: none (each guard names its own, as with plain torchrun).
         procs: processes per node.
         shared: one output folder for every node instead of one each.
         env: extra environment for every guard.
@@ -77,7 +78,7 @@ class Nodes:
 
     def __init__(self, tmp_path: Path, n: int, job: str | Path, *, job_args: Sequence[str] = (),
                  guard_args: Sequence[str] = (), procs: int = 1, shared: bool = False,
-                 env: dict[str, str] | None = None, run_id: str = "multinode-run",
+                 env: dict[str, str] | None = None, run_id: str | None = "multinode-run",
                  node_guard_args: dict[int, Sequence[str]] | None = None) -> None:
         self.tmp_path, self.n, self.procs, self.shared = tmp_path, n, procs, shared
         self.job, self.job_args, self.guard_args = str(job), list(job_args), list(guard_args)
@@ -99,7 +100,7 @@ class Nodes:
             return [item.replace("{out}", str(self.out(node))).replace("{node}", str(node)) for item in items]
 
         return [sys.executable, "-m", "guard", *fill(self.guard_args), *fill(self.node_guard_args.get(node, [])),
-                "--run-id", self.run_id, "--",
+                *(["--run-id", self.run_id] if self.run_id is not None else []), "--",
                 TORCHRUN, "--nnodes", str(self.n), "--node-rank", str(node), "--nproc-per-node", str(self.procs),
                 "--master-addr", "127.0.0.1", "--master-port", str(self.port), self.job, *fill(self.job_args)]
 

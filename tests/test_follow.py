@@ -117,3 +117,23 @@ def test_a_reported_trainer_checkpoint_of_two_nodes_is_a_part_by_the_jobs_world_
     assert info.part is part and info.step == 10
     assert {"rng_state_0.pth", "rng_state_1.pth"} <= dict(info.requires).keys()
     assert not checkpoints.describe(folder).part  # one node: as before, no part
+
+
+@pytest.mark.parametrize(("node_rank", "own", "taken"), [(1, True, True), (1, False, False), (0, True, False)])
+def test_node_0s_run_id_replaces_only_another_nodes_own(node_rank: int, own: bool, taken: bool) -> None:
+    """A node whose run id is its own (no launcher or scheduler gave every node one) takes node 0's, read from the
+    job's store, for its parts at the destination (the securer's, which the pushes and listings use); a run id
+    that was given (``--run-id``), or node 0's own, is kept."""
+    from types import SimpleNamespace
+
+    from guard.secure.budget import Deadline, MarginEstimator
+    from guard.secure.dest.base import Destination
+    from guard.secure.securing import Securing
+
+    securer = SimpleNamespace(destination=Destination("folder", path="/dest"), token=None, run_id="mine")
+    securing = Securing(deadline=Deadline(0.0, None, None, "none"), estimator=MarginEstimator(log_changes=False),
+                        securer=securer, run_id="mine", node_rank=node_rank, nodes=2,  # type: ignore[arg-type]
+                        own_run_id=own, pusher_factory=lambda dest, token: SimpleNamespace())  # type: ignore[arg-type,return-value]
+    assert securing.adopt_run_id("node0s") is taken
+    assert (securing.run_id, securer.run_id) == (("node0s",) * 2 if taken else ("mine",) * 2)
+    assert securing.adopt_run_id("node0s") is False  # once

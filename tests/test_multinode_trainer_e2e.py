@@ -24,7 +24,7 @@ dest, hub, moto = parts.dest, parts.hub, parts.moto
 
 
 def _trainer(tmp_path: Path, dest: Dest, *guard_args: str, job_args: tuple[str, ...] = (),
-             run_id: str = "multinode-run", node_guard_args: dict[int, Sequence[str]] | None = None) -> Nodes:
+             run_id: str | None = "multinode-run", node_guard_args: dict[int, Sequence[str]] | None = None) -> Nodes:
     return Nodes(tmp_path, 2, JOBS / "ddp_trainer.py", run_id=run_id, node_guard_args=node_guard_args,
                  guard_args=[*FAST, "--output-dir", "{out}", "--push-to", dest.push_to, *guard_args],
                  job_args=["--output-dir", "{out}", "--step-s", "0.1", *job_args], env=dest.env)
@@ -79,3 +79,21 @@ def test_node_0s_earlier_deadline_request_is_every_nodes_deadline(tmp_path: Path
     held = {p.name for p in fetched.rglob("*") if p.is_file()}
     assert {"rng_state_0.pth", "rng_state_1.pth", "trainer_state.json"} <= held, held
     assert json.loads((fetched / "trainer_state.json").read_text())["global_step"] == step
+
+
+def test_two_trainer_nodes_without_a_run_id_meet_on_node_0s(tmp_path: Path, dest: Dest) -> None:
+    """Plain torchrun: no ``--run-id``, no ``--rdzv-id``, no Slurm or Kubernetes job id, so each guard names its own
+    run id. Node 0's guard's reaches the other nodes through the job's store (torchrun's TCPStore, which the agents
+    already share), and node 1's guard takes it: the parts meet, every node says TIMEOUT exit=75 with one
+    secured_step, and the record holds both ranks' RNG states with the model. Before: the two run ids never met,
+    node 0's checkpoint-N (without rng_state_1.pth) was a part that never became whole, and both nodes said
+    TIMEOUT secured=no exit=124 at the deadline."""
+    nodes = _trainer(tmp_path, dest, "--timeout", "50s", run_id=None, job_args=("--save-steps", "5")).start()
+    step, fetched = _secured_at_the_deadline(nodes, tmp_path, dest)
+    held = {p.name for p in fetched.rglob("*") if p.is_file()}
+    assert {"rng_state_0.pth", "rng_state_1.pth", "trainer_state.json", "model.safetensors"} <= held, held
+    assert json.loads((fetched / "trainer_state.json").read_text())["global_step"] == step
+    for node in range(2):  # which source named the run id, on each node
+        said = nodes.stderr(node)
+        assert ("goes to the other nodes through the job's store" if node == 0
+                else "node 0's guard's, through the job's store") in said, said[-3000:]

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import json
 import signal
+import sys
 import time
 from typing import Any
 
 from guard.contract import RunResult
-from guard.inside.agent._dist import DistRelay
+from guard.inside.agent._dist import RUN_ID_KEY, DistRelay
+from guard.protocol import ENV_RUN_ID
 from guard.run.relay import agree_on_missing, relayed_signal
 from guard.secure.outcome import missing_said
 
@@ -122,3 +124,32 @@ def test_an_unreadable_destination_leaves_this_nodes_word() -> None:
         result = _stopped("node1", 620, 600)
         agree_on_missing(result, read=read, wait_s=0.2)
         assert result.extra["missing"] == "node1" and result.details["missing"]["step"] == 620
+
+
+def test_node_0s_run_id_reaches_the_other_nodes_guards_through_the_store(monkeypatch: Any) -> None:
+    """Without a run id every node shares (plain torchrun), global rank 0 puts node 0's guard's in the job's store
+    when it finds it, and a rank of another node tells its own guard once (``run_id``); a rank whose guard already
+    has that id says nothing."""
+    import types
+
+    store = Store()
+    c10d = types.SimpleNamespace(_get_default_store=lambda: store)
+    fake = types.SimpleNamespace(is_available=lambda: True, is_initialized=lambda: True, get_rank=lambda: 0,
+                                 get_world_size=lambda: 2, distributed_c10d=c10d)
+    monkeypatch.setitem(sys.modules, "torch.distributed", fake)
+    monkeypatch.setenv(ENV_RUN_ID, "node0id")
+    rank_0 = DistRelay(Agent())
+    rank_0.probe()
+    end = time.monotonic() + 10
+    while RUN_ID_KEY not in store.data and time.monotonic() < end:
+        time.sleep(0.01)  # the write runs on the relay's own thread
+    assert json.loads(store.data[RUN_ID_KEY]) == {"run_id": "node0id"}
+    monkeypatch.setenv(ENV_RUN_ID, "node1id")
+    other, agent = relay(store, 1)
+    other.poll(0, 1)
+    other.poll(1, 1)
+    assert [m for m in agent.sent if m["t"] == "run_id"] == [{"t": "run_id", "run_id": "node0id", "origin": 0}]
+    monkeypatch.setenv(ENV_RUN_ID, "node0id")
+    same, agent = relay(store, 1)
+    same.poll(0, 1)
+    assert agent.sent == [] and same.run_id_read

@@ -306,10 +306,13 @@ def _log_node(config: Config) -> None:
     log.info("node: %s", node.describe())
     for conflict in node.conflicts:
         log.warning("node identity: %s", conflict)
-    if node.many and node.run_id_source == "default":
-        log.warning("%d nodes and no run id from the launcher or the scheduler: this node's run id %s is its own, "
-                    "so the nodes' parts of one checkpoint do not meet; give every node the same --run-id "
-                    "(e.g. the job's id)", node.nodes, node.run_id)
+    if node.many and node.run_id_source == "default" and node.node_rank == 0:
+        log.info("%d nodes and no run id from the launcher or the scheduler: this node's run id %s goes to the other "
+                 "nodes through the job's store once its ranks set up torch.distributed", node.nodes, node.run_id)
+    elif node.many and node.run_id_source == "default":
+        log.info("%d nodes and no run id from the launcher or the scheduler: this node takes node 0's guard's run id "
+                 "from the job's store once its ranks set up torch.distributed (until then: its own, %s)",
+                 node.nodes, node.run_id)
 
 
 #: Before the VERDICT, how long the guard waits for a paused stderr to take its buffered log lines (seconds).

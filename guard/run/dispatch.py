@@ -190,6 +190,8 @@ class Dispatch:
             self.watchdog.on_count(rank, int_or_none(message.get("step")))
         elif kind == "relayed":  # another node's guard got a termination signal (guard/run/relay.py)
             self.on_relayed(message, now)
+        elif kind == "run_id" and self.securer is not None:  # node 0's guard's, read from the job's store
+            self.securer.adopt_run_id(str(message.get("run_id") or ""))
         elif kind == "replay":  # CUDA-graph replays: steps without a loss, progress all the same
             self.watchdog.on_replay(now, rank)
         elif kind == "watching":

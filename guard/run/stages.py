@@ -462,6 +462,10 @@ def _run_job(config: Config, masker: Masker, started: float, platform: PlatformI
     if uv_env is not None and uv_env.python and config.script is not None:
         config = dataclasses.replace(config, command=(uv_env.python, str(config.script), *config.script_args))
         env_extra.update(uv_env.env_extra)
+    if config.settings.secure.nodes > 1:  # node 0's reaches the other nodes through the job's store (_dist.py)
+        from guard import protocol
+
+        env_extra[protocol.ENV_RUN_ID] = config.settings.secure.run_id
     if fetched is not None:
         from guard import protocol
 
@@ -549,7 +553,8 @@ def _supervisor(config: Config, masker: Masker, start: JobStart, *, deadline: bu
                         refresher=_slurm_refresher(config, platform), background=secure.background_push,
                         push_interval_s=push_interval_s, final_window_s=secure.final_push_window_s,
                         push_stall_s=secure.push_stall_s, run_id=secure.run_id or None, node_rank=secure.node_rank,
-                        nodes=secure.nodes, shared=lambda: sharing.answer.shared if sharing is not None else None)
+                        nodes=secure.nodes, own_run_id=secure.node.run_id_source == "default",
+                        shared=lambda: sharing.answer.shared if sharing is not None else None)
     if fetched is not None and fetched.info is not None:  # described by the resume stage, off this thread
         held_by = str(securer.destination) if fetched.source == "destination" and securer is not None else None
         securing.resumed_from(fetched.info, destination=held_by, revision=fetched.revision)

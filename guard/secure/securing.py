@@ -189,7 +189,10 @@ class Securing:
         stat: ``os.stat``-like callable for the scans and the saves' descriptions (default ``os.stat``): the seam
             through which tests make a scan block.
         run_id: this run's id (``SecureSettings.run_id``): it names the run's taint and suspect markers
-            (``guard.secure.suspects``); default: the securer's, else a new one.
+            (``guard.secure.suspects``) and, many nodes, the nodes' parts at the destination; default: the
+            securer's, else a new one.
+        own_run_id: ``run_id`` is this node's own (no launcher or scheduler gave every node one): node 0's guard's,
+            read from the job's store, replaces it (``adopt_run_id``).
         node_rank, nodes: this node's index and the job's node count (``SecureSettings``; default one node).
         shared: ``() -> bool | None``: whether the nodes share the output folder (``guard.secure.sharing``'s
             answer; None while unknown). Many nodes on folders of their own secure each node's part (``parts_mode``).
@@ -207,7 +210,7 @@ class Securing:
                  pusher_factory: Callable[[str, str | None], Pusher] | None = None,
                  push_stall_s: float = PUSH_STALL_S,
                  fs: Submitter | None = None, stat: checkpoints.StatFn | None = None,
-                 run_id: str | None = None, node_rank: int = 0, nodes: int = 1,
+                 run_id: str | None = None, node_rank: int = 0, nodes: int = 1, own_run_id: bool = False,
                  shared: Callable[[], bool | None] = lambda: None) -> None:
         self.deadline = deadline
         self.estimator = estimator
@@ -216,13 +219,15 @@ class Securing:
         self.output_dir = output_dir
         self._output_given = output_dir is not None  # else the folder follows the job's saves
         self.run_id: str = run_id or getattr(securer, "run_id", None) or uuid.uuid4().hex[:12]
+        self.own_run_id = own_run_id
+        self._run_id_conflict_logged = False
         self._folders: list[str] = [output_dir] if output_dir else []  # every output folder of this run
         self._tainted_at: tuple[int, float] | None = None  # (first non-finite step, wall time heard)
         self.refresher = refresher
         self.wall, self.clock = wall, clock
         self.node_rank, self.nodes, self.shared = node_rank, max(1, nodes), shared
         self._pusher_factory: Callable[[str, str | None], Pusher] = pusher_factory or (
-            lambda dest, token: worker.Pusher(dest, token, clock=clock, run_id=getattr(self.securer, "run_id", None),
+            lambda dest, token: worker.Pusher(dest, token, clock=clock, run_id=lambda: self._dest_run_id(),
                                               node_rank=self.node_rank,
                                               nodes=lambda: self.nodes if self.parts_mode() else 1))
         self.disk = scans.Disk(stat) if stat is not None else scans.Disk()  # owned by the file system thread
@@ -672,6 +677,34 @@ class Securing:
         self._feed(sup, DeadlineNear(can_save=self._can_save(sup), handles_term=sup.state.facts.handles_sigterm),
                    now)
 
+    def _dest_run_id(self) -> str | None:
+        """The run id this node's parts go under at the destination (the securer's, once there is one)."""
+        return getattr(self.securer, "run_id", None)
+
+    def adopt_run_id(self, run_id: str) -> bool:
+        """Node 0's guard's run id, read from the job's store by this node's agents (``guard.inside.agent._dist``):
+        it replaces this node's own (``own_run_id``: none was given to every node), for the run's taints and the
+        nodes' parts at the destination, so that they meet with node 0's. A run id given (``--run-id``, the
+        launcher's, the scheduler's) is kept, the difference warned about once. Returns whether it was taken.
+
+        This node's parts wait for node 0's of the same step under the run id (``guard.secure.follow``), so none
+        was put under the one replaced."""
+        if not run_id or run_id == self.run_id:
+            return False
+        if not self.own_run_id or self.node_rank == 0:
+            if not self._run_id_conflict_logged:
+                self._run_id_conflict_logged = True
+                log.warning("node 0's guard's run id is %s, this node's %s: the nodes' parts of one checkpoint do not "
+                            "meet; give every node the same --run-id (or none: node 0's then reaches the others "
+                            "through the job's store)", run_id, self.run_id)
+            return False
+        log.info("run id %s: node 0's guard's, through the job's store (in place of this node's own %s)", run_id,
+                 self.run_id)
+        self.run_id, self.own_run_id = run_id, False
+        if self.securer is not None:
+            self.securer.run_id = run_id
+        return True
+
     def on_relayed_deadline(self, sup: JobLink, now: float) -> bool:
         """Many nodes: node 0's guard asked every rank to save and stop for its deadline (its margin is its own: its
         push moves the record), before this node's own deadline request was due: handled as this node's deadline,
@@ -714,6 +747,8 @@ class Securing:
         if self.securer is None and config.get("push_to_hub") and config.get("hub_model_id") and self.securer_factory:
             try:
                 self.securer = self.securer_factory(str(config["hub_model_id"]))
+                if self.nodes > 1:
+                    self.securer.run_id = self.run_id  # node 0's, when taken already (adopt_run_id)
                 self._feed(None, DestinationKnown(self._make_pusher(self.securer),
                                                   kind=self._cadence_kind(self.securer)))
                 log.info("destination from the Trainer: %s (push_to_hub, hub_model_id)", self.securer.destination)

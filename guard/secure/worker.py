@@ -484,7 +484,8 @@ class Pusher:
         token: the Hub token, or None.
         clock: monotonic seconds.
         environ: the workers' environment (default ``os.environ``).
-        run_id: this run's id (``SecureSettings.run_id``), or None.
+        run_id: ``() -> str | None``: this run's id (``SecureSettings.run_id``; another node's guard may take node
+            0's during the run: ``Securing.adopt_run_id``), asked at each start; default None.
         node_rank: this node's index (``SecureSettings.node_rank``).
         nodes: ``() -> int``: the node count whose parts make a checkpoint now (1: this node's pushes are whole
             checkpoints).
@@ -494,7 +495,7 @@ class Pusher:
     token: str | None = None
     clock: Callable[[], float] = time.monotonic
     environ: Mapping[str, str] | None = None
-    run_id: str | None = None
+    run_id: Callable[[], str | None] = field(default=lambda: None)
     node_rank: int = 0
     nodes: Callable[[], int] = field(default=lambda: 1)
     started: list[Handle] = field(default_factory=list, repr=False)
@@ -505,7 +506,7 @@ class Pusher:
         later is secured by node 0 alone)."""
         nodes = self.nodes() if op == "push_checkpoint" else 1
         handle = start(op, args, deadline, destination=self.destination, token=self.token, clock=self.clock,
-                       environ=self.environ, run_id=self.run_id, node_rank=self.node_rank if nodes > 1 else 0,
+                       environ=self.environ, run_id=self.run_id(), node_rank=self.node_rank if nodes > 1 else 0,
                        nodes=nodes)
         self.started.append(handle)
         return handle

@@ -16,6 +16,14 @@ Rank 0's ``store.set`` runs on a thread of its own (``guard-relay``), never on t
 that hangs (its host gone, a network partition) must not keep ``stop`` and ``dump`` from being read. The key
 carries the elastic restart (``TORCHELASTIC_RESTART_COUNT``, set by torchrun for each attempt): after a restart
 the store is the same, and a request of the attempt before must not be taken for one of this attempt.
+
+The nodes' run id travels the same way. Without one the launcher or the scheduler gives every node (plain torchrun
+has no job id; its ``--rdzv-id`` defaults to ``none``), each guard names its own, and the nodes' parts of one
+checkpoint, kept under the run id at the destination, would never meet. So global rank 0 puts node 0's guard's run
+id (``GUARD_AGENT_RUN_ID``) under ``RUN_ID_KEY`` once it finds the store, and every rank of another node, until it
+has read it, checks that key at its polls; when it differs from its own guard's, it tells its guard (``run_id``),
+which takes it in place of its own. The store is this job run's (torchrun's, at ``MASTER_ADDR:MASTER_PORT``): an
+id read there is never an earlier run's, as one derived from the job's command line would be.
 """
 
 from __future__ import annotations
@@ -27,13 +35,18 @@ import sys
 import threading
 from collections.abc import Mapping
 
+from ...protocol import ENV_RUN_ID
+
 TYPE_CHECKING = False  # typing's own flag, without importing typing in every job process (see protocol.py)
 if TYPE_CHECKING:
     from typing import Any, Protocol
 
-__all__ = ["KEY", "DistRelay", "store_key"]
+__all__ = ["KEY", "RUN_ID_KEY", "DistRelay", "store_key"]
 
 KEY = "jobguard/checkpoint"
+#: Where global rank 0 puts node 0's guard's run id: ``{"run_id": ...}`` (one key for every elastic attempt: the
+#: guards, and their run, outlive an attempt).
+RUN_ID_KEY = "jobguard/run-id"
 
 
 def store_key(environ: Mapping[str, str] | None = None) -> str:
@@ -65,7 +78,9 @@ class DistRelay:
         self.next_poll = 0
         self.handled: set[Any] = set()
         self.key = store_key()
-        self._outbox: queue.Queue[str] = queue.Queue()
+        self.run_id = os.environ.get(ENV_RUN_ID) or None  # this node's guard's, when it watches one of many nodes
+        self.run_id_read = False  # node 0's was read from the store (another node's rank), or put there (rank 0)
+        self._outbox: queue.Queue[tuple[str, str]] = queue.Queue()
         self._writer: threading.Thread | None = None
 
     def probe(self) -> None:
@@ -85,28 +100,35 @@ class DistRelay:
             self.store = None
         self.agent.send({"t": "dist", "store": self.store is not None, "global_rank": self.rank,
                          "world_size": world_size})
+        if self.store is not None and self.rank == 0 and self.run_id:
+            self.run_id_read = True
+            self._put(RUN_ID_KEY, json.dumps({"run_id": self.run_id}))
 
     def publish(self, request: dict[str, Any]) -> None:
         """On global rank 0: put the guard's request where every rank will see it. Returns at once: the write
         runs on the relay's own thread (called from the agent's reader thread, which must go on reading)."""
         if self.store is None or (self.rank != 0 and request.get("origin") is None):
             return  # rank 0 relays node 0's requests; any rank one its own node's guard sent for a signal there
-        self._outbox.put(json.dumps(request))
+        self._put(self.key, json.dumps(request))
+
+    def _put(self, key: str, text: str) -> None:
+        self._outbox.put((key, text))
         if self._writer is None:
             self._writer = threading.Thread(target=self._write_forever, name="guard-relay", daemon=True)
             self._writer.start()
 
     def _write_forever(self) -> None:
         while True:
-            text = self._outbox.get()
+            key, text = self._outbox.get()
             store = self.store
             if store is None:
                 continue
             try:
-                store.set(self.key, text)
+                store.set(key, text)
             except Exception as exc:
                 self.store = None
-                self.agent.warn(f"cannot pass the checkpoint request to the other ranks: {exc!r}")
+                what = "the run id" if key == RUN_ID_KEY else "the checkpoint request"
+                self.agent.warn(f"cannot pass {what} to the other ranks: {exc!r}")
 
     def poll(self, count: int, every: int) -> None:
         """Every ``every`` steps (never per step): find the store once the job has one, then adopt a request
@@ -117,6 +139,8 @@ class DistRelay:
         self.probe()
         if self.store is None:
             return
+        if not self.run_id_read and self.run_id:
+            self._read_run_id()
         try:
             if not self.store.check([self.key]):
                 return
@@ -136,3 +160,16 @@ class DistRelay:
             # never heard of (node 0's margin, larger by its record's time, came before this node's own deadline
             # request: node 1 said PASS exit=0 and put no part of that step)
             self.agent.send({"t": "relayed", "trigger": "deadline", "origin": 0, "at_step": request.get("at_step")})
+
+    def _read_run_id(self) -> None:
+        """Another node's rank: node 0's guard's run id, once rank 0 put it; told to this node's guard when it
+        differs from its own."""
+        try:
+            if not self.store.check([RUN_ID_KEY]):
+                return
+            run_id = json.loads(self.store.get(RUN_ID_KEY)).get("run_id")
+        except Exception:
+            return
+        self.run_id_read = True
+        if isinstance(run_id, str) and run_id and run_id != self.run_id:
+            self.agent.send({"t": "run_id", "run_id": run_id, "origin": 0})
