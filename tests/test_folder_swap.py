@@ -60,7 +60,9 @@ def test_a_push_killed_between_the_fallback_renames_keeps_the_secured_copy(tmp_p
     # the next push runs its stale-staging cleanup first: the previous copy survives it, then is replaced
     securer.push_checkpoint(newer, step=20, deadline=math.inf)
     assert (dest / "last-checkpoint" / "model.bin").read_bytes() == (newer / "model.bin").read_bytes()
-    assert sorted(p.name for p in dest.iterdir()) == ["last-checkpoint"]
+    # the record before it kept aside (a taint reaching step 20 swaps it back) until the run is over
+    assert sorted(p.name for p in dest.iterdir()) == [".last-checkpoint.kept", "last-checkpoint"]
+    assert json.loads((dest / ".last-checkpoint.kept" / MANIFEST_NAME).read_text())["step"] == 10
 
 
 def test_a_leftover_of_older_versions_is_put_back_not_deleted(tmp_path: Path) -> None:
@@ -110,7 +112,8 @@ def test_a_push_killed_after_its_swap_leaves_no_staging_folder_once_the_run_is_o
     run_killed(f"""
         import os, signal, math, shutil
         from guard.secure import securer
-        shutil.rmtree = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)  # killed in the cleanup after the swap
+        from guard.secure.dest import folder_swap
+        folder_swap.keep_aside = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)  # killed right after the swap
         securer.Securer({str(dest)!r}).push_checkpoint({str(newer)!r}, step=20, deadline=math.inf)
         """)
     assert [p.name for p in dest.iterdir() if p.name.startswith(".last-checkpoint.tmp-")]  # what the kill left

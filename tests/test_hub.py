@@ -396,7 +396,10 @@ def test_folder_push_swaps_in_a_verified_copy(tmp_path):
     manifest = json.loads(copied.pop(MANIFEST_NAME))
     assert copied == local_files(newer)
     assert manifest["step"] == 2 and set(manifest["files"]) == set(local_files(newer))
-    assert sorted(os.listdir(dest)) == ["last-checkpoint"]  # no staging or old copy left
+    # no staging left; the record before it kept aside (a taint reaching step 2 swaps it back) until the run's end
+    assert sorted(os.listdir(dest)) == [".last-checkpoint.kept", "last-checkpoint"]
+    securer.tidy()
+    assert sorted(os.listdir(dest)) == ["last-checkpoint"]
 
 
 def test_folder_push_failure_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
@@ -439,7 +442,7 @@ def test_folder_push_links_unchanged_files_from_the_previous_copy(tmp_path, monk
     assert relinked == {"config.json", "model.safetensors", "sub/rng_state.txt"}
     assert securer.last_copy is not None and securer.last_copy.reused_files == 3
     assert securer.last_copy.copied_bytes == len(copied["optimizer.pt"]) + len(copied["trainer_state.json"])
-    assert sorted(os.listdir(dest)) == ["last-checkpoint"]
+    assert sorted(os.listdir(dest)) == [".last-checkpoint.kept", "last-checkpoint"]
 
     # A previous copy damaged on the destination's disk (same size, other bytes) is never linked into the new one.
     model = target / "model.safetensors"

@@ -28,6 +28,7 @@ from guard.secure.events import (
     MarkSuspect,
     ReadThrough,
     RequestSave,
+    RestoreRecord,
     SignalReceived,
     StartPush,
     StopJob,
@@ -35,6 +36,7 @@ from guard.secure.events import (
     Tick,
     TrainingStarted,
 )
+from guard.secure.outcome import Verdict, checkpoint_fields
 from guard.secure.plan import SAFETY_S, STOP_BEFORE_S, Plan, State
 
 
@@ -915,8 +917,9 @@ def test_a_save_with_non_finite_weights_taints_its_step(clock: FakeClock) -> Non
 
 
 def test_a_taint_that_reaches_a_recorded_push_puts_the_newest_good_checkpoint_back(clock: FakeClock) -> None:
-    """A witness read late (a rank behind, the job's exit) names a step the destination's record is from: the
-    newest good checkpoint is pushed over it, and nothing counts as secured until that push ends well."""
+    """A witness read late (a rank behind, the job's exit) names a step the destination's record is from: the record
+    is moved back to the newest good one (``RestoreRecord``, no upload), and nothing counts as secured until that
+    ends well."""
     pusher = FakePusher(clock)
     plan = make(clock, pusher, deadline_at=None)
     seen(plan, ckpt(10))
@@ -926,10 +929,82 @@ def test_a_taint_that_reaches_a_recorded_push_puts_the_newest_good_checkpoint_ba
     assert secured_step(plan) == 20
     actions = plan.on(Tainted(15))
     assert MarkSuspect("/out/checkpoint-20", 20, 15) in actions
-    assert [a.step for a in actions if isinstance(a, StartPush)] == [10]
-    assert secured_step(plan) is None  # the destination holds step 20 until the push of step 10 ends
+    restores = [a for a in actions if isinstance(a, RestoreRecord)]
+    assert [(a.step, a.revision, a.from_step) for a in restores] == [(10, "0" * 40, 20)]
+    assert not any(isinstance(a, StartPush) for a in actions)
+    assert secured_step(plan) is None  # the destination holds step 20 until the record is moved back
+    assert plan.report().suspect_held is not None and plan.report().suspect_held.step == 20
     run_until(plan, clock, 9.0)
-    assert secured_step(plan) == 10 and [h.args["step"] for h in pusher.started] == [10, 20, 10]
+    assert secured_step(plan) == 10 and plan.report().suspect_held is None
+    assert [(h.op, h.args["step"]) for h in pusher.started] == [
+        ("push_checkpoint", 10), ("push_checkpoint", 20), ("restore_checkpoint", 10)]
+
+
+def _recorded_then_tainted(clock: FakeClock, pusher: FakePusher, grace_s: float = 30.0) -> Plan:
+    """Steps 10 and 20 pushed and recorded, then the loss of step 21 is NaN: the save of step 20 is suspect."""
+    plan = make(clock, pusher, deadline_at=None, grace_s=grace_s)
+    seen(plan, ckpt(10))
+    run_until(plan, clock, 7.0)
+    seen(plan, ckpt(20))
+    run_until(plan, clock, 14.0)
+    assert secured_step(plan) == 20
+    return plan
+
+
+def test_a_recorded_suspect_push_is_moved_back_where_no_time_is_left_to_push_again(clock: FakeClock) -> None:
+    """The NaN of step 21 is read after the save of step 20 was recorded; --grace leaves 3.5 s, a push takes 6 s:
+    before, the good step 10 was pushed again, killed at the end of the window, and the destination kept step 20
+    (``secured=no``); the record is moved back instead (1 s, nothing uploaded)."""
+    pusher = FakePusher(clock, rate=lambda now: 2e5, sizes={"": 0})  # a push 6 s, a restore 1 s
+    plan = _recorded_then_tainted(clock, pusher, grace_s=5.0)
+    plan.on(Tainted(21))
+    plan.on(Failure("non_finite_loss"))
+    run_until(plan, clock, 30.0)
+    assert plan.state is State.DONE and secured_step(plan) == 10, plan.report()
+    assert [h.op for h in pusher.started][2:] == ["restore_checkpoint"]
+    assert plan.report().suspect_held is None and plan.report().secured.pushed == "hf://alice/run@" + "0" * 40
+
+
+def test_a_restore_the_store_cannot_do_falls_back_to_pushing_the_good_checkpoint_again(clock: FakeClock) -> None:
+    pusher = FakePusher(clock)
+    plan = _recorded_then_tainted(clock, pusher)
+    pusher.fail_next = True  # the restore: the store keeps no older copy
+    plan.on(Tainted(21))
+    run_until(plan, clock, 20.0)
+    assert [(h.op, h.args["step"]) for h in pusher.started][2:] == [("restore_checkpoint", 10), ("push_checkpoint", 10)]
+    assert secured_step(plan) == 10 and plan.report().suspect_held is None
+
+
+def test_a_restore_out_of_time_leaves_nothing_secured_and_says_the_destination_holds_the_suspect_save(
+        clock: FakeClock) -> None:
+    pusher = FakePusher(clock, rate=lambda now: 2e5, sizes={"": 0})
+    plan = _recorded_then_tainted(clock, pusher, grace_s=5.0)
+    pusher.stall_next = True  # the restore never answers
+    plan.on(Tainted(21))
+    plan.on(Failure("non_finite_loss"))
+    run_until(plan, clock, 30.0)
+    report = plan.report()
+    assert report.state is State.DONE and report.secured is None
+    assert report.suspect_held is not None and report.suspect_held.step == 20
+    verdict = Verdict("FAIL", "non_finite_loss", 4, "the loss went non-finite at step 21", None)
+    fields = checkpoint_fields(report, verdict, step=21, nothing_found_hint="-")
+    assert fields.extra.get("secured") == "no"
+    assert "the destination still holds checkpoint step 20" in (fields.verdict.hint or ""), fields.verdict.hint
+    assert fields.details["suspect_at_destination"]["step"] == 20
+
+
+def test_a_taint_before_the_resumed_record_moves_the_destination_back_to_it(clock: FakeClock) -> None:
+    """A resumed run's first push is recorded, then tainted: the record goes back to the one it was fetched from."""
+    pusher = FakePusher(clock)
+    plan = make(clock, pusher, deadline_at=None)
+    plan.on(AlreadySecured(ckpt(100), "hf://alice/run", "a" * 40))
+    seen(plan, ckpt(110))
+    run_until(plan, clock, 3.0)
+    assert secured_step(plan) == 110
+    actions = plan.on(Tainted(111))
+    assert [(a.step, a.revision) for a in actions if isinstance(a, RestoreRecord)] == [(100, "a" * 40)]
+    run_until(plan, clock, 6.0)
+    assert secured_step(plan) == 100
 
 
 def test_a_save_whose_step_is_not_known_is_logged_as_such(clock: FakeClock,

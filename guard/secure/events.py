@@ -3,7 +3,7 @@
 Every event goes through ``Plan.on(event) -> list[Action]``; the plan's transition table says which states accept
 which event types. Actions are carried out by ``guard.secure.securing.Securing`` (``RequestSave``, ``StopJob``,
 ``ForwardSignal``, ``Decide``, ``MarkSuspect``, ``RecordTaint``) or by the plan itself through its pusher and returned
-for the record (``StartPush``, ``KillPush``). All times are the plan's ``clock`` seconds (monotonic).
+for the record (``StartPush``, ``KillPush``, ``RestoreRecord``). All times are the plan's ``clock`` seconds (monotonic).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ __all__ = [
     "ReadThrough",
     "RecordTaint",
     "RequestSave",
+    "RestoreRecord",
     "RunOver",
     "SignalReceived",
     "StartPush",
@@ -276,4 +277,18 @@ class RecordTaint:
     first_bad_step: int
 
 
-Action = RequestSave | StopJob | ForwardSignal | Decide | StartPush | KillPush | MarkSuspect | RecordTaint
+@dataclass(frozen=True)
+class RestoreRecord:
+    """The destination's record names a suspect save (step ``from_step``): it was moved back (carried out by the
+    plan through its pusher, as ``StartPush``: the worker's ``restore_checkpoint``) to the newest good record, step
+    ``step`` at ``revision`` (a Hub commit id, an S3 ETag, a folder's path), without uploading it again; ``deadline``:
+    when the worker is killed."""
+
+    step: int | None
+    revision: str
+    from_step: int | None
+    deadline: float
+
+
+Action = (RequestSave | StopJob | ForwardSignal | Decide | StartPush | KillPush | MarkSuspect | RecordTaint
+          | RestoreRecord)

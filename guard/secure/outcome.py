@@ -15,6 +15,7 @@ from typing import Any
 from guard.contract import EXIT_NON_FINITE, EXIT_PUSH_FAILED, EXIT_SECURED, EXIT_TIMEOUT_UNSECURED, signal_name
 from guard.secure.checkpoints import CheckpointInfo
 from guard.secure.report import PlanReport, PushView
+from guard.secure.restoring import held_said
 
 __all__ = ["Fields", "Verdict", "checkpoint_fields", "missing_said", "resume_step_text"]
 
@@ -99,6 +100,10 @@ def checkpoint_fields(report: PlanReport, verdict: Verdict, *, step: int | None,
     bad = report.non_finite_from_step
     if bad is not None:
         details["non_finite_from_step"] = bad
+    held = report.suspect_held
+    held_clause = held_said(held.step, held.path) if held is not None else None
+    if held is not None:  # the destination's record names a suspect save: never said to be secured
+        details["suspect_at_destination"] = {"step": held.step, "path": held.path, "pushed": held.pushed}
     if report.training_complete and status in ("TIMEOUT", "PASS"):
         status, reason, code = "PASS", "ok", 0
         if report.superseded_trigger == "deadline":
@@ -123,6 +128,8 @@ def checkpoint_fields(report: PlanReport, verdict: Verdict, *, step: int | None,
         if bad is not None and reason != "non_finite_loss":
             said = f"the loss went non-finite at step {bad}: saves from then on were not secured"
             hint_text = f"{said}; {hint_text}" if hint_text else said
+        if held_clause is not None:
+            hint_text = f"{hint_text}; {held_clause}" if hint_text else held_clause
         return Fields(Verdict(status, reason, code, hint_text, sig), extra, details)
 
     final = report.final
@@ -184,6 +191,8 @@ def checkpoint_fields(report: PlanReport, verdict: Verdict, *, step: int | None,
             step_text = resume_step_text(secured.info, secured.step) if secured.step is not None else "it"
             hint = (hint or "") + (f"; secured before the failure: {step_text}, resume with --resume on --push-to "
                                    f"{secured.destination}")
+        if held_clause is not None:
+            hint = f"{hint}; {held_clause}" if hint else held_clause
         return Fields(Verdict(status, reason, code, hint, sig), extra, details)
     if trigger == "deadline":
         code = EXIT_SECURED if secured is not None else EXIT_TIMEOUT_UNSECURED

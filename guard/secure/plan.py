@@ -41,8 +41,11 @@ infinity in the save's weights itself (``report.NOT_FINITE``: ``guard.secure.wei
 
 **A taint in every state.** ``Tainted(N)``: every save at or after ``Tainted.saves_from`` (N-1 for a loss: the save at
 N-1 holds the weights step N's loss came from; N for a save holding a non-finite tensor) is suspect (``MarkSuspect``),
-never pushed, never secured; a running push of one is killed, a secured one is replaced by the newest good one secured
-before.
+never pushed, never secured; a running push of one is killed. A secured one (the destination's record names it) is
+moved back to the newest good record (``RestoreRecord``, the worker's ``restore_checkpoint``: no upload,
+``guard.secure.restoring``); only where the store cannot is the newest good checkpoint pushed over it again. Until
+either ends well nothing counts as secured, and if neither does the report names the suspect checkpoint the
+destination still holds (``PlanReport.suspect_held``).
 
 **One supersede rule** (:meth:`Plan._supersede`): a running push is killed for a newer checkpoint only when the
 newer one is estimated to finish before ``secure_by``; when both fit one after the other, the running one finishes
@@ -91,6 +94,7 @@ from guard.secure.events import (
     ReadThrough,
     RecordTaint,
     RequestSave,
+    RestoreRecord,
     RunOver,
     SignalReceived,
     StartPush,
@@ -100,6 +104,7 @@ from guard.secure.events import (
     TrainingStarted,
 )
 from guard.secure.report import NOT_FINITE, REWRITTEN, EndedHandle, PlanReport, PriorPush, PushRecord, PushView, State
+from guard.secure.restoring import restore_args
 
 __all__ = ["LATE_REQUEST_S", "SAFETY_S", "STOP_BEFORE_S", "TRANSITIONS", "Action", "Plan", "PlanReport",
            "PriorPush", "PushView", "State", "bound_s"]
@@ -190,6 +195,8 @@ class Plan:
         self._push: PushRecord | None = None
         self._queued: CheckpointInfo | None = None
         self._secured: PushRecord | None = None
+        self._resumed: PushRecord | None = None  # the record a resumed run was fetched from
+        self._suspect_held: PushRecord | None = None  # a suspect save the destination's record names, not moved back
         self._final: PushRecord | None = None
         self._final_pending = False  # the final push waits for the running push (the supersede rule)
         self._final_wanted = False  # the job ended well with final model files to push
@@ -289,9 +296,9 @@ class Plan:
 
     def report(self) -> PlanReport:
         """A frozen snapshot of what the plan knows (see :class:`PlanReport`)."""
-        secured = self._secured
+        secured, held = self._secured, self._suspect_held if self._secured is None else None
         if secured is not None and self._is_suspect(secured.info):
-            secured = None  # never: a taint replaces it at once (kept as a last guard)
+            secured, held = None, secured  # a push stopped after its record moved, no time left to move it back
         return PlanReport(
             state=self._state, trigger=self._trigger, failure_reason=self._failure_reason, signum=self._signum,
             secure_by=self.secure_by, deadline_at=self._deadline_at,
@@ -303,7 +310,7 @@ class Plan:
             history=tuple(p.view() for p in self._history), has_pusher=self._pusher is not None,
             training_complete=self._complete, superseded_trigger=self._superseded_trigger,
             final_wanted=self._final_wanted,
-            ignored=tuple(self._ignored))
+            ignored=tuple(self._ignored), suspect_held=held.view() if held is not None else None)
 
     # -- handlers (see TRANSITIONS) -----------------------------------------------------------------------------
 
@@ -312,7 +319,7 @@ class Plan:
         deadline or signal before the job's first save still ends with exit 75 naming it."""
         info = event.info
         result = PriorPush(event.destination, event.revision, tuple(info.files), info.size_bytes, info.step)
-        self._secured = PushRecord("resumed", info, EndedHandle(result), now, result)
+        self._secured = self._resumed = PushRecord("resumed", info, EndedHandle(result), now, result)
         if _step(info) >= _step(self._newest):
             self._newest = info
         return []
@@ -478,14 +485,15 @@ class Plan:
             self._queued = None
         if self._newest is not None and self._is_suspect(self._newest):
             self._newest = self._older_than(saves_from)
-        restore = self._secured is not None and self._is_suspect(self._secured.info)
         running = self._push
-        if running is not None and running.info is not None and self._is_suspect(running.info):
-            actions += self._kill("suspect")
-            if self._state is State.SECURING:
-                actions += self._secure_newest(now)
-        if restore:
+        killed = running is not None and running.info is not None and self._is_suspect(running.info)
+        if killed:
+            actions += self._kill("suspect")  # a push stopped after its record moved is secured: restored below
+        if (self._secured is not None and self._is_suspect(self._secured.info)) \
+                or (killed and running is not None and running.kind == "restore"):
             actions += self._restore(now)
+        if killed and self._state is State.SECURING:
+            actions += self._secure_newest(now)
         if self._state is State.AWAITING_SAVE:
             # the save it waits for would be saved after the non-finite loss: secure the newest good one now
             log.warning("the checkpoint the guard asked for would be saved after the non-finite loss: securing the "
@@ -720,13 +728,43 @@ class Plan:
         return good.info if good is not None else None
 
     def _restore(self, now: float) -> list[Action]:
-        """The destination's record names a save from at or after the first non-finite loss: the newest good
-        checkpoint is pushed over it again (nothing counts as secured until that push ends well)."""
-        held = self._secured
-        self._secured = None
+        """The destination's record names a save from the first suspect step on: moved back to the newest good
+        record (``RestoreRecord``: no upload, ``guard.secure.restoring``), else the newest good checkpoint is pushed
+        over it again; nothing counts as secured until either ends well."""
+        held, self._secured = self._secured, None
+        if held is not None:
+            self._suspect_held = held
+        good = self._good_secured(self._suspect_from) if self._suspect_from is not None else None
+        args = restore_args(_step(good.info) if good is not None and good.info is not None else None,
+                            good.result if good is not None else None, _step(self._suspect_held.info)
+                            if self._suspect_held is not None else None)
+        if self._pusher is None or good is None or args is None or self._push is not None or now >= self.secure_by:
+            return self._repush(now)
+        if self._state is State.DONE:
+            self._state = State.SECURING  # the loop waits for it
+        deadline = self._background_deadline(now) if self._state is State.WATCHING else self.secure_by
+        log.warning("the destination's record names %s, saved from the step before the first non-finite loss on: "
+                    "moving it back to %s (%s)", step_text(args["from_step"]), good.info.path if good.info else "?",
+                    step_text(args["step"]))
+        handle = self._pusher.start("restore_checkpoint", args, deadline)
+        self._push = PushRecord("restore", good.info, handle, now)
+        self._history.append(self._push)
+        return [RestoreRecord(args["step"], args["revision"], args["from_step"], deadline)]
+
+    def _restore_ended(self, record: PushRecord, result: Any, now: float) -> list[Action]:
+        """The record moved back (secured: the good checkpoint it names), or not: pushed again where it fits."""
+        if result.ok or self._recorded_anyway(record):
+            self._secured, self._suspect_held = record, None
+            log.warning("the destination's record is %s again (%s)", step_text(_step(record.info)), result.pushed)
+            return self._after_push(record, result, now)
+        log.error("moving the destination's record back failed: %s", result.error)
+        return (self._repush(now) if not result.killed else []) or self._after_push(record, result, now)
+
+    def _repush(self, now: float) -> list[Action]:
+        """The newest good checkpoint pushed over the suspect record (the store cannot move it back)."""
         target = self._newest
-        log.warning("the destination holds %s, saved at or after the first non-finite loss: %s",
-                    held.info.path if held is not None and held.info is not None else "a suspect save",
+        log.warning("the destination holds %s, saved at or after the first suspect step: %s",
+                    step_text(_step(self._suspect_held.info)) if self._suspect_held is not None else "a suspect save",
                     f"pushing {target.path} ({step_text(target.step)}) over it" if target is not None and self._pusher
                     else "no older good checkpoint to put back; nothing counts as secured")
         if self._pusher is None or target is None or self._push is not None:
@@ -743,7 +781,7 @@ class Plan:
         candidates = [p for p in self._history if p.info is not None and p.kind != "final" and p.result is not None
                       and (p.result.ok or getattr(p.result, "recorded_step", None) is not None)
                       and _step(p.info) < step]
-        prior = self._secured if self._secured is not None and self._secured.kind == "resumed" else None
+        prior = self._resumed
         if prior is not None and _step(prior.info) < step:
             candidates.append(prior)
         return max(candidates, key=lambda p: _step(p.info), default=None)
@@ -778,7 +816,7 @@ class Plan:
         target = self._newest
         running = self._push
         if running is not None and running.info is not None and target is not None and _same(target, running.info):
-            running.kind = "securing"
+            running.kind = "securing" if running.kind != "restore" else running.kind
             return []
         if self._pusher is None or target is None or not self._unsecured(target):
             if running is not None:
@@ -794,7 +832,7 @@ class Plan:
         if running is not None and running.info is not None:
             decision = self._supersede(running, target, now)
             if decision != "replace":
-                running.kind = "securing"
+                running.kind = "securing" if running.kind != "restore" else running.kind
                 return []
             actions += self._kill("superseded")
         elif not self._fits(target, self.secure_by, now):
@@ -886,6 +924,8 @@ class Plan:
         record, self._push = self._push, None
         assert record is not None
         record.result = result
+        if record.kind == "restore":
+            return self._restore_ended(record, result, now)
         if result.ok:
             took_s = getattr(result, "transfer_s", result.elapsed_s)  # the successful attempt alone, no waits
             if took_s > 0 and result.size_bytes > 0:
@@ -909,8 +949,9 @@ class Plan:
                 log.info("secured and verified: %s (%s, %.1f MB in %.1fs)", result.pushed,
                          step_text(record.info.step if record.info else None), result.size_bytes / 1e6,
                          result.elapsed_s)
-        elif self._recorded_anyway(record):
-            pass  # its worker died after the record moved: secured all the same
+        elif self._recorded_anyway(record):  # its worker died after the record moved: secured all the same
+            if self._is_suspect(record.info):
+                return self._restore(now) or self._after_push(record, result, now)
         else:
             rewritten = getattr(result, "error_type", None) == REWRITTEN and self._bad_from_step is None
             # the push read the save's weights and found a NaN or an infinity: a witness, as the agent's

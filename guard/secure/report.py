@@ -146,6 +146,8 @@ class PlanReport:
         final_wanted: the job ended well with final model files to push (``final`` None: it never started, no
             time was left after the running push).
         ignored: ``"State/Event"`` for every event a state did not accept, in order.
+        suspect_held: the push of a suspect save that the destination's record still names (a taint reached it
+            after its record moved, and moving the record back failed or had no time), or None.
     """
 
     state: State
@@ -168,3 +170,4 @@ class PlanReport:
     final_wanted: bool
     ignored: tuple[str, ...]
     suspect_from_step: int | None = None
+    suspect_held: PushView | None = None

@@ -281,6 +281,37 @@ class Securer:
                           lambda: _revision(self.store.put_final(folder, names, deadline=deadline)), deadline,
                           read_s=read_s)
 
+    def restore_checkpoint(self, *, step: int, revision: str, from_step: int | None = None,
+                           deadline: float) -> PushResult:
+        """Move the destination's record back to an older record, step ``step`` at ``revision`` (the newest good
+        one this run secured, or the one a resumed run was fetched from), after a taint reached the checkpoint the
+        record names (step ``from_step``); nothing is uploaded again: a folder swaps back the copy it kept aside, a
+        Hub repo makes one record commit naming the older commit's files (copied server-side), S3 writes its
+        record again (the store's ``restore_record``). ``on_recorded`` is called once the record moved.
+
+        Returns:
+            a ``PushResult`` of the record now in place (``files`` and ``size_bytes`` as it records them).
+
+        Raises:
+            PushFailedError: the store cannot restore (it keeps no older record, or no longer holds step ``step``:
+                the caller pushes that checkpoint again instead), or the retries ran out of time.
+        """
+        start = self._clock()
+        store = self.store
+        restore = getattr(store, "restore_record", None)
+        what = f"restoring checkpoint step {step}"
+        if restore is None:
+            raise PushFailedError(f"{what}: {self.destination} cannot move its record back",
+                                  destination=str(self.destination), hint="the checkpoint is pushed again instead")
+        older = Record(step=step, run_id=self.run_id, files={}, revision=revision, restored_from=from_step)
+        self._log.warning("%s at %s over the suspect step %s", what, self.destination, from_step)
+        record, attempts = self._with_retries(what, lambda: restore(older, deadline=deadline), deadline, push=True)
+        if self.on_recorded is not None:
+            self.on_recorded(step, _revision(record))
+        files = tuple(sorted(record.files))
+        return PushResult(str(self.destination), _revision(record), files,
+                          sum(fs.size_bytes for fs in record.files.values()), self._clock() - start, attempts, step)
+
     def _await_whole(self, store: Store, step: int, deadline: float) -> list[PartManifest]:
         """Many nodes: this node's part of ``step`` is in; wait for every node's (``guard.secure.meeting``)."""
         shared = parts_store(store, destination=str(self.destination), kind=self.destination.kind, nodes=self.nodes)

@@ -61,7 +61,7 @@ __all__ = ["OPS", "Handle", "Pusher", "WorkResult", "reap_killed", "run_bounded"
 log = logging.getLogger("guard.secure.worker")
 
 #: Operations a worker runs: ``securer.Securer`` methods (their keyword arguments, without ``deadline``).
-OPS = ("push_checkpoint", "push_final", "fetch_last_checkpoint", "peek_last_checkpoint")
+OPS = ("push_checkpoint", "push_final", "restore_checkpoint", "fetch_last_checkpoint", "peek_last_checkpoint")
 #: The child stops its own retries this long before the deadline, so that it can still report why.
 CHILD_EARLIER_S = 0.5
 POLL_S = 0.1  # how often run_bounded polls

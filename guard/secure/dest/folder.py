@@ -6,6 +6,7 @@ Layout (kept by every version of the guard; resume reads it back)::
                                                   (step, source, output_dir, place, each file's size and sha256)
     DEST/.last-checkpoint.tmp-<pid>-XXXX/         a put's staging copy, swapped in by the record
     DEST/.last-checkpoint.previous-<pid>/         the previous copy while the fallback swap runs
+    DEST/.last-checkpoint.kept/                   the record before the last one (``restore_record`` swaps it back)
     DEST/.guard-final-journal.json                the final push's renames, while they run
     DEST/.guard/staging/<run_id>/step-<N>/node-<k>/  many nodes: each node's part (``folder_parts``)
     DEST/<final model files>                      on PASS
@@ -19,6 +20,8 @@ are ``guard.secure.dest.folder_swap``'s; node parts are ``guard.secure.dest.fold
 - **record** (``write_record``): the staging folder swapped in atomically as ``last-checkpoint``
   (``folder_swap.swap_in``: ``renameat2(RENAME_EXCHANGE)`` on Linux, else two renames); killed at any point, the
   next run finds the previous copy or the new one, never neither (``folder_swap.recover``).
+- **restore** (``restore_record``): after a taint reached the record, the copy the last swap replaced, kept aside
+  until the next record or the run's end, is swapped back (``folder_swap.swap_back``): nothing is copied again.
 - **fetch**: a verified copy of ``last-checkpoint`` against its manifest, placed where the job looks for it.
 """
 
@@ -222,11 +225,29 @@ class FolderStore:
                             place=part.place, source=part.source)
             if recorded is not None:
                 recorded(record)
-            if old is not None:
-                shutil.rmtree(old, ignore_errors=True)
+            if old is not None:  # kept aside: a taint reaching this record swaps it back (restore_record)
+                folder_swap.keep_aside(old, self.root)
         finally:
             shutil.rmtree(part.staging, ignore_errors=True)
         return record
+
+    def restore_record(self, record: Record, *, deadline: float) -> Record:
+        """Swap back the record before the last one (kept aside by ``write_record``) when it is ``record.step``
+        (``folder_swap.swap_back``); returns it as ``read_record`` reads it.
+
+        Raises:
+            DestinationError: no copy of that step is kept here (the caller pushes it again).
+            OSError: the swap failed (the record stays as it was).
+        """
+        if record.step is None:
+            raise DestinationError("a record without a step cannot be restored", destination=str(self))
+        try:
+            target = folder_swap.swap_back(self.root, record.step, self._log)
+        except FileNotFoundError as exc:
+            raise DestinationError(str(exc), destination=str(self)) from None
+        files = _manifest_files(target)
+        return Record(step=record.step, run_id=record.run_id, revision=str(target), restored_from=record.restored_from,
+                      files={rel: FileSum(*sum_) for rel, sum_ in files.items()})
 
     def parts(self, *, run_id: str, step: int, deadline: float) -> list[PartManifest]:
         """The node manifests of ``run_id``'s checkpoint ``step`` here (``folder_parts``)."""
@@ -269,7 +290,7 @@ class FolderStore:
                 if recorded is not None:
                     recorded(record)
             if old is not None:
-                shutil.rmtree(old, ignore_errors=True)
+                folder_swap.keep_aside(old, self.root)
             folder_parts.remove_older(self.root, run_id=first.run_id, step=first.step)
             return record
         finally:
@@ -377,9 +398,12 @@ class FolderStore:
 
     def tidy(self) -> None:
         """What a push killed part way left here (a staging folder, a previous copy aside:
-        ``folder_swap.remove_stale_staging``); a push whose process still lives keeps its own. Raises ``OSError``."""
+        ``folder_swap.remove_stale_staging``), and the record before the last one (``folder_swap.drop_kept``: the
+        run is over, no taint can reach its record any more); a push whose process still lives keeps its own.
+        Raises ``OSError``."""
         if self.root.is_dir():
             folder_swap.remove_stale_staging(self.root, self._log)
+            folder_swap.drop_kept(self.root)
 
 
 

@@ -10,6 +10,9 @@ secured copy or the new one, never neither, and the final model is never a mix o
                                               ``last-checkpoint`` is missing, else removed
     DEST/.guard-final-journal.json            the final push's renames, written (fsynced) once every staged file
                                               verified: finished from it
+    DEST/.last-checkpoint.kept/               the record before the last one, kept aside (``keep_aside``) so that
+                                              a taint reaching the last one swaps it back (``swap_back``); removed
+                                              by the next record and after the run (``drop_kept``)
 
 - ``swap_in``: a staged folder in place as the record, atomically: ``renameat2(RENAME_EXCHANGE)`` on Linux where the
   file system has it; else (NFS and others) two renames through ``.last-checkpoint.previous-<pid>``.
@@ -31,7 +34,8 @@ from pathlib import Path
 from guard.secure.dest import local
 from guard.secure.dest.base import CHECKPOINT_FOLDER
 
-__all__ = ["STAGING_PREFIX", "journaled_renames", "recover", "remove_stale_staging", "rename_exchange", "swap_in"]
+__all__ = ["KEPT", "STAGING_PREFIX", "drop_kept", "journaled_renames", "keep_aside", "recover", "remove_stale_staging",
+           "rename_exchange", "swap_back", "swap_in"]
 
 logger = logging.getLogger("guard.secure.folder")
 
@@ -40,6 +44,8 @@ logger = logging.getLogger("guard.secure.folder")
 _PREVIOUS = f".{CHECKPOINT_FOLDER}.previous-"
 #: A put's staging folder: ``.last-checkpoint.tmp-<pid>-XXXX`` (``local.staging_dir`` adds the ``XXXX``).
 STAGING_PREFIX = f".{CHECKPOINT_FOLDER}.tmp-"
+#: The record before the last one, kept aside until the next record replaces it or the run ends.
+KEPT = f".{CHECKPOINT_FOLDER}.kept"
 #: The final push's journal: the renames of files staged and verified beside the root, replayed by the next run.
 _FINAL_JOURNAL = ".guard-final-journal.json"
 
@@ -153,3 +159,45 @@ def recover(root: Path, log: logging.Logger = logger) -> None:
     journal.unlink()
     log.warning("a final push to %s was killed while its files were put in place: finished it from its journal",
                 root)
+
+
+def keep_aside(old: Path, root: Path) -> None:
+    """Keep ``old`` (the copy the last swap replaced) as ``DEST/.last-checkpoint.kept``, in place of an earlier
+    one. Killed midway, the earlier one is gone and ``old`` is left under its own name (removed by
+    ``remove_stale_staging``): only the chance to swap back is lost, never the record. Raises ``OSError``."""
+    kept = root / KEPT
+    if kept.exists():
+        shutil.rmtree(kept)
+    os.rename(old, kept)
+
+
+def swap_back(root: Path, step: int, log: logging.Logger = logger) -> Path:
+    """Swap the copy kept aside (``keep_aside``) back in as ``last-checkpoint``, when it is checkpoint ``step`` and
+    every file its manifest names is there with its size (it was verified when it was the record); the copy it
+    replaces is removed. Atomic as ``swap_in``. Returns the record's path.
+
+    Raises:
+        FileNotFoundError: no copy is kept, or it is not step ``step`` or not whole (the caller pushes again).
+        OSError: the swap failed (the record stays as it was).
+    """
+    kept, target = root / KEPT, root / CHECKPOINT_FOLDER
+    manifest = local.read_manifest(kept) if kept.is_dir() else {}
+    files = manifest.get("files") if isinstance(manifest.get("files"), dict) else None
+    if manifest.get("step") != step or not files:
+        raise FileNotFoundError(f"{root} keeps no copy of checkpoint step {step} aside "
+                                f"(kept: {manifest.get('step', 'none')})")
+    short = [rel for rel, meta in files.items()
+             if not (kept / rel).is_file() or (kept / rel).stat().st_size != meta.get("size")]
+    if short:
+        raise FileNotFoundError(f"the copy of checkpoint step {step} kept at {root} is not whole: {short[0]}")
+    old = swap_in(kept, target)
+    local.fsync_dir(root)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    log.warning("%s is checkpoint step %d again (swapped back from %s)", target, step, KEPT)
+    return target
+
+
+def drop_kept(root: Path) -> None:
+    """Remove the copy kept aside (after the run: no taint can reach its record any more)."""
+    shutil.rmtree(root / KEPT, ignore_errors=True)

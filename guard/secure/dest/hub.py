@@ -13,6 +13,8 @@
 - **node parts** (many nodes, each with its own disk: ``put_part`` with ``nodes`` > 1, ``parts``, ``part_steps``,
   ``write_record`` of every node's part): each node's files and manifest under ``.guard/staging/`` in commits of
   their own, the record one commit that copies them into ``last-checkpoint/`` (``guard.secure.dest.hub_parts``).
+- **restore** (``restore_record``): after a taint reached the record, one record commit names the older record
+  commit's ``last-checkpoint/`` files again, copied server-side (``guard.secure.dest.hub_restore``).
 - **fetch** downloads ``last-checkpoint/`` at the recorded commit (never a later unrelated HEAD; the client's
   default transfer: ``snapshot_download`` through ``hf_xet`` for every Xet-backed file) and checks every
   file against the tree listing (sha256 of LFS files, git sha1 of regular ones) and the manifest. The step comes
@@ -39,7 +41,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from guard.secure.dest import hub_parts, local
+from guard.secure.dest import hub_parts, hub_restore, local
 from guard.secure.dest.base import (
     CHECKPOINT_FOLDER,
     MANIFEST_NAME,
@@ -193,6 +195,18 @@ class HubStore:
             recorded(record)
         self._verify(done.oid, [op], contents={op.path_in_repo: body})
         return record
+
+    def restore_record(self, record: Record, *, deadline: float) -> Record:
+        """One record commit naming the files of the older record commit ``record.revision`` (step
+        ``record.step``) again, copied server-side (``guard.secure.dest.hub_restore``); no request outlives
+        ``deadline``.
+
+        Raises:
+            DestinationError: no step or commit given, or no ``last-checkpoint/`` at it.
+            Mismatch: the new commit does not hold the older commit's files.
+        """
+        with bounded(lambda: deadline - time.monotonic()):
+            return hub_restore.restore_record(self, record, title=CHECKPOINT_COMMIT_TITLE)
 
     def _commit_verified(self, folder: Path, files: list[str], prefix: str, title: str, what: str, *,
                          replace: bool, check: Callable[[], None] | None = None,

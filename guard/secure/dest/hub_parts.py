@@ -46,8 +46,8 @@ from guard.secure.dest.base import (
 )
 from guard.secure.hubhttp import Mismatch
 
-__all__ = ["PARTS_FOLDER", "PART_FILES_TITLE", "PART_MANIFEST_TITLE", "node_part_steps", "node_parts",
-           "put_node_part", "record_node_parts"]
+__all__ = ["PARTS_FOLDER", "PART_FILES_TITLE", "PART_MANIFEST_TITLE", "entries_recursive", "node_part_steps",
+           "node_parts", "paths_info", "put_node_part", "record_node_parts"]
 
 logger = logging.getLogger("guard.secure.hubstore")
 
@@ -215,7 +215,7 @@ def _record_at(store: HubStore, parts: Sequence[PartManifest], head: str, title:
             if rel not in files:
                 files[rel] = summed
                 sources[rel] = f"{_step_path(part.run_id, part.step)}/node-{part.node_rank}/{rel}"
-    staged = _paths_info(store, list(sources.values()), head)
+    staged = paths_info(store, list(sources.values()), head)
     problems = []
     for rel, path in sources.items():
         entry = staged.get(path)
@@ -225,7 +225,7 @@ def _record_at(store: HubStore, parts: Sequence[PartManifest], head: str, title:
             problems.append(f"{path} is not the file node parts' manifest names")
     if problems:
         raise Mismatch(problems)
-    present = [e.path for e in _entries_recursive(store, CHECKPOINT_FOLDER, head) if isinstance(e, RepoFile)]
+    present = [e.path for e in entries_recursive(store, CHECKPOINT_FOLDER, head) if isinstance(e, RepoFile)]
     keep = {f"{CHECKPOINT_FOLDER}/{rel}" for rel in files} | {f"{CHECKPOINT_FOLDER}/{MANIFEST_NAME}"}
     older = [e.path for e in _entries(store, f"{PARTS_FOLDER}/{first.run_id}", head)
              if not isinstance(e, RepoFile) and (s := _step_of(e.path)) is not None and s < first.step]
@@ -247,7 +247,7 @@ def _record_at(store: HubStore, parts: Sequence[PartManifest], head: str, title:
     if recorded is not None:
         recorded(record)
     store._verify(done.oid, [add], contents={add.path_in_repo: body})
-    got = _paths_info(store, [f"{CHECKPOINT_FOLDER}/{rel}" for rel in files], done.oid)
+    got = paths_info(store, [f"{CHECKPOINT_FOLDER}/{rel}" for rel in files], done.oid)
     for rel, path in sources.items():
         entry, was = got.get(f"{CHECKPOINT_FOLDER}/{rel}"), staged[path]
         if entry is None or entry.size != was.size or entry.blob_id != was.blob_id:
@@ -262,7 +262,7 @@ def _step_of(path: str) -> int | None:
     return int(name[5:]) if name.startswith("step-") and name[5:].isdigit() else None
 
 
-def _entries_recursive(store: HubStore, path: str, revision: str) -> list[Any]:
+def entries_recursive(store: HubStore, path: str, revision: str) -> list[Any]:
     from huggingface_hub.errors import EntryNotFoundError
 
     try:
@@ -272,7 +272,7 @@ def _entries_recursive(store: HubStore, path: str, revision: str) -> list[Any]:
         return []
 
 
-def _paths_info(store: HubStore, paths: list[str], revision: str) -> dict[str, Any]:
+def paths_info(store: HubStore, paths: list[str], revision: str) -> dict[str, Any]:
     """``{path: RepoFile}`` of those of ``paths`` that are files at ``revision`` (100 a request)."""
     from huggingface_hub import RepoFile
 

@@ -368,10 +368,16 @@ class S3Store:
         return _record_from_json(*current) if current else None
 
     def restore_record(self, record: Record, *, deadline: float) -> Record:
-        """Move the record back to ``record``'s checkpoint (its parts must still be at the destination)."""
+        """Move the record back to ``record``'s checkpoint (its parts must still be at the destination: under
+        ``record.run_id``, else the previous record's run when that is the same step, the record a resumed run
+        was fetched from)."""
         if record.run_id is None or record.step is None:
             raise DestinationError("a record without run id and step cannot be restored", destination=str(self))
         parts = self.parts(run_id=record.run_id, step=record.step, deadline=deadline)
+        kept = None if parts else self._get_json(f".guard/previous/{RECORD_NAME}", deadline)
+        prior = _record_from_json(*kept) if kept else None
+        if prior is not None and prior.step == record.step and prior.run_id:  # another run's (a resumed one)
+            parts = self.parts(run_id=prior.run_id, step=prior.step, deadline=deadline)
         if not parts:
             raise DestinationError(f"step {record.step} of run {record.run_id} is no longer at {self}",
                                    destination=str(self))
