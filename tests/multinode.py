@@ -14,6 +14,7 @@ running (each guard is a session of its own, killed as a group).
 
 from __future__ import annotations
 
+import contextlib
 import shlex
 import signal
 import socket
@@ -117,6 +118,15 @@ class Nodes:
     def stderr(self, node: int) -> str:
         """What node ``node``'s guard wrote to stderr so far."""
         return (self.folder(node) / "guard.err").read_text(errors="replace")
+
+    def lose(self, node: int) -> None:
+        """Lose node ``node``: SIGKILL to its guard and every process of its job, at once."""
+        import psutil
+
+        guard = psutil.Process(self.procs_started[node].pid)
+        for proc in [guard, *guard.children(recursive=True)]:
+            with contextlib.suppress(psutil.Error):
+                proc.send_signal(signal.SIGKILL)
 
     def signal(self, node: int, signum: int = signal.SIGTERM) -> None:
         """Send ``signum`` to node ``node``'s guard."""

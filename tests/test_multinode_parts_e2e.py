@@ -8,15 +8,13 @@ tests/hubserver.py, Xet on: the client's default)."""
 
 from __future__ import annotations
 
-import contextlib
 import json
-import signal
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import psutil
 import pytest
 import torch
 from conftest import JOBS
@@ -177,10 +175,7 @@ def test_a_node_lost_mid_run_never_makes_the_other_say_its_newest_step_is_secure
     nodes = _nodes(tmp_path, dest, "--timeout", "60s").start()
     try:
         assert nodes.wait_for(lambda: len(list((nodes.out(1)).glob("step_*"))) >= 3, 120), logs(nodes.wait(5))
-        guard = psutil.Process(nodes.procs_started[1].pid)  # node 1's guard and every process of its job, at once
-        for proc in [guard, *guard.children(recursive=True)]:
-            with contextlib.suppress(psutil.Error):
-                proc.send_signal(signal.SIGKILL)
+        nodes.lose(1)  # node 1's guard and every process of its job, at once
         runs = nodes.wait(150)
     finally:
         nodes.close()
@@ -253,3 +248,27 @@ def _leaves(obj: object) -> list[object]:
     if isinstance(obj, dict):
         return [leaf for value in obj.values() for leaf in _leaves(value)]
     return [obj]
+
+
+def test_a_lost_node_0_is_named_in_the_other_nodes_verdict(tmp_path: Path, dest: Dest) -> None:
+    """Every process of node 0 killed, its guard too (a lost node 0: the one that leads the steps, moves the
+    record and hosts torchrun's store). Node 1's job fails on its lost peer; its guard says so: node 0 gone,
+    missing=node0 of the newest step it holds a part of, secured_step= the record's step (what the destination
+    holds whole, never more), and a hint that names node 0."""
+    nodes = _nodes(tmp_path, dest, "--timeout", "90s").start()
+    try:
+        assert nodes.wait_for(lambda: dest.record() is not None and len(list(nodes.out(1).glob("step_*"))) >= 4,
+                              120), logs(nodes.wait(5))
+        nodes.lose(0)
+        runs = nodes.wait(150)
+    finally:
+        nodes.close()
+    node1 = runs[1].fields()
+    record = dest.record()
+    assert record is not None and record.step is not None
+    assert node1.get("node") == "1" and node1.get("secured_step") == str(record.step), logs(runs)
+    assert node1.get("status") == "FAIL" and node1.get("missing") == "node0", logs(runs)  # before: no missing=
+    said = re.search(r"checkpoint step (\d+) is not whole at the destination, missing node0: node 0 put no part",
+                     node1.get("hint", ""))
+    assert said is not None and int(said[1]) > record.step, logs(runs)  # its newest part, never made whole
+    assert (nodes.out(1) / f"step_{said[1]}").is_dir() and runs[0].verdict == "", logs(runs)

@@ -153,3 +153,19 @@ def test_node_0s_run_id_reaches_the_other_nodes_guards_through_the_store(monkeyp
     same, agent = relay(store, 1)
     same.poll(0, 1)
     assert agent.sent == [] and same.run_id_read
+
+
+def test_a_part_node_0_never_put_stays_missing_when_the_destination_holds_an_older_step_whole() -> None:
+    """Node 0 lost: this node's part of step 80 waits on its disk, the destination's newest step (40) is whole;
+    missing=node0 of step 80 stands (before, the destination's listing said nothing missing of step 40 and erased
+    it). A destination whose newest step is as new as the held one decides as before."""
+    from guard.secure.outcome import leader_missing
+
+    result = RunResult("FAIL", "crash", 1, 1.0, extra={"secured": "yes", "secured_step": 40}, hint="crash")
+    result.hint = leader_missing(result.extra, result.details, result.hint, step=80)
+    agree_on_missing(result, read=lambda _: {"step": 40, "complete": True, "missing": ""}, wait_s=5)
+    assert result.extra["missing"] == "node0" and result.details["missing"]["step"] == 80
+    assert result.hint is not None and result.hint.startswith("checkpoint step 80 is not whole")
+    agree_on_missing(result, read=lambda _: {"step": 80, "complete": False, "missing": "node1", "present": [0]},
+                     wait_s=5)
+    assert result.extra["missing"] == "node1" and "missing node0" not in (result.hint or "")

@@ -76,7 +76,8 @@ def peer_hint(rank: int, text: str) -> str:
     """The hint of a rank that failed because a peer went away (its own error is a consequence)."""
     return (f"rank {rank} lost its connection to another rank ({text[:200]}): a consequence, not the cause; the "
             "cause is another rank's failure: on another node when the launcher's summary here names no other, "
-            "and that node's VERDICT names it (reason=killed or crash with rank=)")
+            "and that node's VERDICT names it (reason=killed or crash with rank=); a node lost whole, its guard too, "
+            "leaves none: its scheduler's or platform's events say why")
 
 
 def timeout_hint(rank: int, text: str, late: list[int]) -> str:

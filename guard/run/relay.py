@@ -115,7 +115,9 @@ def agree_on_missing(result: RunResult, *, read: Callable[[float], dict[str, Any
     same, whatever its own last push saw (one node's push of step 620 ended for want of node 1's part while node
     1's push of step 640 ended for want of node 0's: both nodes now say ``missing=node0``, of step 640).
 
-    Nothing is missing when that step is whole or not newer than ``secured_step``. Only a result with checkpoint
+    Nothing is missing when that step is whole or not newer than ``secured_step``, unless this node holds its part
+    of a newer step that node 0 never put (``details["missing"]`` seen ``held``, ``outcome.leader_missing``: a lost
+    node 0), which stands. Only a result with checkpoint
     fields (``secured=``) is changed: ``missing=``, ``details["missing"]`` and the hint's clause on it. When the
     destination cannot be read within ``wait_s``, this node's own word stands (logged).
 
@@ -143,13 +145,19 @@ def agree_on_missing(result: RunResult, *, read: Callable[[float], dict[str, Any
                     "stands", wait_s, failed[0] if failed else "no answer")
         return
     found = answer[0]
+    step = found.get("step") if found is not None else None
+    held = result.details.get("missing")
+    if isinstance(held, dict) and held.get("seen") == "held" and isinstance(held.get("step"), int) \
+            and not (isinstance(step, int) and step >= held["step"]):
+        log.info("the destination's newest step with a node's part is %s: this node's part of step %d, newer, waits "
+                 "for %s's: missing=%s stands", step, held["step"], held.get("what"), held.get("what"))
+        return
     old = result.extra.pop("missing", None)
     old_details = result.details.pop("missing", None)
     if isinstance(old, str) and isinstance(old_details, dict) and result.hint:
-        said = missing_said(old_details.get("step"), old)
+        said = str(old_details.get("said") or missing_said(old_details.get("step"), old))
         result.hint = result.hint.replace(f"{said}; ", "").replace(said, "") or None
     secured_step = result.extra.get("secured_step")
-    step = found.get("step") if found is not None else None
     missing = str(found.get("missing") or "") if found is not None else ""
     if found is None or not isinstance(step, int) or found.get("complete") or not missing \
             or (isinstance(secured_step, int) and step <= secured_step):

@@ -118,6 +118,12 @@ class Follower:
         else:
             self._looked_up = None  # looked for once: again at the next listing
 
+    def unled_step(self) -> int | None:
+        """The newest step this node holds a part of that node 0 (the leader) never put, as last listed: its part
+        waits on this node's disk; None when there is none."""
+        waiting = [step for step in self.held if self.led_step is None or step > self.led_step]
+        return max(waiting) if waiting else None
+
     def _follow(self, step: int) -> None:
         info, requested = self.held[step]
         self.held = {s: held for s, held in self.held.items() if s > step}

@@ -17,7 +17,7 @@ from guard.secure.checkpoints import CheckpointInfo
 from guard.secure.report import PlanReport, PushView
 from guard.secure.restoring import held_said
 
-__all__ = ["Fields", "Verdict", "checkpoint_fields", "missing_said", "resume_step_text"]
+__all__ = ["Fields", "Verdict", "checkpoint_fields", "leader_missing", "missing_said", "resume_step_text"]
 
 
 @dataclass(frozen=True)
@@ -220,3 +220,24 @@ def missing_said(step: int | None, missing: str) -> str:
     """The hint's clause on a many-node checkpoint not whole at the destination (``missing``: the VERDICT's
     ``missing=`` value)."""
     return f"checkpoint step {step} is not whole at the destination, missing {missing}: see that node's VERDICT"
+
+
+def leader_missing(extra: dict[str, Any], details: dict[str, Any], hint: str | None, *, step: int | None,
+                   leader: int = 0) -> str | None:
+    """Many nodes, a node other than ``leader`` (node 0) at its end: it holds its part of ``step`` (the newest it
+    saved) and ``leader`` never put its own part of it, so that step is not whole at the destination. Sets
+    ``missing=node<leader>`` (``details["missing"]`` with ``seen: "held"`` and the clause, ``said``) unless the
+    VERDICT says no checkpoint fields, says a missing node already, or secured that step or a later one; returns
+    the hint with the clause on it first (``hint`` unchanged when nothing is set). The clause says why: node 0
+    leads the steps (``follow``), and a node lost whole, its guard too, leaves no VERDICT of its own."""
+    secured_step = extra.get("secured_step")
+    if step is None or "secured" not in extra or "missing" in extra \
+            or (isinstance(secured_step, int) and step <= secured_step):
+        return hint
+    what = f"node{leader}"
+    said = (f"checkpoint step {step} is not whole at the destination, missing {what}: node {leader} put no part of "
+            f"it (this node's part is on its disk), and node {leader} leads the steps: if it was lost (every process "
+            "of it gone, its guard too), no VERDICT of its says why")
+    extra["missing"] = what
+    details["missing"] = {"step": step, "what": what, "seen": "held", "said": said}
+    return f"{said}; {hint}" if hint else said

@@ -60,7 +60,7 @@ from guard.secure.events import (
     TrainingStarted,
 )
 from guard.secure.follow import LIST_EVERY_S, Follower
-from guard.secure.outcome import Verdict, checkpoint_fields
+from guard.secure.outcome import Verdict, checkpoint_fields, leader_missing
 from guard.secure.plan import Plan, State
 
 if TYPE_CHECKING:
@@ -1122,6 +1122,9 @@ class Securing:
             result.extra.pop("signal", None)
         result.extra.update(fields.extra)
         result.details.update(fields.details)
+        if self._follower is not None and result.status != "PASS":  # node 0's part of this node's newest never came
+            result.hint = leader_missing(result.extra, result.details, result.hint,
+                                         step=self._follower.unled_step())
 
     @property
     def output_folder(self) -> Path | None:
