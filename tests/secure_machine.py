@@ -15,9 +15,10 @@ After every step the destination is read **on the bytes**: ``DEST/last-checkpoin
 save of this run (every file as its manifest says, size and sha256), made before the first non-finite loss, with
 finite weights. When the run ends (the job's exit, a deadline, a signal), ``Securing.finish`` fills the VERDICT's
 fields and they must name what the destination holds: ``secured=no`` (or no push) with nothing recorded, else the
-recorded step is the one ``secured_step`` names; and what the next run's ``--resume on`` fetches from the
-destination (``Securer.fetch_last_checkpoint`` into a fresh folder) is that step's save, finite, made before the
-first non-finite loss.
+recorded step is the one ``secured_step`` names (or, when a taint reached the record and moving it back failed or
+had no time, the hint says the destination still holds that suspect step); and what the next run's ``--resume on``
+fetches from the destination (``Securer.fetch_last_checkpoint`` into a fresh folder) is that step's save, finite,
+made before the first non-finite loss.
 """
 
 from __future__ import annotations
@@ -85,6 +86,8 @@ class InlineHandle:
         try:
             if self.op == "push_final":
                 pushed = securer.push_final(self.args["output_dir"], files=self.args.get("files"), deadline=1e18)
+            elif self.op == "restore_checkpoint":  # the record moved back after a taint reached it
+                pushed = securer.restore_checkpoint(**self.args, deadline=1e18)
             else:
                 args = {k: v for k, v in self.args.items() if k in ("local_dir", "step", "files", "saved_by_s",
                                                                    "source")}
@@ -356,8 +359,13 @@ class SecureMachine(RuleBasedStateMachine):
         held = self.held()
         secured = result.extra.get("secured")
         push = result.details.get("push")
+        suspect_from = self.securing.plan.report().suspect_from_step  # a save at or after it is suspect
         if held is None:
             assert secured != "yes" and push is None, f"VERDICT secured={secured} {push}, nothing at DEST"
+        elif suspect_from is not None and held[0] is not None and held[0] >= suspect_from:
+            # a taint reached the record and moving it back failed or had no time: never said to be secured
+            assert secured != "yes" and push is None and "the destination still holds" in (result.hint or ""), \
+                f"DEST/last-checkpoint holds the suspect step {held[0]}; VERDICT secured={secured} {result.hint}"
         else:
             step, _ = held
             assert push is not None and push.get("step") == step, \
@@ -374,6 +382,9 @@ class SecureMachine(RuleBasedStateMachine):
             assert fetched is None, f"nothing is recorded at DEST, yet a resume fetched {fetched}"
             return
         assert fetched is not None and fetched.step == held[0], f"a resume fetched {fetched}, DEST records {held[0]}"
+        suspect_from = self.securing.plan.report().suspect_from_step
+        if suspect_from is not None and held[0] is not None and held[0] >= suspect_from:
+            return  # the suspect save the VERDICT says is still there: --resume refuses it (the run's taint)
         paths = [fetched.path] if fetched.path.is_file() else [p for p in fetched.path.rglob("*") if p.is_file()]
         heads = [parse(p.read_bytes()) for p in paths if p.name != "guard_manifest.json"]
         assert heads, f"a resume fetched no model file from {fetched.path}"

@@ -89,3 +89,18 @@ def test_a_save_renamed_after_the_agent_saw_it_non_finite_is_never_secured() -> 
     _replay(("weights_go_bad", {}), ("train", {"n": 1, "bad": None}),
             ("save", {"how": "renamed", "read_first": False, "requested": False}), ("tick", {"dt": 0.3}),
             ("tick", {"dt": 1.0}))
+
+
+def test_a_recorded_save_made_suspect_by_the_next_steps_nan_is_moved_back_on_the_destination() -> None:
+    """The nanoGPT pattern (``ckpt.pt`` saved in place): step 2 then step 3 pushed and recorded, then step 4's loss
+    is NaN, so the save of step 3 (its weights gave that loss) is suspect. Step 2 is no longer on the disk (saved
+    over): before, the guard tried to push it again, was refused, and ended ``secured=no`` with no word that
+    ``DEST/last-checkpoint`` held step 3; now the record is swapped back to step 2 and the VERDICT names it."""
+    machine = _replay(("train", {"n": 2, "bad": None}),
+                      ("save", {"how": "in_place", "read_first": True, "requested": False}), ("tick", {"dt": 1.0}),
+                      ("tick", {"dt": 1.0}), ("tick", {"dt": 1.0}),
+                      ("train", {"n": 1, "bad": None}),
+                      ("save", {"how": "in_place", "read_first": True, "requested": False}), ("tick", {"dt": 1.0}),
+                      ("tick", {"dt": 1.0}), ("tick", {"dt": 1.0}),
+                      ("train", {"n": 1, "bad": "nan"}), ("read_losses", {}), ("tick", {"dt": 1.0}), ("end", {}))
+    assert [h.op for h in machine.pusher.started][-1] == "restore_checkpoint"
