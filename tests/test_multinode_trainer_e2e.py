@@ -97,3 +97,23 @@ def test_two_trainer_nodes_without_a_run_id_meet_on_node_0s(tmp_path: Path, dest
         said = nodes.stderr(node)
         assert ("goes to the other nodes through the job's store" if node == 0
                 else "node 0's guard's, through the job's store") in said, said[-3000:]
+
+
+@pytest.mark.hub
+def test_a_trainers_checkpoint_over_two_disks_is_secured_whole_at_a_hub_repo(tmp_path: Path, hub: parts.HubServer) \
+        -> None:
+    """The same Trainer over two disks, secured to a Hub repo on the local Hub (Xet on): node 0's push also moves
+    the record, so its margin is the larger and its deadline request reaches node 1's ranks first (the case of
+    f6347fb: node 1 then said PASS exit=0). Both nodes say TIMEOUT exit=75 with one secured_step, and the record
+    commit's ``last-checkpoint/`` holds both ranks' RNG states with the model and the trainer state."""
+    dest = Dest("hub", tmp_path, None, hub)
+    nodes = _trainer(tmp_path, dest, "--timeout", "50s", job_args=("--save-steps", "5")).start()
+    step, fetched = _secured_at_the_deadline(nodes, tmp_path, dest)
+    record = dest.record()
+    assert record is not None and record.revision
+    nodes_held, files = dest.held(record)
+    assert nodes_held == 2, (nodes_held, files)
+    assert {"rng_state_0.pth", "rng_state_1.pth", "trainer_state.json", "model.safetensors"} <= files, files
+    assert json.loads((fetched / "trainer_state.json").read_text())["global_step"] == step
+    for rank in range(2):
+        assert "cpu" in torch.load(fetched / f"rng_state_{rank}.pth", weights_only=False)

@@ -13,6 +13,7 @@ import re
 import time
 
 import torch
+from _resume import Counter
 from accelerate import Accelerator
 from accelerate.utils import ProjectConfiguration
 
@@ -23,17 +24,6 @@ parser.add_argument("--step_s", type=float, default=0.05)
 parser.add_argument("--resume", action="store_true")
 parser.add_argument("--steps", type=int, default=100000)
 args = parser.parse_args()
-
-
-class Counter:
-    def __init__(self) -> None:
-        self.step = 0
-
-    def state_dict(self) -> dict:
-        return {"step": self.step}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.step = state["step"]
 
 
 accelerator = Accelerator(cpu=True, project_config=ProjectConfiguration(project_dir=args.out,

@@ -6,12 +6,12 @@ this node's part of it); --ready FILE is created once a save of at least --ready
 
 import argparse
 import os
-import re
 import time
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from _resume import resume_from
 from plain_sgd import PlainSGD
 
 parser = argparse.ArgumentParser()
@@ -38,17 +38,10 @@ def state(step: int) -> dict:
 
 
 start = 0
-try:
-    import guard
-
-    fetched = guard.resume_path()
-except ImportError:  # run without the guard on the path
-    fetched = None
-saved = sorted((int(m[1]), name) for name in (os.listdir(args.out) if os.path.isdir(args.out) else [])
-               if (m := re.fullmatch(r"step_(\d+)", name)))
-if fetched or saved:
+resume = resume_from(args.out)
+if resume:
     loaded = state(0)
-    dcp.load(loaded, checkpoint_id=fetched or os.path.join(args.out, saved[-1][1]))
+    dcp.load(loaded, checkpoint_id=resume)
     model.load_state_dict(loaded["model"])
     start = int(loaded["step"])
     assert float(loaded[f"rank{rank}"][0]) == rank * 1000 + start, "this rank's own shard"
