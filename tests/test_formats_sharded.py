@@ -201,3 +201,29 @@ def test_a_deepspeed_tag_placed_back_is_named_by_latest(tmp_path: Path) -> None:
     place_fetched(fetched(3), out, 3, "rev", ["mp_rank_00_model_states.pt"], 1, "checkpoint-3", "dest", log)
     assert (out / "latest").read_text() == "global_step9"  # not a DeepSpeed tag
     assert not list(out.glob(".latest.tmp-*"))
+
+
+def test_a_megatron_iteration_placed_back_is_named_by_its_tracker_file(tmp_path: Path) -> None:
+    """Megatron-LM's ``latest_checkpointed_iteration.txt`` lies beside ``iter_<N>/`` and its ``load_checkpoint``
+    starts from scratch without it: placed back (by its name, a checkpoint folder of its own: ``placement``), the
+    iteration is named there, unless the tracker names a later one. Before, the record's place was ``.`` (the files
+    at the output folder's top) and no tracker was written: both ranks of the next run started from random."""
+    import logging
+
+    from guard.secure.dest.local import place_fetched, placement
+
+    def fetched(step: int) -> Path:
+        folder = tmp_path / f"download-{step}"
+        folder.mkdir()
+        (folder / "common.pt").write_bytes(b"x")
+        return folder
+
+    out, log = tmp_path / "out", logging.getLogger("test")
+    out.mkdir()
+    assert placement(out / "iter_0000100")["place"] == "iter_0000100"
+    placed = place_fetched(fetched(100), out, 100, "rev", ["common.pt"], 1, "iter_0000100", "dest", log)
+    tracker = out / "latest_checkpointed_iteration.txt"
+    assert placed.path == out / "iter_0000100" and tracker.read_text() == "100"
+    tracker.write_text("300")  # the job's own later save: kept
+    place_fetched(fetched(200), out, 200, "rev", ["common.pt"], 1, "iter_0000200", "dest", log)
+    assert tracker.read_text() == "300" and not (out / "latest").exists()

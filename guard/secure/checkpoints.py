@@ -61,6 +61,7 @@ from pathlib import Path
 
 from guard.errors import SupervisorError
 from guard.secure.formats import DISTCP_METADATA, check_files, kind_of, missing_required, recorded_step, requires
+from guard.secure.layout import CHECKPOINT_FOLDER_RE as _CHECKPOINT_LIKE_RE  # every known layout, tmp- names too
 from guard.secure.suspects import SUSPECT_MARKER_NAME, is_marked_suspect, mark_suspect
 
 __all__ = [
@@ -107,8 +108,6 @@ _ACCELERATE_RNG_RE = re.compile(r"random_states_[0-9]+\.pkl")
 #: after rank 0's own part with no barrier after the other ranks'), accelerate's ``random_states_<process>.pkl``
 #: (``accelerate/checkpointing.py`` ``save_accelerator_state``).
 _PER_RANK_RE = re.compile(r"(rng_state_|random_states_)([0-9]+)\.(pth|pkl)")
-#: Checkpoint folders of every known layout (``guard.secure.layout.CHECKPOINT_FOLDER_RE``, with tmp- names).
-_CHECKPOINT_LIKE_RE = re.compile(r"(?:tmp-)?(?:checkpoint-|checkpoint_|step_|global_step)[0-9]+")
 #: Files the Trainer writes before ``trainer_state.json`` and accelerate before ``random_states_N.pkl``: a folder
 #: holding one of them is complete only with that last file.
 _TRAINER_OR_ACCELERATE = re.compile(r"training_args\.bin|optimizer\.(?:pt|bin)|scheduler\.(?:pt|bin)|"
@@ -792,7 +791,7 @@ def saved_folder(path: str | os.PathLike[str], *, now_s: float, steps: Mapping[s
     if reason is not None:
         return None, reason
     known = {os.path.realpath(p): s for p, s in (steps or {}).items()}
-    match = _FOLDER_RE.fullmatch(where.name)
+    match = _FOLDER_RE.fullmatch(where.name) or _SHARDED_FOLDER_RE.fullmatch(where.name)
     if os.path.realpath(where) in known:
         step: int | None
         step, source = known[os.path.realpath(where)], "reported"

@@ -9,6 +9,7 @@ and relative to the folder they are listed from.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import logging
@@ -27,10 +28,6 @@ from guard.secure.layout import CHECKPOINT_FOLDER_RE
 __all__ = ["copy_and_hash", "final_model_files", "fsync_dir", "hash_file", "holds_final_model", "list_files",
            "place_fetched", "placed", "placement", "read_manifest", "refuse_not_finite", "refuse_torn", "same_bytes",
            "signatures", "staging_dir", "step_from_trainer_state"]
-
-#: Checkpoint folder names of the layouts the guard knows (their parent is the output folder).
-_CHECKPOINT_LIKE = re.compile(r"(?:tmp-)?(?:checkpoint-|checkpoint_|step_|global_step)[0-9]+")
-
 
 def list_files(folder: Path, keep: Callable[[str], bool] = lambda rel: True) -> list[str]:
     """Files under ``folder`` (posix relative paths, sorted), minus ``.git``/``.cache`` folders and ``keep`` misses.
@@ -208,12 +205,13 @@ def read_manifest(secured: Path) -> dict[str, Any]:
 
 def placement(folder: Path) -> dict[str, str]:
     """Where a pushed checkpoint lies, for resume to put it back: ``{"output_dir": ..., "place": ...}``. A
-    checkpoint-like folder (``checkpoint-N``, ``checkpoint_N``, ``step_N``, ``global_stepN``) is placed by its name
+    checkpoint-like folder (``checkpoint-N``, ``checkpoint_N``, ``step_N``, ``global_stepN``, ``iter_N``:
+    ``layout.CHECKPOINT_FOLDER_RE``) is placed by its name
     in its parent; any other folder holds files that lay at the top of the output folder (``ckpt.pt``). The output
     folder is written relative to the working folder when inside it, so that the next run (another machine, the
     same checkout) finds it again."""
     where = Path(os.path.abspath(folder))
-    output_dir, place = (where.parent, where.name) if _CHECKPOINT_LIKE.fullmatch(where.name) else (where, ".")
+    output_dir, place = (where.parent, where.name) if CHECKPOINT_FOLDER_RE.fullmatch(where.name) else (where, ".")
     here = Path(os.getcwd())
     text = os.path.relpath(output_dir, here) if output_dir.is_relative_to(here) else str(output_dir)
     return {"output_dir": text, "place": place}
@@ -230,7 +228,7 @@ def placed_source(output_dir: str | None, place: str | None) -> dict[str, str]:
 def placed(manifest: dict[str, Any]) -> tuple[str | None, str | None]:
     """``(output_dir, place)`` from a manifest (see ``placement``); None for what it does not record."""
     out, place = manifest.get("output_dir"), manifest.get("place")
-    place_ok = isinstance(place, str) and (place == "." or _CHECKPOINT_LIKE.fullmatch(place) is not None)
+    place_ok = isinstance(place, str) and (place == "." or CHECKPOINT_FOLDER_RE.fullmatch(place) is not None)
     return (out if isinstance(out, str) and out else None), (place if place_ok else None)
 
 
@@ -274,7 +272,7 @@ def place_fetched(fetched: Path, into: Path, step: int | None, revision: str, fi
     if step is None:
         raise HubError(f"cannot tell the step of {destination}/{CHECKPOINT_FOLDER}", destination=destination,
                        hint="it has no trainer_state.json and was not pushed by the guard")
-    if place is not None and place != "." and not _CHECKPOINT_LIKE.fullmatch(place):
+    if place is not None and place != "." and not CHECKPOINT_FOLDER_RE.fullmatch(place):
         place = None  # a place the guard never records (``placement``): never a path out of ``into``
     refuse_not_finite(f"{CHECKPOINT_FOLDER} (step {step})", fetched, files, destination, fetched=True, log=log)
     stamp = f"replaced-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
@@ -302,44 +300,70 @@ def place_fetched(fetched: Path, into: Path, step: int | None, revision: str, fi
         if list_files(target) == list_files(fetched) and all(same_bytes(target / rel, fetched / rel)
                                                               for rel in names):
             log.info("%s already holds the secured checkpoint (step %d): keeping it", target, step)
-            _name_deepspeed_tag(target, log)
+            _name_in_tracker(target, log)
             return FetchedCheckpoint(target, step, revision, names, size)
         aside = target.with_name(f".{target.name}.{stamp}")
         os.rename(target, aside)  # a partial or different local copy: kept aside (hidden), not deleted
         log.warning("%s differs from the secured checkpoint: moved it to %s", target, aside)
     target.parent.mkdir(parents=True, exist_ok=True)
     os.rename(fetched, target)
-    _name_deepspeed_tag(target, log)
+    _name_in_tracker(target, log)
     fsync_dir(target.parent)
     log.info("fetched %s/%s (step %d) into %s", destination, CHECKPOINT_FOLDER, step, target)
     return FetchedCheckpoint(target, step, revision, names, size)
 
 
-#: DeepSpeed's tag folder (``save_checkpoint``'s default tag ``global_step<N>``) and the file beside it naming the
-#: tag to load (``DeepSpeedEngine.load_checkpoint`` with no tag reads it; ``deepspeed/runtime/engine.py``).
-_DEEPSPEED_TAG = re.compile(r"global_step([0-9]+)")
-_DEEPSPEED_LATEST = "latest"
+@dataclasses.dataclass(frozen=True)
+class _Tracker:
+    """A file beside a checkpoint folder that names the one to load (it lies outside the folder, so the record does
+    not hold it): ``folder`` matches the folder's name (group 1: its step), ``name`` is the file's, ``text`` what
+    it holds for a folder (its name, its step), ``loader`` who reads it."""
+
+    folder: re.Pattern[str]
+    name: str
+    text: Callable[[str, int], str]
+    loader: str
+
+    def step_named(self, held: str) -> int | None:
+        """The step the tracker's text ``held`` names, or None (another text: Megatron's ``release``)."""
+        found = self.folder.fullmatch(held)
+        if found is not None:
+            return int(found[1])
+        return int(held) if held.isdigit() else None
 
 
-def _name_deepspeed_tag(target: Path, log: logging.Logger) -> None:
-    """A DeepSpeed tag folder placed back (``global_stepN``): ``latest`` beside it names it, as DeepSpeed wrote it
-    after the save (it lies outside the tag folder, so the record does not hold it), unless one names a later tag.
-    Written atomically (a temporary file renamed); never raises (the job then loads the tag it is given)."""
-    mine = _DEEPSPEED_TAG.fullmatch(target.name)
-    if mine is None:
+#: DeepSpeed's ``latest`` names its tag folder ``global_step<N>`` (``DeepSpeedEngine.load_checkpoint`` with no tag
+#: reads it; ``deepspeed/runtime/engine.py``); Megatron-LM's ``latest_checkpointed_iteration.txt`` holds the
+#: iteration of ``iter_<7 digits>`` (rank 0 writes it after every rank saved; ``load_checkpoint`` reads it first and
+#: starts from scratch without it: ``megatron/training/checkpointing.py``, ``read_metadata``).
+_TRACKERS = (_Tracker(re.compile(r"global_step([0-9]+)"), "latest", lambda name, step: name,
+                      "DeepSpeed's load_checkpoint"),
+             _Tracker(re.compile(r"iter_([0-9]+)"), "latest_checkpointed_iteration.txt",
+                      lambda name, step: str(step), "Megatron-LM's load_checkpoint"))
+
+
+def _name_in_tracker(target: Path, log: logging.Logger) -> None:
+    """A checkpoint folder placed back whose layout has a tracker file beside it (``_TRACKERS``: DeepSpeed's
+    ``latest``, Megatron-LM's ``latest_checkpointed_iteration.txt``): the tracker names it, as the job wrote it
+    after the save, unless one names a later step. Written atomically (a temporary file renamed); never raises (the
+    job then loads what it is told to)."""
+    for tracker in _TRACKERS:
+        mine = tracker.folder.fullmatch(target.name)
+        if mine is None:
+            continue
+        beside = target.parent / tracker.name
+        try:
+            named = tracker.step_named(beside.read_text(encoding="utf-8").strip())
+        except (OSError, UnicodeDecodeError):
+            named = None
+        if named is not None and named >= int(mine[1]):
+            return
+        scratch = beside.with_name(f".{tracker.name}.tmp-{os.getpid()}")
+        try:
+            scratch.write_text(tracker.text(target.name, int(mine[1])), encoding="utf-8")
+            os.replace(scratch, beside)
+        except OSError as exc:
+            log.warning("cannot write %s naming %s (%s reads it): %s", beside, target.name, tracker.loader, exc)
+            return
+        log.info("%s names %s (%s reads it)", beside, target.name, tracker.loader)
         return
-    latest = target.parent / _DEEPSPEED_LATEST
-    try:
-        named = _DEEPSPEED_TAG.fullmatch(latest.read_text(encoding="utf-8").strip())
-    except (OSError, UnicodeDecodeError):
-        named = None
-    if named is not None and int(named[1]) >= int(mine[1]):
-        return
-    scratch = latest.with_name(f".{_DEEPSPEED_LATEST}.tmp-{os.getpid()}")
-    try:
-        scratch.write_text(target.name, encoding="utf-8")
-        os.replace(scratch, latest)
-    except OSError as exc:
-        log.warning("cannot write %s naming %s (DeepSpeed loads the tag it names): %s", latest, target.name, exc)
-        return
-    log.info("%s names %s (DeepSpeed's load_checkpoint reads it)", latest, target.name)
