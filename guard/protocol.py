@@ -49,6 +49,13 @@ Supervisor -> agent (``t``):
                     ``signal`` (a node other than 0 that received a termination signal): published to every rank
 ``stop``            end training cleanly at the next step end
 ``dump``            print every thread's stack, answer ``progress`` (the job looks hung)
+
+Saved weights, judged alike by the agent (the tensors of a ``torch.save``) and the guard (the bytes of a
+safetensors file or a ``torch.save`` zip): a floating tensor holding a NaN or a +inf is not finite; one holding a
+-inf is not finite either, unless its name says it is a mask (``mask_allows_minus_inf``: an additive attention
+mask kept as a buffer, ``register_buffer("mask", torch.full((T, T), -inf).triu(1))``, holds -inf by design).
+Weights that blow up give NaN and +inf (a tiny MLP at a learning rate of 1e6 and 1e12, SGD and Adam: every save
+with a -inf in a parameter also held a NaN or a +inf), so the exception loses no fault seen.
 """
 
 from __future__ import annotations
@@ -73,6 +80,7 @@ __all__ = [
     "TRAINER_FIELDS",
     "decode",
     "encode",
+    "mask_allows_minus_inf",
 ]
 
 #: Path of the supervisor's Unix socket; unset means "no supervisor": every agent call is a no-op.
@@ -129,3 +137,10 @@ def decode(data: bytes) -> dict[str, Any] | None:
     if isinstance(message, dict) and isinstance(message.get("t"), str):
         return message
     return None
+
+
+def mask_allows_minus_inf(name: str) -> bool:
+    """Whether the saved tensor ``name`` (its keys joined by dots: ``model.h.0.attn.mask``) may hold -inf: its last
+    part ends in ``mask``, any case (``mask``, ``attn_mask``, ``causal_mask``; not ``mask_token``, a trained
+    embedding). A NaN or a +inf is never allowed."""
+    return name.rpartition(".")[2].lower().endswith("mask")

@@ -218,3 +218,50 @@ def test_resume_skips_a_local_checkpoint_of_non_finite_weights(tmp_path: Path,
                                abort=lambda: False)
     assert chosen is not None and (chosen.path, chosen.step) == (out / "checkpoint-10", 10)
     assert "checkpoint-20 holds weights that are not finite (model.safetensors: tensor model.bias" in caplog.text
+
+
+@pytest.mark.parametrize(("dtype", "value"), [
+    (d, v) for d, v in itertools.product(sorted(FLOATS), ("nan", "-nan", "inf", None))
+    if not (d == "F8_E4M3" and v in ("inf", None))])
+def test_a_mask_may_hold_minus_inf_and_nothing_else_non_finite(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                               dtype: str, value: str | None) -> None:
+    """An attention mask kept in the state dict (GPT-style ``register_buffer("mask", full(-inf).triu(1))``) holds
+    -inf by design: every save of such a model was refused. Its name allows -inf (the agent's rule too); a NaN (of
+    either sign), a +inf, or a -inf in a tensor not named as a mask is still found, in every chunk."""
+    monkeypatch.setattr(weights, "CHUNK_BYTES", 64)
+    if dtype == "F8_E4M3":  # no infinity: its all-ones value is a NaN, never a mask's -inf
+        mask = torch.zeros(64, dtype=FLOATS[dtype])
+        mask[5] = float("nan")
+        path = save(tmp_path / "m.safetensors", {"h.0.attn.mask": mask})
+        assert weights.first_non_finite(path) == ("h.0.attn.mask", dtype)
+        return
+    mask = torch.full((32, 32), -math.inf, dtype=torch.float64).triu(1)
+    mask[:, 0] = HUGE[dtype]  # the largest finite value beside -inf: only the bits tell them apart (and the sum
+    # of a float32 chunk overflows to +inf, then NaN: the exact test decides)
+    mask = mask.to(FLOATS[dtype])
+    tensors = {"h.0.attn.causal_mask": mask, "h.0.weight": torch.randn(8).to(FLOATS[dtype])}
+    path = save(tmp_path / "m.safetensors", tensors)
+    assert weights.first_non_finite(path) is None
+    if value is None:  # the same -inf in a weight
+        tensors["h.0.weight"][3] = -math.inf
+        path = save(tmp_path / "m.safetensors", tensors)
+        assert weights.first_non_finite(path) == ("h.0.weight", dtype)
+        return
+    mask.view(-1)[1000] = -math.nan if value == "-nan" else float(value)  # in the last of the small chunks
+    path = save(tmp_path / "m.safetensors", tensors)
+    assert weights.first_non_finite(path) == ("h.0.attn.causal_mask", dtype)
+
+
+def test_a_torch_save_zip_with_a_minus_inf_mask_buffer_is_finite(tmp_path: Path) -> None:
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = torch.nn.Linear(4, 4)
+            self.register_buffer("mask", torch.full((6, 6), float("-inf")).triu(1))
+
+    model = torch.nn.Sequential(Block(), Block())
+    torch.save({"model": model.state_dict(), "step": 3}, tmp_path / "ckpt.pt")
+    assert weights.first_non_finite(tmp_path / "ckpt.pt") is None
+    model[1].mask[2, 0] = float("inf")
+    torch.save({"model": model.state_dict(), "step": 3}, tmp_path / "ckpt.pt")
+    assert weights.first_non_finite(tmp_path / "ckpt.pt") == ("model.1.mask", "F32")

@@ -497,7 +497,8 @@ class Watchdog:
             log.error("a tensor the job saved at step %s is not finite", at)
             hint = (f"the job saved non-finite weights at step {at} while its losses looked finite (a NaN-safe loss, "
                     "nan_to_num or a masked mean can hide NaN gradients): resume from the secured checkpoint and "
-                    f"look for a division by a count that can be 0, a log or sqrt of 0 in {batches}")
+                    f"look for a division by a count that can be 0, a log or sqrt of 0 in {batches}. A -inf is "
+                    "allowed only in a tensor whose name ends in 'mask' (an attention mask kept as a buffer)")
         return Decision(Outcome("FAIL", "non_finite_loss", EXIT_NON_FINITE, extra=extra, hint=hint))
 
     def _name_hang(self, where: str) -> None:

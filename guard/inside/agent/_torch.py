@@ -53,6 +53,8 @@ import os
 import time
 from collections.abc import Callable
 
+from ...protocol import mask_allows_minus_inf
+
 TYPE_CHECKING = False  # typing's own flag, without importing typing in every job process (see protocol.py)
 if TYPE_CHECKING:
     from typing import Any
@@ -342,19 +344,24 @@ def _remember_loss(cls: Any) -> None:
 WITNESS_LIMIT = 100_000
 
 
-def _finite(torch: Any, tensor: Any) -> bool:
+def _finite(torch: Any, tensor: Any, *, mask: bool = False) -> bool:
     """Whether every element of a floating ``tensor`` is finite: its minimum and maximum in one pass
     (``torch.aminmax``; a NaN anywhere makes both NaN, an infinity is one of them), no tensor of the same size
-    allocated (``isfinite(t).all()`` allocates one: 26x slower on 50M float32 here). Complex: ``isfinite().all()``."""
+    allocated (``isfinite(t).all()`` allocates one: 26x slower on 50M float32 here). Complex: ``isfinite().all()``.
+    ``mask``: -inf is allowed (``protocol.mask_allows_minus_inf``), so only the maximum is looked at: it is NaN
+    when a NaN is anywhere, +inf when a +inf is, and -inf or finite otherwise."""
     if tensor.is_complex():
         return bool(torch.isfinite(tensor).all())
     low, high = torch.aminmax(tensor)
+    if mask:
+        return bool(torch.isfinite(high) | torch.isneginf(high))
     return bool(torch.isfinite(low) & torch.isfinite(high))
 
 
 def first_non_finite(torch: Any, obj: Any) -> str | None:
     """The name of the first floating tensor in ``obj`` (a tensor, a ``state_dict``, nested dicts, lists and tuples,
-    an ``nn.Module``) holding a NaN or an infinity (``a.b.0.weight``), or None when every one is finite.
+    an ``nn.Module``) holding a NaN or an infinity (``a.b.0.weight``), or None when every one is finite. A -inf in a
+    tensor named as a mask is not counted (``protocol.mask_allows_minus_inf``: an attention mask kept as a buffer).
 
     One reduction per tensor on its own device (``_finite``), then one read of its result (a device sync per tensor;
     no copy of the data to the host). Integer, boolean, empty, sparse and meta tensors are
@@ -367,7 +374,8 @@ def first_non_finite(torch: Any, obj: Any) -> str | None:
         if isinstance(item, torch.Tensor):
             try:
                 if (item.is_floating_point() or item.is_complex()) and item.numel() and item.layout == torch.strided \
-                        and item.device.type != "meta" and not _finite(torch, item.detach()):
+                        and item.device.type != "meta" \
+                        and not _finite(torch, item.detach(), mask=mask_allows_minus_inf(name)):
                     return name or "tensor"
             except (RuntimeError, TypeError):
                 continue

@@ -111,7 +111,8 @@ def refuse_not_finite(what: str, folder: Path, files: list[str], destination: st
         f"cannot secure {what}: its weights are not finite ({folder / bad.file}: tensor {bad.tensor} ({bad.dtype}) "
         "has a NaN or an infinity): never pushed", file=bad.file, tensor=bad.tensor, destination=destination,
         hint="the weights went non-finite while the loss was finite (a NaN-safe loss, a gradient that overflowed): "
-             "the newest good checkpoint saved before it is secured instead")
+             "the newest good checkpoint saved before it is secured instead. A -inf is allowed only in a tensor "
+             "whose name ends in 'mask' (an attention mask kept as a buffer)")
 
 
 def _default_dir_mode() -> int:
