@@ -27,6 +27,7 @@ from guard.secure.events import (
     KillPush,
     MarkSuspect,
     ReadThrough,
+    ReleaseKept,
     RequestSave,
     RestoreRecord,
     SignalReceived,
@@ -990,6 +991,7 @@ def test_a_restore_out_of_time_leaves_nothing_secured_and_says_the_destination_h
     fields = checkpoint_fields(report, verdict, step=21, nothing_found_hint="-")
     assert fields.extra.get("secured") == "no"
     assert "the destination still holds checkpoint step 20" in (fields.verdict.hint or ""), fields.verdict.hint
+    assert "was pushed before that loss was read)" in (fields.verdict.hint or "")  # never "was not pushed"
     assert fields.details["suspect_at_destination"]["step"] == 20
 
 
@@ -1005,6 +1007,24 @@ def test_a_taint_before_the_resumed_record_moves_the_destination_back_to_it(cloc
     assert [(a.step, a.revision) for a in actions if isinstance(a, RestoreRecord)] == [(100, "a" * 40)]
     run_until(plan, clock, 6.0)
     assert secured_step(plan) == 100
+
+
+def test_a_record_whose_next_loss_was_read_finite_releases_the_older_record_kept_aside(clock: FakeClock) -> None:
+    """Step 10's record can turn suspect until step 11's loss is read (its weights give that loss); once read
+    finite, the older record kept aside to move back to may go, once."""
+    pusher = FakePusher(clock)
+    plan = make(clock, pusher, deadline_at=None)
+    plan.on(ReadThrough(10))
+    seen(plan, ckpt(10))
+    run_until(plan, clock, 3.0)
+    assert secured_step(plan) == 10
+    assert not any(isinstance(a, ReleaseKept) for a in plan.on(ReadThrough(10)))
+    assert ReleaseKept(10) in plan.on(ReadThrough(11))
+    assert not any(isinstance(a, ReleaseKept) for a in plan.on(ReadThrough(12)))
+    seen(plan, ckpt(20))  # read through 12 only: held, not pushed
+    assert not any(isinstance(a, ReleaseKept) for a in plan.on(ReadThrough(20)))  # its push runs now
+    run_until(plan, clock, 6.0)
+    assert secured_step(plan) == 20 and ReleaseKept(20) in plan.on(ReadThrough(21))
 
 
 def test_a_save_whose_step_is_not_known_is_logged_as_such(clock: FakeClock,

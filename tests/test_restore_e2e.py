@@ -73,6 +73,7 @@ def test_a_recorded_push_made_suspect_by_the_next_steps_nan_is_moved_back(kind: 
     assert fields["step"] == "9", run.verdict
     assert "moving it back to" in run.stderr and "is step 4 again" in run.stderr, run.stderr[-4000:]
     assert (fields.get("secured"), fields.get("secured_step")) == ("yes", "4"), run.verdict
+    assert "was pushed before that loss was read; the destination's record was moved back" in fields["hint"]
     assert not (out / "checkpoint-4").exists()  # gone from the disk: only the destination holds it
     # the destination's bytes: the record names step 4, and its model is the save of step 4, finite
     record = reader.peek_last_checkpoint(deadline=time.monotonic() + 60)

@@ -69,6 +69,19 @@ def test_a_folder_restore_of_a_step_it_does_not_keep_changes_nothing(tmp_path: P
     assert (dest / "last-checkpoint" / "model.bin").read_bytes() == (newest / "model.bin").read_bytes()
 
 
+def test_a_folder_drops_the_record_kept_aside_once_the_newer_one_can_no_longer_turn_suspect(tmp_path: Path) -> None:
+    dest = tmp_path / "dest"
+    securer = Securer(str(dest))
+    securer.push_checkpoint(checkpoint(tmp_path / "out", 10), step=10, deadline=math.inf)
+    securer.push_checkpoint(checkpoint(tmp_path / "out", 20), step=20, deadline=math.inf)
+    assert (dest / ".last-checkpoint.kept").is_dir()
+    securer.release_kept()
+    assert sorted(p.name for p in dest.iterdir()) == ["last-checkpoint"]
+    assert securer.peek_last_checkpoint(deadline=math.inf).step == 20  # type: ignore[union-attr]
+    with pytest.raises(PushFailedError, match="keeps no copy"):
+        securer.restore_checkpoint(step=10, revision="", deadline=time.monotonic() + 5)
+
+
 @pytest.fixture(scope="module")
 def xet_hub() -> Iterator[object]:
     from tests.hubserver import HubServer, client_constants

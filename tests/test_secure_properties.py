@@ -52,9 +52,9 @@ TestHubHoldsWhatTheVerdictSays = pytest.mark.hub(pytest.mark.slow(pytest.mark.us
 TestHubHoldsWhatTheVerdictSays.settings = settings.get_profile("secure-hub-ci")
 
 
-def _replay(*steps: tuple[str, dict[str, object]]) -> SecureMachine:
+def _replay(*steps: tuple[str, dict[str, object]], kind: type[SecureMachine] = SecureMachine) -> SecureMachine:
     """One order of the machine's rules, the destination checked after each (as hypothesis runs them)."""
-    machine = SecureMachine()
+    machine = kind()
     try:
         machine.start(timeout_s=None, background=True)
         for name, kwargs in steps:
@@ -91,16 +91,28 @@ def test_a_save_renamed_after_the_agent_saw_it_non_finite_is_never_secured() -> 
             ("tick", {"dt": 1.0}))
 
 
+NAN_AFTER_RECORDED = (("train", {"n": 2, "bad": None}),
+                      ("save", {"how": "in_place", "read_first": True, "requested": False}), ("tick", {"dt": 1.0}),
+                      ("tick", {"dt": 1.0}), ("tick", {"dt": 1.0}), ("train", {"n": 1, "bad": None}),
+                      ("save", {"how": "in_place", "read_first": True, "requested": False}), ("tick", {"dt": 1.0}),
+                      ("tick", {"dt": 1.0}), ("tick", {"dt": 1.0}),
+                      ("train", {"n": 1, "bad": "nan"}), ("read_losses", {}), ("tick", {"dt": 1.0}), ("end", {}))
+
+
 def test_a_recorded_save_made_suspect_by_the_next_steps_nan_is_moved_back_on_the_destination() -> None:
     """The nanoGPT pattern (``ckpt.pt`` saved in place): step 2 then step 3 pushed and recorded, then step 4's loss
     is NaN, so the save of step 3 (its weights gave that loss) is suspect. Step 2 is no longer on the disk (saved
     over): before, the guard tried to push it again, was refused, and ended ``secured=no`` with no word that
     ``DEST/last-checkpoint`` held step 3; now the record is swapped back to step 2 and the VERDICT names it."""
-    machine = _replay(("train", {"n": 2, "bad": None}),
-                      ("save", {"how": "in_place", "read_first": True, "requested": False}), ("tick", {"dt": 1.0}),
-                      ("tick", {"dt": 1.0}), ("tick", {"dt": 1.0}),
-                      ("train", {"n": 1, "bad": None}),
-                      ("save", {"how": "in_place", "read_first": True, "requested": False}), ("tick", {"dt": 1.0}),
-                      ("tick", {"dt": 1.0}), ("tick", {"dt": 1.0}),
-                      ("train", {"n": 1, "bad": "nan"}), ("read_losses", {}), ("tick", {"dt": 1.0}), ("end", {}))
+    machine = _replay(*NAN_AFTER_RECORDED)
+    assert [h.op for h in machine.pusher.started][-1] == "restore_checkpoint"
+
+
+@pytest.mark.hub
+@pytest.mark.slow
+@pytest.mark.usefixtures("_hub")
+def test_a_hub_record_made_suspect_by_the_next_steps_nan_is_moved_back_by_a_record_commit() -> None:
+    """The same order against the local Hub server with Xet: the record commit naming step 2's files again is read
+    back on its bytes (``HubSecureMachine.held``) and fetched as the next run's resume would."""
+    machine = _replay(*NAN_AFTER_RECORDED, kind=HubSecureMachine)
     assert [h.op for h in machine.pusher.started][-1] == "restore_checkpoint"

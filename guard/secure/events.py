@@ -2,8 +2,9 @@
 
 Every event goes through ``Plan.on(event) -> list[Action]``; the plan's transition table says which states accept
 which event types. Actions are carried out by ``guard.secure.securing.Securing`` (``RequestSave``, ``StopJob``,
-``ForwardSignal``, ``Decide``, ``MarkSuspect``, ``RecordTaint``) or by the plan itself through its pusher and returned
-for the record (``StartPush``, ``KillPush``, ``RestoreRecord``). All times are the plan's ``clock`` seconds (monotonic).
+``ForwardSignal``, ``Decide``, ``MarkSuspect``, ``RecordTaint``, ``ReleaseKept``) or by the plan itself through its
+pusher and returned for the record (``StartPush``, ``KillPush``, ``RestoreRecord``). All times are the plan's
+``clock`` seconds (monotonic).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ __all__ = [
     "Pusher",
     "ReadThrough",
     "RecordTaint",
+    "ReleaseKept",
     "RequestSave",
     "RestoreRecord",
     "RunOver",
@@ -290,5 +292,13 @@ class RestoreRecord:
     deadline: float
 
 
+@dataclass(frozen=True)
+class ReleaseKept:
+    """The destination's record (step ``step``) can no longer turn suspect (the losses after its step were read
+    finite): the older record kept aside to move back to (a folder's ``.last-checkpoint.kept``) may go."""
+
+    step: int | None
+
+
 Action = (RequestSave | StopJob | ForwardSignal | Decide | StartPush | KillPush | MarkSuspect | RecordTaint
-          | RestoreRecord)
+          | RestoreRecord | ReleaseKept)

@@ -185,8 +185,14 @@ def checkpoint_fields(report: PlanReport, verdict: Verdict, *, step: int | None,
             details["steps_lost"] = steps_lost
         if report.suspect is not None:
             later = f" (step {report.suspect.step})" if report.suspect.step is not None else ""
-            hint = (hint or "") + (f" (the save of {report.suspect.path}{later}, made from the step before the first "
-                                   "non-finite loss on, was not pushed)")
+            suspect = report.suspect
+            recorded = any(p.pushed and p.kind != "restore" and p.step == suspect.step and p.path == str(suspect.path)
+                           for p in report.history)
+            fate = ("was pushed before that loss was read" + ("" if held is not None else
+                                                              "; the destination's record was moved back")
+                    if recorded else "was not pushed")
+            hint = (hint or "") + (f" (the save of {suspect.path}{later}, made from the step before the first "
+                                   f"non-finite loss on, {fate})")
         if secured is not None:
             step_text = resume_step_text(secured.info, secured.step) if secured.step is not None else "it"
             hint = (hint or "") + (f"; secured before the failure: {step_text}, resume with --resume on --push-to "

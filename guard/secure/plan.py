@@ -93,6 +93,7 @@ from guard.secure.events import (
     Pusher,
     ReadThrough,
     RecordTaint,
+    ReleaseKept,
     RequestSave,
     RestoreRecord,
     RunOver,
@@ -197,6 +198,7 @@ class Plan:
         self._secured: PushRecord | None = None
         self._resumed: PushRecord | None = None  # the record a resumed run was fetched from
         self._suspect_held: PushRecord | None = None  # a suspect save the destination's record names, not moved back
+        self._settled: PushRecord | None = None  # the last record that can no longer turn suspect (``ReleaseKept``)
         self._final: PushRecord | None = None
         self._final_pending = False  # the final push waits for the running push (the supersede rule)
         self._final_wanted = False  # the job ended well with final model files to push
@@ -410,7 +412,19 @@ class Plan:
         through = self._read_through
         # a read sent after the save covers it whatever its step's unit (a save named by samples or epochs): the
         # second one since it was held (the first may be another rank's, behind)
-        return self._release(lambda held, reads: _step(held.info) <= through or self._reads - reads >= 2, now)
+        return self._settle(through) + self._release(
+            lambda held, reads: _step(held.info) <= through or self._reads - reads >= 2, now)
+
+    def _settle(self, through: int) -> list[Action]:
+        """The record's step's next loss was read finite (``through`` past its step): it can no longer turn
+        suspect, so the older record kept aside to move back to may go (``ReleaseKept``; not while a push runs,
+        whose record may be moving)."""
+        record = self._secured
+        if record is None or record is self._settled or record.kind == "resumed" or self._push is not None \
+                or record.info is None or _step(record.info) >= through:
+            return []
+        self._settled = record
+        return [ReleaseKept(record.info.step)]
 
     def _release(self, ready: Callable[[CheckpointSeen, int], bool], now: float) -> list[Action]:
         """The held saves for which ``ready(event, reads when held)`` says so go through ``_on_checkpoint`` again,

@@ -312,6 +312,18 @@ class Securer:
         return PushResult(str(self.destination), _revision(record), files,
                           sum(fs.size_bytes for fs in record.files.values()), self._clock() - start, attempts, step)
 
+    def release_kept(self) -> None:
+        """The destination's record can no longer turn suspect: the older record a store keeps aside to move back
+        to goes (a folder's ``.last-checkpoint.kept``); a store that keeps none aside (Hub, S3: their history and
+        previous record stay) is not even made. Logged, never raised."""
+        release = getattr(store_class(self.destination.kind), "release_kept", None)
+        if release is None:
+            return
+        try:
+            release(self.store)
+        except (GuardError, OSError) as exc:
+            self._log.warning("cannot remove the older record kept at %s: %s", self.destination, exc)
+
     def _await_whole(self, store: Store, step: int, deadline: float) -> list[PartManifest]:
         """Many nodes: this node's part of ``step`` is in; wait for every node's (``guard.secure.meeting``)."""
         shared = parts_store(store, destination=str(self.destination), kind=self.destination.kind, nodes=self.nodes)

@@ -51,6 +51,7 @@ from guard.secure.events import (
     Pusher,
     ReadThrough,
     RecordTaint,
+    ReleaseKept,
     RequestSave,
     RunOver,
     SignalReceived,
@@ -580,6 +581,10 @@ class Securing:
             if isinstance(action, MarkSuspect):
                 self.port.submit(scans.Disk.mark_suspect, action.path, action.step, action.first_bad_step,
                                  self.run_id)
+                continue
+            if isinstance(action, ReleaseKept):
+                if self.securer is not None:  # on the port: removing a folder is disk work
+                    self.port.submit(self.securer.release_kept)
                 continue
             if isinstance(action, RecordTaint):
                 self._tainted_at = (action.first_bad_step, self.wall())

@@ -21,7 +21,8 @@ are ``guard.secure.dest.folder_swap``'s; node parts are ``guard.secure.dest.fold
   (``folder_swap.swap_in``: ``renameat2(RENAME_EXCHANGE)`` on Linux, else two renames); killed at any point, the
   next run finds the previous copy or the new one, never neither (``folder_swap.recover``).
 - **restore** (``restore_record``): after a taint reached the record, the copy the last swap replaced, kept aside
-  until the next record or the run's end, is swapped back (``folder_swap.swap_back``): nothing is copied again.
+  until the record can no longer turn suspect (``release_kept``), the next record or the run's end, is swapped back
+  (``folder_swap.swap_back``): nothing is copied again.
 - **fetch**: a verified copy of ``last-checkpoint`` against its manifest, placed where the job looks for it.
 """
 
@@ -395,6 +396,10 @@ class FolderStore:
                     tmp.unlink()
         _verify_folder(root, sums, exclude=None)
         return FinalPushed(revision=str(root), files={rel: FileSum(*sum_) for rel, sum_ in sums.items()})
+
+    def release_kept(self) -> None:
+        """The record can no longer turn suspect: the one before it, kept aside, goes (``folder_swap.drop_kept``)."""
+        folder_swap.drop_kept(self.root)
 
     def tidy(self) -> None:
         """What a push killed part way left here (a staging folder, a previous copy aside:

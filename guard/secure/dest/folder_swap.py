@@ -12,7 +12,8 @@ secured copy or the new one, never neither, and the final model is never a mix o
                                               verified: finished from it
     DEST/.last-checkpoint.kept/               the record before the last one, kept aside (``keep_aside``) so that
                                               a taint reaching the last one swaps it back (``swap_back``); removed
-                                              by the next record and after the run (``drop_kept``)
+                                              once the last one can no longer turn suspect, by the next record,
+                                              and after the run (``drop_kept``)
 
 - ``swap_in``: a staged folder in place as the record, atomically: ``renameat2(RENAME_EXCHANGE)`` on Linux where the
   file system has it; else (NFS and others) two renames through ``.last-checkpoint.previous-<pid>``.
@@ -164,11 +165,13 @@ def recover(root: Path, log: logging.Logger = logger) -> None:
 def keep_aside(old: Path, root: Path) -> None:
     """Keep ``old`` (the copy the last swap replaced) as ``DEST/.last-checkpoint.kept``, in place of an earlier
     one. Killed midway, the earlier one is gone and ``old`` is left under its own name (removed by
-    ``remove_stale_staging``): only the chance to swap back is lost, never the record. Raises ``OSError``."""
+    ``remove_stale_staging``): only the chance to swap back is lost, never the record. Never raises."""
     kept = root / KEPT
-    if kept.exists():
-        shutil.rmtree(kept)
-    os.rename(old, kept)
+    shutil.rmtree(kept, ignore_errors=True)
+    try:
+        os.rename(old, kept)
+    except OSError:  # kept again meanwhile (another writer): this one is not needed
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def swap_back(root: Path, step: int, log: logging.Logger = logger) -> Path:
@@ -199,5 +202,5 @@ def swap_back(root: Path, step: int, log: logging.Logger = logger) -> Path:
 
 
 def drop_kept(root: Path) -> None:
-    """Remove the copy kept aside (after the run: no taint can reach its record any more)."""
+    """Remove the copy kept aside (the record can no longer turn suspect, or the run is over)."""
     shutil.rmtree(root / KEPT, ignore_errors=True)
