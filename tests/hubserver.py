@@ -53,7 +53,7 @@ from typing import Any, NamedTuple
 from urllib.parse import urlsplit
 
 from tests.hubroutes import Routes
-from tests.hubstate import TOKENS, CommitRecord, HttpError, HubState, Repo
+from tests.hubstate import TOKENS, CommitRecord, HttpError, HubState, Repo, now_iso
 from tests.xetcas import XetCas
 
 __all__ = ["TOKENS", "CommitRecord", "HubServer", "RequestRecord", "client_constants", "client_env"]
@@ -422,6 +422,18 @@ class HubServer:
         with self._state.lock:
             record = self._repo(repo_id, repo_type).resolve(revision)
             return {path: stored.data for path, stored in record.files.items()}
+
+    @contextlib.contextmanager
+    def dated(self, date: str) -> Iterator[None]:
+        """Commits made meanwhile are dated ``date`` (the Hub's format, ``2024-05-01T12:00:00.000Z``): a repo's
+        history made long ago."""
+        with self._state.lock:
+            self._state.clock = lambda: date
+        try:
+            yield
+        finally:
+            with self._state.lock:
+                self._state.clock = now_iso
 
     def commits(self, repo_id: str, repo_type: str = "model") -> list[CommitRecord]:
         """Every commit of the repo, oldest first (``[-1]`` is the newest); each has ``added``/``deleted``."""

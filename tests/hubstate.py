@@ -12,6 +12,7 @@ import fnmatch
 import hashlib
 import itertools
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 
@@ -232,6 +233,7 @@ class HubState:
         self.lfs_store: dict[str, bytes] = {}  # sha256 -> content (shared by repos)
         self.uploads: dict[str, tuple[tuple[str, str], str, int]] = {}  # upload id -> (repo key, oid, size)
         self._counter = itertools.count(1)
+        self.clock: Callable[[], str] = now_iso  # a commit's date (``HubServer.dated``)
 
     # -- identities and lookups ------------------------------------------------------------------------------
 
@@ -315,7 +317,7 @@ class HubState:
                 deleted.extend(gone)
             for path, (data, lfs, sha256) in (add or {}).items():
                 files[path] = StoredFile.make(data, lfs=lfs, commit=oid, sha256=sha256)
-            record = CommitRecord(oid, head.oid, title, message, author, now_iso(), files,
+            record = CommitRecord(oid, head.oid, title, message, author, self.clock(), files,
                                   tuple(add or ()), tuple(p for p in deleted if p not in (add or {})))
             repo.commits[oid] = record
             repo.log.append(oid)

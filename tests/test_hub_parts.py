@@ -142,3 +142,62 @@ def test_a_listing_of_the_parts_never_outlives_its_deadline(hub, api, repo_id, t
     assert classify(caught.value)[0] == "deadline", caught.value
     hub.reset_faults()
     assert store.part_steps(run_id=RUN, deadline=time.monotonic() + 60) == {10: {0}}
+
+
+def _staged(server: Any, repo: str) -> set[str]:
+    """The run/step folders under .guard/staging/ at the repo's head."""
+    return {"/".join(p.split("/")[2:4]) for p in server.repo_files(repo) if p.startswith(".guard/staging/")}
+
+
+def _put_as(store: HubStore, root: Path, run: str, step: int, node: int) -> PartManifest:
+    folder = node_folder(root / run, step, node)
+    return store.put_part(folder, sorted(p.name for p in folder.iterdir()), run_id=run, step=step, node_rank=node,
+                          nodes=2, place=f"step_{step}", source="out", deadline=time.monotonic() + 60)
+
+
+def test_tidy_removes_staging_no_record_takes_and_keeps_the_records_step_and_live_runs(hub, api, repo_id,  # noqa: F811
+                                                                                       tmp_path):
+    """After the run: a run's staging left unchanged for a day (its nodes gone) goes whole, and so does a late part
+    of a step older than the record of the record's run; the record's own step and a run that changed since stay
+    (a node may still be reading or putting them). The record is untouched and still fetches. Before, tidy did
+    nothing at a Hub repo and every run's staging stayed for good."""
+    store = HubStore(repo_id, api=api)
+    with hub.dated("2020-01-02T03:04:05.000Z"):
+        _put_as(store, tmp_path, "run-old", 40, 0)  # a run long gone: node 1's part never came
+    _put_as(store, tmp_path, "run-live", 70, 1)  # another run's part, put just now
+    record = store.write_record([_put_as(store, tmp_path, RUN, 20, node) for node in range(2)],
+                                deadline=time.monotonic() + 60)
+    _put_as(store, tmp_path / "late", RUN, 10, 1)  # node 1's part of an older step, after the record
+    assert _staged(hub, repo_id) == {"run-old/step-40", "run-live/step-70", f"{RUN}/step-20", f"{RUN}/step-10"}
+    commits = len(hub.commits(repo_id))
+    store.tidy(deadline=time.monotonic() + 60, nodes=2)
+    log = hub.commits(repo_id)
+    assert len(log) == commits + 1 and log[-1].title == "guard: remove node parts' staging that no record takes"
+    assert _staged(hub, repo_id) == {"run-live/step-70", f"{RUN}/step-20"}
+    read = store.read_record(deadline=time.monotonic() + 60)
+    assert read is not None and (read.step, read.run_id, read.revision) == (20, RUN, record.revision)
+    (tmp_path / "fresh").mkdir()
+    assert store.fetch(read, tmp_path / "fresh", deadline=time.monotonic() + 60) is not None
+    store.tidy(deadline=time.monotonic() + 60, nodes=2)  # nothing more to remove: no commit
+    assert len(hub.commits(repo_id)) == commits + 1
+
+
+def test_tidy_never_removes_what_a_commit_after_its_decision_put(hub, api, repo_id, tmp_path):  # noqa: F811
+    """A commit lands between tidy's listing and its commit (another node's put or tidy): the tidy commit, made on
+    top of exactly the head it decided at, is refused (412) and nothing is removed; after a one-node run tidy makes no
+    request at all."""
+    from huggingface_hub.errors import HfHubHTTPError
+
+    from guard.secure.dest import hub_parts
+
+    store = HubStore(repo_id, api=api)
+    with hub.dated("2020-01-02T03:04:05.000Z"):
+        _put_as(store, tmp_path, "run-old", 40, 0)
+    racing = HubStore(repo_id, api=CommitsFirst(endpoint=hub.url, token=TOKENS["write"], times=1))
+    with pytest.raises(HfHubHTTPError) as refused:
+        hub_parts.tidy_staging(racing, now_s=time.time())
+    assert refused.value.response.status_code == 412
+    assert _staged(hub, repo_id) == {"run-old/step-40"}
+    requests = len(hub.requests)
+    HubStore(repo_id, api=api).tidy(deadline=time.monotonic() + 60, nodes=1)
+    assert len(hub.requests) == requests and _staged(hub, repo_id) == {"run-old/step-40"}

@@ -487,7 +487,9 @@ def _run_job(config: Config, masker: Masker, started: float, platform: PlatformI
 
         def tidy() -> None:  # what a push killed part way left at the destination, after the VERDICT
             worker.reap_killed()  # a killed push that died since: its staging is left over, its pid free
-            securer.tidy()
+            securing = getattr(supervisor, "securer", None)  # many nodes: their parts' staging too
+            nodes = config.settings.secure.nodes if securing is not None and securing.parts_mode() else 1
+            securer.tidy(until_s=deadline.deadline_s, nodes=nodes)
         AFTER_VERDICT.call(tidy)
     if sharing is not None:  # many nodes, one output folder: node 0's word on what it secured (guard/run/relay.py)
         from guard.run.relay import agree_with_node_0

@@ -331,16 +331,25 @@ class Securer:
                            deadline=deadline, destination=str(self.destination), clock=self._clock,
                            sleep=self._sleep, log=self._log)
 
-    def tidy(self) -> None:
+    def tidy(self, *, until_s: float | None = None, nodes: int | None = None) -> None:
         """After the run (its pushes are over): what a push killed part way left at the destination goes (a
         folder's staging folder or previous copy aside; a push whose process still lives, not reaped yet, keeps its
-        own: ``worker.reap_killed`` first). A store whose puts leave nothing to tidy (``Store.leaves_staging``
-        False: the Hub, S3) is not made for it: an S3 store's client took 0.28 s after the VERDICT. Never
-        raises."""
+        own: ``worker.reap_killed`` first; after a job of several nodes, a Hub repo's node parts that no record
+        takes, ``HubStore.tidy``). A store whose puts leave nothing to tidy (``Store.leaves_staging`` and, with
+        several nodes, ``leaves_parts_staging`` False: S3, the Hub after one node) is not made for it: an S3
+        store's client took 0.28 s after the VERDICT. ``until_s``: the run's deadline (epoch seconds; None: none):
+        the store's requests end 1 s before it (a guard killed at the platform's limit would exit 137, not with its
+        VERDICT's code), and none is made with less left. ``nodes``: the job's node count when each node secured its
+        own part (default: this securer's). Never raises."""
         try:
-            if self._store is None and not store_class(self.destination.kind).leaves_staging:
+            kind, nodes = store_class(self.destination.kind), self.nodes if nodes is None else nodes
+            if self._store is None and not kind.leaves_staging and not (nodes > 1 and kind.leaves_parts_staging):
                 return
-            self.store.tidy()
+            left_s = math.inf if until_s is None else until_s - time.time() - 1.0
+            if left_s <= 0:
+                self._log.info("no time left before the deadline to tidy %s", self.destination)
+                return
+            self.store.tidy(deadline=None if math.isinf(left_s) else time.monotonic() + left_s, nodes=nodes)
         except (GuardError, OSError) as exc:
             self._log.warning("cannot tidy %s after the run: %s", self.destination, exc)
 

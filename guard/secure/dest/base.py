@@ -219,11 +219,13 @@ class Store(Protocol):
     ``kind`` is ``"folder"``, ``"hub"`` or ``"s3"``; ``str(store)`` is its canonical ``--push-to`` form.
     ``leaves_staging``: a put killed part way can leave something that only ``tidy`` removes (a folder's staging
     folder); when False, ``tidy`` does nothing and the guard does not make the store to call it (an S3 store's
-    client took 0.28 s after the VERDICT).
+    client took 0.28 s after the VERDICT), unless ``leaves_parts_staging`` and the job had several nodes: node
+    parts that no record takes stay until ``tidy`` (a Hub repo's ``.guard/staging/``).
     """
 
     kind: ClassVar[str]
     leaves_staging: ClassVar[bool]
+    leaves_parts_staging: ClassVar[bool]
 
     def put_part(self, local_dir: Path, files: Sequence[str], *, run_id: str, step: int, node_rank: int,
                  nodes: int, place: str | None, source: str | None, deadline: float,
@@ -261,9 +263,11 @@ class Store(Protocol):
         """The final model's files at the destination's root, verified (never a mix of two models)."""
         ...
 
-    def tidy(self) -> None:
+    def tidy(self, *, deadline: float | None = None, nodes: int = 1) -> None:
         """After the run: remove what a put killed part way left where nothing else will (a folder's staging
-        folders of dead processes). Raises ``OSError`` at most."""
+        folders of dead processes), and, for a job of several ``nodes``, the node parts no record takes (a Hub
+        repo's). ``deadline`` (monotonic seconds): no request outlives it; None: the store's own bound. Raises
+        ``OSError`` at most."""
         ...
 
 

@@ -90,6 +90,7 @@ class FolderStore:
 
     kind: ClassVar[str] = "folder"
     leaves_staging: ClassVar[bool] = True  # a killed push's staging folder (``tidy``)
+    leaves_parts_staging: ClassVar[bool] = False  # node parts: tidied with the rest (``leaves_staging``)
 
     def __init__(self, root: Path, *, log: logging.Logger | None = None) -> None:
         self.root = root
@@ -401,11 +402,11 @@ class FolderStore:
         """The record can no longer turn suspect: the one before it, kept aside, goes (``folder_swap.drop_kept``)."""
         folder_swap.drop_kept(self.root)
 
-    def tidy(self) -> None:
+    def tidy(self, *, deadline: float | None = None, nodes: int = 1) -> None:
         """What a push killed part way left here (a staging folder, a previous copy aside:
         ``folder_swap.remove_stale_staging``), and the record before the last one (``folder_swap.drop_kept``: the
         run is over, no taint can reach its record any more); a push whose process still lives keeps its own.
-        Raises ``OSError``."""
+        Local files: ``deadline`` is not needed. Raises ``OSError``."""
         if self.root.is_dir():
             folder_swap.remove_stale_staging(self.root, self._log)
             folder_swap.drop_kept(self.root)

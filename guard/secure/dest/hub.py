@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import re
 import shutil
 import tempfile
@@ -58,7 +59,7 @@ from guard.secure.hubhttp import Mismatch, bounded, install_request_bounds
 if TYPE_CHECKING:
     from huggingface_hub import CommitOperationAdd, HfApi
 
-__all__ = ["CHECKPOINT_COMMIT_TITLE", "UPLOAD_COMMIT_TITLE", "HubPart", "HubStore"]
+__all__ = ["CHECKPOINT_COMMIT_TITLE", "TIDY_S", "UPLOAD_COMMIT_TITLE", "HubPart", "HubStore"]
 
 logger = logging.getLogger("guard.secure.hubstore")
 
@@ -81,6 +82,10 @@ class HubPart(PartManifest):
     commit: str = ""
 
 
+#: How long a Hub store's tidy may take after the run when no deadline is given (seconds).
+TIDY_S = 10.0
+
+
 class HubStore:
     """A Hub repo (module docstring). Verbs raise what ``huggingface_hub`` raises (classified by the securer:
     ``guard.secure.hubhttp.classify``), ``Mismatch`` (the repo does not hold what was sent) or
@@ -96,11 +101,14 @@ class HubStore:
 
     kind: ClassVar[str] = "hub"
     leaves_staging: ClassVar[bool] = False  # an unverified upload commit is never a record: nothing to tidy
+    leaves_parts_staging: ClassVar[bool] = True  # node parts' staging no record takes (``tidy``)
 
     def __init__(self, repo_id: str, repo_type: str = "model", *, api: HfApi | None = None,
-                 token: str | None = None, log: logging.Logger | None = None) -> None:
+                 token: str | None = None, log: logging.Logger | None = None,
+                 stale_staging_s: float = hub_parts.STALE_STAGING_S) -> None:
         self.repo_id, self.repo_type = repo_id, repo_type
         self._api, self._token, self._log = api, token, log or logger
+        self.stale_staging_s = stale_staging_s
         self._repo_ready = False
         self._parts_read: dict[str, PartManifest] = {}  # node manifests read, by git blob id
 
@@ -413,8 +421,26 @@ class HubStore:
         return FinalPushed(revision=oid, files={op.path_in_repo: FileSum(op.upload_info.size,
                                                                          op.upload_info.sha256.hex()) for op in adds})
 
-    def tidy(self) -> None:
-        """Nothing: a Hub push leaves no staging behind (an unverified upload commit is never a record)."""
+    def tidy(self, *, deadline: float | None = None, nodes: int = 1) -> None:
+        """The node parts' staging that no record takes (``hub_parts.tidy_staging``: the record's run's steps older
+        than its step, and every run's staging left unchanged for ``stale_staging_s``, default a day) after a job of
+        several ``nodes``; a one-node push leaves nothing (an unverified upload commit is never a record). No
+        request outlives ``deadline`` (monotonic seconds) or ``TIDY_S`` from now. Never raises: a failed request,
+        or another commit first (another node's tidy: 412), leaves the staging as it was (logged)."""
+        if nodes < 2:
+            return
+        until = min(deadline if deadline is not None else math.inf, time.monotonic() + TIDY_S)
+        try:
+            with bounded(lambda: until - time.monotonic()):
+                gone = hub_parts.tidy_staging(self, now_s=time.time(), stale_s=self.stale_staging_s)
+        except Exception as exc:  # noqa: BLE001 - after the run: whatever failed, the staging stays as it was
+            first = getattr(getattr(exc, "response", None), "status_code", None) == 412
+            (self._log.info if first else self._log.warning)(
+                "node parts' staging at %s left as it was: %s", self,
+                "another commit came first (another node's tidy)" if first else exc)
+            return
+        if gone:
+            self._log.info("removed node parts' staging that no record takes at %s: %s", self, ", ".join(gone))
 
 
 def _against_manifest(fetched: Path, manifest: dict[str, Any], present: list[str]) -> list[str]:

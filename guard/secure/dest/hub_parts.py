@@ -22,12 +22,20 @@ Layout in the repo (the folder's and S3's, ``guard.secure.dest.folder_parts``)::
   another commit in between (a node's put) answers 412 and the record is decided again on the new head. The
   record commit is then verified: every file at it has the part's size and sha256 (LFS) or the staged file's git
   blob id (regular).
+- **tidy** (after the run, ``tidy_staging``): staging that no record will take goes, in one commit on top of exactly
+  the head it was decided at (a node's put in between answers 412: nothing is removed then). The record copied what
+  it took into ``last-checkpoint/`` (and its manifest's ``verified_commit`` keeps the staged files in the history),
+  so what goes is: the steps of the newest record's run older than its step (a node's late part), and the whole
+  staging of any run none of whose files changed for ``STALE_STAGING_S`` (a run whose nodes are gone: its parts
+  never met, or its record was replaced). Kept: the record's own step and its run's newer ones (another node may
+  still be reading or putting them), and every run that changed since.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -46,8 +54,9 @@ from guard.secure.dest.base import (
 )
 from guard.secure.hubhttp import Mismatch
 
-__all__ = ["PARTS_FOLDER", "PART_FILES_TITLE", "PART_MANIFEST_TITLE", "entries_recursive", "node_part_steps",
-           "node_parts", "paths_info", "put_node_part", "record_node_parts"]
+__all__ = ["PARTS_FOLDER", "PART_FILES_TITLE", "PART_MANIFEST_TITLE", "STALE_STAGING_S", "TIDY_TITLE",
+           "entries_recursive", "node_part_steps", "node_parts", "paths_info", "put_node_part", "record_node_parts",
+           "tidy_staging"]
 
 logger = logging.getLogger("guard.secure.hubstore")
 
@@ -57,6 +66,11 @@ PARTS_FOLDER = ".guard/staging"
 PART_FILES_TITLE = "guard: upload of node {node}'s part of step {step}, not verified yet"
 PART_MANIFEST_TITLE = "guard: node {node}'s part of step {step} verified, not a record"
 _NODE_MANIFEST = "node-{node}.json"
+#: The title of the commit that removes staging no record will take (never a record's or a put's).
+TIDY_TITLE = "guard: remove node parts' staging that no record takes"
+#: A run's staging is removed whole once none of its files changed for this long (seconds): a node still putting
+#: parts commits every save, and a part's files and manifest come within one push.
+STALE_STAGING_S = 24 * 3600.0
 
 
 class HubStore(Protocol):
@@ -257,16 +271,57 @@ def _record_at(store: HubStore, parts: Sequence[PartManifest], head: str, title:
     return record
 
 
+def tidy_staging(store: HubStore, *, now_s: float, stale_s: float = STALE_STAGING_S) -> list[str]:
+    """Remove the node parts' staging that no record will take (module docstring, **tidy**) in one commit titled
+    ``TIDY_TITLE`` on top of the head it was decided at. ``now_s``: now, epoch seconds (against the Hub's commit
+    dates); ``stale_s``: how long a run's staging must have been left unchanged to go whole (a file listed without
+    its last commit never is). Returns the staging folders removed (repo paths; ``[]``: nothing to remove, no commit
+    made).
+
+    Raises:
+        huggingface_hub's errors: a request failed; 412 when a commit came first (nothing removed then).
+    """
+    from huggingface_hub import CommitOperationDelete, RepoFile
+
+    commits = list(store.api.list_repo_commits(store.repo_id, repo_type=store.repo_type))  # newest first
+    head = commits[0].commit_id
+    record = store.newest_record(commits)
+    changed: dict[str, float] = {}  # run -> its newest file's commit date (epoch seconds)
+    steps: dict[str, set[str]] = {}  # run -> its step folders
+    for entry in entries_recursive(store, PARTS_FOLDER, head, expand=True):
+        names = entry.path.split("/")
+        if not isinstance(entry, RepoFile) or len(names) < 4:
+            continue
+        run = names[2]
+        dated = entry.last_commit.date.timestamp() if entry.last_commit is not None else math.inf
+        changed[run] = max(changed.get(run, -math.inf), dated)
+        if len(names) > 4:
+            steps.setdefault(run, set()).add("/".join(names[:4]))
+    gone = []
+    for run, when in sorted(changed.items()):
+        if now_s - when >= stale_s:
+            gone.append(f"{PARTS_FOLDER}/{run}")
+        elif record is not None and run == record.run_id and record.step is not None:
+            gone += sorted(p for p in steps.get(run, ()) if (n := _step_of(p)) is not None and n < record.step)
+    if not gone:
+        return []
+    store.api.create_commit(store.repo_id, [CommitOperationDelete(path_in_repo=f"{p}/", is_folder=True) for p in gone],
+                            commit_message=TIDY_TITLE, repo_type=store.repo_type, parent_commit=head,
+                            commit_description="Staging no record takes: " + ", ".join(gone) + ".")
+    return gone
+
+
 def _step_of(path: str) -> int | None:
     name = path.rsplit("/", 1)[-1]
     return int(name[5:]) if name.startswith("step-") and name[5:].isdigit() else None
 
 
-def entries_recursive(store: HubStore, path: str, revision: str) -> list[Any]:
+def entries_recursive(store: HubStore, path: str, revision: str, *, expand: bool = False) -> list[Any]:
+    """Every entry under ``path`` at ``revision`` (``expand``: with each file's last commit), ``[]`` when none."""
     from huggingface_hub.errors import EntryNotFoundError
 
     try:
-        return list(store.api.list_repo_tree(store.repo_id, path_in_repo=path, recursive=True,
+        return list(store.api.list_repo_tree(store.repo_id, path_in_repo=path, recursive=True, expand=expand,
                                              repo_type=store.repo_type, revision=revision))
     except EntryNotFoundError:
         return []

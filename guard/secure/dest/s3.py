@@ -126,6 +126,7 @@ class S3Store:
 
     kind: ClassVar[str] = "s3"
     leaves_staging: ClassVar[bool] = False  # staged objects lie under their run's id (``discard``): nothing to tidy
+    leaves_parts_staging: ClassVar[bool] = False  # node parts likewise
 
     def __init__(self, bucket: str, prefix: str = "", *, client: Any = None, max_concurrency: int = 8,
                  part_size_bytes: int = 16 * 1024 * 1024, multipart_threshold_bytes: int = 64 * 1024 * 1024,
@@ -430,7 +431,7 @@ class S3Store:
                                                     "written_at_s": time.time()}, deadline)
         return FinalPushed(revision=etag, files=sums)
 
-    def tidy(self) -> None:
+    def tidy(self, *, deadline: float | None = None, nodes: int = 1) -> None:
         """Nothing: a run's staged objects lie under its own run id (``discard`` removes them on request)."""
 
     def write_taint(self, taint: Taint, *, deadline: float) -> None:
