@@ -188,6 +188,18 @@ def test_the_push_of_the_save_whose_weights_gave_the_nan_is_revoked() -> None:
          "it was saved at or after step 100 (the first non-finite loss: step 101)")], rec.alerts
 
 
+def test_a_record_the_store_could_not_move_back_is_not_a_failing_push() -> None:
+    """A taint reached the recorded step 100: the store keeps no older copy to move back to (its restore fails,
+    the good checkpoint is pushed again instead). That is no network failure: with the one real 503 after it, no
+    "pushes keep failing" warning."""
+    alerts, rec = make()
+    plan: Any = FakePlan(trigger=None, state=SimpleNamespace(name="WATCHING"), history=[], secured=None)
+    plan.history.append(push("restore", 90, False, error="restoring checkpoint step 90: keeps no copy aside"))
+    plan.history.append(push("background", 90, False, error="HTTP 503 from the Hub"))
+    alerts.on_securing(plan, 101)
+    assert rec.alerts == []
+
+
 def test_securing_started_secured_checkpoints_and_failing_pushes() -> None:
     alerts, rec = make()
     plan: Any = FakePlan(trigger=None, state=SimpleNamespace(name="WATCHING"), history=[], secured=None)

@@ -375,6 +375,8 @@ class Alerts:
             return
         if view.killed or view.kind == "resumed" or view.rewritten:  # a newer save of the job's replaced it
             return
+        if view.kind == "restore":  # the store could not move its record back: the good checkpoint is pushed again
+            return
         if suspect or _SUSPECT.search(str(view.error or "")):  # refused: saved after the non-finite loss
             return
         self._failed_in_a_row += 1
