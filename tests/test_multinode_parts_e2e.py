@@ -98,10 +98,10 @@ def any_dest(request: pytest.FixtureRequest, tmp_path: Path) -> Dest:
     return Dest(request.param, tmp_path, moto, hub)
 
 
-def _nodes(tmp_path: Path, dest: Dest, *guard_args: str, n: int = 2) -> Nodes:
+def _nodes(tmp_path: Path, dest: Dest, *guard_args: str, n: int = 2, run_id: str | None = "multinode-run") -> Nodes:
     return Nodes(tmp_path, n, JOBS / "dcp_loop.py",
                  guard_args=[*FAST, "--output-dir", "{out}", "--push-to", dest.push_to, *guard_args],
-                 job_args=["{out}", "--every", "20", "--step-s", "0.05"], env=dest.env)
+                 job_args=["{out}", "--every", "20", "--step-s", "0.05"], env=dest.env, run_id=run_id)
 
 
 def test_at_the_deadline_both_nodes_parts_make_one_whole_checkpoint(tmp_path: Path, any_dest: Dest) -> None:
@@ -115,10 +115,12 @@ def test_at_the_deadline_both_nodes_parts_make_one_whole_checkpoint(tmp_path: Pa
         runs = nodes.wait(150)
     finally:
         nodes.close()
+    # missing= too: node 1 holding its part of a step newer than node 0 chose said missing=node0 while node 0 said
+    # nothing (a lost node 0's rule, 57a7cd6, applied at a deadline where node 0 was there)
     stories = {(run.fields().get("status"), run.fields().get("exit"), run.fields().get("secured"),
-                run.fields().get("secured_step")) for run in runs}
+                run.fields().get("secured_step"), run.fields().get("missing")) for run in runs}
     assert len(stories) == 1, logs(runs)
-    status, code, secured, secured_step = stories.pop()
+    status, code, secured, secured_step, _ = stories.pop()
     assert (status, code, secured) == ("TIMEOUT", "75", "yes"), logs(runs)
     record = dest.record()
     assert record is not None and str(record.step) == secured_step
@@ -133,6 +135,25 @@ def test_at_the_deadline_both_nodes_parts_make_one_whole_checkpoint(tmp_path: Pa
     dcp_to_torch_save(str(fetched.path), str(tmp_path / "whole.pt"))
     state = torch.load(tmp_path / "whole.pt", weights_only=True)
     assert any(torch.is_tensor(v) for v in _leaves(state)), state.keys()
+
+
+def test_a_plain_loop_on_two_nodes_without_a_run_id_meets_on_node_0s(tmp_path: Path) -> None:
+    """A loop that never calls the guard's API (``dcp.save`` only), plain torchrun with no ``--run-id``: its ranks
+    read node 0's guard's run id from the job's store at their loss reads too. Before, only a ``should_checkpoint``
+    call read the store, so node 1 kept its own run id: both nodes TIMEOUT exit=124 secured=no, node 0
+    missing=node1 (the by-hand recipe of docs/many-nodes.md without its --run-id)."""
+    dest = Dest("folder", tmp_path, None, None)
+    nodes = _nodes(tmp_path, dest, "--timeout", "45s", run_id=None).start()
+    try:
+        runs = nodes.wait(150)
+    finally:
+        nodes.close()
+    stories = {(run.fields().get("status"), run.fields().get("exit"), run.fields().get("secured"),
+                run.fields().get("secured_step")) for run in runs}
+    assert len(stories) == 1 and stories.pop()[:3] == ("TIMEOUT", "75", "yes"), logs(runs)
+    record = dest.record()
+    assert record is not None and dest.held(record)[0] == 2
+    assert "node 0's guard's, through the job's store" in nodes.stderr(1), logs(runs)
 
 
 def test_three_nodes_at_the_deadline_say_one_step_and_their_parts_load_as_one(tmp_path: Path) -> None:

@@ -1127,7 +1127,11 @@ class Securing:
             result.extra.pop("signal", None)
         result.extra.update(fields.extra)
         result.details.update(fields.details)
-        if self._follower is not None and result.status != "PASS":  # node 0's part of this node's newest never came
+        # node 0's part of this node's newest never came, and the job failed (a lost node 0 fails the others' ranks
+        # on their peer): at a deadline or a signal node 0 is there and chose the step (its record and the end's
+        # listing say which), and a newer part held here is no news (before, a plain DCP loop on two nodes at the
+        # deadline: node 0 secured_step=1400, node 1 the same with missing=node0 of step 1500)
+        if self._follower is not None and result.status == "FAIL":
             result.hint = leader_missing(result.extra, result.details, result.hint,
                                          step=self._follower.unled_step())
 

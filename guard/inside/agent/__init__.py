@@ -238,6 +238,10 @@ class Agent:
         """A loss from a hook or ``guard.report`` (``LossWatch.observe``: ``mean``, a loss a library divides by the
         accumulation steps itself)."""
         self.watch.observe(loss, step, source, mean=mean)
+        # a loop that never asks ``should_checkpoint`` (a plain DCP loop) still reads the job's store: node 0's run
+        # id and its requests reach this node's guard (before, such a loop on two nodes with no --run-id never
+        # met: TIMEOUT exit=124 secured=no on both). ``poll`` itself reads only every --check-every steps
+        self.relay.poll(self.watch.count, self.settings.check_every)
         if self.watch.count % 16 == 1:
             self._probe_sigterm_handler()
 
