@@ -221,6 +221,7 @@ def test_a_megatron_iteration_placed_back_is_named_by_its_tracker_file(tmp_path:
     out, log = tmp_path / "out", logging.getLogger("test")
     out.mkdir()
     assert placement(out / "iter_0000100")["place"] == "iter_0000100"
+    assert placement(out / "step-20")["place"] == "step-20"  # torchtitan's DCP folders, placed by name too
     placed = place_fetched(fetched(100), out, 100, "rev", ["common.pt"], 1, "iter_0000100", "dest", log)
     tracker = out / "latest_checkpointed_iteration.txt"
     assert placed.path == out / "iter_0000100" and tracker.read_text() == "100"

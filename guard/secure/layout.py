@@ -68,8 +68,9 @@ _FILE_SUFFIXES = (".pt", ".pth", ".bin", ".safetensors", ".ckpt", ".pkl")
 #: A checkpoint folder of the layouts the guard knows; the folder above it is the output folder: the Trainer's
 #: ``checkpoint-N`` (and ``tmp-checkpoint-N`` before its rename), accelerate's ``checkpoint_N`` (automatic naming,
 #: under ``project_dir/checkpoints``) and ``step_N``, DeepSpeed's ``global_stepN``, Megatron-LM's ``iter_NNNNNNN``
-#: (``megatron/training/checkpointing.py``: rank 0 ``torch.save``s its ``common.pt`` there first, the shards follow).
-CHECKPOINT_FOLDER_RE = re.compile(r"(?:tmp-)?(?:checkpoint-|checkpoint_|step_|global_step|iter_)[0-9]+")
+#: (``megatron/training/checkpointing.py``: rank 0 ``torch.save``s its ``common.pt`` there first, the shards follow),
+#: torchtitan's ``step-N`` (``torchtitan/components/checkpoint.py``: a ``torch.distributed.checkpoint`` set).
+CHECKPOINT_FOLDER_RE = re.compile(r"(?:tmp-)?(?:checkpoint-|checkpoint_|step_|step-|global_step|iter_)[0-9]+")
 
 
 def output_dir_for_save(path: str | os.PathLike[str]) -> Path:

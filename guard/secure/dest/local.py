@@ -206,7 +206,7 @@ def read_manifest(secured: Path) -> dict[str, Any]:
 
 def placement(folder: Path) -> dict[str, str]:
     """Where a pushed checkpoint lies, for resume to put it back: ``{"output_dir": ..., "place": ...}``. A
-    checkpoint-like folder (``checkpoint-N``, ``checkpoint_N``, ``step_N``, ``global_stepN``, ``iter_N``:
+    checkpoint-like folder (``checkpoint-N``, ``checkpoint_N``, ``step_N``, ``global_stepN``, ``iter_N``, ``step-N``:
     ``layout.CHECKPOINT_FOLDER_RE``) is placed by its name
     in its parent; any other folder holds files that lay at the top of the output folder (``ckpt.pt``). The output
     folder is written relative to the working folder when inside it, so that the next run (another machine, the
