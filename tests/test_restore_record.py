@@ -130,3 +130,22 @@ def test_an_s3_record_is_written_again_naming_the_older_step(moto_server: object
     assert record is not None and (record.step, record.restored_from) == (10, 20)
     assert resumed_bytes(Securer(f"s3://{bucket}/runs/r"), tmp_path / "resume") == (
         10, (good / "model.bin").read_bytes())
+
+
+def test_an_s3_record_moves_back_to_the_record_a_resumed_run_was_fetched_from(moto_server: object, tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run b resumed from run a's step 10 and recorded its own step 20, which a taint then reached: the record goes
+    back to run a's step 10 (found through the previous record: run b holds no part of step 10)."""
+    from tests.s3server import env
+
+    for key, value in env(moto_server.url).items():  # type: ignore[attr-defined]
+        monkeypatch.setenv(key, value)
+    url = f"s3://{moto_server.bucket()}/runs/r"  # type: ignore[attr-defined]
+    good = checkpoint(tmp_path / "a", 10)
+    first = Securer(url, run_id="run-a").push_checkpoint(good, step=10, deadline=time.monotonic() + 60)
+    resumed = Securer(url, run_id="run-b")
+    resumed.push_checkpoint(checkpoint(tmp_path / "b", 20), step=20, deadline=time.monotonic() + 60)
+    resumed.restore_checkpoint(step=10, revision=first.revision, from_step=20, deadline=time.monotonic() + 60)
+    record = resumed.store.read_record(deadline=time.monotonic() + 60)
+    assert record is not None and (record.run_id, record.step, record.restored_from) == ("run-a", 10, 20)
+    assert resumed_bytes(Securer(url), tmp_path / "resume") == (10, (good / "model.bin").read_bytes())
