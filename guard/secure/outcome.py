@@ -230,8 +230,9 @@ def missing_said(step: int | None, missing: str) -> str:
 
 def leader_missing(extra: dict[str, Any], details: dict[str, Any], hint: str | None, *, step: int | None,
                    leader: int = 0) -> str | None:
-    """Many nodes, a node other than ``leader`` (node 0) at its end: it holds its part of ``step`` (the newest it
-    saved) and ``leader`` never put its own part of it, so that step is not whole at the destination. Sets
+    """Many nodes, a node other than ``leader`` (node 0) whose job failed (``Securing.finish``: a lost peer, maybe
+    node 0 lost): it holds its part of ``step`` (the newest it saved) and ``leader`` never put its own part of it,
+    so that step is not whole at the destination. Sets
     ``missing=node<leader>`` (``details["missing"]`` with ``seen: "held"`` and the clause, ``said``) unless the
     VERDICT says no checkpoint fields, says a missing node already, or secured that step or a later one; returns
     the hint with the clause on it first (``hint`` unchanged when nothing is set). The clause says why: node 0
