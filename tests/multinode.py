@@ -75,16 +75,19 @@ class Nodes:
         shared: one output folder for every node instead of one each.
         env: extra environment for every guard.
         node_guard_args: more options for one node's guard (``{0: ["--margin", "25s"]}``).
+        node_env: more environment for one node's guard (``{1: {"AWS_ENDPOINT_URL": ...}}``).
     """
 
     def __init__(self, tmp_path: Path, n: int, job: str | Path, *, job_args: Sequence[str] = (),
                  guard_args: Sequence[str] = (), procs: int = 1, shared: bool = False,
                  env: dict[str, str] | None = None, run_id: str | None = "multinode-run",
-                 node_guard_args: dict[int, Sequence[str]] | None = None) -> None:
+                 node_guard_args: dict[int, Sequence[str]] | None = None,
+                 node_env: dict[int, dict[str, str]] | None = None) -> None:
         self.tmp_path, self.n, self.procs, self.shared = tmp_path, n, procs, shared
         self.job, self.job_args, self.guard_args = str(job), list(job_args), list(guard_args)
         self.env, self.run_id = dict(env or {}), run_id
         self.node_guard_args = {node: list(args) for node, args in (node_guard_args or {}).items()}
+        self.node_env = dict(node_env or {})
         self.port = free_port()
         self.procs_started: list[subprocess.Popen[bytes]] = []
 
@@ -110,8 +113,9 @@ class Nodes:
             self.folder(node).mkdir(parents=True, exist_ok=True)
             self.out(node).mkdir(parents=True, exist_ok=True)
             with open(self.folder(node) / "guard.out", "wb") as out, open(self.folder(node) / "guard.err", "wb") as err:
+                env = guard_env({**self.env, **self.node_env.get(node, {})})
                 self.procs_started.append(subprocess.Popen(
-                    self.command(node), stdout=out, stderr=err, env=guard_env(self.env), cwd=self.folder(node),
+                    self.command(node), stdout=out, stderr=err, env=env, cwd=self.folder(node),
                     start_new_session=True))
         return self
 

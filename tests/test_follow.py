@@ -4,6 +4,7 @@ description of a reported save as a node's part (``checkpoints.describe`` with `
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -137,3 +138,41 @@ def test_node_0s_run_id_replaces_only_another_nodes_own(node_rank: int, own: boo
     assert securing.adopt_run_id("node0s") is taken
     assert (securing.run_id, securer.run_id) == (("node0s",) * 2 if taken else ("mine",) * 2)
     assert securing.adopt_run_id("node0s") is False  # once
+
+
+def test_listings_back_off_while_nothing_changes_and_start_again_on_a_new_save(dest: Destination) -> None:
+    """Nothing new at the destination: the time between listings doubles from every_s to the cap (LIST_CAP_FLOOR_S
+    while node 0's parts arrive fast), so an idle hour takes 360 listings, not 1,800 (every 2 s) or 7,200 (every
+    0.5 s while a part is held); this node's next save, or node 0's part of a newer step, starts again from
+    every_s, and a limit (the deadline near) holds them at every_s."""
+    from guard.secure.follow import LIST_CAP_FLOOR_S
+
+    fed: list[int] = []
+    limit = [math.inf]
+    follow = Follower(dest.list, lambda info, requested: fed.append(info.step or -1), helpers=InlineFs(),
+                      every_s=0.5, limit_s=lambda: limit[0])
+    follow.tick(0.0)
+    follow.hold(part(20))
+    times = []
+    for tenth in range(1, 600):
+        before = dest.listings
+        follow.tick(tenth / 10)
+        if dest.listings > before:
+            times.append(tenth / 10)
+    assert times[:5] == [0.1, 0.6, 1.6, 3.6, 7.6]  # 0.5, 1, 2, 4 s apart
+    assert times[-1] - times[-2] == LIST_CAP_FLOOR_S
+    dest.put(20, 0)
+    follow.hold(part(40))  # a new save: from every_s again
+    start = dest.listings
+    for tenth in range(600, 620):
+        follow.tick(tenth / 10)
+    assert fed == [20] and dest.listings - start >= 2  # found at once, and listed again within 2 s
+    idle_start = dest.listings
+    for second in range(62, 3662):
+        follow.tick(float(second))
+    assert dest.listings - idle_start <= 3600 / LIST_CAP_FLOOR_S + 6, dest.listings - idle_start
+    limit[0] = 0.0  # the deadline's save asked for: every every_s, as before
+    start = dest.listings
+    for tenth in range(36620, 36720):
+        follow.tick(tenth / 10)
+    assert dest.listings - start == 20

@@ -10,6 +10,15 @@ newest such step. When this node holds no part of that step (its scans return on
 an unreported save counts only once unchanged for 2 s), it looks for that step's folder (``lookup``). Node 0's wait
 then ends as soon as the others put theirs: every rank saves at the same steps. The nodes meet through the
 destination's listing alone; it runs on a thread of its own (``DEST_HELPERS``), never on the loop.
+
+The listings back off: each one doubles the time to the next, from ``every_s`` up to a cap: twice the slowest
+recent arrival of node 0's part (from this node's save of a step to node 0's part of it listed: node 0's push time,
+as this node sees it), at least ``LIST_CAP_FLOOR_S``, at most ``LIST_CAP_S``, and never above ``limit_s()``
+(``Securing``: a quarter of the time left before the deadline's save is asked for, and ``every_s`` from then on or
+once securing has begun, so that the deadline's part is put as soon as before). A newer part of this node's own (a
+save: node 0's part of it comes about one push time later, found within about one more) or a newer step of node
+0's starts again from ``every_s``. At S3 a listing is one LIST request per 1,000 keys of the run's staging place;
+at 0.5 s while a part was held and 2 s otherwise, a node listed about 1,800 times an hour when nothing happened.
 """
 
 from __future__ import annotations
@@ -22,14 +31,18 @@ from guard.core.helpers import Helpers, Submitter, wake_loop
 from guard.secure.checkpoints import CheckpointInfo
 from guard.secure.scans import Port
 
-__all__ = ["DEST_HELPERS", "HELD_MAX", "IDLE_LIST_EVERY_S", "LIST_EVERY_S", "Follower"]
+__all__ = ["DEST_HELPERS", "HELD_MAX", "LIST_CAP_FLOOR_S", "LIST_CAP_S", "LIST_EVERY_S", "Follower"]
 
 log = logging.getLogger("guard.secure")
 
-#: How often a node that holds a part lists the destination for node 0's steps (seconds).
+#: The time between a node's listings of the destination for node 0's steps, after a change (seconds).
 LIST_EVERY_S = 0.5
-#: ... and when it holds none (it looks for the part of each new step node 0 put: ``lookup``).
-IDLE_LIST_EVERY_S = 2.0
+#: The longest time between two listings when nothing changes (seconds) ...
+LIST_CAP_S = 60.0
+#: ... and the least cap, whatever node 0's parts take to arrive (seconds).
+LIST_CAP_FLOOR_S = 10.0
+#: How many of the newest arrivals of node 0's parts the cap follows.
+ARRIVALS_KEPT = 4
 #: How many of its newest parts a node holds for node 0 to put (older ones are dropped: node 0 leads with newer).
 HELD_MAX = 16
 #: The thread of the destination's listings (a slow bucket holds up no scan and no helper command).
@@ -48,21 +61,31 @@ class Follower:
         lookup: ``(step) -> None``: look for this node's part of ``step`` (node 0 put it, this node holds none);
             the answer, when found, comes back through ``hold``. Default: none.
         helpers: where the listings run (default ``DEST_HELPERS``; tests pass one that runs them inline).
-        every_s: the time between listings (seconds; default ``LIST_EVERY_S``).
+        every_s: the time between listings after a change (seconds; default ``LIST_EVERY_S``).
+        limit_s: ``() -> float``: the longest time between listings now, whatever the backoff (seconds, asked at
+            each listing); default ``every_s``: no backoff.
         leader: the node whose steps are followed (default 0).
     """
 
     def __init__(self, list_steps: Callable[[], dict[int, set[int]]], feed: Feed, *,
                  lookup: Callable[[int], None] | None = None, helpers: Submitter = DEST_HELPERS,
-                 every_s: float = LIST_EVERY_S, leader: int = 0) -> None:
+                 every_s: float = LIST_EVERY_S, limit_s: Callable[[], float] | None = None,
+                 leader: int = 0) -> None:
         self._list, self._feed, self._lookup = list_steps, feed, lookup
         self._port = Port(helpers)
         self.every_s, self.leader = every_s, leader
+        self._limit_s = limit_s if limit_s is not None else (lambda: every_s)
+        self.wait_s = every_s  # the gap after the next listing: doubles while nothing changes
+        self.listings = 0
+        self._now = -math.inf  # the last tick's time
+        self._held_at: dict[int, float] = {}  # step -> when this node's part of it was first held
+        self.arrivals_s: list[float] = []  # the newest times from a save held here to node 0's part of it listed
         self.held: dict[int, tuple[CheckpointInfo, bool | None]] = {}
         self.fed_step: int | None = None
         self.led_step: int | None = None  # the newest step node 0 put, as last listed
         self._looked_up: int | None = None
-        self._next_at = -math.inf
+        self._last_at = -math.inf  # when the last listing started
+        self._gap_s = every_s  # the time from it to the next
         self._failed_logged = False
 
     def hold(self, info: CheckpointInfo, requested: bool | None = None) -> None:
@@ -76,27 +99,49 @@ class Follower:
         if info.step not in self.held:
             log.debug("part of step %d held until node %d's part of it is at the destination", info.step,
                       self.leader)
+            if not self.held or info.step > max(self.held):  # a new save: node 0's part of it comes soon
+                self._back_to_start()
+            self._held_at.setdefault(info.step, self._now)
         self.held[info.step] = (info, requested)
         for step in sorted(self.held)[:-HELD_MAX]:
             del self.held[step]
+        for step in [s for s in self._held_at if s not in self.held]:
+            del self._held_at[step]
         if info.step == self.led_step:
             self._follow(info.step)
 
     def tick(self, now: float) -> None:
-        """On the loop: hand back a finished listing; start the next one ``every_s`` after the last while a part
-        is held (``IDLE_LIST_EVERY_S`` when none is, once one was). Never waits."""
+        """On the loop: hand back a finished listing; start the next one ``wait_s`` after the last while a part is
+        held, or once one was (see the module on the backoff). Never waits."""
+        self._now = now
         self._port.drain()
-        if self._listing() and not self._port.in_flight and now >= self._next_at:
-            self._next_at = now + (self.every_s if self.held else max(self.every_s, IDLE_LIST_EVERY_S))
+        if self._listing() and not self._port.in_flight and now >= self._next_at():
+            self._last_at, self._gap_s = now, self.wait_s
+            self.wait_s = max(self.every_s, min(self.cap_s(), self.wait_s * 2))
+            self.listings += 1
             self._port.submit(self._list, apply=self._listed)
             self._port.drain()  # answered already (a listing that runs inline, in tests)
+
+    def cap_s(self) -> float:
+        """The longest time between two listings now (seconds; the module says how)."""
+        arrival_s = max(self.arrivals_s, default=0.0)
+        return max(self.every_s, min(LIST_CAP_S, max(LIST_CAP_FLOOR_S, 2 * arrival_s), self._limit_s()))
+
+    def _next_at(self) -> float:
+        """When the next listing is due: the gap chosen at the last one, no longer than ``limit_s()`` allows now."""
+        return self._last_at + min(self._gap_s, max(self.every_s, self._limit_s()))
+
+    def _back_to_start(self) -> None:
+        """Something changed: the next listing ``every_s`` after the last one, the backoff from there."""
+        self._gap_s = min(self._gap_s, self.every_s)
+        self.wait_s = self.every_s
 
     def _listing(self) -> bool:
         return bool(self.held) or self.fed_step is not None
 
     def due_at(self, now: float) -> float:
         """When ``tick`` has work next (the loop's clock), ``inf`` when it lists nothing."""
-        return max(now, self._next_at) if self._listing() else math.inf
+        return max(now, self._next_at()) if self._listing() else math.inf
 
     def _listed(self, steps: object, error: BaseException | None) -> None:
         if not isinstance(steps, dict):
@@ -109,6 +154,8 @@ class Follower:
                and (self.fed_step is None or step > self.fed_step)]
         if not led:
             return
+        if self.led_step is None or max(led) > self.led_step:
+            self._back_to_start()
         self.led_step = step = max(led)
         if step in self.held:
             self._follow(step)
@@ -125,8 +172,12 @@ class Follower:
         return max(waiting) if waiting else None
 
     def _follow(self, step: int) -> None:
+        held_at = self._held_at.get(step)
+        if held_at is not None and math.isfinite(held_at):
+            self.arrivals_s = [*self.arrivals_s, max(0.0, self._now - held_at)][-ARRIVALS_KEPT:]
         info, requested = self.held[step]
         self.held = {s: held for s, held in self.held.items() if s > step}
+        self._held_at = {s: at for s, at in self._held_at.items() if s > step}
         self.fed_step = step
         log.debug("node %d put its part of step %d: this node's follows", self.leader, step)
         self._feed(info, requested)

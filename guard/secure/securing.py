@@ -363,8 +363,22 @@ class Securing:
                 log.info("node %d lists %s for node 0's parts every %.1fs at most (the Hub's API rate limit, shared "
                          "by %d following nodes)", self.node_rank, securer.destination, every_s, self.nodes - 1)
             self._follower = Follower(list_steps, lambda info, requested: self._to_plan(
-                self._link, info, self.clock(), requested), lookup=self._look_for_part, every_s=every_s)
+                self._link, info, self.clock(), requested), lookup=self._look_for_part, every_s=every_s,
+                limit_s=self._listing_limit_s)
         return self._follower
+
+    def _listing_limit_s(self) -> float:
+        """The longest time between two of this node's listings for node 0's parts, whatever their backoff
+        (``follow``): a quarter of the time left before the deadline's save is asked for (none without a
+        deadline); 0 once securing has begun (the deadline's save, a signal) or another node's request to save and
+        stop came: from then on the listings come every ``LIST_EVERY_S`` (or the Hub's interval), as they always
+        did, so that this node's part of the last step is in before the deadline less the record's time."""
+        if self.plan.busy or self.relayed:
+            return 0.0
+        deadline_at = self._to_clock(self.deadline.deadline_s)
+        if deadline_at is None:
+            return math.inf
+        return max(0.0, (deadline_at - self.estimator.margin_s() - self.clock()) / 4)
 
     def _still_unchanged(self, info: checkpoints.CheckpointInfo) -> bool:
         """The plan's ``unchanged``, answered on the loop without a stat: False when a checkpoint fed later shares
