@@ -186,7 +186,7 @@ def test_a_trainer_names_the_output_folder_and_the_destination(tmp_path: Path) -
 
 def test_files_saved_with_torch_save_form_one_checkpoint_once_settled(tmp_path: Path) -> None:
     rig = Rig(tmp_path)
-    folder = rig.out / "step-8"
+    folder = rig.out / "weights"  # a folder of no checkpoint layout (``step-8`` is torchtitan's since 51cc829)
     folder.mkdir()
     for name in ("model.pt", "optim.pt"):
         (folder / name).write_bytes(b"1" * 500)
