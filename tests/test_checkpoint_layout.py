@@ -150,6 +150,26 @@ def test_accelerate_save_state_folders(tmp_path):
     assert newest_complete(tmp_path, now_s=NOW).path == auto
 
 
+def test_accelerate_epoch_folders_are_checkpoints_taken_whole(tmp_path):
+    # accelerate's examples with --checkpointing_steps epoch: save_state(f"{out}/epoch_{epoch}"). Before, epoch_0
+    # was no checkpoint folder: the files the agent saw saved (optimizer.bin, scheduler.bin) were secured without the
+    # model.safetensors accelerate writes with safetensors, epoch_0 was the output folder and the final model push
+    # copied every epoch_N folder. N counts epochs: the step is the agent's (scans), the name's N only orders them.
+    from guard.secure.layout import output_dir_for_save, output_dir_of_save
+
+    out = tmp_path / "out"
+    for name in ("model.safetensors", "optimizer.bin", "scheduler.bin", "random_states_0.pkl"):
+        write(out / "epoch_0" / name, 10)
+    assert output_dir_for_save(out / "epoch_0" / "optimizer.bin") == out
+    assert output_dir_of_save(tmp_path / "epoch_0" / "optimizer.bin", cwd=tmp_path) == tmp_path  # --output_dir .
+    info = SavedFiles().add(out / "epoch_0" / "optimizer.bin", 500)
+    assert info is not None and info.path == out / "epoch_0" and info.step == 500
+    assert set(info.files) == {"model.safetensors", "optimizer.bin", "scheduler.bin", "random_states_0.pkl"}
+    write(out / "epoch_1" / "model.safetensors", 10)  # epoch_1 still being written: no random_states_0.pkl yet
+    found = newest_complete(out, now_s=NOW, loose=False, steps={str(out / "epoch_0"): 500})
+    assert found is not None and found.path == out / "epoch_0" and found.step == 500
+
+
 def test_a_folder_the_job_said_it_finished_needs_no_mtime_rule(tmp_path, caplog):
     folder = tmp_path / "checkpoint-7"
     write(folder / "model.safetensors", 10, mtime_s=NOW)

@@ -267,3 +267,37 @@ def test_accelerate_automatic_naming_is_secured_whole_and_resumed_from_not_a_hal
     fields = second.fields()
     assert Path(fields["resumed_from"].split("@")[0]).name == Path(loaded[1]).name, (fields, loaded[0])
     assert "resumed_from" in fields and "did not load" not in fields.get("hint", ""), fields
+
+
+def test_accelerate_epoch_folders_are_secured_whole_and_the_next_run_loads_the_secured_one(tmp_path: Path) -> None:
+    # accelerate's examples with --checkpointing_steps epoch save_state(f"{out}/epoch_{epoch}") (complete_nlp_example,
+    # run_clm_no_trainer). Before, epoch_N was no checkpoint folder: the destination got optimizer.bin and
+    # scheduler.bin alone (not the model.safetensors accelerate writes with safetensors, nor random_states_0.pkl),
+    # and at PASS every epoch_N folder was copied to the destination's top as the final model.
+    pytest.importorskip("accelerate")
+    import json
+
+    from safetensors.torch import load_file
+
+    out, dest = tmp_path / "out", tmp_path / "dest"
+    job = [str(JOBS / "accelerate_epochs.py"), str(out), "--steps_per_epoch", "20", "--step_s", "0.05"]
+    proc = start_guard([*FAST, "--push-to", str(dest), *job, "--epochs", "100"], cwd=tmp_path)
+    stdout, stderr = signal_when(proc, lambda: (secured_step(dest) or 0) >= 20, signal.SIGTERM, wait_s=120)
+    first = GuardRun(proc.returncode, stdout, stderr)
+    assert first.returncode == 75, first.stderr[-3000:]
+    record = json.loads((dest / "last-checkpoint" / "guard_manifest.json").read_text())
+    step, epoch = record["step"], record["step"] // 20 - 1
+    assert step % 20 == 0 and Path(record["source"]).name == f"epoch_{epoch}", record
+    names = {p.name for p in (dest / "last-checkpoint").iterdir()}
+    assert {"model.safetensors", "optimizer.bin", "scheduler.bin", "random_states_0.pkl"} <= names, names
+    assert load_file(str(dest / "last-checkpoint" / "model.safetensors"))
+    # the next run, in a fresh folder, as the examples resume: --resume_from_checkpoint out/epoch_N
+    out.rename(tmp_path / "out-first")
+    second = run_guard([*FAST, "--resume", "on", "--push-to", str(dest), *job, "--epochs", str(epoch + 3),
+                        "--resume_from_checkpoint", str(out / f"epoch_{epoch}")], cwd=tmp_path, timeout_s=150)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert f"resumed from {out / f'epoch_{epoch}'} at step {step}" in second.stdout, second.stdout[-2000:]
+    fields = second.fields()
+    assert "resumed_from" in fields and "did not load" not in fields.get("hint", ""), fields
+    assert secured_step(dest) == step + 40, second.stderr[-3000:]  # epochs N+1 and N+2, the guard's steps going on
+    assert sorted(p.name for p in dest.iterdir() if p.name.startswith("epoch_")) == []  # no checkpoint as final model

@@ -93,8 +93,10 @@ GUARD_MARKER_NAME = "guard_checkpoint.json"
 #: Present while transformers' JIT checkpointing is saving (``trainer_jit_checkpoint.py``).
 INCOMPLETE_SENTINEL_NAME = "checkpoint-is-incomplete.txt"
 
-#: Folder names whose N is a step: the Trainer's ``checkpoint-N``, accelerate's ``checkpoint_N`` and ``step_N``.
-_FOLDER_RE = re.compile(r"(?:checkpoint-|checkpoint_|step_|global_step)([0-9]+)")
+#: Checkpoint folder names with an N: a step in the Trainer's ``checkpoint-N`` and accelerate's ``step_N``; a count
+#: of saves in accelerate's automatic ``checkpoint_N`` and of epochs in its examples' ``epoch_N``, whose step is the
+#: agent's when the guard saw the save (``steps``), the N only ordering them otherwise.
+_FOLDER_RE = re.compile(r"(?:checkpoint-|checkpoint_|step_|epoch_|global_step)([0-9]+)")
 #: Other folder names whose N is a step, counted only when the folder holds a sharded format (DCP ``.metadata`` or
 #: ``*.distcp``, Megatron's ``metadata.json``, DeepSpeed's per-rank files): torchtitan's ``step-N``, Megatron's
 #: ``iter_NNNNNNN``, ``ckpt-N``/``ckpt_N``.

@@ -67,10 +67,12 @@ def output_dir_from_args(args: Sequence[str]) -> tuple[str, str] | None:
 _FILE_SUFFIXES = (".pt", ".pth", ".bin", ".safetensors", ".ckpt", ".pkl")
 #: A checkpoint folder of the layouts the guard knows; the folder above it is the output folder: the Trainer's
 #: ``checkpoint-N`` (and ``tmp-checkpoint-N`` before its rename), accelerate's ``checkpoint_N`` (automatic naming,
-#: under ``project_dir/checkpoints``) and ``step_N``, DeepSpeed's ``global_stepN``, Megatron-LM's ``iter_NNNNNNN``
-#: (``megatron/training/checkpointing.py``: rank 0 ``torch.save``s its ``common.pt`` there first, the shards follow),
-#: torchtitan's ``step-N`` (``torchtitan/components/checkpoint.py``: a ``torch.distributed.checkpoint`` set).
-CHECKPOINT_FOLDER_RE = re.compile(r"(?:tmp-)?(?:checkpoint-|checkpoint_|step_|step-|global_step|iter_)[0-9]+")
+#: under ``project_dir/checkpoints``), ``step_N`` and ``epoch_N`` (accelerate's ``complete_nlp_example.py`` and
+#: transformers' ``run_*_no_trainer.py`` with ``--checkpointing_steps N`` or ``epoch``), DeepSpeed's ``global_stepN``,
+#: Megatron-LM's ``iter_NNNNNNN`` (``megatron/training/checkpointing.py``: rank 0 ``torch.save``s its ``common.pt``
+#: there first, the shards follow), torchtitan's ``step-N`` (``torchtitan/components/checkpoint.py``: a
+#: ``torch.distributed.checkpoint`` set).
+CHECKPOINT_FOLDER_RE = re.compile(r"(?:tmp-)?(?:checkpoint-|checkpoint_|step_|step-|epoch_|global_step|iter_)[0-9]+")
 
 
 def output_dir_for_save(path: str | os.PathLike[str]) -> Path:

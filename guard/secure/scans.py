@@ -35,8 +35,10 @@ __all__ = ["Disk", "FileSeen", "Port", "ReportSeen", "ScanAsked", "ScanFound"]
 
 log = logging.getLogger("guard.secure")
 
-#: accelerate's ``ProjectConfiguration(automatic_checkpoint_naming=True)`` folder: N counts the saves
-_SAVE_COUNT_RE = re.compile(r"(?:checkpoint|step)_[0-9]+")
+#: accelerate's folders whose N may not be the agent's step: automatic naming's ``checkpoint_N`` counts the saves
+#: (``ProjectConfiguration(automatic_checkpoint_naming=True)``), its examples' ``epoch_N`` the epochs, and their
+#: ``step_N`` may not go on from the resumed step
+_SAVE_COUNT_RE = re.compile(r"(?:checkpoint|step|epoch)_[0-9]+")
 #: Files at the top of a working folder that belong to a final model when the job wrote them (weights, configs,
 #: tokenizer files): the final model pushed from a working folder is never its sources, data or logs.
 _FINAL_MODEL_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".json", ".model", ".tiktoken")
