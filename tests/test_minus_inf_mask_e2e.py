@@ -45,7 +45,8 @@ def test_a_model_with_a_minus_inf_mask_buffer_passes_and_is_secured(tmp_path: Pa
 @pytest.mark.parametrize("fmt", ["torch", "safetensors"])
 def test_a_trained_weight_gone_minus_inf_is_still_refused(tmp_path: Path, fmt: str) -> None:
     """The mask's allowance is by name: the -inf in ``qkv.weight`` (saved at step 15, the last, every loss finite)
-    is a fault, found by the agent (``torch.save``) or the guard's reader (safetensors); step 10 stays secured."""
+    is a fault, found by the agent (``torch.save``) or the guard's reader (safetensors); step 10 is secured (with
+    safetensors, a save the guard found on disk once step 15 was refused: the scans had handed it none, or step 5)."""
     out, dest = tmp_path / "out", tmp_path / "dest"
     run = run_guard([*FAST, "--push-interval", "0s", "--push-to", str(dest), str(JOBS / "causal_mask.py"),
                      "--output-dir", str(out), "--steps", "15", "--save-every", "5", "--step-s", "0.3",
@@ -53,8 +54,9 @@ def test_a_trained_weight_gone_minus_inf_is_still_refused(tmp_path: Path, fmt: s
     fields = run.fields()
     assert (fields["status"], fields["reason"], run.returncode) == ("FAIL", "non_finite_loss", 4), run.stderr[-3000:]
     assert "qkv.weight" in run.stderr, run.stderr[-3000:]
-    assert fields.get("secured_step") != "15", run.verdict
+    assert int(fields["secured_step"]) == 10 == secured_step(dest), run.verdict
     pushed = sorted(dest.rglob(f"*.{'pt' if fmt == 'torch' else 'safetensors'}"))
+    assert pushed, sorted(str(p) for p in dest.rglob("*"))
     for path in pushed:
         state = torch.load(path, weights_only=True)["model"] if fmt == "torch" else load_file(str(path))
         assert _mask_and_finite_weights(state), path

@@ -25,6 +25,8 @@ from guard.secure.events import (
     ForwardSignal,
     JobExited,
     KillPush,
+    LookedOlder,
+    LookOlder,
     MarkSuspect,
     ReadThrough,
     ReleaseKept,
@@ -477,8 +479,46 @@ def test_the_request_then_nan_before_the_save_stops_waiting_and_keeps_the_older_
     clock.now = 150.0
     plan.on(DeadlineNear(can_save=True))
     assert plan.state is State.AWAITING_SAVE
-    plan.on(Tainted(1292))  # asked at 1291, NaN for the next steps: the save it waits for would be suspect
+    actions = plan.on(Tainted(1292))  # asked at 1291, NaN for the next steps: the save it waits for would be suspect
+    looks = [a for a in actions if isinstance(a, LookOlder)]
+    assert [look.before_step for look in looks] == [1291] and plan.state is State.SECURING  # a save never seen?
+    plan.on(LookedOlder(None))  # none on disk
     assert plan.state is State.DONE and secured_step(plan) == 50
+
+
+def test_a_good_save_found_on_disk_after_the_newest_was_refused_is_secured(clock: FakeClock) -> None:
+    """The scans hand the plan the newest complete save only. Before, a refused newest save with no older one seen
+    ended securing with nothing ("no complete checkpoint to secure"), though the save one step before lay whole on
+    disk."""
+    pusher = FakePusher(clock)
+    plan = make(clock, pusher, deadline_at=200.0)
+    clock.now = 150.0
+    plan.on(DeadlineNear(can_save=False))
+    # the newest save, its weights NaN: nothing older was seen
+    actions = plan.on(CheckpointSeen(ckpt(37), finite=False))
+    looks = [a for a in actions if isinstance(a, LookOlder)]
+    assert [look.before_step for look in looks] == [37] and 150.0 < looks[0].until <= 150.0 + (200.0 - 150.0) / 2
+    assert plan.state is State.SECURING and not pusher.started  # waiting for the look, not done
+    actions = plan.on(LookedOlder(ckpt(36)))
+    assert any(isinstance(a, StartPush) and a.step == 36 for a in actions)
+    run_until(plan, clock, 190.0)
+    assert secured_step(plan) == 36 and plan.state is State.DONE
+
+
+def test_a_look_that_never_answers_ends_at_its_bound(clock: FakeClock) -> None:
+    pusher = FakePusher(clock)
+    plan = make(clock, pusher, deadline_at=200.0)
+    seen(plan, ckpt(10))
+    run_until(plan, clock, 5.0)
+    actions = plan.on(Tainted(30))  # as securing feeds a non-finite loss: the taint, then the failure
+    actions += plan.on(Failure("non_finite_loss"))
+    until = next(a.until for a in actions if isinstance(a, LookOlder))
+    assert plan.state is State.SECURING and plan.due_at(clock.now) <= until
+    clock.now = until
+    plan.on(Tick())
+    assert plan.state is State.DONE and secured_step(plan) == 10
+    plan.on(LookedOlder(ckpt(28)))  # too late: securing is over
+    assert secured_step(plan) == 10 and len(pusher.started) == 1
 
 
 def test_a_running_push_of_a_suspect_save_is_killed(clock: FakeClock) -> None:

@@ -2,9 +2,9 @@
 
 Every event goes through ``Plan.on(event) -> list[Action]``; the plan's transition table says which states accept
 which event types. Actions are carried out by ``guard.secure.securing.Securing`` (``RequestSave``, ``StopJob``,
-``ForwardSignal``, ``Decide``, ``MarkSuspect``, ``RecordTaint``, ``ReleaseKept``) or by the plan itself through its
-pusher and returned for the record (``StartPush``, ``KillPush``, ``RestoreRecord``). All times are the plan's
-``clock`` seconds (monotonic).
+``ForwardSignal``, ``Decide``, ``MarkSuspect``, ``RecordTaint``, ``ReleaseKept``, ``LookOlder``) or by the plan
+itself through its pusher and returned for the record (``StartPush``, ``KillPush``, ``RestoreRecord``). All times are
+the plan's ``clock`` seconds (monotonic).
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ __all__ = [
     "ForwardSignal",
     "JobExited",
     "KillPush",
+    "LookOlder",
+    "LookedOlder",
     "MarkSuspect",
     "OutputDirKnown",
     "PushHandle",
@@ -191,6 +193,14 @@ class OutputDirKnown:
 
 
 @dataclass(frozen=True)
+class LookedOlder:
+    """The answer to ``LookOlder``: the newest complete checkpoint on disk saved before its step with finite
+    weights, or None."""
+
+    info: CheckpointInfo | None
+
+
+@dataclass(frozen=True)
 class Tick:
     """Timers and the running push; send at ``Plan.due_at`` (and whenever convenient)."""
 
@@ -201,7 +211,8 @@ class RunOver:
 
 
 Event = (CheckpointSeen | ReadThrough | AlreadySecured | TrainingStarted | DeadlineNear | DeadlineMoved
-         | SignalReceived | Failure | Tainted | JobExited | DestinationKnown | OutputDirKnown | Tick | RunOver)
+         | SignalReceived | Failure | Tainted | JobExited | DestinationKnown | OutputDirKnown | LookedOlder | Tick
+         | RunOver)
 
 
 # -- actions -----------------------------------------------------------------------------------------------------
@@ -300,5 +311,15 @@ class ReleaseKept:
     step: int | None
 
 
+@dataclass(frozen=True)
+class LookOlder:
+    """Look on disk for the newest complete checkpoint saved before step ``before_step`` whose weights are finite,
+    by ``until`` (clock seconds); the answer comes back as ``LookedOlder``. The scans hand the plan the newest
+    complete save only: the saves between two scans, whole on disk, were never seen."""
+
+    before_step: int
+    until: float
+
+
 Action = (RequestSave | StopJob | ForwardSignal | Decide | StartPush | KillPush | MarkSuspect | RecordTaint
-          | RestoreRecord | ReleaseKept)
+          | RestoreRecord | ReleaseKept | LookOlder)

@@ -47,6 +47,13 @@ moved back to the newest good record (``RestoreRecord``, the worker's ``restore_
 either ends well nothing counts as secured, and if neither does the report names the suspect checkpoint the
 destination still holds (``PlanReport.suspect_held``).
 
+**A save never seen may be the good one.** The scans hand the plan the newest complete save they find, so the saves
+made between two scans never reach it. With every taint the plan asks for a look on disk (``LookOlder``) for the
+newest complete save before the first suspect step with finite weights; its answer (``LookedOlder``) is taken as a
+save when newer than what the plan has. Securing with nothing else to push waits for it (half the time left,
+``LOOK_S`` at most) before it gives up: a job whose newest save was refused at the deadline, with no older one seen,
+secured nothing, though the save one step before lay whole on disk.
+
 **One supersede rule** (:meth:`Plan._supersede`): a running push is killed for a newer checkpoint only when the
 newer one is estimated to finish before ``secure_by``; when both fit one after the other, the running one finishes
 first. The estimate is what a push costs (``budget.MarginEstimator.secure_estimate_s``: the measured pushes'
@@ -88,6 +95,8 @@ from guard.secure.events import (
     ForwardSignal,
     JobExited,
     KillPush,
+    LookedOlder,
+    LookOlder,
     MarkSuspect,
     OutputDirKnown,
     Pusher,
@@ -115,6 +124,7 @@ log = logging.getLogger("guard.secure")
 SAFETY_S = 1.5  # securing is over this long before the kill (the deadline, or the end of --grace)
 STOP_BEFORE_S = 2.0  # the job is stopped (SIGTERM) this long before secure_by if it still runs
 LATE_REQUEST_S = 15.0  # before the first training step, the deadline's request waits until this long before it
+LOOK_S = 30.0  # a look on disk for an older good save (LookOlder) is waited for this long at most
 
 
 def bound_s(deadline_at: float | None, window_end: float) -> float:
@@ -223,6 +233,7 @@ class Plan:
         self._read_through: int | None = None  # losses read finite through this step (every rank), None: none yet
         self._held: list[tuple[CheckpointSeen, int]] = []  # saves past _read_through, with _reads when held
         self._reads = 0  # ReadThrough events so far
+        self._looking: float | None = None  # a LookOlder's answer is waited for until then
 
     # -- the one entry ----------------------------------------------------------------------------------------
 
@@ -269,6 +280,8 @@ class Plan:
             due.append(now + 0.2)
         if self._wait_save_until is not None:
             due.append(self._wait_save_until)
+        if self._looking is not None:
+            due.append(self._looking)
         if self._state is State.WATCHING:
             if self._deadline_at is not None:
                 due.append(self._deadline_request_at())
@@ -499,6 +512,7 @@ class Plan:
             self._queued = None
         if self._newest is not None and self._is_suspect(self._newest):
             self._newest = self._older_than(saves_from)
+        actions += self._look_older(saves_from, now)
         running = self._push
         killed = running is not None and running.info is not None and self._is_suspect(running.info)
         if killed:
@@ -598,12 +612,39 @@ class Plan:
                 and now >= self._last_start + self._interval_s()):
             info, self._queued = self._queued, None
             actions += self._start("background", info, self._background_deadline(now), now)
+        if self._looking is not None and now >= self._looking:
+            self._looking = None  # no answer in time: what the plan has decides
+            if self._state is State.SECURING and self._push is None:
+                actions += self._secure_newest(now)
         if self.busy and now >= self.secure_by:
             if self._push is not None:
                 actions += self._kill("deadline")
             log.warning("securing ran out of time")
             self._state = State.DONE
         return actions
+
+    def _on_looked(self, event: LookedOlder, now: float) -> list[Action]:
+        """``LookOlder``'s answer: a good save newer than the newest the plan has is taken as a save; else, while
+        securing with nothing under way, what there is decides."""
+        self._looking = None
+        info = event.info
+        if info is not None and not self._is_suspect(info) and _step(info) > _step(self._newest):
+            log.info("found on disk: %s (%s), saved before the first suspect step with finite weights", info.path,
+                     step_text(info.step))
+            return self._checkpoint(CheckpointSeen(info), now, hold=False)
+        return self._secure_newest(now) if self._state is State.SECURING and self._push is None else []
+
+    def _look_older(self, before_step: int, now: float) -> list[Action]:
+        """Look on disk for the newest good save before ``before_step`` (``LookOlder``): the scans hand the plan the
+        newest complete save only, so saves between two scans were never seen. Waited for (``_look_pending``)
+        half the time left, ``LOOK_S`` at most. None when the plan has the save just before it."""
+        if self._pusher is None or self._state is State.DONE or _step(self._newest) >= before_step - 1:
+            return []
+        self._looking = now + min(LOOK_S, max(0.0, self.secure_by - now) / 2)
+        return [LookOlder(before_step, self._looking)]
+
+    def _look_pending(self, now: float) -> bool:
+        return self._looking is not None and now < self._looking
 
     def _on_run_over(self, event: RunOver, now: float) -> list[Action]:
         return self._kill("killed") if self._push is not None else []
@@ -836,8 +877,8 @@ class Plan:
             if running is not None:
                 running.kind = "securing" if running.kind == "background" else running.kind
                 return []  # its end decides (a newer good result, or nothing lost)
-            if self._follow(now):
-                return []
+            if self._look_pending(now) or self._follow(now):
+                return []  # the look's answer decides, or the job's next save
             if target is None:
                 log.error("no complete checkpoint to secure")
             self._state = State.DONE
@@ -997,7 +1038,7 @@ class Plan:
         self._window_end = min(self._window_end, now + self._final_allowance_s())
         self._state = State.SECURING
         actions = self._secure_newest(now)
-        if not any(isinstance(action, StartPush) for action in actions):
+        if not any(isinstance(action, StartPush) for action in actions) and not self._look_pending(now):
             self._state = State.DONE
         return actions
 
@@ -1015,7 +1056,7 @@ class Plan:
                 return self._secure_newest(now)  # a newer one appeared meanwhile (also after a failed push)
             # a job that cannot be asked runs on and saves again: after a push that ended (or failed: a file cut
             # short while it was being rewritten), its next save is secured, until secure_by
-            if not self._follow(now):
+            if not (self._look_pending(now) or self._follow(now)):
                 self._state = State.DONE
             return []
         if self._state is State.WATCHING and self._queued is not None \
@@ -1031,7 +1072,7 @@ def _build_table() -> dict[tuple[State, type[Any]], Handler]:
         Tick: Plan._on_tick,
         RunOver: Plan._on_run_over, DeadlineMoved: Plan._on_deadline_moved, DestinationKnown: Plan._on_destination,
         OutputDirKnown: Plan._on_output_dir, AlreadySecured: Plan._on_already_secured,
-        TrainingStarted: Plan._on_training_started, JobExited: Plan._on_job_exit,
+        TrainingStarted: Plan._on_training_started, JobExited: Plan._on_job_exit, LookedOlder: Plan._on_looked,
     }
     table: dict[tuple[State, type[Any]], Handler] = {}
     for state in State:

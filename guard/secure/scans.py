@@ -20,6 +20,7 @@ import math
 import os
 import re
 import stat as stat_module
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -220,6 +221,26 @@ class Disk:
         followed = self.followed(final=asked.final, now_s=asked.now_s)
         renamed, self.renamed = tuple(self.renamed), []
         return ScanFound(found, unchanged, final_model, holds_files, final_files, followed, renamed)
+
+    def older(self, asked: ScanAsked, before_step: int, bound_s: float) -> CheckpointInfo | None:
+        """The newest complete checkpoint of the output folder saved before ``before_step`` whose saved weights are
+        finite (``guard.secure.weights``, read within ``bound_s`` seconds), or None (``Plan``'s ``LookOlder``).
+        Raises OSError as a scan does, ``weights.CheckTimedOut`` past the bound."""
+        from guard.secure import weights
+
+        until = time.monotonic() + bound_s
+
+        def vet(info: CheckpointInfo) -> str | None:
+            bad = weights.check_files(info.folder, info.files, deadline=until).bad
+            return None if bad is None else f"its weights are not finite ({bad.describe()})"
+
+        return checkpoints.newest_complete(
+            asked.output_dir, now_s=asked.now_s, stat=self.stat, seen=self.seen, stable_for_s=asked.stable_for_s,
+            steps={str(p): s for p, s in self.save_count_steps.items()}, reported=set(asked.reported),
+            loose=asked.loose, since_s=asked.since_s, resumed=asked.resumed, world_size=asked.world_size,
+            waiting=dict(asked.waiting), run_id=asked.run_id, quiet=self.saved_folders, vet=vet,
+            refuse=lambda step, mtime_s: None if step is not None and step < before_step else
+            f"saved at or after step {before_step}, the first suspect save")
 
     def part_at(self, asked: ScanAsked, step: int) -> CheckpointInfo | None:
         """This node's part of ``step`` in the output folder (``checkpoints.newest_complete`` with ``only_step``,

@@ -46,6 +46,8 @@ from guard.secure.events import (
     Failure,
     ForwardSignal,
     JobExited,
+    LookedOlder,
+    LookOlder,
     MarkSuspect,
     OutputDirKnown,
     Pusher,
@@ -448,6 +450,27 @@ class Securing:
 
         self.port.submit(self.disk.part_at, self._scan_asked(self.output_dir), step, apply=found)
 
+    def _look_older(self, action: LookOlder, now: float) -> None:
+        """``LookOlder`` on the file system thread (``scans.Disk.older``); its answer goes to the plan as
+        ``LookedOlder`` (None: none found, or a save the agent saw non-finite). Many nodes: none (a node's part
+        is secured with the other nodes' parts of its step)."""
+        def answer(value: object, error: BaseException | None) -> None:
+            info = value if isinstance(value, checkpoints.CheckpointInfo) else None
+            if error is not None:
+                log.info("the look for a good checkpoint before step %d ended: %r", action.before_step, error)
+            if info is not None and ({str(info.path)} | {str(info.folder / rel) for rel in info.files}) \
+                    & self._not_finite:
+                info = None
+            if info is not None:
+                self._fed.append(info)  # checked for a rewrite by the scans from now on
+            self._feed(self._link, LookedOlder(info))
+
+        if not self.output_dir or self.parts_mode():
+            self.port.submit(lambda: None, apply=answer)
+            return
+        self.port.submit(self.disk.older, self._scan_asked(self.output_dir), action.before_step,
+                         max(0.0, action.until - now), apply=answer)
+
     def _scanned(self, number: int, value: object, error: BaseException | None) -> None:
         """A scan's answer (on the loop): a complete checkpoint the job did not report becomes ``CheckpointSeen``."""
         self._scan_in_flight = False
@@ -603,6 +626,9 @@ class Securing:
             if isinstance(action, RecordTaint):
                 self._tainted_at = (action.first_bad_step, self.wall())
                 self._record_taint(tuple(self._folders))
+                continue
+            if isinstance(action, LookOlder):
+                self._look_older(action, now)
                 continue
             if sup is None:
                 continue
