@@ -32,7 +32,10 @@ def test_a_model_with_a_minus_inf_mask_buffer_passes_and_is_secured(tmp_path: Pa
                      "--format", fmt], timeout_s=150)
     fields = run.fields()
     assert (fields["status"], run.returncode) == ("PASS", 0), run.stderr[-3000:]
-    assert secured_step(dest) == 20, run.stderr[-3000:]
+    # a torch.save is reported at once; a safetensors save is found by a scan (every 5 s, once settled), so a busy
+    # machine may end the run before the scan takes step 20: what is secured then is an earlier save of it
+    secured = secured_step(dest)
+    assert secured == 20 if fmt == "torch" else secured in (5, 10, 15, 20), (secured, run.stderr[-3000:])
     if fmt == "torch":
         state = torch.load(dest / "last-checkpoint" / "model.pt", weights_only=True)["model"]
         final = torch.load(dest / "model.pt", weights_only=True)["model"]
