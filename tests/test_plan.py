@@ -946,11 +946,14 @@ def test_a_save_in_another_unit_is_taken_at_the_second_read_after_it(clock: Fake
     assert [h.args["step"] for h in pusher.started] == [32000]
 
 
-def test_a_save_with_non_finite_weights_taints_its_step(clock: FakeClock) -> None:
-    """The weights are a witness (ModernBERT #233: the loss stayed finite, the weights went NaN)."""
+def test_a_save_with_non_finite_weights_taints_its_step(clock: FakeClock, caplog: pytest.LogCaptureFixture) -> None:
+    """The weights are a witness (ModernBERT #233: the loss stayed finite, the weights went NaN); the log says
+    so, not "the loss went non-finite" (the loss never did)."""
     pusher = FakePusher(clock)
     plan = make(clock, pusher, deadline_at=None)
-    actions = plan.on(CheckpointSeen(ckpt(30), finite=False))
+    with caplog.at_level(logging.WARNING):
+        actions = plan.on(CheckpointSeen(ckpt(30), finite=False))
+    assert "the weights saved at step 30 are not finite" in caplog.text and "loss went" not in caplog.text
     assert any(isinstance(a, MarkSuspect) and a.step == 30 for a in actions) and pusher.started == []
     assert plan.report().non_finite_from_step == 30
     seen(plan, ckpt(40))

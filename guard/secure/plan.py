@@ -501,8 +501,12 @@ class Plan:
         if first == self._bad_from_step and saves_from == self._suspect_from:
             return []
         self._bad_from_step, self._suspect_from = first, saves_from
-        log.warning("the loss went non-finite at step %d: checkpoints saved at or after step %d are suspect (a save "
-                    "at step N holds the weights step N+1's loss was computed on)", first, saves_from)
+        if event.witness == "weights":
+            log.warning("the weights saved at step %d are not finite: checkpoints saved at or after step %d are "
+                        "suspect", event.from_step, saves_from)
+        else:
+            log.warning("the loss went non-finite at step %d: checkpoints saved at or after step %d are suspect (a "
+                        "save at step N holds the weights step N+1's loss was computed on)", first, saves_from)
         actions: list[Action] = [RecordTaint(saves_from)]
         for info in self._seen + [held.info for held, _ in self._held]:
             if self._is_suspect(info):
