@@ -176,3 +176,45 @@ def test_listings_back_off_while_nothing_changes_and_start_again_on_a_new_save(d
     for tenth in range(36620, 36720):
         follow.tick(tenth / 10)
     assert dest.listings - start == 20
+
+
+def test_at_the_jobs_end_the_last_part_waits_for_node_0s_then_follows(dest: Destination) -> None:
+    """The job ended well holding its part of step 200, which node 0 has not put yet: the end waits, listing at the
+    same pace, until node 0's part is listed (then this node's is fed), not at once."""
+    fed: list[int] = []
+    follow = follower(dest, fed)
+    dest.put(180, 0)
+    follow.hold(part(180))
+    follow.tick(0.0)
+    follow.hold(part(200))
+    assert fed == [180] and follow.end(until=100.0) == 200
+    follow.tick(1.0)
+    assert follow.waiting(1.0) and fed == [180] and follow.due_at(1.5) == 2.0
+    dest.put(200, 0)
+    follow.tick(2.0)
+    assert fed == [180, 200] and not follow.waiting(2.0)
+
+
+def test_at_the_jobs_end_the_wait_ends_at_its_bound_or_a_later_step(dest: Destination) -> None:
+    fed: list[int] = []
+    follow = follower(dest, fed)
+    follow.hold(part(200))
+    assert follow.end(until=10.0) == 200
+    follow.tick(0.0)
+    assert follow.waiting(9.9) and follow.due_at(9.5) == 9.5
+    assert not follow.waiting(10.0) and not follow.waiting(1.0) and fed == []  # over for good
+    later = follower(dest, fed)
+    later.hold(part(200))
+    later.end(until=10.0)
+    dest.put(220, 0)  # node 0 put a later step: this one's part will never be its
+    later.tick(0.0)
+    assert not later.waiting(0.0)
+
+
+def test_at_the_jobs_end_nothing_held_past_node_0s_steps_keeps_the_guard(dest: Destination) -> None:
+    fed: list[int] = []
+    follow = follower(dest, fed)
+    dest.put(200, 0)
+    follow.hold(part(200))
+    follow.tick(0.0)
+    assert fed == [200] and follow.end(until=10.0) is None and not follow.waiting(0.0)

@@ -293,3 +293,43 @@ def test_a_lost_node_0_is_named_in_the_other_nodes_verdict(tmp_path: Path, dest:
                      node1.get("hint", ""))
     assert said is not None and int(said[1]) > record.step, logs(runs)  # its newest part, never made whole
     assert (nodes.out(1) / f"step_{said[1]}").is_dir() and runs[0].verdict == "", logs(runs)
+
+
+@pytest.mark.parametrize("kind", ["folder", "s3", pytest.param("hub", marks=pytest.mark.hub)])
+def test_a_job_that_ends_by_itself_secures_its_last_save_on_every_node(tmp_path: Path, kind: str,
+                                                                        request: pytest.FixtureRequest) -> None:
+    """A loop that ends by itself (exit 0, no final model file: its last DCP save, step 200, is what it leaves):
+    every node puts its part of step 200, the record moves to it, and both VERDICTs say PASS with it, node 0 about
+    when node 1 is done. Before, at a Hub repo, node 1's guard ended at its job's exit holding its part of step
+    200 (it feeds a part only once node 0's part of that step is listed there) while node 0 waited its whole final
+    window (178 s) for it: node 0 PASS after 203.7 s against 26.0 s for node 1, the record at step 20."""
+    moto = request.getfixturevalue("moto") if kind == "s3" else None
+    dest = Dest(kind, tmp_path, moto, request.getfixturevalue("hub") if kind == "hub" else None)
+    nodes = Nodes(tmp_path, 2, JOBS / "dcp_loop.py", guard_args=[*FAST, "--output-dir", "{out}", "--push-to",
+                                                                 dest.push_to],
+                  job_args=["{out}", "--every", "20", "--step-s", "0.05", "--steps", "200"], env=dest.env)
+    started = time.monotonic()
+    nodes.start()
+    ended: dict[int, float] = {}
+    try:
+        while len(ended) < 2 and time.monotonic() < started + 400:
+            for node, proc in enumerate(nodes.procs_started):
+                if node not in ended and proc.poll() is not None:
+                    ended[node] = time.monotonic() - started
+            time.sleep(0.1)
+        runs = nodes.wait(5)
+    finally:
+        nodes.close()
+    said = [run.fields() for run in runs]
+    assert [(f.get("status"), f.get("exit"), run.returncode) for f, run in zip(said, runs, strict=True)] == \
+        [("PASS", "0", 0)] * 2, logs(runs)
+    # the same checkpoint on both nodes: each its own part of the last save, pushed at the same record
+    assert [Path(f.get("checkpoint", "")).name for f in said] == ["step_200"] * 2, logs(runs)
+    assert said[0].get("pushed") == said[1].get("pushed") and said[0].get("pushed"), logs(runs)
+    record = dest.record()
+    assert record is not None and record.step == 200, (record, logs(runs))
+    nodes_held, files = dest.held(record)
+    assert nodes_held == 2 and {".metadata", "__0_0.distcp", "__1_0.distcp"} <= files, (nodes_held, files)
+    # node 0 ends once the record is written, not at its final window's end (180 s by default): 60 s is far more
+    # than the last part's push and the record's commit take, far less than the window
+    assert ended[0] < ended[1] + 60, (ended, logs(runs))

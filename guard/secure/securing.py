@@ -63,6 +63,7 @@ from guard.secure.events import (
     TrainingStarted,
 )
 from guard.secure.follow import LIST_EVERY_S, Follower
+from guard.secure.meeting import RECORD_CUTOFF_S
 from guard.secure.outcome import Verdict, checkpoint_fields, leader_missing
 from guard.secure.plan import Plan, State
 
@@ -246,6 +247,8 @@ class Securing:
         self._final_model: bool | None = None  # the output folder holds final model files (the exit's scan)
         self._holds_files: bool | None = None  # it holds any file (the exit's scan), for the VERDICT's hint
         self._final_files_found: tuple[str, ...] | None = None  # the final model's files when not the whole folder
+        self._final_window_s = final_window_s
+        self._end_awaits: bool | None = None  # the job's end waits for node 0's part (follow.Follower.end); once
         self.plan = Plan(clock=clock, pusher=self._make_pusher(securer), estimator=estimator,
                          deadline_at=self._to_clock(deadline.deadline_s), grace_s=grace_s, background=background,
                          push_interval_s=push_interval_s, final_output_dir=output_dir, final_window_s=final_window_s,
@@ -373,9 +376,10 @@ class Securing:
         """The longest time between two of this node's listings for node 0's parts, whatever their backoff
         (``follow``): a quarter of the time left before the deadline's save is asked for (none without a
         deadline); 0 once securing has begun (the deadline's save, a signal) or another node's request to save and
-        stop came: from then on the listings come every ``LIST_EVERY_S`` (or the Hub's interval), as they always
-        did, so that this node's part of the last step is in before the deadline less the record's time."""
-        if self.plan.busy or self.relayed:
+        stop came, or the job's good end waits for node 0's part (``_end_follows``): from then on the listings come
+        every ``LIST_EVERY_S`` (or the Hub's interval), as they always did, so that this node's part of the last
+        step is in before the deadline (or the final window) less the record's time."""
+        if self.plan.busy or self.relayed or self._end_awaits:
             return 0.0
         deadline_at = self._to_clock(self.deadline.deadline_s)
         if deadline_at is None:
@@ -542,7 +546,7 @@ class Securing:
     def busy(self) -> bool:
         """Securing has started and is not finished, or a failure or the job's end waits for a scan (the supervisor
         keeps running until neither)."""
-        return self.plan.busy or bool(self._holds)
+        return self.plan.busy or bool(self._holds) or bool(self._end_awaits)
 
     def due_at(self, now: float) -> float:
         """The next time ``tick`` has work (monotonic seconds)."""
@@ -692,6 +696,9 @@ class Securing:
         self._settle(sup, now)
         if self._follower is not None:
             self._follower.tick(now)
+            if self._end_awaits and not self._follower.waiting(now):
+                self._end_awaits = False
+                self._job_exited(sup, now)
         if self.awaiting:
             self._complete_reports(sup)  # a rank that trained on past a save without reporting it had no part
         if self._scanning() and now >= self.next_scan:
@@ -1131,12 +1138,31 @@ class Securing:
         ok = (code == 0 or completed) and (outcome is None or outcome.reason == "deadline")
         complete = ok and incomplete_reason(sup.state.facts, sup.state.progress) is None \
             and self._training_complete(sup)
+        if ok and outcome is None and self._end_follows(now):
+            return
         self._check_node(sup)
         if ok and sup.node_rank not in (None, 0) and self.securer is not None:
             log.info("node %d: the guard of node 0 pushes the final model", sup.node_rank)
         has_final_model = not (ok and self.output_dir) or final_model
         self._feed(sup, JobExited(ok=(ok and outcome is None) or complete, complete=complete,
                                   has_final_model=has_final_model, final_files=self._final_files_found), now)
+
+    def _end_follows(self, now: float) -> bool:
+        """A node other than 0 whose job ended well holds its part of a step node 0 has not put yet (its last save,
+        as a rule): whether the job's end waits (once) until node 0's part of it is listed, so that this node's part
+        follows and the record moves to it (``follow.Follower.end``). The wait leaves this node's push and the
+        record's move their time in the final window (``--final-push-window``), before any deadline."""
+        follower = self._follower
+        if follower is None or self._end_awaits is not None or self.plan.state is not State.WATCHING:
+            return False
+        wait_s = max(self._final_window_s / 2,
+                     self._final_window_s - self.estimator.secure_estimate_s() - RECORD_CUTOFF_S)
+        step = follower.end(min(now + wait_s, self.plan.secure_by))
+        self._end_awaits = step is not None
+        if step is not None:
+            log.info("node %d: the job ended; its part of step %d waits for node 0's (%.0fs at most)",
+                     self.node_rank, step, min(wait_s, self.plan.secure_by - now))
+        return self._end_awaits
 
     # -- the verdict ------------------------------------------------------------------------------------------
 
