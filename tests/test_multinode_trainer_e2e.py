@@ -117,3 +117,26 @@ def test_a_trainers_checkpoint_over_two_disks_is_secured_whole_at_a_hub_repo(tmp
     assert json.loads((fetched / "trainer_state.json").read_text())["global_step"] == step
     for rank in range(2):
         assert "cpu" in torch.load(fetched / f"rng_state_{rank}.pth", weights_only=False)
+
+
+def test_two_trainer_nodes_without_a_run_id_find_their_shared_folder_shared(tmp_path: Path) -> None:
+    """No run id every node shares, one output folder for both nodes: node 1's output folder probe moves to node 0's
+    run once node 0's run id reaches it through the job's store, so both find the folder shared, node 0 secures
+    the one checkpoint, and node 1 takes its word: TIMEOUT exit=75 on both with one secured_step. Before, the probes
+    sat under two run ids and never met (no answer within the 40 s run): node 0 said exit=75 secured=yes, node 1
+    exit=124 secured=no ('the guard of node 0 secures the checkpoint of every rank: see its VERDICT')."""
+    dest = Dest("folder", tmp_path, None)
+    # node 1 waits for node 0's word up to half the grace and never within 5 s of the deadline: room for both
+    nodes = _trainer(tmp_path, dest, "--timeout", "70s", "--margin", "30s", "--grace", "20s", run_id=None,
+                     job_args=("--save-steps", "5"))
+    nodes.shared = True
+    step, fetched = _secured_at_the_deadline(nodes.start(), tmp_path, dest)
+    held = {p.name for p in fetched.rglob("*") if p.is_file()}
+    assert {"rng_state_0.pth", "rng_state_1.pth", "trainer_state.json"} <= held, held
+    assert json.loads((fetched / "trainer_state.json").read_text())["global_step"] == step
+    for node in range(2):
+        assert "output folder: shared: the probes of nodes 0, 1" in nodes.stderr(node), nodes.stderr(node)[-3000:]
+    probes = nodes.out(0) / ".guard" / "nodes"  # node 1's first probe, under its own run id, went when it moved
+    left = sorted(p.relative_to(probes).as_posix() for p in probes.rglob("*")) if probes.exists() else []
+    assert not [name for name in left if name.endswith("node-1.json")] and len({n.split("/")[0] for n in left}) <= 1, \
+        left

@@ -23,6 +23,21 @@ def test_each_node_in_its_own_folder_finds_it_local_after_the_bound(tmp_path: Pa
     assert "within 1s" in answers[0].why
 
 
+def test_a_node_that_takes_node_0s_run_id_finds_their_shared_folder_shared(tmp_path: Path) -> None:
+    """No run id every node shares: each probe starts under its node's own; once node 1 takes node 0's (read from
+    the job's store), its probe moves there and both find the folder shared; its first probe is gone. Before,
+    the probes never met and both said local after the bound."""
+    probes = [SharingProbe(tmp_path, f"own-{node}", node, 2, bound_s=30).start() for node in (0, 1)]
+    assert all(probe.wait(0.5).shared is None for probe in probes)  # under two run ids: no answer yet
+    probes[1].adopt("own-0")
+    answers = [probe.wait(30) for probe in probes]
+    assert all(a.shared is True and a.nodes_seen == (0, 1) for a in answers), answers
+    assert probes[1].run_id == "own-0" and not probe_folder(tmp_path, "own-1").exists()
+    for probe in probes:
+        probe.close()
+    assert not (tmp_path / ".guard" / "nodes").exists()
+
+
 def test_another_runs_probe_is_not_a_node_of_this_run(tmp_path: Path) -> None:
     old = probe_folder(tmp_path, "run-0")
     old.mkdir(parents=True)

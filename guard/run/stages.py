@@ -495,7 +495,7 @@ def _run_job(config: Config, masker: Masker, started: float, platform: PlatformI
         from guard.run.relay import agree_with_node_0
 
         secure = config.settings.secure
-        agree_with_node_0(result, shared=sharing.answer.shared, output_dir=output_dir, run_id=secure.run_id,
+        agree_with_node_0(result, shared=sharing.answer.shared, output_dir=output_dir, run_id=sharing.run_id,
                           node_rank=secure.node_rank, deadline_s=deadline.deadline_s, grace_s=secure.grace_s)
     securing = getattr(supervisor, "securer", None)
     if securer is not None and securing is not None and securing.parts_mode():
@@ -556,6 +556,7 @@ def _supervisor(config: Config, masker: Masker, start: JobStart, *, deadline: bu
                         push_interval_s=push_interval_s, final_window_s=secure.final_push_window_s,
                         push_stall_s=secure.push_stall_s, run_id=secure.run_id or None, node_rank=secure.node_rank,
                         nodes=secure.nodes, own_run_id=secure.node.run_id_source == "default",
+                        run_id_taken=sharing.adopt if sharing is not None else None,
                         shared=lambda: sharing.answer.shared if sharing is not None else None)
     if fetched is not None and fetched.info is not None:  # described by the resume stage, off this thread
         held_by = str(securer.destination) if fetched.source == "destination" and securer is not None else None

@@ -196,7 +196,8 @@ class Securing:
             (``guard.secure.suspects``) and, many nodes, the nodes' parts at the destination; default: the
             securer's, else a new one.
         own_run_id: ``run_id`` is this node's own (no launcher or scheduler gave every node one): node 0's guard's,
-            read from the job's store, replaces it (``adopt_run_id``).
+            read from the job's store, replaces it (``adopt_run_id``). run_id_taken: called with node 0's run id
+            when it does (the output folder's probe moves to that run: ``SharingProbe.adopt``), or None.
         node_rank, nodes: this node's index and the job's node count (``SecureSettings``; default one node).
         shared: ``() -> bool | None``: whether the nodes share the output folder (``guard.secure.sharing``'s
             answer; None while unknown). Many nodes on folders of their own secure each node's part (``parts_mode``).
@@ -215,6 +216,7 @@ class Securing:
                  push_stall_s: float = PUSH_STALL_S,
                  fs: Submitter | None = None, stat: checkpoints.StatFn | None = None,
                  run_id: str | None = None, node_rank: int = 0, nodes: int = 1, own_run_id: bool = False,
+                 run_id_taken: Callable[[str], None] | None = None,
                  shared: Callable[[], bool | None] = lambda: None) -> None:
         self.deadline = deadline
         self.estimator = estimator
@@ -223,7 +225,7 @@ class Securing:
         self.output_dir = output_dir
         self._output_given = output_dir is not None  # else the folder follows the job's saves
         self.run_id: str = run_id or getattr(securer, "run_id", None) or uuid.uuid4().hex[:12]
-        self.own_run_id = own_run_id
+        self.own_run_id, self._run_id_taken = own_run_id, run_id_taken
         self._run_id_conflict_logged = False
         self._folders: list[str] = [output_dir] if output_dir else []  # every output folder of this run
         self._tainted_at: tuple[int, float] | None = None  # (first non-finite step, wall time heard)
@@ -755,6 +757,8 @@ class Securing:
         self.run_id, self.own_run_id = run_id, False
         if self.securer is not None:
             self.securer.run_id = run_id
+        if self._run_id_taken is not None:
+            self._run_id_taken(run_id)
         return True
 
     def on_relayed_deadline(self, sup: JobLink, now: float) -> bool:

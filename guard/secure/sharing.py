@@ -7,8 +7,11 @@ look the same either way, so each node's guard writes a probe file named by the 
 which nodes share it); none within the bound means local. Before the bound passes the answer is unknown.
 
 The probe runs on a thread of its own (a folder on a hung mount stops nothing but that thread), started before the
-job; it keeps looking until every other node's probe was seen or ``bound_s`` passed. The probe files are removed
-when the run ends (``SharingProbe.close``); one left by a killed guard names its run, so no other run reads it.
+job; it keeps looking until every other node's probe was seen or ``bound_s`` passed. Without a run id every node
+shares (plain torchrun), each node's is its own until node 0's reaches it through the job's store: then the probe
+moves to node 0's run's folder (``adopt``), where node 0's is, and the nodes see each other there. The probe files
+are removed when the run ends (``SharingProbe.close``); one left by a killed guard names its run, so no other run
+reads it.
 """
 
 from __future__ import annotations
@@ -77,6 +80,7 @@ class SharingProbe:
         self._done = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._adopted: str | None = None  # node 0's run id, to move to (``adopt``)
 
     @property
     def answer(self) -> Sharing:
@@ -94,9 +98,12 @@ class SharingProbe:
         self._done.wait(timeout_s)
         return self._answer
 
-    def run(self) -> None:
-        """Write this node's probe, then list the folder until every node's probe was seen or the bound passed."""
-        started = self._clock()
+    def adopt(self, run_id: str) -> None:
+        """This node takes node 0's run id (``Securing.adopt_run_id``): the probe moves to that run's folder, on the
+        probe's thread (before its bound passes; after, the answer stands). Returns at once."""
+        self._adopted = run_id
+
+    def _write(self) -> bool:
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
             body = {"run_id": self.run_id, "node_rank": self.node_rank, "nodes": self.nodes,
@@ -106,9 +113,28 @@ class SharingProbe:
             os.replace(tmp, self.path)
         except OSError as exc:
             self._finish(Sharing(None, (), f"cannot write the probe {self.path}: {exc.strerror or exc}"))
+            return False
+        return True
+
+    def _move(self, run_id: str) -> bool:
+        """Remove this node's probe and write it under ``run_id``'s folder."""
+        self._adopted = None
+        self._remove()
+        self.run_id, self.folder = run_id, probe_folder(self.folder.parent.parent.parent, run_id)
+        self.path = self.folder / f"node-{self.node_rank}.json"
+        log.debug("output folder probe moved to %s (node 0's run id)", self.folder)
+        return self._write()
+
+    def run(self) -> None:
+        """Write this node's probe, then list the folder until every node's probe was seen or the bound passed."""
+        started = self._clock()
+        if not self._write():
             return
         seen: tuple[int, ...] = (self.node_rank,)
         while not self._stop.is_set():
+            adopted = self._adopted
+            if adopted is not None and adopted != self.run_id and not self._move(adopted):
+                return
             seen = self._seen()
             late = self._clock() - started >= self.bound_s
             if len(seen) > 1:
@@ -129,6 +155,9 @@ class SharingProbe:
     def close(self) -> None:
         """Stop looking and remove this node's probe (and the run's folder once empty)."""
         self._stop.set()
+        self._remove()
+
+    def _remove(self) -> None:
         try:
             self.path.unlink(missing_ok=True)
             for claim in self.folder.glob("*.lock"):  # once_per_folder's claims, by whichever node made them
