@@ -130,7 +130,7 @@ def test_a_resumed_checkpoint_reaches_the_job(tmp_path: Path, supervisor: type[R
                                 info=describe(folder, step=30))
     monkeypatch.setattr(resume, "choose", lambda *args, **kwargs: fetched)
     monkeypatch.setattr(stages, "_securer_factory", lambda environ, run_id=None: lambda text: SimpleNamespace(
-        destination=text, token=None, tidy=lambda: None))
+        destination=text, token=None, tidy=lambda **_: None))
     result = stages.run_job(config(tmp_path, "--no-preflight", "--resume", "on", "--push-to", "alice/run",
                                    "--output-dir", str(tmp_path / "out")), Masker(), time.monotonic())
     (made,) = supervisor.made
