@@ -301,3 +301,11 @@ def test_accelerate_epoch_folders_are_secured_whole_and_the_next_run_loads_the_s
     assert "resumed_from" in fields and "did not load" not in fields.get("hint", ""), fields
     assert secured_step(dest) == step + 40, second.stderr[-3000:]  # epochs N+1 and N+2, the guard's steps going on
     assert sorted(p.name for p in dest.iterdir() if p.name.startswith("epoch_")) == []  # no checkpoint as final model
+    # the same command without the script's own flag: the guard fetched the checkpoint, the job did not load it, and
+    # the hint names the flag the script declares (before, only guard.resume_path(): an edit of the script)
+    out.rename(tmp_path / "out-second")
+    third = run_guard([*FAST, "--resume", "on", "--push-to", str(dest), *job, "--epochs", "1"], cwd=tmp_path,
+                      timeout_s=150)
+    assert third.returncode == 0, third.stderr[-3000:]
+    hint = third.fields()["hint"]
+    assert "did not load" in hint and f"pass the script's own --resume_from_checkpoint {Path('out')}" in hint, hint

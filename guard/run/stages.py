@@ -137,6 +137,28 @@ def _mentions_hf_jobs(script: Path | None) -> bool:
         return script is not None
 
 
+#: Options by which a script loads a checkpoint itself (``--resume_from_checkpoint PATH``): accelerate's examples,
+#: transformers' ``run_*_no_trainer.py``.
+_RESUME_FLAGS = ("--resume_from_checkpoint", "--resume-from-checkpoint")
+
+
+def _resume_flag(config: Config) -> str | None:
+    """The script's own option to load a checkpoint (``_RESUME_FLAGS``) when its text declares one (a quoted
+    ``"--resume_from_checkpoint"``, as ``argparse`` takes it) and the job's arguments do not pass it; else None. The
+    script is the script form's, or the first ``*.py`` of the command (``torchrun train.py``)."""
+    args = config.script_args if config.script else config.command
+    script = config.script or next((Path(a) for a in config.command if a.endswith(".py")), None)
+    try:
+        text = script.read_bytes() if script is not None else b""
+    except OSError:
+        return None
+    for flag in _RESUME_FLAGS:
+        declared = f'"{flag}"'.encode() in text or f"'{flag}'".encode() in text
+        if declared and not any(a == flag or a.startswith(f"{flag}=") for a in args):
+            return flag
+    return None
+
+
 def _slurm_deadline(deadline: budget.Deadline, config: Config, platform: PlatformInfo) -> budget.Deadline:
     """Under Slurm without ``SLURM_JOB_END_TIME`` (older than 23.02): the end time from one bounded ``scontrol show
     job`` call before preflight, so the budget row, the margin's caps and the deadline all see it from the start
@@ -510,8 +532,11 @@ def _run_job(config: Config, masker: Masker, started: float, platform: PlatformI
                            "train; raise max_steps to train further, or start a new run with --resume off")
         if state is not None and "resume_loaded" not in state.facts.api_used:  # the agent never saw it loaded
             result.details["resume_loaded"] = False
+            flag = _resume_flag(config)
+            how = (f"pass the script's own {flag} {fetched.path}, or load it (guard.resume_path() names it)"
+                   if flag else "load it (guard.resume_path() names it)")
             note = (f"the job did not load the resumed checkpoint {fetched.path} (it started from scratch; steps "
-                    "counted from 0): load it (guard.resume_path() names it)")
+                    f"counted from 0): {how}")
             result.hint = f"{result.hint}; {note}" if result.hint else note
     if report is not None:
         result.details["preflight"] = report.to_json()
