@@ -209,6 +209,13 @@ def test_at_the_jobs_end_the_wait_ends_at_its_bound_or_a_later_step(dest: Destin
     dest.put(220, 0)  # node 0 put a later step: this one's part will never be its
     later.tick(0.0)
     assert not later.waiting(0.0)
+    # node 0 pushing a final model puts no part of the last save: the wait is END_WAIT_MIN_S, or 3x the slowest
+    # arrival of node 0's part seen
+    from guard.secure.follow import END_WAIT_MIN_S
+
+    assert follow.end_wait_s() == END_WAIT_MIN_S
+    follow.arrivals_s = [4.0, 25.0]
+    assert follow.end_wait_s() == 75.0
 
 
 def test_at_the_jobs_end_nothing_held_past_node_0s_steps_keeps_the_guard(dest: Destination) -> None:

@@ -22,9 +22,11 @@ at 0.5 s while a part was held and 2 s otherwise, a node listed about 1,800 time
 
 At a job's good end (:meth:`Follower.end`) the guard of a node other than 0 keeps listing, every ``every_s``
 (``Securing``'s limit), until node 0 put its part of the newest step held here (then this node's follows and the
-record moves to it), or a later step, or the wait's bound passed. Before, its guard ended at once holding its part
-of the last save, while node 0's waited its whole final window for it: at a Hub repo node 0 said PASS after 206.6 s
-against node 1's 29.1 s, the record at step 20 of 200 (at a folder node 1's part had been pushed during the run).
+record moves to it), or a later step, or the wait's bound passed (:meth:`Follower.end_wait_s`: node 0 puts no part
+of it when it pushes a final model instead, and nothing at the destination says so). Before, its guard ended at
+once holding its part of the last save, while node 0's waited its whole final window for it: at a Hub repo node 0
+said PASS after 206.6 s against node 1's 29.1 s, the record at step 20 of 200 (at a folder node 1's part had been
+pushed during the run).
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ from guard.core.helpers import Helpers, Submitter, wake_loop
 from guard.secure.checkpoints import CheckpointInfo
 from guard.secure.scans import Port
 
-__all__ = ["DEST_HELPERS", "HELD_MAX", "LIST_CAP_FLOOR_S", "LIST_CAP_S", "LIST_EVERY_S", "Follower"]
+__all__ = ["DEST_HELPERS", "END_WAIT_FACTOR", "END_WAIT_MIN_S", "HELD_MAX", "LIST_CAP_FLOOR_S", "LIST_CAP_S",
+           "LIST_EVERY_S", "Follower"]
 
 log = logging.getLogger("guard.secure")
 
@@ -49,6 +52,11 @@ LIST_CAP_S = 60.0
 LIST_CAP_FLOOR_S = 10.0
 #: How many of the newest arrivals of node 0's parts the cap follows.
 ARRIVALS_KEPT = 4
+#: At a job's good end, the longest a node waits for node 0's part of its last save (seconds) is this ...
+END_WAIT_MIN_S = 30.0
+#: ... or this many times the slowest recent arrival of node 0's part, when more: node 0 puts no part of it when it
+#: pushes a final model instead (a Trainer's), and the destination does not say so.
+END_WAIT_FACTOR = 3.0
 #: How many of its newest parts a node holds for node 0 to put (older ones are dropped: node 0 leads with newer).
 HELD_MAX = 16
 #: The thread of the destination's listings (a slow bucket holds up no scan and no helper command).
@@ -153,6 +161,11 @@ class Follower:
         due = max(now, self._next_at()) if self._listing() else math.inf
         return min(due, self._until) if self._awaited is not None else due
 
+    def end_wait_s(self) -> float:
+        """The longest the job's end waits for node 0's part (seconds): ``END_WAIT_MIN_S``, or ``END_WAIT_FACTOR``
+        times the slowest recent arrival of node 0's part when more."""
+        return max(END_WAIT_MIN_S, END_WAIT_FACTOR * max(self.arrivals_s, default=0.0))
+
     def end(self, until: float) -> int | None:
         """The job ended well: the newest step held here that node 0 has not put (as last listed) is awaited until
         node 0 puts it or a later step, or until ``until`` (the loop's clock); see :meth:`waiting`. Returns that
@@ -168,8 +181,9 @@ class Follower:
         if self.led_step is not None and self.led_step >= self._awaited:
             self._awaited = None
         elif now >= self._until:
-            log.warning("node %d put no part of step %d (or later) within the job's final window: this node's part "
-                        "of it stays on its disk", self.leader, self._awaited)
+            log.warning("node %d put no part of step %d (or later) in the time the job's end waits for it (it may "
+                        "have pushed a final model instead): this node's part of it stays on its disk", self.leader,
+                        self._awaited)
             self._awaited = None
         return self._awaited is not None
 

@@ -1154,13 +1154,14 @@ class Securing:
     def _end_follows(self, now: float) -> bool:
         """A node other than 0 whose job ended well holds its part of a step node 0 has not put yet (its last save,
         as a rule): whether the job's end waits (once) until node 0's part of it is listed, so that this node's part
-        follows and the record moves to it (``follow.Follower.end``). The wait leaves this node's push and the
-        record's move their time in the final window (``--final-push-window``), before any deadline."""
+        follows and the record moves to it (``follow.Follower.end``). The wait is ``Follower.end_wait_s`` at most
+        (node 0 pushing a final model puts no part), and leaves this node's push and the record's move their time in
+        the final window (``--final-push-window``), before any deadline."""
         follower = self._follower
         if follower is None or self._end_awaits is not None or self.plan.state is not State.WATCHING:
             return False
-        wait_s = max(self._final_window_s / 2,
-                     self._final_window_s - self.estimator.secure_estimate_s() - RECORD_CUTOFF_S)
+        wait_s = min(follower.end_wait_s(), max(self._final_window_s / 2, self._final_window_s
+                                                 - self.estimator.secure_estimate_s() - RECORD_CUTOFF_S))
         step = follower.end(min(now + wait_s, self.plan.secure_by))
         self._end_awaits = step is not None
         if step is not None:
