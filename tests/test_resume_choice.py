@@ -164,6 +164,29 @@ def test_the_recorded_revision_is_fetched_not_head(tmp_path: Path, monkeypatch: 
     assert os.listdir(out) == ["checkpoint-20"]
 
 
+def test_a_hub_repo_without_a_checkpoint_leaves_the_local_one_to_resume(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Hub repo that exists but holds no ``last-checkpoint/`` (a README only: made by hand, or a model card pushed
+    before the first record): its HEAD is read as a record of unknown step, the fetch finds nothing there, and the
+    output folder's own complete checkpoint is resumed. Before, the run started fresh beside it ("nothing secured
+    ... starting fresh"), the local checkpoint-20 ignored."""
+    from huggingface_hub import HfApi
+
+    with HubServer() as hub, client_constants():
+        for name, value in hub.env(token=TOKENS["write"], hf_home=tmp_path / "hf").items():
+            monkeypatch.setenv(name, value)  # for the worker processes
+        api = HfApi(endpoint=hub.url, token=TOKENS["write"])
+        api.create_repo("alice/empty")
+        api.upload_file(path_or_fileobj=b"# notes\n", path_in_repo="README.md", repo_id="alice/empty",
+                        commit_message="readme")
+        out = tmp_path / "out"
+        trainer_checkpoint(out, 20)
+        chosen = resume.choose(out, Securer("alice/empty", token=TOKENS["write"]), deadline=deadline(),
+                               abort=lambda: False)
+    assert chosen is not None and (chosen.path, chosen.step, chosen.source) == (out / "checkpoint-20", 20,
+                                                                                  "output folder")
+
+
 def accelerate_save(saved: Path, n: int) -> Path:
     """``Accelerator.save_state()`` with automatic naming: ``checkpoints/checkpoint_N`` (N counts the saves)."""
     folder = saved / f"checkpoint_{n}"

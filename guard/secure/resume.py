@@ -287,6 +287,12 @@ def choose(folder: str | os.PathLike[str], securer: Any, *, deadline: float, abo
                                 "destination")
             log.info("resuming from %s (step %s, secured at %s)", chosen.path, chosen.step,
                      pushed_text(str(securer.destination), str(chosen.revision)))
+        elif chosen is None and local is not None:
+            # nothing at the record's revision (a Hub repo's HEAD without last-checkpoint/: a README only): the
+            # output folder's own complete checkpoint is the newest there is
+            log.info("nothing to fetch at %s: resuming from the output folder's own %s (step %s)",
+                     securer.destination, local.info.path, local.info.step)
+            chosen = ResumeFrom(local.info.path, local.info.step, "local", local.info.size_bytes, "output folder")
     chosen = _on_disk(lambda: _settle(base, chosen), "moving partial checkpoints aside", base, deadline, abort,
                       securer)
     if chosen is None:
