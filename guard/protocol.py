@@ -20,7 +20,8 @@ Agent -> supervisor (``t``):
                     the agent then waits up to ack_timeout_s for ``ack`` (go on) before the first step
 ``training_args``   the same fields as ``trainer_config`` (no max_steps, no has_eval_dataset), sent when
                     ``TrainingArguments`` is built (before the job's data work); the agent waits for ``ack``
-``checkpoint_saved`` path, step, save_s, requested, zero (from the world's process zero)
+``checkpoint_saved`` path, step, save_s, requested, zero (from the world's process zero), hook (``"dcp"``: seen at a
+                    ``torch.distributed.checkpoint.save``, not reported by the job)
 ``file_saved``      path (absolute), step (the agent's step count), save_s: ``torch.save`` to a named file returned;
                     size, mtime_ns, inode: the file's signature right after the save (absent when it cannot be read)
 ``api``             name: the script called ``guard.<name>()`` for the first time (``should_checkpoint``,

@@ -291,3 +291,14 @@ Root Cause (first observed failure):
     assert "rank 0 raised ValueError: boom" in (result.hint or "")
     alone = summary_facts(text.replace(b"exitcode  : 1 (pid", b"exitcode  : -15 (pid"))  # a SIGTERM from outside
     assert job_result(RunState(facts=alone), JobExit(1), config()).extra["signal"] == "SIGTERM"
+
+
+def test_a_dcp_save_the_agent_saw_is_no_sign_the_job_answers_checkpoint_requests() -> None:
+    """A plain loop's ``dcp.save`` is reported by the agent's hook (``hook: dcp``), not by the job: asking it for a
+    checkpoint only waits. Before, two such nodes at the deadline logged "2 ranks: each saves at step 1646" and
+    "node 0's deadline: every rank saves at step 1646 and stops" for a loop that never read the request."""
+    facts = JobFacts()
+    facts.checkpoints.append({"t": "checkpoint_saved", "path": "/o/step_50", "requested": False, "hook": "dcp"})
+    assert not facts.answers_checkpoints
+    facts.checkpoints.append({"t": "checkpoint_saved", "path": "/o/step_100", "requested": False})  # the job's own
+    assert facts.answers_checkpoints

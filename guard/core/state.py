@@ -126,9 +126,10 @@ class JobFacts:
     @property
     def answers_checkpoints(self) -> bool:
         """The job can answer a checkpoint request: it runs a Trainer (the agent's callback saves on request), it
-        reported a save, or its script called ``guard.should_checkpoint()``/``checkpoint_saved()``. False means
-        asking only wastes time: forward signals at once and secure what it saved itself."""
-        return (self.trainer_config is not None or bool(self.checkpoints)
+        reported a save, or its script called ``guard.should_checkpoint()``/``checkpoint_saved()``. A save the agent
+        saw at ``torch.distributed.checkpoint.save`` (``hook``) is no answer: the loop never reads a request. False
+        means asking only wastes time: forward signals at once and secure what it saved itself."""
+        return (self.trainer_config is not None or any(m.get("hook") is None for m in self.checkpoints)
                 or bool(self.api_used & {"should_checkpoint", "checkpoint_saved"}))
 
     @property

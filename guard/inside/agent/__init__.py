@@ -314,7 +314,7 @@ class Agent:
         named = _STEP_NAME_RE.search(os.path.basename(os.path.normpath(path)))
         self.send({"t": "checkpoint_saved", "path": os.path.abspath(path), "save_s": round(save_s, 3),
                    "step": int(named[1]) if named else self.watch.step, "requested": False,
-                   "zero": _rank_info()["rank"] in (None, 0)})
+                   "zero": _rank_info()["rank"] in (None, 0), "hook": "dcp"})
 
     def file_saved(self, path: str, save_s: float, bad_tensor: str | None = None) -> None:
         """``torch.save`` wrote ``path`` (complete: the call returned); not reported under a Trainer (its callback
