@@ -352,7 +352,8 @@ def _storage_rows(opts: PreflightOptions, job: JobView, environ: Mapping[str, st
         rows.append(check_writable("output folder", job.output_dir,
                                    hint="choose a writable --output-dir (and output_dir=) on a persistent disk"))
     else:
-        rows.append(CheckResult("storage", "n/a", "no output folder known (no --output-dir, no output_dir= literal)"))
+        rows.append(CheckResult("storage", "n/a", "output folder not known before the job saves (no --output-dir, no "
+                                "output_dir= literal): the free space below is the working folder's"))
     if job.folder_target is not None:
         rows.append(check_writable("--push-to folder", job.folder_target, hint="--push-to a folder you can write to"))
     rows.append(check_cache(environ))
