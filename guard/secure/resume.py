@@ -89,6 +89,11 @@ class ResumeFrom:
     source: str
     info: checkpoints.CheckpointInfo | None = None
 
+    @classmethod
+    def local(cls, info: checkpoints.CheckpointInfo, step: int | None) -> ResumeFrom:
+        """The output folder's own checkpoint ``info``, at ``step`` (None: not known)."""
+        return cls(info.path, step, "local", info.size_bytes, "output folder")
+
 
 def _trainer_written(folder: Path) -> bool:
     try:
@@ -259,14 +264,14 @@ def choose(folder: str | os.PathLike[str], securer: Any, *, deadline: float, abo
         log.info("resuming from the output folder's own %s: a later save than the secured checkpoint_%d (step %s; "
                  "its own step is not known: accelerate's checkpoint_N counts saves)", local.info.path, counted[1],
                  record.get("step") if record else None)
-        chosen = ResumeFrom(local.info.path, None, "local", local.info.size_bytes, "output folder")
+        chosen = ResumeFrom.local(local.info, None)
     elif counted is None and local is not None and (
             record is None or (local.info.step is not None and record.get("step") is not None
                                and local.info.step >= record["step"])):
         why = "nothing is secured at the destination" if record is None else (
             f"as new as or newer than the secured step {record['step']}")
         log.info("resuming from the output folder's own %s (step %s): %s", local.info.path, local.info.step, why)
-        chosen = ResumeFrom(local.info.path, local.info.step, "local", local.info.size_bytes, "output folder")
+        chosen = ResumeFrom.local(local.info, local.info.step)
     elif record is not None:
         if local is not None:
             log.info("the output folder's %s (%s) is older than the secured step %s (or not comparable): "
@@ -281,7 +286,7 @@ def choose(folder: str | os.PathLike[str], securer: Any, *, deadline: float, abo
             older = local.info if local is not None else None
             if older is not None:
                 log.warning("resuming from the output folder's own %s (step %s) instead", older.path, older.step)
-                chosen = ResumeFrom(older.path, older.step, "local", older.size_bytes, "output folder")
+                chosen = ResumeFrom.local(older, older.step)
         if data is not None:
             chosen = ResumeFrom(Path(data["path"]), data["step"], data["revision"], int(data["size_bytes"]),
                                 "destination")
@@ -292,7 +297,7 @@ def choose(folder: str | os.PathLike[str], securer: Any, *, deadline: float, abo
             # output folder's own complete checkpoint is the newest there is
             log.info("nothing to fetch at %s: resuming from the output folder's own %s (step %s)",
                      securer.destination, local.info.path, local.info.step)
-            chosen = ResumeFrom(local.info.path, local.info.step, "local", local.info.size_bytes, "output folder")
+            chosen = ResumeFrom.local(local.info, local.info.step)
     chosen = _on_disk(lambda: _settle(base, chosen), "moving partial checkpoints aside", base, deadline, abort,
                       securer)
     if chosen is None:

@@ -201,13 +201,7 @@ class Disk:
 
     def scan(self, asked: ScanAsked) -> ScanFound:
         """Scan the output folder (``checkpoints.newest_complete``); raises OSError as it does."""
-        found = checkpoints.newest_complete(asked.output_dir, now_s=asked.now_s, stat=self.stat, seen=self.seen,
-                                            stable_for_s=asked.stable_for_s,
-                                            steps={str(p): s for p, s in self.save_count_steps.items()},
-                                            reported=set(asked.reported), loose=asked.loose,
-                                            since_s=asked.since_s, resumed=asked.resumed,
-                                            world_size=asked.world_size, waiting=dict(asked.waiting),
-                                            parts=asked.parts, run_id=asked.run_id, quiet=self.saved_folders)
+        found = self._newest(asked)
         unchanged = {key(info): checkpoints.rewritten_after(info.folder, info.files, info.newest_mtime_s,
                                                             stat=self.stat) is None for info in asked.known}
         final_model = holds_files = None
@@ -234,13 +228,20 @@ class Disk:
             bad = weights.check_files(info.folder, info.files, deadline=until).bad
             return None if bad is None else f"its weights are not finite ({bad.describe()})"
 
-        return checkpoints.newest_complete(
-            asked.output_dir, now_s=asked.now_s, stat=self.stat, seen=self.seen, stable_for_s=asked.stable_for_s,
-            steps={str(p): s for p, s in self.save_count_steps.items()}, reported=set(asked.reported),
-            loose=asked.loose, since_s=asked.since_s, resumed=asked.resumed, world_size=asked.world_size,
-            waiting=dict(asked.waiting), run_id=asked.run_id, quiet=self.saved_folders, vet=vet,
-            refuse=lambda step, mtime_s: None if step is not None and step < before_step else
-            f"saved at or after step {before_step}, the first suspect save")
+        return self._newest(asked, vet=vet, refuse=lambda step, mtime_s: None if step is not None and step < before_step
+                            else f"saved at or after step {before_step}, the first suspect save")
+
+    def _newest(self, asked: ScanAsked, **more: Any) -> CheckpointInfo | None:
+        """``checkpoints.newest_complete`` of the output folder as ``asked`` says, with this thread's own state
+        (its stat, the skips already logged, accelerate's save counts, the folders saved into); ``more``: its other
+        keyword arguments (``vet``, ``refuse``)."""
+        return checkpoints.newest_complete(asked.output_dir, now_s=asked.now_s, stat=self.stat, seen=self.seen,
+                                           stable_for_s=asked.stable_for_s,
+                                           steps={str(p): s for p, s in self.save_count_steps.items()},
+                                           reported=set(asked.reported), loose=asked.loose,
+                                           since_s=asked.since_s, resumed=asked.resumed,
+                                           world_size=asked.world_size, waiting=dict(asked.waiting),
+                                           parts=asked.parts, run_id=asked.run_id, quiet=self.saved_folders, **more)
 
     def part_at(self, asked: ScanAsked, step: int) -> CheckpointInfo | None:
         """This node's part of ``step`` in the output folder (``checkpoints.newest_complete`` with ``only_step``,
