@@ -32,6 +32,11 @@ class FakeAgent:
         self.trainer = False
         self.settings = SimpleNamespace(resume_path=resume_path)
         self.watch = SimpleNamespace(flush=lambda source: None)
+        self.run_id_reads = 0  # node 0's run id looked for before a save is reported and at the end
+        self.relay = SimpleNamespace(learn_run_id=self._learn_run_id)
+
+    def _learn_run_id(self) -> None:
+        self.run_id_reads += 1
 
     def send(self, message: dict[str, Any]) -> bool:
         self.sent.append(message)
@@ -118,6 +123,7 @@ def test_losses_settings_saves_and_the_end_are_reported(trainer_class: Any, tmp_
     (end,) = agent.of("train_end")  # stopped: the Trainer's own stop at max_steps counts too
     assert (end["step"], end["max_steps"]) == (4, 4)
     assert not agent.ended
+    assert agent.run_id_reads == 3  # before each of the two saves is reported, and at the end
 
 
 def test_a_checkpoint_request_with_stop_saves_then_ends_training(trainer_class: Any, tmp_path: Path,

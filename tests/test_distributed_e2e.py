@@ -52,7 +52,7 @@ def test_one_rank_blocked_outside_a_collective_is_named(tmp_path: Path) -> None:
     assert "stacks of pid" in run.stderr and "(rank 1)" in run.stderr
 
 
-def test_two_nodes_on_localhost_run_the_smoke_together_then_train_and_only_node_0_pushes(tmp_path: Path) -> None:
+def test_two_nodes_on_localhost_run_the_smoke_together_then_train_and_secure_the_last_save(tmp_path: Path) -> None:
     # preflight on (the default): each node's guard runs the launch smoke on the job's own rendezvous port, the two
     # form one world, and the job then rendezvouses on that port too
     port = free_port()
@@ -77,9 +77,14 @@ def test_two_nodes_on_localhost_run_the_smoke_together_then_train_and_only_node_
     for node, err in enumerate((err0, err1)):
         smoke = err.index(f"launch smoke: world of 2 formed (gloo), all_reduce ok, rank {node} on this node of world 2")
         assert smoke < err.index("job started")
-    assert "node=0" in verdict0 and "pushed=" in verdict0
-    assert "node=1" in verdict1 and "pushed=" not in verdict1
-    assert "guard of node 0 pushes" in err1
+    # the Trainer's last save (checkpoint-6) has a part on each node's disk (node 1's: rng_state_1.pth): node 1's
+    # guard learns node 0's run id through the job's store (6 steps: before, it looked once, before rank 0 had put
+    # it, and its part went under its own run id), waits for node 0's part and puts its own; node 0 pushes the model
+    assert "node=0" in verdict0 and f"pushed={tmp_path / 'dest'}" in verdict0
+    assert "node=1" in verdict1 and f"pushed={tmp_path / 'dest' / 'last-checkpoint'}" in verdict1, err1[-3000:]
+    assert "through the job's store" in err1 and "guard of node 0 pushes the final model" in err1
+    record = tmp_path / "dest" / "last-checkpoint"
+    assert {"rng_state_0.pth", "rng_state_1.pth", "model.safetensors"} <= {p.name for p in record.iterdir()}
     assert (tmp_path / "dest" / "model.safetensors").exists()
 
 

@@ -155,6 +155,28 @@ def test_node_0s_run_id_reaches_the_other_nodes_guards_through_the_store(monkeyp
     assert agent.sent == [] and same.run_id_read
 
 
+def test_a_rank_that_polled_before_rank_0_put_the_run_id_reads_it_at_the_next_step_and_before_a_save(
+        monkeypatch: Any) -> None:
+    """A short job (a Trainer of 6 steps, --check-every 10) polled once, before rank 0 had put the run id, and
+    never again: its node's part went under its own run id. Now a rank looks at every step of its first
+    ``RUN_ID_EVERY_STEP_UNTIL``, and at a save (``learn_run_id``), whatever ``check_every``."""
+    monkeypatch.setenv(ENV_RUN_ID, "node1id")
+    store = Store()
+    other, agent = relay(store, 1)
+    other.poll(1, 10)  # rank 0 has not put it yet
+    assert not other.run_id_read and agent.sent == []
+    store.set(RUN_ID_KEY, json.dumps({"run_id": "node0id"}))
+    other.poll(2, 10)  # inside the check_every window
+    assert agent.sent == [{"t": "run_id", "run_id": "node0id", "origin": 0}] and other.run_id_read
+    late, agent = relay(Store(), 1)
+    late.poll(1, 10)
+    late.store.set(RUN_ID_KEY, json.dumps({"run_id": "node0id"}))
+    late.learn_run_id()  # the job saves before its next poll
+    assert agent.sent == [{"t": "run_id", "run_id": "node0id", "origin": 0}]
+    late.learn_run_id()  # read once
+    assert len(agent.sent) == 1
+
+
 def test_a_part_node_0_never_put_stays_missing_when_the_destination_holds_an_older_step_whole() -> None:
     """Node 0 lost: this node's part of step 80 waits on its disk, the destination's newest step (40) is whole;
     missing=node0 of step 80 stands (before, the destination's listing said nothing missing of step 40 and erased

@@ -270,6 +270,7 @@ class Securing:
         self.follower = False
         self._follower: Follower | None = None  # many nodes, not node 0: its parts follow node 0's steps
         self.node_0_secures = False  # another node's guard: node 0's secures the run's checkpoints and final model
+        self.node_0_pushes_final = False  # another node's guard, its job ended well: node 0's pushes the final model
         self.next_scan = -math.inf
         self._node_checked = False
         self._save_logged = False
@@ -1147,6 +1148,7 @@ class Securing:
         self._check_node(sup)
         if ok and sup.node_rank not in (None, 0) and self.securer is not None:
             log.info("node %d: the guard of node 0 pushes the final model", sup.node_rank)
+            self.node_0_pushes_final = True
         has_final_model = not (ok and self.output_dir) or final_model
         self._feed(sup, JobExited(ok=(ok and outcome is None) or complete, complete=complete,
                                   has_final_model=has_final_model, final_files=self._final_files_found), now)

@@ -311,6 +311,7 @@ class Agent:
         if not self.reports_saves():
             return
         self.watch.flush("save")
+        self.relay.learn_run_id()
         named = _STEP_NAME_RE.search(os.path.basename(os.path.normpath(path)))
         self.send({"t": "checkpoint_saved", "path": os.path.abspath(path), "save_s": round(save_s, 3),
                    "step": int(named[1]) if named else self.watch.step, "requested": False,
@@ -331,6 +332,7 @@ class Agent:
         # A save is a read point: the losses still pending in the --check-every window go first, so a non-finite
         # loss reaches the guard before the save it covers (and the job stops here, not at its end).
         self.watch.flush("save")
+        self.relay.learn_run_id()
         if bad_tensor is not None:
             _warn_once(f"the job saved {path} with weights that are not finite ({bad_tensor}) while its loss was "
                        "finite: the save is not secured")
@@ -364,6 +366,7 @@ class Agent:
         if request is not None and request.get("stop"):
             self.stop_requested = True
         self.watch.flush("report")
+        self.relay.learn_run_id()
         self.send({"t": "checkpoint_saved", "path": os.path.abspath(path), "step": step, "save_s": save_s,
                    "requested": request is not None, "zero": zero})
 

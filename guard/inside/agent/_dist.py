@@ -47,6 +47,10 @@ KEY = "jobguard/checkpoint"
 #: Where global rank 0 puts node 0's guard's run id: ``{"run_id": ...}`` (one key for every elastic attempt: the
 #: guards, and their run, outlive an attempt).
 RUN_ID_KEY = "jobguard/run-id"
+#: Until node 0's run id is read, another node's rank looks for it at every step of its first this many (one
+#: ``Store.check`` round trip each), not every ``check_every``: a short job (a Trainer of 6 steps) polled once,
+#: before rank 0 had put it, and its node's part went under its own run id, where node 0's guard never looks.
+RUN_ID_EVERY_STEP_UNTIL = 100
 
 
 def store_key(environ: Mapping[str, str] | None = None) -> str:
@@ -133,6 +137,8 @@ class DistRelay:
     def poll(self, count: int, every: int) -> None:
         """Every ``every`` steps (never per step): find the store once the job has one, then adopt a request
         rank 0 published (once per request)."""
+        if not self.run_id_read and count < RUN_ID_EVERY_STEP_UNTIL:
+            self.learn_run_id()
         if count < self.next_poll:
             return
         self.next_poll = count + every
@@ -160,6 +166,16 @@ class DistRelay:
             # never heard of (node 0's margin, larger by its record's time, came before this node's own deadline
             # request: node 1 said PASS exit=0 and put no part of that step)
             self.agent.send({"t": "relayed", "trigger": "deadline", "origin": 0, "at_step": request.get("at_step")})
+
+    def learn_run_id(self) -> None:
+        """Read node 0's guard's run id now, when this node's rank has not yet (one ``Store.check`` round trip;
+        nothing without a store or a run id). Called before a save is reported and at the job's end, so that the
+        save goes under the run id the other nodes use."""
+        if self.run_id_read or not self.run_id:
+            return
+        self.probe()
+        if self.store is not None and not self.run_id_read:
+            self._read_run_id()
 
     def _read_run_id(self) -> None:
         """Another node's rank: node 0's guard's run id, once rank 0 put it; told to this node's guard when it

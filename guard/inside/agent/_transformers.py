@@ -168,11 +168,13 @@ def patch(trainer_module: Any) -> None:
                 self.agent.checkpoint_done(path, state.global_step, save_s=save_s, zero=zero)
             else:
                 self.agent.watch.flush("save")  # a save is a read point: a NaN in the window goes before the save
+                self.agent.relay.learn_run_id()  # the save goes under the run id of node 0's guard
                 self.agent.send({"t": "checkpoint_saved", "path": os.path.abspath(path), "zero": zero,
                                  "step": state.global_step, "save_s": save_s, "requested": False})
 
         def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             self.agent.watch.flush("trainer")
+            self.agent.relay.learn_run_id()
             self.agent.send({"t": "train_end", "step": state.global_step, "max_steps": state.max_steps,
                              "stopped": self.stop_seen or self.agent.stop_requested})
 
