@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from guard.core.children import GuardChildren
 from guard.run.process import CgroupMemory, JobProcess, cgroup_memory, default_signals, set_subreaper
 
 V1_UNLIMITED = "9223372036854771712"  # what cgroup v1 writes for "no limit" (LONG_MAX rounded to a page)
@@ -266,12 +267,40 @@ def test_signal_all_then_sigkill_ends_a_sigterm_ignoring_grandchild(subreaper: N
 # ---------------------------------------------------------------------------------------------------------------
 
 
+def this_workers_children() -> GuardChildren:
+    """A registry of its own for a test, holding this test process's own children (``CHILDREN``: the session's S3
+    server, tests/s3server.py): the job's tree is every child of the guard that has no other owner, and this process
+    is the guard here. A registry without them took the S3 server for the job's, and the test's SIGKILL to the job
+    ended it for every later test of the worker ('Could not connect to the endpoint URL')."""
+    from guard.core.children import CHILDREN, GuardChildren
+
+    children = GuardChildren()
+    for pid in CHILDREN.not_jobs():
+        children.add(pid, CHILDREN.owner(pid) or "")
+    return children
+
+
+@pytest.fixture
+def bystander() -> Iterator[subprocess.Popen[bytes]]:
+    """A child of this test process that is not the job's, registered as the S3 server is (``CHILDREN``)."""
+    from guard.core.children import CHILDREN, HELPER
+
+    proc = subprocess.Popen(["sleep", "600"], start_new_session=True)
+    CHILDREN.add(proc.pid, HELPER)
+    try:
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait()
+        CHILDREN.discard(proc.pid)
+
+
 def test_the_orphan_reaper_never_steals_a_helpers_exit_status() -> None:
     # A helper subprocess (a securing worker, py-spy) exits with 7 while the loop reaps orphans twice: its owner
     # still reads 7 (a stolen status reads as 0 in subprocess, "ECHILD: assume it exited 0").
-    from guard.core.children import HELPER, GuardChildren
+    from guard.core.children import HELPER
 
-    children = GuardChildren()
+    children = this_workers_children()
     job = JobProcess([sys.executable, "-c", "import time; time.sleep(600)"], os.environ, children=children)
     job.start()
     # what earlier tests in this worker process left unreaped is an orphan here too: reaped before the helper starts
@@ -294,12 +323,14 @@ def test_the_orphan_reaper_never_steals_a_helpers_exit_status() -> None:
     assert children.owner(job.pid) is None  # the job's entry went with its reap
 
 
-def test_a_reaped_helpers_pid_is_the_jobs_again(tmp_path: Path) -> None:
+def test_a_reaped_helpers_pid_is_the_jobs_again(tmp_path: Path, bystander: subprocess.Popen[bytes]) -> None:
     # HELPER_PIDS only grew: once the kernel reused a finished worker's pid for a process of the job, that process
-    # was invisible (never signalled, never waited for). An owner's entry goes with its reap.
-    from guard.core.children import WORKER, GuardChildren
+    # was invisible (never signalled, never waited for). An owner's entry goes with its reap. The test process's
+    # own other children (``bystander``, as the S3 server) are never the job's, and outlive its SIGKILL.
+    from guard.core.children import WORKER
 
-    children = GuardChildren()
+    children = this_workers_children()
+    owned = children.not_jobs()
     # the grandchild renames its pid file into place: given /dev/null (as this test once did), it replaced the
     # machine's /dev/null with a regular file, as root
     job = JobProcess([sys.executable, "-c", JOB, GRANDCHILD, str(tmp_path / "grandchild.pid"), "same_group"],
@@ -308,14 +339,16 @@ def test_a_reaped_helpers_pid_is_the_jobs_again(tmp_path: Path) -> None:
     try:
         wait_for(lambda: any(p.pid != job.pid for p in job.descendants()), "the job's child")
         child = next(p.pid for p in job.descendants() if p.pid != job.pid)
+        assert child != bystander.pid
         children.add(child, WORKER)  # as if a worker had had this pid
         assert all(p.pid != child for p in job.descendants())
         children.discard(child)  # the worker was reaped: the pid is free for anyone
         assert any(p.pid == child for p in job.descendants())
-        assert children.not_jobs() == frozenset()
+        assert children.not_jobs() == owned
     finally:
         job.signal_all(signal.SIGKILL)
         finish(job)
+    assert bystander.poll() is None, "the job's SIGKILL reached a child of the guard that is not the job's"
 
 
 def test_children_run_registers_the_child_while_it_runs(tmp_path: Path) -> None:
