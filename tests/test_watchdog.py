@@ -315,3 +315,27 @@ def test_a_loss_falling_fast_in_its_first_steps_is_no_explosion() -> None:
     for step, loss in enumerate((9.0, 4.0, 1.0, 0.5, 0.4, 0.45, 0.6, 2.0), start=1):
         dog.on_step(float(step), step, loss)
     assert state.progress.exploded is None
+
+
+def test_non_finite_gradients_after_an_explosion_blame_the_divergence(caplog: Any) -> None:
+    # nanoGPT's train.py with --learning_rate=1e6 (measured): loss 3.98, then 1.7e6, then clip_grad_norm_ returned
+    # nan at step 3 while its loss was finite. The log said 'non-finite loss nan at step 3' and the hint sent the
+    # user looking for a NaN-safe loss (torch.where, a masked mean) in the batch of step 3.
+    caplog.set_level("INFO", logger="guard")
+    dog, state = make()
+    dog.on_step(1.0, 1, 3.98)
+    dog.on_step(2.0, 2, 1.7e6)
+    apply(state, dog, dog.on_step(3.0, 3, math.nan, finite=False, witness="grad_norm").decisions)
+    assert state.outcome is not None and state.outcome.reason == "non_finite_loss"
+    assert "overflowed as the loss diverged" in state.outcome.hint
+    assert "NaN-safe" not in state.outcome.hint and "torch.where" not in state.outcome.hint
+    assert "non-finite loss" not in caplog.text
+    assert "clip_grad_norm_ returned at step 3 is not finite, its loss was finite (sanity pass)" in caplog.text
+
+
+def test_non_finite_gradients_of_a_calm_run_point_at_the_loss_code() -> None:
+    dog, state = make()
+    for step, loss in enumerate((3.98, 3.9, 3.85, 3.8), start=1):
+        dog.on_step(float(step), step, loss)
+    apply(state, dog, dog.on_step(5.0, 5, math.nan, finite=False, witness="grad_norm").decisions)
+    assert state.outcome is not None and "NaN-safe loss" in state.outcome.hint

@@ -481,24 +481,34 @@ class Watchdog:
         where = f"step {at}" if n == 1 else f"steps {at - n + 1}..{at}"
         phase = "sanity pass" if not progress.sanity_done else "training"
         on_rank = f" on rank {rank}" if rank is not None else ""
-        log.error("non-finite loss %s at %s (%s)%s", value, where, phase, on_rank)
         extra = {"rank": rank} if rank is not None else {}
         batches = f"the batch of step {at}" if n == 1 else f"the batches of {where}"
         hint = ("lower the learning rate or add warmup, clip gradients (max_grad_norm), prefer bf16 over fp16, "
                 f"and check {batches} for empty or corrupt inputs")
         witness = self.witnesses.get(at)
+        # After a finite loss exploded, non-finite gradients or weights are that divergence overflowing, not a
+        # loss that hides NaN: the explosion's hint (diagnose) comes first and says what to do.
+        exploded = progress.exploded is not None and int(progress.exploded.get("step") or 0) <= at
         if witness == "grad_norm":
-            log.error("the gradient norm clip_grad_norm_ returned at step %s is not finite (its loss was finite)", at)
+            log.error("the gradient norm clip_grad_norm_ returned at %s is not finite, its loss was finite (%s)%s",
+                      where, phase, on_rank)
             hint = (f"the gradients of step {at} were not finite while its loss was (clip_grad_norm_ returned nan or "
-                    "inf): the update made the weights non-finite. Look for a NaN-safe loss that is not (torch.where "
-                    "or a masked mean over an empty mask: its backward is 0 * (0/0)), a log or sqrt of 0, or a "
-                    f"division by a count that can be 0 in {batches}; pass error_if_nonfinite=True to stop there")
+                    "inf): the update made the weights non-finite. ")
+            hint += ("They overflowed as the loss diverged" if exploded else
+                     "Look for a NaN-safe loss that is not (torch.where or a masked mean over an empty mask: its "
+                     "backward is 0 * (0/0)), a log or sqrt of 0, or a division by a count that can be 0 in "
+                     f"{batches}; pass error_if_nonfinite=True to stop there")
         elif witness == "weights":
-            log.error("a tensor the job saved at step %s is not finite", at)
-            hint = (f"the job saved non-finite weights at step {at} while its losses looked finite (a NaN-safe loss, "
-                    "nan_to_num or a masked mean can hide NaN gradients): resume from the secured checkpoint and "
-                    f"look for a division by a count that can be 0, a log or sqrt of 0 in {batches}. A -inf is "
-                    "allowed only in a tensor whose name ends in 'mask' (an attention mask kept as a buffer)")
+            log.error("a tensor the job saved at %s is not finite, its losses looked finite (%s)%s", where, phase,
+                      on_rank)
+            hint = f"the job saved non-finite weights at step {at} while its losses looked finite"
+            hint += (": the weights overflowed as the loss diverged" if exploded else
+                     " (a NaN-safe loss, nan_to_num or a masked mean can hide NaN gradients): resume from the "
+                     "secured checkpoint and look for a division by a count that can be 0, a log or sqrt of 0 in "
+                     f"{batches}. A -inf is allowed only in a tensor whose name ends in 'mask' (an attention mask "
+                     "kept as a buffer)")
+        else:
+            log.error("non-finite loss %s at %s (%s)%s", value, where, phase, on_rank)
         return Decision(Outcome("FAIL", "non_finite_loss", EXIT_NON_FINITE, extra=extra, hint=hint))
 
     def _name_hang(self, where: str) -> None:
