@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from guard import protocol
+from guard.core.durations import format_duration_s
 from guard.errors import PreflightError, UsageError
 from guard.run.cli import build_config
 from guard.run.config import (
@@ -62,8 +63,15 @@ def test_every_duration_form_of_the_contract(text: str, seconds: float) -> None:
     assert parse_duration(text) == seconds
 
 
+@pytest.mark.parametrize("seconds", [100.0, 5400.0, 3700.0, 90061.0, 86400.0 + 1800, 45.0, 0.5])
+def test_the_guard_reads_back_the_durations_it_writes(seconds: float) -> None:
+    # The guard writes 100 s as "1m40s" and says "raise the timeout to at least 1h30m"; `--timeout 1m40s` (tried
+    # on accelerate's complete_nlp_example.py) was a usage error.
+    assert parse_duration(format_duration_s(seconds), option="--timeout") == seconds
+
+
 @pytest.mark.parametrize("text", ["banana", "-5", "-5s", "1:99:00", "1:00:60", "5x", "", "h", "1e3", "inf", "nan",
-                                  "1-2", "1::00"])
+                                  "1-2", "1::00", "30m1h", "1m1m", "1.5h30m", "1h 30m", "hms"])
 def test_bad_durations_are_usage_errors_naming_the_option(text: str) -> None:
     with pytest.raises(UsageError) as info:
         parse_duration(text, option="--stall-timeout")

@@ -11,11 +11,14 @@ from guard.errors import UsageError
 
 __all__ = ["DURATION_FORMS", "SIZE_FORMS", "format_duration_s", "parse_duration", "parse_size", "step_text"]
 
-DURATION_FORMS = "whole seconds (7200), a number and a unit s/m/h/d (45s, 90m, 1.5h, 1d), HH:MM:SS or D-HH:MM:SS"
+DURATION_FORMS = ("whole seconds (7200), a number and a unit s/m/h/d (45s, 90m, 1.5h, 1d) or several in that order "
+                  "(1h30m, 1m40s, as the guard's own lines write them), HH:MM:SS or D-HH:MM:SS")
 SIZE_FORMS = "bytes (1000000) or a number and a unit (500MB, 10GB, 1.5GiB, 2T)"
 
 _UNIT_S = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 _NUMBER_UNIT = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([smhd])\s*$", re.IGNORECASE)
+# Several units, largest first, each once: what ``format_duration_s`` writes (``1h30m``, ``1d2h``, ``1m40s``).
+_UNITS = re.compile(r"^\s*(?:(\d+)d)?(?:(\d+)h)?(?:(\d+)m)?(?:(\d+(?:\.\d*)?)s)?\s*$", re.IGNORECASE)
 _CLOCK = re.compile(r"^\s*(?:(\d+)-)?(\d+):(\d{1,2}):(\d{1,2})\s*$")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgtp]?)(i?)(b?)\s*$", re.IGNORECASE)
 
@@ -24,7 +27,8 @@ def parse_duration(text: str, *, option: str = "duration") -> float:
     """Parse a DURATION as the contract spells it.
 
     Args:
-        text: ``7200`` (seconds), ``45s``, ``90m``, ``1.5h``, ``1d``, ``HH:MM:SS`` or Slurm's ``D-HH:MM:SS``.
+        text: ``7200`` (seconds), ``45s``, ``90m``, ``1.5h``, ``1d``, several units largest first (``1h30m``,
+            ``1m40s``: what ``format_duration_s`` writes), ``HH:MM:SS`` or Slurm's ``D-HH:MM:SS``.
         option: the option name used in the error message.
 
     Returns:
@@ -39,6 +43,9 @@ def parse_duration(text: str, *, option: str = "duration") -> float:
         seconds = float(raw)
     elif m := _NUMBER_UNIT.match(raw):
         seconds = float(m.group(1)) * _UNIT_S[m.group(2).lower()]
+    elif (m := _UNITS.match(raw)) and any(m.groups()):
+        seconds = sum(float(g) * size for g, size in zip(m.groups(), (86400.0, 3600.0, 60.0, 1.0), strict=True)
+                      if g)
     elif m := _CLOCK.match(raw):
         days, hours, minutes, secs = (int(g) if g else 0 for g in m.groups())
         if minutes < 60 and secs < 60:

@@ -44,7 +44,7 @@ jobguard watch [FILE]                           read a job log; exit by its VERD
 
 
 EPILOG = """\
-DURATION: 7200, 45s, 90m, 1.5h, 1d, HH:MM:SS or D-HH:MM:SS.
+DURATION: 7200, 45s, 90m, 1.5h, 1d, 1h30m, HH:MM:SS or D-HH:MM:SS.
 
 Exit codes (the last line on stdout is the VERDICT, with the same code in exit=):
   0    PASS: ok, or dry_run
