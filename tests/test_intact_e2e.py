@@ -288,6 +288,8 @@ def test_accelerate_epoch_folders_are_secured_whole_and_the_next_run_loads_the_s
     record = json.loads((dest / "last-checkpoint" / "guard_manifest.json").read_text())
     step, epoch = record["step"], record["step"] // 20 - 1
     assert step % 20 == 0 and Path(record["source"]).name == f"epoch_{epoch}", record
+    # the resume hint names the flag without which the next run starts fresh (--resume on alone does not load it)
+    assert f"--resume_from_checkpoint {Path('out') / f'epoch_{epoch}'}" in first.fields()["hint"], first.fields()
     names = {p.name for p in (dest / "last-checkpoint").iterdir()}
     assert {"model.safetensors", "optimizer.bin", "scheduler.bin", "random_states_0.pkl"} <= names, names
     assert load_file(str(dest / "last-checkpoint" / "model.safetensors"))

@@ -301,3 +301,25 @@ def test_a_profiled_guard_still_ends_through_the_interpreter_so_the_profile_is_w
                           capture_output=True, text=True, env=env, timeout=60)
     assert done.stdout.splitlines()[-1].startswith("VERDICT: FAIL"), (done.stdout, done.stderr)
     assert stats.stat().st_size > 0
+
+
+@pytest.mark.parametrize(("script", "args", "told"), [
+    # accelerate's complete_nlp_example.py, transformers' run_*_no_trainer.py
+    ('parser.add_argument("--resume_from_checkpoint", type=str, default=None)\n', [],
+     f"--resume_from_checkpoint {Path('out') / 'step_100'}"),
+    ('parser.add_argument("--resume_from_checkpoint", type=str, default=None)\n',
+     ["--resume_from_checkpoint", "out/step_50"], None),
+    # nanoGPT's train.py: init_from = 'scratch' # 'scratch' or 'resume'; loads out_dir/ckpt.pt when told
+    ("init_from = 'scratch'\nif init_from == 'resume':\n    pass\n", ["--out_dir=out"], "--init_from=resume"),
+    ("init_from = 'scratch'\nif init_from == 'resume':\n    pass\n", ["--init_from=resume"], None),
+    ("import torch\n", [], None),  # a script that loads what guard.resume_path() names, or nothing
+])
+def test_the_resume_hint_names_what_the_script_needs_to_load_it(
+        script: str, args: list[str], told: str | None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Tried: complete_nlp_example.py and nanoGPT's train.py stopped at a deadline said 'the next run resumes from
+    # step 100: jobguard --resume on --push-to DEST ...'; run so, each started from scratch beside the fetched
+    # checkpoint (they load one only with --resume_from_checkpoint PATH, --init_from=resume).
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text(script)
+    config = build_config(["train.py", *args], {})
+    assert stages.script_resume_args(config, str(tmp_path / "out" / "step_100")) == told

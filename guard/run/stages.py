@@ -7,6 +7,7 @@ supervisor runs the job, and its ``RunResult`` comes back. ``preflight_only`` is
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -17,7 +18,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from guard.contract import EXIT_PREFLIGHT, RunResult, signal_name
+from guard.contract import EXIT_PREFLIGHT, EXIT_SECURED, RunResult, signal_name
 from guard.core.masking import Masker
 from guard.run.config import Config, env_name, guard_options_in
 from guard.run.platform import PlatformInfo, detect
@@ -142,20 +143,47 @@ def _mentions_hf_jobs(script: Path | None) -> bool:
 _RESUME_FLAGS = ("--resume_from_checkpoint", "--resume-from-checkpoint")
 
 
-def _resume_flag(config: Config) -> str | None:
-    """The script's own option to load a checkpoint (``_RESUME_FLAGS``) when its text declares one (a quoted
-    ``"--resume_from_checkpoint"``, as ``argparse`` takes it) and the job's arguments do not pass it; else None. The
-    script is the script form's, or the first ``*.py`` of the command (``torchrun train.py``)."""
-    args = config.script_args if config.script else config.command
+#: nanoGPT's train.py (and its forks) load ``out_dir/ckpt.pt`` only with ``--init_from=resume`` (its configurator).
+_INIT_FROM_RESUME = (b"init_from == 'resume'", b'init_from == "resume"')
+
+
+def _script_and_args(config: Config) -> tuple[bytes, list[str]]:
+    """The job script's text (the script form's, or the first ``*.py`` of the command: ``torchrun train.py``; empty
+    when unreadable) and the job's arguments."""
+    args = list(config.script_args if config.script else config.command)
     script = config.script or next((Path(a) for a in config.command if a.endswith(".py")), None)
     try:
-        text = script.read_bytes() if script is not None else b""
+        return (script.read_bytes() if script is not None else b""), args
     except OSError:
-        return None
+        return b"", args
+
+
+def _resume_flag(config: Config) -> str | None:
+    """The script's own option to load a checkpoint (``_RESUME_FLAGS``) when its text declares one (a quoted
+    ``"--resume_from_checkpoint"``, as ``argparse`` takes it) and the job's arguments do not pass it; else None."""
+    text, args = _script_and_args(config)
     for flag in _RESUME_FLAGS:
         declared = f'"{flag}"'.encode() in text or f"'{flag}'".encode() in text
         if declared and not any(a == flag or a.startswith(f"{flag}=") for a in args):
             return flag
+    return None
+
+
+def script_resume_args(config: Config, checkpoint: str) -> str | None:
+    """The arguments the job script needs to load ``checkpoint`` itself, when it loads one only when told and this
+    run's arguments do not tell it: ``--resume_from_checkpoint out/step_100`` (accelerate's examples, transformers'
+    ``run_*_no_trainer.py``) or ``--init_from=resume`` (nanoGPT); else None. ``checkpoint`` is written relative to
+    the working folder when inside it (where ``--resume`` puts it back)."""
+    flag = _resume_flag(config)
+    if flag is not None:
+        where = Path(checkpoint)
+        with contextlib.suppress(ValueError):
+            where = where.relative_to(Path.cwd())
+        return f"{flag} {where}"
+    text, args = _script_and_args(config)
+    if any(marker in text for marker in _INIT_FROM_RESUME) and not any(
+            a.startswith(("--init_from=", "--init-from=")) for a in args):
+        return "--init_from=resume"
     return None
 
 
@@ -522,6 +550,11 @@ def _run_job(config: Config, masker: Masker, started: float, platform: PlatformI
     securing = getattr(supervisor, "securer", None)
     if securer is not None and securing is not None and securing.parts_mode():
         _agree_on_missing(config, result, securer, deadline)
+    checkpoint = result.extra.get("checkpoint")
+    if result.exit_code == EXIT_SECURED and checkpoint and "the next run resumes from" in (result.hint or ""):
+        told = script_resume_args(config, str(checkpoint))  # --resume on alone: the script would start fresh
+        if told is not None:
+            result.hint = f"{result.hint} {told} (the script loads a checkpoint only when told)"
     if fetched is not None:
         result.extra["resumed_from"] = f"{fetched.path}@{fetched.revision}"
         state = getattr(supervisor, "state", None)
@@ -532,9 +565,9 @@ def _run_job(config: Config, masker: Masker, started: float, platform: PlatformI
                            "train; raise max_steps to train further, or start a new run with --resume off")
         if state is not None and "resume_loaded" not in state.facts.api_used:  # the agent never saw it loaded
             result.details["resume_loaded"] = False
-            flag = _resume_flag(config)
-            how = (f"pass the script's own {flag} {fetched.path}, or load it (guard.resume_path() names it)"
-                   if flag else "load it (guard.resume_path() names it)")
+            told = script_resume_args(config, str(fetched.path))
+            how = (f"pass the script's own {told}, or load it (guard.resume_path() names it)"
+                   if told else "load it (guard.resume_path() names it)")
             note = (f"the job did not load the resumed checkpoint {fetched.path} (it started from scratch; steps "
                     f"counted from 0): {how}")
             result.hint = f"{result.hint}; {note}" if result.hint else note
