@@ -153,7 +153,7 @@ def ckpt(step: int, size_bytes: int = 1_000_000, root: str = "/out") -> Checkpoi
 
 
 class FakeLink:
-    """The supervisor's loop as securing sees it (``guard.secure.securing.JobLink``), with no process behind it.
+    """The supervisor's loop as securing sees it (``guard.secure.link.JobLink``), with no process behind it.
 
     ``agents``/``world_size``: what the agents said; ``running``/``alive``/``exit_code``: the job; ``ranks``: rank
     -> last step; what securing asks for lands in ``sent`` (broadcasts), ``signals``, ``stops`` (``(at,

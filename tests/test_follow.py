@@ -135,9 +135,9 @@ def test_node_0s_run_id_replaces_only_another_nodes_own(node_rank: int, own: boo
     securing = Securing(deadline=Deadline(0.0, None, None, "none"), estimator=MarginEstimator(log_changes=False),
                         securer=securer, run_id="mine", node_rank=node_rank, nodes=2,  # type: ignore[arg-type]
                         own_run_id=own, pusher_factory=lambda dest, token: SimpleNamespace())  # type: ignore[arg-type,return-value]
-    assert securing.adopt_run_id("node0s") is taken
+    assert securing.peers.adopt_run_id("node0s") is taken
     assert (securing.run_id, securer.run_id) == (("node0s",) * 2 if taken else ("mine",) * 2)
-    assert securing.adopt_run_id("node0s") is False  # once
+    assert securing.peers.adopt_run_id("node0s") is False  # once
 
 
 def test_listings_back_off_while_nothing_changes_and_start_again_on_a_new_save(dest: Destination) -> None:

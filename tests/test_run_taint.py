@@ -117,7 +117,7 @@ def test_securing_records_its_taint_beside_every_output_folder(tmp_path: Path) -
     mine = {t.run_id: t for t in read_taints(out)}["run-b"]
     # a NaN loss at step 9 came from the weights saved at step 8: the run's saves are suspect from 8 on
     assert (mine.first_step, mine.started_s, mine.ended_s) == (8, rig.wall_start - 1.0, None)
-    rig.securing._new_folder(str(other))  # a folder this run reaches later gets it too
+    rig.securing.folder.new_folder(str(other))  # a folder this run reaches later gets it too
     assert [t.first_step for t in read_taints(other)] == [8]
 
 

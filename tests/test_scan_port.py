@@ -23,9 +23,10 @@ from fakes import FakeClock, FakeLink, FakePusher, GatedStat, InlineFs
 from guard.contract import RunResult
 from guard.core.helpers import Helpers, wake_loop
 from guard.core.state import Outcome
-from guard.secure import securing as securing_module
+from guard.secure import intake as intake_module
 from guard.secure.budget import Deadline, MarginEstimator
-from guard.secure.securing import FS_WAIT_S, SCAN_EVERY_S, Securing
+from guard.secure.securing import SCAN_EVERY_S, Securing
+from guard.secure.waits import FS_WAIT_S
 
 WAIT_S = 30.0  # a bound on how long the helper thread may take to answer (never reached when things work)
 
@@ -179,7 +180,7 @@ def test_reported_saves_are_handed_back_in_the_order_they_came(tmp_path: Path) -
         rig.securing.on_checkpoint_saved(rig.link, {"t": "checkpoint_saved", "path": str(path), "step": step,
                                                     "rank": 0, "zero": True})
     rig.answered()
-    assert rig.securing.latest_reported is not None and rig.securing.latest_reported.step == 20
+    assert rig.securing.intake.latest_reported is not None and rig.securing.intake.latest_reported.step == 20
     assert rig.securing.plan.report().newest is not None and rig.securing.plan.report().newest.step == 20
 
 
@@ -201,7 +202,7 @@ def test_a_rewritten_loose_file_is_not_taken_for_the_older_save(tmp_path: Path) 
     assert report.newest is None
 
 
-FILE_SETTLE = securing_module.FILE_SETTLE_S + 0.1
+FILE_SETTLE = intake_module.FILE_SETTLE_S + 0.1
 
 
 def supervised(tmp_path: Path, gate: GatedStat, monkeypatch: pytest.MonkeyPatch, *options: str) -> Any:

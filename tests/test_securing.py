@@ -64,7 +64,7 @@ def test_a_reported_save_is_pushed_in_the_background(tmp_path: Path) -> None:
     rig.saved(5)
     assert [h.op for h in rig.pusher.started] == ["push_checkpoint"]
     assert rig.pusher.started[0].args["step"] == 5
-    assert rig.securing.latest_reported is not None and rig.securing.latest_reported.step == 5
+    assert rig.securing.intake.latest_reported is not None and rig.securing.intake.latest_reported.step == 5
 
 
 def test_without_background_pushes_a_save_is_only_remembered(tmp_path: Path) -> None:
@@ -87,7 +87,7 @@ def test_a_reported_path_that_is_no_checkpoint_is_refused(tmp_path: Path, path: 
     monkeypatch.chdir(tmp_path)
     rig = Rig(tmp_path)
     rig.securing.on_checkpoint_saved(rig.link, {"t": "checkpoint_saved", "path": path, "step": 1, "rank": 0})
-    assert rig.pusher.started == [] and rig.securing.latest_reported is None
+    assert rig.pusher.started == [] and rig.securing.intake.latest_reported is None
 
 
 def test_the_deadline_asks_a_trainer_for_a_checkpoint_then_secures_it(tmp_path: Path) -> None:
@@ -195,7 +195,7 @@ def test_files_saved_with_torch_save_form_one_checkpoint_once_settled(tmp_path: 
     assert rig.link.woken == 2 and rig.pusher.started == []  # the set may still grow
     rig.run_for(1.5)
     assert len(rig.pusher.started) == 1
-    assert rig.securing.latest_reported is not None and rig.securing.latest_reported.step == 8
+    assert rig.securing.intake.latest_reported is not None and rig.securing.intake.latest_reported.step == 8
 
 
 def test_the_agent_never_waits_for_a_stop_already_asked_for() -> None:
@@ -336,7 +336,7 @@ def test_the_final_model_of_a_working_folder_is_what_the_job_wrote_at_its_top(tm
     for name in ("main.py", "notes.json", "vocab.txt"):  # the job's sources and data, there before it started
         (tmp_path / name).write_text("x")
         os.utime(tmp_path / name, (time.time() - 100, time.time() - 100))
-    rig.securing.output_dir = "."
+    rig.securing.folder.output_dir = "."
     rig.securing.before_start()
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "cache.json").write_text("{}")  # below the top: never
@@ -346,7 +346,7 @@ def test_the_final_model_of_a_working_folder_is_what_the_job_wrote_at_its_top(tm
     (tmp_path / "model.pt").write_bytes(b"0" * 10)
     rig.securing.on_file_saved(rig.link, {"t": "file_saved", "path": str(tmp_path / "model.pt"), "step": 4,
                                           "rank": 0, "save_s": 0.1})
-    disk, since_s = rig.securing.disk, rig.securing.started_s
+    disk, since_s = rig.securing.disk, rig.securing.folder.started_s
     assert disk.final_files(".", since_s) == ("config.json", "model.pt", "model.safetensors")
     assert disk.final_files(str(rig.out), since_s) is None  # a folder of the job's own: the whole folder
 
@@ -367,7 +367,7 @@ def test_an_accelerate_folder_goes_by_the_agents_step_and_the_last_save_before_e
     # restarts within the epoch); the agent's steps go on from 230. The job's last save comes just before it exits.
     rig = Rig(tmp_path, destination="/tmp/unused-dest")
     resumed = accelerate_state(rig.out / "step_230")
-    rig.securing.resumed_paths = {str(resumed)}
+    rig.securing.folder.resumed_paths = {str(resumed)}
     for name, step in (("step_110", 235), ("step_120", 245)):
         folder = accelerate_state(rig.out / name)
         for file in ("optimizer.bin", "scheduler.bin", "random_states_0.pkl"):

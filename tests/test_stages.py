@@ -137,7 +137,7 @@ def test_a_resumed_checkpoint_reaches_the_job(tmp_path: Path, supervisor: type[R
     start = made.kwargs["start"]
     assert start.begun and start.environ[protocol.ENV_RESUME_PATH] == str(folder)
     assert start.environ[protocol.ENV_RESUME_STEP] == "30"
-    assert made.kwargs["securer"].latest_reported.step == 30
+    assert made.kwargs["securer"].intake.latest_reported.step == 30
     assert result.extra["resumed_from"] == f"{folder}@abc123"
 
 

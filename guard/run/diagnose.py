@@ -429,12 +429,12 @@ def job_result(state: RunState, ended: JobExit, settings: RunSettings, *,
         if result.status == "PASS" and not settings.secure.push_to and not result.extra.get("pushed"):
             result.extra.pop("checkpoint", None)  # nothing was secured anywhere: a PASS names no checkpoint
         if result.status == "PASS" and settings.secure.push_to and not result.extra.get("pushed") \
-                and securer.node_0_pushes_final and not securer.node_0_secures:
+                and securer.peers.node_0_pushes_final and not securer.peers.node_0_secures:
             # another node's guard: what it holds of the last save stayed here (its log says why); the model went
             # with node 0's guard (before: "the job saved nothing recognisable" beside this node's checkpoint-6)
             result.extra.setdefault("hint", "the guard of node 0 pushes the final model: see its VERDICT")
         elif result.status == "PASS" and settings.secure.push_to and not result.extra.get("pushed") \
-                and not securer.node_0_secures:  # another node's guard: node 0's VERDICT says what was secured
+                and not securer.peers.node_0_secures:  # another node's guard: node 0's VERDICT says what was secured
             where = securer.output_dir or "no output folder known"
             hint = (f"nothing was secured to {settings.secure.push_to}: the job saved nothing recognisable "
                     f"as a checkpoint or final model ({where}); save checkpoint-N folders or *.pt/*.safetensors "

@@ -103,7 +103,7 @@ class Dispatch:
         log.warning("%s on node %s: every rank saves at step %s and stops; handled here as if received",
                     signal_name(signum), origin, message.get("at_step"))
         if self.securer is not None:
-            self.securer.relayed = True  # the job already has its request: securing asks for no other step
+            self.securer.peers.relayed = True  # the job already has its request: securing asks for no other step
             if self.securer.on_signal(self.link, signum, now):
                 return
         self.executor.decide(Outcome("INTERRUPTED", "signal", 128 + signum, extra={"signal": signal_name(signum)},
@@ -120,7 +120,7 @@ class Dispatch:
         log.warning("node 0's deadline: every rank saves at step %s and stops; handled here as this node's deadline",
                     message.get("at_step"))
         if self.securer is not None:
-            self.securer.relayed = True  # the job already has its request: securing asks for no other step
+            self.securer.peers.relayed = True  # the job already has its request: securing asks for no other step
             if self.securer.on_relayed_deadline(self.link, now):
                 return
         self.executor.decide(Outcome("TIMEOUT", "deadline", int(ExitCode.TIMEOUT_UNSECURED),
@@ -191,7 +191,7 @@ class Dispatch:
         elif kind == "relayed":  # another node's guard got a termination signal (guard/run/relay.py)
             self.on_relayed(message, now)
         elif kind == "run_id" and self.securer is not None:  # node 0's guard's, read from the job's store
-            self.securer.adopt_run_id(str(message.get("run_id") or ""))
+            self.securer.peers.adopt_run_id(str(message.get("run_id") or ""))
         elif kind == "replay":  # CUDA-graph replays: steps without a loss, progress all the same
             self.watchdog.on_replay(now, rank)
         elif kind == "watching":

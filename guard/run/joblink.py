@@ -39,7 +39,7 @@ def int_or_none(value: Any) -> int | None:
 
 
 class LoopLink:
-    """What securing may ask of the loop (``guard.secure.securing.JobLink``), and the job state the loop keeps.
+    """What securing may ask of the loop (``guard.secure.link.JobLink``), and the job state the loop keeps.
 
     Args:
         state: the run's state (shared with the watchdog and securing).

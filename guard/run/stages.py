@@ -538,7 +538,7 @@ def _run_job(config: Config, masker: Masker, started: float, platform: PlatformI
         def tidy() -> None:  # what a push killed part way left at the destination, after the VERDICT
             worker.reap_killed()  # a killed push that died since: its staging is left over, its pid free
             securing = getattr(supervisor, "securer", None)  # many nodes: their parts' staging too
-            nodes = config.settings.secure.nodes if securing is not None and securing.parts_mode() else 1
+            nodes = config.settings.secure.nodes if securing is not None and securing.peers.parts_mode() else 1
             securer.tidy(until_s=deadline.deadline_s, nodes=nodes)
         AFTER_VERDICT.call(tidy)
     if sharing is not None:  # many nodes, one output folder: node 0's word on what it secured (guard/run/relay.py)
@@ -548,7 +548,7 @@ def _run_job(config: Config, masker: Masker, started: float, platform: PlatformI
         agree_with_node_0(result, shared=sharing.answer.shared, output_dir=output_dir, run_id=sharing.run_id,
                           node_rank=secure.node_rank, deadline_s=deadline.deadline_s, grace_s=secure.grace_s)
     securing = getattr(supervisor, "securer", None)
-    if securer is not None and securing is not None and securing.parts_mode():
+    if securer is not None and securing is not None and securing.peers.parts_mode():
         _agree_on_missing(config, result, securer, deadline)
     checkpoint = result.extra.get("checkpoint")
     if result.exit_code == EXIT_SECURED and checkpoint and "the next run resumes from" in (result.hint or ""):

@@ -8,7 +8,7 @@ decides nothing itself: ``guard.run.dispatch.Dispatch`` hands the job's events t
 
 - ``guard.run.watchdog.Watchdog``: steps, losses, the sanity pass, non-finite losses, stalls, dry run;
 - ``guard.secure.securing.Securing``: the deadline, signals and the checkpoints to secure (through the
-  :class:`~guard.secure.securing.JobLink` the loop offers it: ``guard.run.joblink.LoopLink``);
+  :class:`~guard.secure.link.JobLink` the loop offers it: ``guard.run.joblink.LoopLink``);
 - ``guard.observe.telemetry.Heartbeat``: the heartbeat line and the projection.
 
 What they know lives in one ``guard.core.state.RunState``; the run ends in a ``RunResult`` built from it by

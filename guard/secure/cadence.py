@@ -35,8 +35,20 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["COMMITS_PER_PUSH", "HUB_API_REQUESTS_PER_5MIN", "HUB_COMMITS_PER_HOUR", "HUB_REQUESTS_PER_LISTING",
-           "HUB_SHARE", "PUSH_STALL_S", "PUSH_TIME_FACTOR", "background_interval_s", "listing_interval_s"]
+from guard.core.durations import format_duration_s
+
+__all__ = [
+    "COMMITS_PER_PUSH",
+    "HUB_API_REQUESTS_PER_5MIN",
+    "HUB_COMMITS_PER_HOUR",
+    "HUB_REQUESTS_PER_LISTING",
+    "HUB_SHARE",
+    "PUSH_STALL_S",
+    "PUSH_TIME_FACTOR",
+    "background_interval_s",
+    "background_said",
+    "listing_interval_s",
+]
 
 #: The Hub's commit rate limit per repository (commits per hour; the 429 message of the Hub, free tier).
 HUB_COMMITS_PER_HOUR = 128
@@ -117,3 +129,15 @@ def listing_interval_s(destination_kind: str, *, nodes: int, least_s: float,
         return least_s
     per_s = requests_per_5min / 300.0 * share
     return max(least_s, HUB_REQUESTS_PER_LISTING * max(1, nodes - 1) / per_s)
+
+
+def background_said(destination_kind: str | None, *, push_interval_s: float | None, nodes: int) -> str:
+    """How often background pushes may come, for the log: ``push_interval_s`` (``--push-interval``; None: from the
+    destination and the measured push time, :func:`background_interval_s`, at a Hub repo), else every save."""
+    if push_interval_s is None and destination_kind in ("hub", "hub-parts"):
+        least_s = background_interval_s(str(destination_kind), nodes=nodes)
+        return (f"at most one push every {format_duration_s(least_s)}, longer "
+                f"when a push takes more than 1/{PUSH_TIME_FACTOR:.0f} of that (the Hub's commit rate limit)")
+    if push_interval_s:
+        return f"at most one push every {format_duration_s(push_interval_s)}"
+    return "every complete save"

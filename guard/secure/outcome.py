@@ -1,4 +1,5 @@
-"""The VERDICT's checkpoint fields from the plan's snapshot: one pure function, :func:`checkpoint_fields`.
+"""The VERDICT's checkpoint fields from the plan's snapshot: one pure function, :func:`checkpoint_fields`, and
+:func:`fill`, which writes them into the run's result.
 
 ``checkpoint=`` (the secured checkpoint), ``pushed=`` (``DEST@REVISION``), ``secured=`` (``yes``/``no``), the exit
 code of a deadline or signal (75 when secured, ``CONTRACT.md`` "Secured checkpoints") and the hint's "resumes from
@@ -9,15 +10,24 @@ process or the disk.
 from __future__ import annotations
 
 import signal
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from guard.contract import EXIT_NON_FINITE, EXIT_PUSH_FAILED, EXIT_SECURED, EXIT_TIMEOUT_UNSECURED, signal_name
+from guard.contract import (
+    EXIT_NON_FINITE,
+    EXIT_PUSH_FAILED,
+    EXIT_SECURED,
+    EXIT_TIMEOUT_UNSECURED,
+    RunResult,
+    signal_name,
+)
 from guard.secure.checkpoints import CheckpointInfo
+from guard.secure.layout import nothing_found_hint
 from guard.secure.report import PlanReport, PushView
 from guard.secure.restoring import held_said
 
-__all__ = ["Fields", "Verdict", "checkpoint_fields", "leader_missing", "missing_said", "resume_step_text"]
+__all__ = ["Fields", "Verdict", "checkpoint_fields", "fill", "leader_missing", "missing_said", "resume_step_text"]
 
 
 @dataclass(frozen=True)
@@ -230,7 +240,7 @@ def missing_said(step: int | None, missing: str) -> str:
 
 def leader_missing(extra: dict[str, Any], details: dict[str, Any], hint: str | None, *, step: int | None,
                    leader: int = 0) -> str | None:
-    """Many nodes, a node other than ``leader`` (node 0) whose job failed (``Securing.finish``: a lost peer, maybe
+    """Many nodes, a node other than ``leader`` (node 0) whose job failed (:func:`fill`: a lost peer, maybe
     node 0 lost): it holds its part of ``step`` (the newest it saved) and ``leader`` never put its own part of it,
     so that step is not whole at the destination. Sets
     ``missing=node<leader>`` (``details["missing"]`` with ``seen: "held"`` and the clause, ``said``) unless the
@@ -248,3 +258,41 @@ def leader_missing(extra: dict[str, Any], details: dict[str, Any], hint: str | N
     extra["missing"] = what
     details["missing"] = {"step": step, "what": what, "seen": "held", "said": said}
     return f"{said}; {hint}" if hint else said
+
+
+def fill(result: RunResult, report: PlanReport, *, step: int | None, output_dir: str | None,
+         destination_given: bool, holds_files: bool | None, follower: bool,
+         unled_step: Callable[[], int | None] | None = None) -> None:
+    """Fill ``result``'s checkpoint fields, and its exit code for TIMEOUT/INTERRUPTED (75 when secured), from the
+    plan's ``report`` (:func:`checkpoint_fields`); ``result`` is changed in place.
+
+    Args:
+        step: the job's last training step (the steps lost after the secured checkpoint), or None.
+        output_dir: the run's output folder, or None. destination_given: a destination was known (or a signal
+            ended the run). holds_files: the exit's scan found files in the output folder (None: it did not answer).
+        follower: node 0's guard asked for the checkpoint (``Fields``' hint names it).
+        unled_step: many nodes, a node other than 0 that followed node 0's steps: ``() -> step``, the newest step
+            this node holds a part of that node 0 never put (:func:`leader_missing`); None otherwise.
+    """
+    # the exit's scan said whether the output folder holds any file; not looked at here (a hung mount): when it
+    # did not answer, the hint names what the guard recognises
+    nothing = nothing_found_hint(output_dir=output_dir, destination_given=destination_given,
+                                 holds_files=holds_files is not False)
+    fields = checkpoint_fields(report, Verdict(result.status, result.reason, result.exit_code, result.hint,
+                                               result.extra.get("signal")),
+                               step=step, nothing_found_hint=nothing, follower=follower)
+    verdict = fields.verdict
+    result.status, result.reason, result.exit_code, result.hint = (verdict.status, verdict.reason,
+                                                                   verdict.exit_code, verdict.hint)
+    if verdict.signal is not None:
+        result.extra["signal"] = verdict.signal
+    elif verdict.status == "PASS":
+        result.extra.pop("signal", None)
+    result.extra.update(fields.extra)
+    result.details.update(fields.details)
+    # node 0's part of this node's newest never came, and the job failed (a lost node 0 fails the others' ranks
+    # on their peer): at a deadline or a signal node 0 is there and chose the step (its record and the end's
+    # listing say which), and a newer part held here is no news (before, a plain DCP loop on two nodes at the
+    # deadline: node 0 secured_step=1400, node 1 the same with missing=node0 of step 1500)
+    if unled_step is not None and result.status == "FAIL":
+        result.hint = leader_missing(result.extra, result.details, result.hint, step=unled_step())

@@ -99,7 +99,7 @@ class SharingProbe:
         return self._answer
 
     def adopt(self, run_id: str) -> None:
-        """This node takes node 0's run id (``Securing.adopt_run_id``): the probe moves to that run's folder, on the
+        """This node takes node 0's run id (``Peers.adopt_run_id``): the probe moves to that run's folder, on the
         probe's thread (before its bound passes; after, the answer stands). Returns at once."""
         self._adopted = run_id
 

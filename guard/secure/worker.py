@@ -485,7 +485,7 @@ class Pusher:
         clock: monotonic seconds.
         environ: the workers' environment (default ``os.environ``).
         run_id: ``() -> str | None``: this run's id (``SecureSettings.run_id``; another node's guard may take node
-            0's during the run: ``Securing.adopt_run_id``), asked at each start; default None.
+            0's during the run: ``Peers.adopt_run_id``), asked at each start; default None.
         node_rank: this node's index (``SecureSettings.node_rank``).
         nodes: ``() -> int``: the node count whose parts make a checkpoint now (1: this node's pushes are whole
             checkpoints).
