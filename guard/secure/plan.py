@@ -81,7 +81,17 @@ from typing import Any
 from guard.core.durations import step_text
 from guard.secure.budget import MarginEstimator
 from guard.secure.cadence import PUSH_STALL_S, PUSH_TIME_FACTOR, background_interval_s
-from guard.secure.checkpoints import CheckpointInfo, rewritten_after
+from guard.secure.checkpoints import CheckpointInfo
+from guard.secure.choosing import (
+    checkpoint_args,
+    fits,
+    good_secured,
+    same,
+    step_of,
+    supersede,
+    unchanged_on_disk,
+    unsecured,
+)
 from guard.secure.events import (
     Action,
     AlreadySecured,
@@ -134,20 +144,6 @@ def bound_s(deadline_at: float | None, window_end: float) -> float:
     return min(math.inf if deadline_at is None else deadline_at - SAFETY_S, window_end - SAFETY_S)
 
 
-def _unchanged_on_disk(info: CheckpointInfo) -> bool:
-    """Every file of ``info`` is still there, none modified after the checkpoint was seen complete."""
-    return rewritten_after(info.folder, info.files, info.newest_mtime_s) is None
-
-
-def _step(info: CheckpointInfo | None) -> int:
-    return -1 if info is None or info.step is None else info.step
-
-
-def _same(a: CheckpointInfo, b: CheckpointInfo) -> bool:
-    """``a`` is ``b`` or an older look at it (same path and step, not rewritten since)."""
-    return a.path == b.path and _step(a) == _step(b) and a.newest_mtime_s <= b.newest_mtime_s
-
-
 Handler = Callable[["Plan", Any, float], list[Action]]
 
 
@@ -178,7 +174,7 @@ class Plan:
     def __init__(self, *, clock: Callable[[], float], pusher: Pusher | None, estimator: MarginEstimator,
                  deadline_at: float | None = None, grace_s: float = 30.0, background: bool = True,
                  push_interval_s: float | None = 600.0, final_output_dir: str | None = None,
-                 final_window_s: float = 180.0, unchanged: Callable[[CheckpointInfo], bool] = _unchanged_on_disk,
+                 final_window_s: float = 180.0, unchanged: Callable[[CheckpointInfo], bool] = unchanged_on_disk,
                  destination_kind: str | None = None, stall_s: float = PUSH_STALL_S, nodes: int = 1) -> None:
         self._clock = clock
         self._pusher = pusher
@@ -335,7 +331,7 @@ class Plan:
         info = event.info
         result = PriorPush(event.destination, event.revision, tuple(info.files), info.size_bytes, info.step)
         self._secured = self._resumed = PushRecord("resumed", info, EndedHandle(result), now, result)
-        if _step(info) >= _step(self._newest):
+        if step_of(info) >= step_of(self._newest):
             self._newest = info
         return []
 
@@ -377,14 +373,14 @@ class Plan:
         if self._is_suspect(info):
             return self._mark(info, why="saved at or after")
         if hold and self._provisional(info):
-            if all(not _same(info, held.info) for held, _ in self._held):
+            if all(not same(info, held.info) for held, _ in self._held):
                 log.info("checkpoint %s (%s): held until the losses through its step are read (read through "
                          "%s)", info.path, step_text(info.step),
                          "no step yet" if self._read_through is None else step_text(self._read_through))
                 self._held.append((event, self._reads))
             return []
         newest = self._newest
-        if newest is not None and (_step(info) < _step(newest) or _same(info, newest)):
+        if newest is not None and (step_of(info) < step_of(newest) or same(info, newest)):
             return []
         self._newest = info
         self._seen.append(info)
@@ -397,14 +393,14 @@ class Plan:
                 self._queued = info  # a newer one replaces a queued one
                 return []
             return self._start("background", info, self._background_deadline(now), now)
-        rewritten = newest is not None and info.path == newest.path and _step(info) == _step(newest)
+        rewritten = newest is not None and info.path == newest.path and step_of(info) == step_of(newest)
         if self._answer_by is not None and event.requested is not None:
             # a save the job made on its own (a periodic one under way when asked) is secured, and the answer to
             # the request still waited for; the answer ends that wait
             self._answer_pending = not event.requested
             if event.requested:
                 self._unanswered = False
-        if self._state is State.AWAITING_SAVE and (_step(info) > self._awaiting_after_step or rewritten):
+        if self._state is State.AWAITING_SAVE and (step_of(info) > self._awaiting_after_step or rewritten):
             # a fresh save: a later step, or the same file saved over in place (nanoGPT's ckpt.pt, step unknown)
             self._wait_save_until = None
             self._state = State.SECURING
@@ -426,7 +422,7 @@ class Plan:
         # a read sent after the save covers it whatever its step's unit (a save named by samples or epochs): the
         # second one since it was held (the first may be another rank's, behind)
         return self._settle(through) + self._release(
-            lambda held, reads: _step(held.info) <= through or self._reads - reads >= 2, now)
+            lambda held, reads: step_of(held.info) <= through or self._reads - reads >= 2, now)
 
     def _settle(self, through: int) -> list[Action]:
         """The record's step's next loss was read finite (``through`` past its step): it can no longer turn
@@ -434,7 +430,7 @@ class Plan:
         whose record may be moving)."""
         record = self._secured
         if record is None or record is self._settled or record.kind == "resumed" or self._push is not None \
-                or record.info is None or _step(record.info) >= through:
+                or record.info is None or step_of(record.info) >= through:
             return []
         self._settled = record
         return [ReleaseKept(record.info.step)]
@@ -447,7 +443,7 @@ class Plan:
             return []
         self._held = [(held, reads) for held, reads in self._held if not ready(held, reads)]
         actions: list[Action] = []
-        for held in sorted(ripe, key=lambda held: _step(held.info)):
+        for held in sorted(ripe, key=lambda held: step_of(held.info)):
             actions += self._checkpoint(held, now, hold=False)
         return actions
 
@@ -539,7 +535,7 @@ class Plan:
         # the read that found step ``first`` read the steps before it in its window: the saves held before it
         if self._read_through is not None:
             self._read_through = max(self._read_through, first - 1)
-        return actions + self._release(lambda event, reads: _step(event.info) < first, now)
+        return actions + self._release(lambda event, reads: step_of(event.info) < first, now)
 
     def _on_job_exit(self, event: JobExited, now: float) -> list[Action]:
         """The job's main process ended. Training complete (and no non-finite loss): ``PASS`` with its final
@@ -632,7 +628,7 @@ class Plan:
         securing with nothing under way, what there is decides."""
         self._looking = None
         info = event.info
-        if info is not None and not self._is_suspect(info) and _step(info) > _step(self._newest):
+        if info is not None and not self._is_suspect(info) and step_of(info) > step_of(self._newest):
             log.info("found on disk: %s (%s), saved before the first suspect step with finite weights", info.path,
                      step_text(info.step))
             return self._checkpoint(CheckpointSeen(info), now, hold=False)
@@ -642,7 +638,7 @@ class Plan:
         """Look on disk for the newest good save before ``before_step`` (``LookOlder``): the scans hand the plan the
         newest complete save only, so saves between two scans were never seen. Waited for (``_look_pending``)
         half the time left, ``LOOK_S`` at most. None when the plan has the save just before it."""
-        if self._pusher is None or self._state is State.DONE or _step(self._newest) >= before_step - 1:
+        if self._pusher is None or self._state is State.DONE or step_of(self._newest) >= before_step - 1:
             return []
         self._looking = now + min(LOOK_S, max(0.0, self.secure_by - now) / 2)
         return [LookOlder(before_step, self._looking)]
@@ -689,7 +685,7 @@ class Plan:
             log.warning("push of %s (%s) made no progress for %.0fs", step_text(record.info.step), record.info.path,
                         idle_s)
         newer = self._queued if self._queued is not None else self._newest
-        if newer is None or _same(newer, record.info) or _step(newer) < _step(record.info) \
+        if newer is None or same(newer, record.info) or step_of(newer) < step_of(record.info) \
                 or self._is_suspect(newer) or not self._unsecured(newer):
             return []
         if self._state is State.SECURING and self._estimate_s(newer) > self.secure_by - now:
@@ -725,7 +721,7 @@ class Plan:
 
     def _await_save(self, now: float, can_save: bool, signum: int | None, term_now: bool = False) -> list[Action]:
         self._state = State.AWAITING_SAVE
-        self._awaiting_after_step = _step(self._newest)
+        self._awaiting_after_step = step_of(self._newest)
         if self._push is not None:
             self._push.handle.deadline = min(self._push.handle.deadline, self.secure_by)
         left_s = self.secure_by - now
@@ -756,7 +752,7 @@ class Plan:
         if self._answer_pending and not self._job_ended and self._pusher is not None and self._answer_by is not None \
                 and now < min(self._answer_by, self.secure_by):
             self._state = State.AWAITING_SAVE
-            self._awaiting_after_step = _step(self._newest)
+            self._awaiting_after_step = step_of(self._newest)
             self._wait_save_until = self._answer_by
             log.info("that save was the job's own, not its answer to the request: waiting up to %.0fs more for "
                      "the answer", self._answer_by - now)
@@ -766,22 +762,18 @@ class Plan:
                 or now >= self.secure_by:
             return False
         self._state = State.AWAITING_SAVE
-        self._awaiting_after_step = _step(self._newest)
+        self._awaiting_after_step = step_of(self._newest)
         self._wait_save_until = None
         return True
 
     def _unsecured(self, info: CheckpointInfo | None) -> bool:
-        if info is None:
-            return False
-        done = self._secured.info if self._secured is not None else None
-        return done is None or _step(info) > _step(done) or (
-            _step(info) == _step(done) and (info.path != done.path or info.newest_mtime_s > done.newest_mtime_s))
+        return unsecured(info, self._secured.info if self._secured is not None else None)
 
     def _older_than(self, step: int) -> CheckpointInfo | None:
         """The newest checkpoint saved before ``step`` still on disk as it was saved (a loop that saves ``ckpt.pt``
         again in place leaves no older one), else the newest one pushed before it."""
         for info in reversed(self._seen):
-            if _step(info) < step and self._unchanged(info):
+            if step_of(info) < step and self._unchanged(info):
                 return info
         good = self._good_secured(step)
         return good.info if good is not None else None
@@ -794,8 +786,8 @@ class Plan:
         if held is not None:
             self._suspect_held = held
         good = self._good_secured(self._suspect_from) if self._suspect_from is not None else None
-        args = restore_args(_step(good.info) if good is not None and good.info is not None else None,
-                            good.result if good is not None else None, _step(self._suspect_held.info)
+        args = restore_args(step_of(good.info) if good is not None and good.info is not None else None,
+                            good.result if good is not None else None, step_of(self._suspect_held.info)
                             if self._suspect_held is not None else None)
         if self._pusher is None or good is None or args is None or self._push is not None or now >= self.secure_by:
             return self._repush(now)
@@ -814,7 +806,7 @@ class Plan:
         """The record moved back (secured: the good checkpoint it names), or not: pushed again where it fits."""
         if result.ok or self._recorded_anyway(record):
             self._secured, self._suspect_held = record, None
-            log.warning("the destination's record is %s again (%s)", step_text(_step(record.info)), result.pushed)
+            log.warning("the destination's record is %s again (%s)", step_text(step_of(record.info)), result.pushed)
             return self._after_push(record, result, now)
         log.error("moving the destination's record back failed: %s", result.error)
         return (self._repush(now) if not result.killed else []) or self._after_push(record, result, now)
@@ -823,7 +815,7 @@ class Plan:
         """The newest good checkpoint pushed over the suspect record (the store cannot move it back)."""
         target = self._newest
         log.warning("the destination holds %s, saved at or after the first suspect step: %s",
-                    step_text(_step(self._suspect_held.info)) if self._suspect_held is not None else "a suspect save",
+                    step_text(step_of(self._suspect_held.info)) if self._suspect_held is not None else "a suspect save",
                     f"pushing {target.path} ({step_text(target.step)}) over it" if target is not None and self._pusher
                     else "no older good checkpoint to put back; nothing counts as secured")
         if self._pusher is None or target is None or self._push is not None:
@@ -837,44 +829,21 @@ class Plan:
 
     def _good_secured(self, step: int) -> PushRecord | None:
         """The newest verified push of a checkpoint saved before ``step`` (the resumed one included), or None."""
-        candidates = [p for p in self._history if p.info is not None and p.kind != "final" and p.result is not None
-                      and (p.result.ok or getattr(p.result, "recorded_step", None) is not None)
-                      and _step(p.info) < step]
-        prior = self._resumed
-        if prior is not None and _step(prior.info) < step:
-            candidates.append(prior)
-        return max(candidates, key=lambda p: _step(p.info), default=None)
+        return good_secured(self._history, self._resumed, step)
 
     def _supersede(self, running: PushRecord, newer: CheckpointInfo | None, now: float) -> str:
-        """The one supersede rule, for a newer checkpoint (or the final model, ``newer`` None): ``follow`` (both
-        fit one after the other: the running push finishes, then the newer one), ``replace`` (only the newer one
-        is estimated to finish before ``secure_by``: kill the running push), ``keep`` (the newer one does not fit:
-        the running push goes on). A running push of a node's part (many nodes: ``CheckpointInfo.part``) is never
-        replaced: the other nodes put their parts of its step (``guard.secure.follow``), so killed, it leaves a
-        step they may still make whole without this node knowing, while the newer one needs them all again."""
+        """The one supersede rule (:func:`choosing.supersede`): ``follow``, ``replace`` or ``keep``."""
         assert running.info is not None
-        left_s = self.secure_by - now
         need_s = self._estimate_s(newer) if newer is not None else self._estimator.secure_estimate_s()
         running_left_s = max(0.0, self._estimate_s(running.info) - (now - running.started))
-        if running_left_s + need_s <= left_s:
-            decision = "follow"
-        elif need_s <= left_s and not running.info.part:
-            decision = "replace"
-        else:
-            decision = "keep"
-        log.info("%s while %s is pushed: %s (about %.0fs + %.0fs of %.0fs left)",
-                 f"checkpoint {newer.path} ({step_text(newer.step)})" if newer is not None else "the final model",
-                 running.info.path, {"follow": "it follows", "replace": "pushing it instead",
-                                     "keep": "too late for it, the running push goes on"}[decision],
-                 running_left_s, need_s, left_s)
-        return decision
+        return supersede(running, newer, left_s=self.secure_by - now, need_s=need_s, running_left_s=running_left_s)
 
     def _secure_newest(self, now: float) -> list[Action]:
         """In SECURING: push the newest unsecured checkpoint (the supersede rule decides about a running push);
         else done."""
         target = self._newest
         running = self._push
-        if running is not None and running.info is not None and target is not None and _same(target, running.info):
+        if running is not None and running.info is not None and target is not None and same(target, running.info):
             running.kind = "securing" if running.kind != "restore" else running.kind
             return []
         if self._pusher is None or target is None or not self._unsecured(target):
@@ -901,15 +870,9 @@ class Plan:
         return actions + self._start("securing", target, self.secure_by, now)
 
     def _fits(self, info: CheckpointInfo, deadline: float, now: float) -> bool:
-        """A push of ``info`` may start: no push was measured yet (the estimate is a guess), or its estimate fits
-        before ``deadline``. Logged when not."""
-        need_s = self._estimate_s(info)
-        if self._measured_push_s is None or need_s <= deadline - now:
-            return True
-        log.warning("not pushing %s (%s): about %.1fs needed (measured pushes), %.1fs left; a push killed at "
-                    "the end of its window would leave the destination in doubt", info.path, step_text(info.step),
-                    need_s, max(0.0, deadline - now))
-        return False
+        """A push of ``info`` may start before ``deadline`` (:func:`choosing.fits`)."""
+        measured = self._measured_push_s is not None
+        return fits(info, need_s=self._estimate_s(info), left_s=deadline - now, measured=measured)
 
     def _background_deadline(self, now: float) -> float:
         """A background push may take 3x its estimate plus a minute, and never past ``secure_by``."""
@@ -922,17 +885,7 @@ class Plan:
         estimate_s = self._estimate_s(info)
         log.info("securing %s (%s, %.1f MB)%s, %.0fs allowed", info.path, step_text(info.step), info.size_bytes / 1e6,
                  " in the background" if kind == "background" else "", deadline - now)
-        handle = self._pusher.start("push_checkpoint", {
-            "local_dir": str(info.folder), "step": info.step or 0, "files": list(info.files),
-            # a file written again since this save (a loop that saves ckpt.pt in place) no longer holds its step:
-            # the push refuses it (Securer.push_checkpoint), and the newer save, reported on its own, is secured
-            # under its own step. Secured under this one it named a step its content was not (the next run's
-            # lower-step saves then replaced it as "newer"); after a NaN the rewrite holds the bad weights.
-            "saved_by_s": info.newest_mtime_s,
-            # a snapshot's record names the folder the job saved in (guard.secure.snapshots)
-            **({"source": str(info.source)} if info.source is not None else {}),
-            # this node's part of a many-node checkpoint (its format names files on other nodes' disks)
-            **({"part": True} if info.part else {})}, deadline)
+        handle = self._pusher.start("push_checkpoint", checkpoint_args(info), deadline)
         self._push = PushRecord(kind, info, handle, now)
         self._history.append(self._push)
         return [StartPush(kind, str(info.path), info.step, deadline, estimate_s)]
