@@ -1035,6 +1035,10 @@ def test_a_restore_out_of_time_leaves_nothing_secured_and_says_the_destination_h
     assert fields.extra.get("secured") == "no"
     assert "the destination still holds checkpoint step 20" in (fields.verdict.hint or ""), fields.verdict.hint
     assert "was pushed before that loss was read)" in (fields.verdict.hint or "")  # never "was not pushed"
+    # run_clm_no_trainer.py at lr 1e6 read '(the save of out/step_1 (step 1), made from the step before the first
+    # non-finite loss on, was not pushed)'
+    assert "(step 20), saved at or after the step before the first non-finite loss, was pushed" in \
+        (fields.verdict.hint or ""), fields.verdict.hint
     assert fields.details["suspect_at_destination"]["step"] == 20
 
 

@@ -201,8 +201,8 @@ def checkpoint_fields(report: PlanReport, verdict: Verdict, *, step: int | None,
             fate = ("was pushed before that loss was read" + ("" if held is not None else
                                                               "; the destination's record was moved back")
                     if recorded else "was not pushed")
-            hint = (hint or "") + (f" (the save of {suspect.path}{later}, made from the step before the first "
-                                   f"non-finite loss on, {fate})")
+            hint = (hint or "") + (f" (the save of {suspect.path}{later}, saved at or after the step before the "
+                                   f"first non-finite loss, {fate})")
         if secured is not None:
             step_text = resume_step_text(secured.info, secured.step) if secured.step is not None else "it"
             hint = (hint or "") + (f"; secured before the failure: {step_text}, resume with --resume on --push-to "
