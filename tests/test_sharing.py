@@ -108,9 +108,9 @@ def test_on_a_shared_folder_every_node_says_what_node_0_secured(tmp_path: Path) 
     def stopped(secured: str, code: int) -> RunResult:
         return RunResult("INTERRUPTED", "signal", code, extra={"secured": secured, "signal": "SIGTERM"})
 
-    common = {"output_dir": str(tmp_path), "run_id": "run-1", "deadline_s": None, "grace_s": 4.0}
+    common = {"output_dir": str(tmp_path), "run_id": "run-1", "end_s": None, "grace_s": 2.0}
     node1 = stopped("no", 143)
-    agree_with_node_0(node1, shared=True, node_rank=1, **common)  # node 0 said nothing: waited 2 s, stands
+    agree_with_node_0(node1, shared=True, node_rank=1, **common)  # node 0 said nothing: waited the grace, stands
     assert (node1.exit_code, node1.extra["secured"]) == (143, "no")
     node0 = stopped("yes", 75)
     node0.extra.update(pushed="/dest/last-checkpoint", checkpoint="out/checkpoint-34")
@@ -121,3 +121,33 @@ def test_on_a_shared_folder_every_node_says_what_node_0_secured(tmp_path: Path) 
     local = stopped("no", 143)
     agree_with_node_0(local, shared=False, node_rank=1, **common)  # a folder per node: node 0's word is not this one's
     assert local.exit_code == 143
+
+
+def test_node_1_waits_for_node_0s_word_until_the_platforms_kill(tmp_path: Path) -> None:
+    """Node 0's guard, slow on a loaded machine, secures and says so 3 s into the 4 s left before the kill: node 1
+    waits for its word until shortly before that kill and says the same (exit 75). Before, node 1 waited half the
+    grace (2 s), then said exit=143 secured=no while node 0 said exit=75 secured=yes (seen in CI: 8.7 s late at a
+    deadline, where node 1 waited 10 s)."""
+    import threading
+    import time
+
+    from guard.contract import RunResult
+    from guard.run.relay import agree_with_node_0
+
+    def stopped(secured: str, code: int) -> RunResult:
+        return RunResult("INTERRUPTED", "signal", code, extra={"secured": secured, "signal": "SIGTERM"})
+
+    common = {"output_dir": str(tmp_path), "grace_s": 4.0}
+    node0, node1 = stopped("yes", 75), stopped("no", 143)
+    node0.extra.update(pushed="/dest/last-checkpoint", secured_step=40)
+    late = threading.Timer(3.0, lambda: agree_with_node_0(node0, shared=True, node_rank=0, run_id="run-1",
+                                                          end_s=None, **common))
+    late.start()
+    try:
+        agree_with_node_0(node1, shared=True, node_rank=1, run_id="run-1", end_s=time.time() + 4.0, **common)
+    finally:
+        late.join()
+    assert (node1.exit_code, node1.extra["secured"], node1.extra.get("secured_step")) == (75, "yes", 40), node1
+    unsecured = stopped("no", 143)  # node 0 secured nothing: it posts nothing, the output folder keeps nothing
+    agree_with_node_0(unsecured, shared=True, node_rank=0, run_id="run-2", end_s=None, **common)
+    assert not probe_folder(tmp_path, "run-2").exists()

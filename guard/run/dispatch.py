@@ -61,6 +61,7 @@ class Dispatch:
         self.securer = securer
         self.heartbeat = heartbeat
         self.relayed = False  # another node's signal was handled here (``on_relayed``)
+        self.relayed_at: float | None = None  # when (loop clock) a signal another node's guard received came here
 
     def on_signal(self, signum: int, now: float) -> None:
         """A signal the guard received (``signum``): securing takes SIGTERM/SIGINT/SIGUSR1 when it runs; else the
@@ -99,7 +100,7 @@ class Dispatch:
             return
         if signum is None:
             return
-        self.relayed = True
+        self.relayed, self.relayed_at = True, now
         log.warning("%s on node %s: every rank saves at step %s and stops; handled here as if received",
                     signal_name(signum), origin, message.get("at_step"))
         if self.securer is not None:

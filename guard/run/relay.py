@@ -20,7 +20,6 @@ the end (``agree_on_missing``): the nodes whose part of the run's newest step is
 from __future__ import annotations
 
 import logging
-import math
 import signal
 import threading
 import time
@@ -32,8 +31,8 @@ from guard.run.joblink import LoopLink
 from guard.secure.outcome import missing_said
 from guard.secure.sharing import SECURED_KEYS, await_secured, post_secured
 
-__all__ = ["AGREE_WAIT_S", "MISSING_WAIT_S", "agree_on_missing", "agree_with_node_0", "relay_signal",
-           "relayed_signal"]
+__all__ = ["AGREE_BEFORE_END_S", "MISSING_WAIT_S", "agree_on_missing", "agree_with_node_0", "relay_signal",
+           "relayed_signal", "wait_before_end_s"]
 
 log = logging.getLogger("guard.relay")
 
@@ -67,18 +66,43 @@ def relayed_signal(message: dict[str, object]) -> int | None:
         return None
 
 
-#: The longest a node waits at its end for node 0's word on what it secured (seconds); never past half the grace,
-#: nor closer than 5 s to the deadline.
-AGREE_WAIT_S = 15.0
+#: A node's wait for another's word ends this long before the platform's kill (seconds; at most a twentieth of
+#: --grace): half the lead the guard's own VERDICT keeps (``guard.run.supervisor.VERDICT_BEFORE_END_S``), so that
+#: node 0's word, posted before its VERDICT, comes within the wait.
+AGREE_BEFORE_END_S = 0.5
+
+
+def wait_before_end_s(end_s: float | None, grace_s: float, *, unknown_s: float) -> float:
+    """How long a node's end may still wait (seconds, 0 or more): until shortly before ``end_s`` (wall-clock seconds,
+    ``time.time``: the platform's kill, ``Supervisor.word_by_wall``), half a second or a twentieth of ``grace_s``
+    before it, so that the VERDICT after the wait still comes before the kill; ``unknown_s`` when no kill is known.
+
+    What bounds such a wait is the kill, not a fixed time: on a loaded machine node 0's guard said it had secured
+    the checkpoint 8.7 s after node 1 had stopped waiting at half the grace (10 s) and said it had not."""
+    if end_s is None:
+        return max(0.0, unknown_s)
+    return max(0.0, end_s - time.time() - min(AGREE_BEFORE_END_S, grace_s / 20))
 
 
 def agree_with_node_0(result: RunResult, *, shared: bool | None, output_dir: str | None, run_id: str,
-                      node_rank: int, deadline_s: float | None, grace_s: float) -> None:
-    """A stopped run (``TIMEOUT``/``INTERRUPTED``) on a shared output folder (``guard.secure.sharing``): node 0
-    posts what it secured, when it did; another node waits for it (``AGREE_WAIT_S`` at most, within half the grace
-    and 5 s before the deadline) and, when node 0 secured the checkpoint with the same status, says so too
-    (``secured=yes``, ``pushed=``, exit 75). Nothing happens on a folder per node (each secures its own part, or
-    none does) nor on other outcomes."""
+                      node_rank: int, end_s: float | None, grace_s: float) -> None:
+    """A stopped run (``TIMEOUT``/``INTERRUPTED``) on a shared output folder (``guard.secure.sharing``): node 0 posts
+    what it secured, when it did (nothing is left in the output folder otherwise); another node waits for it and,
+    when node 0 secured the checkpoint with the same status, says so too (``secured=yes``, ``pushed=``, exit 75).
+    Nothing happens on a folder per node (each secures its own part, or none does) nor on other outcomes.
+
+    The wait ends when node 0's word comes, else (node 0 secured nothing, or is lost) shortly before ``end_s``
+    (``wait_before_end_s``), the kill that node 0's guard secures and posts before too: the deadline for a ``TIMEOUT``
+    (every node computes the same one), the end of the grace after the signal for an ``INTERRUPTED`` (a signal relayed
+    from node 0 reaches this node after node 0 received it). Without a known kill, it waits ``grace_s``.
+
+    Args:
+        result: this node's result, changed in place.
+        shared, output_dir, run_id: whether the output folder is shared by the nodes, the folder, the run's id.
+        node_rank: this node's index.
+        end_s: the platform's kill in wall-clock seconds (``Supervisor.word_by_wall``), or None when none is known.
+        grace_s: ``--grace`` in seconds.
+    """
     if shared is not True or not output_dir or result.status not in ("TIMEOUT", "INTERRUPTED"):
         return
     if node_rank == 0:
@@ -87,8 +111,7 @@ def agree_with_node_0(result: RunResult, *, shared: bool | None, output_dir: str
         return
     if result.extra.get("secured") == "yes":
         return
-    left_s = deadline_s - time.time() - 5.0 if deadline_s is not None else math.inf
-    wait_s = max(0.0, min(AGREE_WAIT_S, grace_s / 2, left_s))
+    wait_s = wait_before_end_s(end_s, grace_s, unknown_s=grace_s)
     found = await_secured(output_dir, run_id, wait_s=wait_s)
     if found is None:
         log.info("node 0's guard said nothing of what it secured within %.0fs: this node's VERDICT stands", wait_s)
@@ -104,8 +127,8 @@ def agree_with_node_0(result: RunResult, *, shared: bool | None, output_dir: str
     log.info("node 0's guard secured %s: this node says the same", found.get("pushed"))
 
 
-#: The longest a node's end waits for the destination's listing of the nodes' parts (seconds); never past half the
-#: grace, nor closer than 5 s to the deadline.
+#: The longest a node's end waits for the destination's listing of the nodes' parts after a run that was not
+#: stopped (seconds; a stopped one waits until shortly before the platform's kill, ``wait_before_end_s``).
 MISSING_WAIT_S = 10.0
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import math
 import signal
 import time
 from collections.abc import Callable, Mapping
@@ -546,10 +545,10 @@ def _run_job(config: Config, masker: Masker, started: float, platform: PlatformI
 
         secure = config.settings.secure
         agree_with_node_0(result, shared=sharing.answer.shared, output_dir=output_dir, run_id=sharing.run_id,
-                          node_rank=secure.node_rank, deadline_s=deadline.deadline_s, grace_s=secure.grace_s)
+                          node_rank=secure.node_rank, end_s=supervisor.word_by_wall(), grace_s=secure.grace_s)
     securing = getattr(supervisor, "securer", None)
     if securer is not None and securing is not None and securing.peers.parts_mode():
-        _agree_on_missing(config, result, securer, deadline)
+        _agree_on_missing(config, result, securer, supervisor.word_by_wall())
     checkpoint = result.extra.get("checkpoint")
     if result.exit_code == EXIT_SECURED and checkpoint and "the next run resumes from" in (result.hint or ""):
         told = script_resume_args(config, str(checkpoint))  # --resume on alone: the script would start fresh
@@ -578,15 +577,17 @@ def _run_job(config: Config, masker: Masker, started: float, platform: PlatformI
     return _with_platform(result, platform)
 
 
-def _agree_on_missing(config: Config, result: RunResult, securer: Securer, deadline: budget.Deadline) -> None:
+def _agree_on_missing(config: Config, result: RunResult, securer: Securer, end_s: float | None) -> None:
     """Many nodes, each securing its own part: the VERDICT's ``missing=`` from the destination's listing
-    (``guard.run.relay.agree_on_missing``), waited for ``MISSING_WAIT_S`` at most, half the grace, and never past 1 s
-    before the deadline."""
-    from guard.run.relay import MISSING_WAIT_S, agree_on_missing
+    (``guard.run.relay.agree_on_missing``). A stopped run (``TIMEOUT``, ``INTERRUPTED``) waits for it until shortly
+    before the platform's kill (``end_s``, wall-clock seconds: the deadline, or the end of the grace after a signal),
+    which is what bounds it; another end, with no kill near, ``MISSING_WAIT_S`` at most (a hung destination)."""
+    from guard.run.relay import MISSING_WAIT_S, agree_on_missing, wait_before_end_s
 
     secure = config.settings.secure
-    left_s = deadline.deadline_s - time.time() - 1.0 if deadline.deadline_s is not None else math.inf
-    wait_s = max(0.0, min(MISSING_WAIT_S, secure.grace_s / 2, left_s))
+    stopped = result.status in ("TIMEOUT", "INTERRUPTED") and end_s is not None
+    wait_s = wait_before_end_s(end_s, secure.grace_s, unknown_s=MISSING_WAIT_S)
+    wait_s = wait_s if stopped else min(wait_s, MISSING_WAIT_S)
     agree_on_missing(result, read=lambda until: securer.newest_parts(nodes=secure.nodes, deadline=until),
                      wait_s=wait_s)
 

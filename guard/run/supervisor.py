@@ -253,6 +253,16 @@ class Supervisor:
             ends.append(self._signalled_at + self.settings.grace_s)
         return min(ends)
 
+    def word_by_wall(self) -> float | None:
+        """When node 0's guard has said its word on this run at the latest, and this guard must have said its own
+        (wall-clock seconds, ``time.time``; None: no kill known): the platform's kill here (``end_at``), or ``--grace``
+        after another node's signal relayed here, whichever is sooner (that node's guard ends within its own grace,
+        which began before the relay reached this node)."""
+        end = self.end_at()
+        if self.dispatch.relayed_at is not None:
+            end = min(end, self.dispatch.relayed_at + self.settings.grace_s)
+        return None if math.isinf(end) else time.time() + (end - self.clock())
+
     def _kill_by(self) -> float:
         """When a job still running gets SIGKILL at the latest (``math.inf``: not due, or sent)."""
         job = self.link.job
