@@ -192,3 +192,24 @@ def test_an_incomplete_run_that_resumed_at_its_last_step_is_told_so(tmp_path: Pa
     assert (fields["reason"], again.returncode) == ("incomplete", 7), again.stdout + again.stderr
     assert "resumed from step 5" in again.stdout
     assert "at or past the run's last step" in fields["hint"] and "dataset" not in fields["hint"]
+
+
+def test_a_crash_right_after_resuming_at_the_last_step_is_told_so(tmp_path: Path) -> None:
+    """transformers' run_clm_no_trainer.py resumed from step 8400 with --num_train_epochs 10 (4,960 steps): its loop
+    ran no step and the code after it crashed (UnboundLocalError: perplexity); the hint said only to fix the error
+    its traceback shows."""
+    from conftest import JOBS
+
+    dest = tmp_path / "dest"
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir()
+    second.mkdir()
+    job = [str(JOBS / "resume_at_end.py"), "--summary"]
+    done = run_guard(["--no-preflight", "--push-to", str(dest), *job], cwd=first)
+    assert done.returncode == 0, done.stdout + done.stderr
+    again = run_guard(["--no-preflight", "--resume", "on", "--push-to", str(dest), *job], cwd=second)
+    fields = again.fields()
+    assert (fields["reason"], again.returncode) == ("crash", 1), again.stdout + again.stderr
+    assert "NameError" in fields["hint"]  # the job's own error stays first
+    assert "crashed before training a further step" in fields["hint"], fields["hint"]
+    assert "at or past the run's last step" in fields["hint"]

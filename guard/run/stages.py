@@ -557,11 +557,19 @@ def _run_job(config: Config, masker: Masker, started: float, platform: PlatformI
     if fetched is not None:
         result.extra["resumed_from"] = f"{fetched.path}@{fetched.revision}"
         state = getattr(supervisor, "state", None)
-        if result.reason == "incomplete" and state is not None and state.progress.step in (None, fetched.step):
+        idle = state is not None and state.progress.step in (None, fetched.step)
+        if result.reason == "incomplete" and idle:
             # not an empty dataset: the resumed checkpoint was at (or past) the run's last step
             result.hint = (f"the job resumed from {fetched.path} (step {fetched.step}) and trained no further step: "
                            "that checkpoint is at or past the run's last step (max_steps), so nothing was left to "
                            "train; raise max_steps to train further, or start a new run with --resume off")
+        elif result.reason == "crash" and idle:
+            # run_clm_no_trainer.py resumed past its num_train_epochs: its loop ran no step, then the code after it
+            # read a variable only the loop sets (UnboundLocalError: perplexity)
+            note = (f"the job resumed from {fetched.path} (step {fetched.step}) and crashed before training a further "
+                    "step: if that checkpoint is at or past the run's last step (max_steps, num_train_epochs), "
+                    "nothing was left to train; raise it to train further")
+            result.hint = f"{result.hint}; {note}" if result.hint else note
         if state is not None and "resume_loaded" not in state.facts.api_used:  # the agent never saw it loaded
             result.details["resume_loaded"] = False
             told = script_resume_args(config, str(fetched.path))
