@@ -1087,3 +1087,16 @@ def test_a_save_whose_step_is_not_known_is_logged_as_such(clock: FakeClock,
     assert pusher.started, "the save was not pushed"
     assert "securing /out/model.pt (step not known" in caplog.text
     assert "step None" not in caplog.text
+
+
+def test_a_non_finite_gradient_norm_taints_like_a_loss_and_says_so(clock: FakeClock,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """nanoGPT at lr 1e6: clip_grad_norm_ returned nan at step 3, its loss finite; the plan logged 'the loss went
+    non-finite at step 3' beside the watchdog's 'its loss was finite'."""
+    pusher = FakePusher(clock)
+    plan = make(clock, pusher, deadline_at=None)
+    with caplog.at_level(logging.WARNING):
+        plan.on(Tainted(3, witness="grad_norm"))
+    assert "the gradient norm went non-finite at step 3 (its loss was finite)" in caplog.text
+    assert "loss went" not in caplog.text
+    assert Tainted(3, witness="grad_norm").saves_from == 2  # the save at step 2 gave that step's gradients

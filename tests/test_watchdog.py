@@ -328,6 +328,7 @@ def test_non_finite_gradients_after_an_explosion_blame_the_divergence(caplog: An
     apply(state, dog, dog.on_step(3.0, 3, math.nan, finite=False, witness="grad_norm").decisions)
     assert state.outcome is not None and state.outcome.reason == "non_finite_loss"
     assert "overflowed as the loss diverged" in state.outcome.hint
+    assert state.progress.witness == "grad_norm"  # securing's taint says so too (tests/test_plan.py)
     assert "NaN-safe" not in state.outcome.hint and "torch.where" not in state.outcome.hint
     assert "non-finite loss" not in caplog.text
     assert "clip_grad_norm_ returned at step 3 is not finite, its loss was finite (sanity pass)" in caplog.text

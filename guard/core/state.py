@@ -54,6 +54,8 @@ class Progress:
             above k x its early level for the window (``--loss-rise-factor``, ``--loss-rise-steps``), else None.
         flat: ``{"since", "step", "loss"}`` when the loss stayed exactly the same for ``--loss-rise-steps`` steps
             (the weights are not updated), else None.
+        witness: on a ``non_finite_loss`` decision, what was not finite at ``step``: ``loss``, ``grad_norm`` (the
+            norm ``clip_grad_norm_`` returned; the loss was finite) or ``weights`` (a tensor the job saved).
     """
 
     step: int | None = None
@@ -64,6 +66,7 @@ class Progress:
     exploded: dict[str, Any] | None = None
     rose: dict[str, Any] | None = None
     flat: dict[str, Any] | None = None
+    witness: str = "loss"
 
 
 @dataclass

@@ -486,6 +486,7 @@ class Watchdog:
         hint = ("lower the learning rate or add warmup, clip gradients (max_grad_norm), prefer bf16 over fp16, "
                 f"and check {batches} for empty or corrupt inputs")
         witness = self.witnesses.get(at)
+        progress.witness = witness or "loss"
         # After a finite loss exploded, non-finite gradients or weights are that divergence overflowing, not a
         # loss that hides NaN: the explosion's hint (diagnose) comes first and says what to do.
         exploded = progress.exploded is not None and int(progress.exploded.get("step") or 0) <= at

@@ -148,7 +148,8 @@ class Failure:
 @dataclass(frozen=True)
 class Tainted:
     """Step ``from_step`` was not finite: every save from :attr:`saves_from` on is suspect, in every state.
-    ``witness``: ``"loss"`` (the step's loss) or ``"weights"`` (a save at ``from_step`` holds a non-finite tensor)."""
+    ``witness``: ``"loss"`` (the step's loss), ``"grad_norm"`` (the step's gradient norm, its loss finite) or
+    ``"weights"`` (a save at ``from_step`` holds a non-finite tensor)."""
 
     from_step: int
     witness: str = "loss"
@@ -158,7 +159,7 @@ class Tainted:
         """The first save step made suspect. A save at step N holds the weights after N optimizer steps, and step
         N+1's loss is their forward pass: a non-finite loss at step S makes the save at S-1 suspect as well (its
         weights gave that loss; resumed, they give it again). A save holding a non-finite tensor is suspect itself."""
-        return max(0, self.from_step - 1) if self.witness == "loss" else self.from_step
+        return self.from_step if self.witness == "weights" else max(0, self.from_step - 1)
 
 
 @dataclass(frozen=True)

@@ -500,6 +500,10 @@ class Plan:
         if event.witness == "weights":
             log.warning("the weights saved at step %d are not finite: checkpoints saved at or after step %d are "
                         "suspect", event.from_step, saves_from)
+        elif event.witness == "grad_norm":
+            log.warning("the gradient norm went non-finite at step %d (its loss was finite): checkpoints saved at or "
+                        "after step %d are suspect (the update of step %d made the weights non-finite)", first,
+                        saves_from, first)
         else:
             log.warning("the loss went non-finite at step %d: checkpoints saved at or after step %d are suspect (a "
                         "save at step N holds the weights step N+1's loss was computed on)", first, saves_from)

@@ -408,7 +408,8 @@ class Securing:
         self._settle(sup, now, force=True)
         bad = sup.state.progress.step if outcome.reason == "non_finite_loss" else None
         if bad is not None:
-            self.actions.feed(sup, Tainted(bad))
+            witness = "grad_norm" if sup.state.progress.witness == "grad_norm" else "loss"
+            self.actions.feed(sup, Tainted(bad, witness=witness))
         reason = outcome.reason
 
         def fail(link: JobLink | None, at: float) -> None:
