@@ -302,3 +302,18 @@ def test_a_dcp_save_the_agent_saw_is_no_sign_the_job_answers_checkpoint_requests
     assert not facts.answers_checkpoints
     facts.checkpoints.append({"t": "checkpoint_saved", "path": "/o/step_100", "requested": False})  # the job's own
     assert facts.answers_checkpoints
+
+
+def test_a_trainer_resumed_past_its_max_steps_passes_with_a_warning_not_the_no_loss_hint(
+        caplog: pytest.LogCaptureFixture) -> None:
+    # TRL's sft.py resumed from checkpoint-4114 with --max_steps 1500 (tried): PASS steps=0, and the log said 'no
+    # training loss was seen ... a transformers Trainer is seen automatically', as if the guard had missed it.
+    state = RunState()
+    state.facts.agents_seen = 1
+    state.facts.api_used.add("resume_loaded")
+    state.facts.train_end = {"step": 4114, "max_steps": 1500, "stopped": False}
+    with caplog.at_level("WARNING", logger="guard"):
+        result = job_result(state, JobExit(0), config())
+    assert (result.status, result.exit_code) == ("PASS", 0)
+    assert "resumed at step 4114, at or past its max_steps 1500" in result.extra["warning"]
+    assert "no training loss was seen" not in caplog.text

@@ -443,6 +443,15 @@ def job_result(state: RunState, ended: JobExit, settings: RunSettings, *,
             result.extra.setdefault("hint", hint)  # PASS stays PASS: training went well, its result is not kept
     if result.status == "PASS" and result.reason == "ok" and progress.step is None and facts.agents_seen:
         result.extra.setdefault("steps", 0)  # the agent was there and saw no training step: say so
-    if not progress.sanity and result.status == "PASS":
+    ended_at = facts.train_end or {}
+    if result.status == "PASS" and progress.step is None and "resume_loaded" in facts.api_used \
+            and isinstance(ended_at.get("step"), int) and isinstance(ended_at.get("max_steps"), int) \
+            and 0 < ended_at["max_steps"] <= ended_at["step"]:
+        # TRL's sft.py resumed from checkpoint-4114 with max_steps 1500: the Trainer ends at once, no loss to see
+        said = (f"the job resumed at step {ended_at['step']}, at or past its max_steps {ended_at['max_steps']}: it "
+                "trained no step; raise max_steps to train further")
+        log.warning("%s", said)
+        result.extra["warning"] = f"{result.extra['warning']}; {said}" if result.extra.get("warning") else said
+    elif not progress.sanity and result.status == "PASS":
         log.warning("%s", NO_LOSS_HINT)
     return result
