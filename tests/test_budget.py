@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import psutil
 import pytest
 
+from guard.core.durations import format_size, parse_size
 from guard.errors import BudgetError, UsageError
 from guard.run.slurm import SlurmRefresher, parse_scontrol_job, parse_slurm_duration_s
 from guard.secure.budget import (
@@ -246,6 +247,16 @@ def test_refreshed_never_passes_the_explicit_timeout():
                                                 (90061, "1d1h1m1s")])
 def test_format_duration(seconds, text):
     assert format_duration_s(seconds) == text
+
+
+@pytest.mark.parametrize(("size_bytes", "text"), [(0, "0 B"), (812, "812 B"), (43_100, "43.1 kB"),
+                                                  (999_999, "1.0 MB"), (64_000_000, "64.0 MB"),
+                                                  (1_250_000_000, "1.25 GB")])
+def test_format_size_reads_back(size_bytes, text):
+    """A test job's checkpoint of a few kB is not '0.0 MB' (the trials' logs said 'step 6, 0.0 MB'); what it
+    writes, parse_size reads back."""
+    assert format_size(size_bytes) == text
+    assert abs(parse_size(text.replace(" ", "")) - size_bytes) <= max(1, size_bytes * 0.001)
 
 
 # ---------------------------------------------------------------------------------------------------------------

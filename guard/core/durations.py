@@ -9,7 +9,8 @@ import re
 
 from guard.errors import UsageError
 
-__all__ = ["DURATION_FORMS", "SIZE_FORMS", "format_duration_s", "parse_duration", "parse_size", "step_text"]
+__all__ = ["DURATION_FORMS", "SIZE_FORMS", "format_duration_s", "format_size", "parse_duration", "parse_size",
+           "step_text"]
 
 DURATION_FORMS = ("whole seconds (7200), a number and a unit s/m/h/d (45s, 90m, 1.5h, 1d) or several in that order "
                   "(1h30m, 1m40s, as the guard's own lines write them), HH:MM:SS or D-HH:MM:SS")
@@ -86,6 +87,18 @@ def format_duration_s(seconds: float) -> str:
             parts.append(f"{total // size}{unit}")
             total %= size
     return "".join(parts) or "0s"
+
+
+def format_size(size_bytes: float) -> str:
+    """Render a size for a human in powers of 1000, as ``parse_size`` reads them back: ``812 B``, ``43.1 kB``,
+    ``64.0 MB``, ``1.25 GB`` (a test job's checkpoint of a few kB is not ``0.0 MB``; negative values count as 0)."""
+    size = max(0.0, float(size_bytes))
+    if size < 1000:
+        return f"{size:.0f} B"
+    for unit, scale in (("kB", 1e3), ("MB", 1e6)):
+        if round(size / scale, 1) < 1000:  # 999,999 bytes: "1.0 MB", not "1000.0 kB"
+            return f"{size / scale:.1f} {unit}"
+    return f"{size / 1e9:.2f} GB"
 
 
 def step_text(step: int | None) -> str:

@@ -18,7 +18,7 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 
-from guard.core.durations import step_text
+from guard.core.durations import format_size, step_text
 from guard.core.state import Message
 from guard.errors import GuardError
 from guard.secure import budget, checkpoints, scans, snapshots
@@ -147,7 +147,7 @@ class Intake:
         """A save of the job taken as a checkpoint: this run's newest, to the plan."""
         sup = self._link()
         self.latest_reported = info
-        log.info("the job saved %s (%s, %.1f MB)", info.path, step_text(info.step), info.size_bytes / 1e6)
+        log.info("the job saved %s (%s, %s)", info.path, step_text(info.step), format_size(info.size_bytes))
         if sup is not None:
             self._check_node(sup)
         self.seen(sup, info, now)

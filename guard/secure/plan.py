@@ -78,7 +78,7 @@ import signal
 from collections.abc import Callable
 from typing import Any
 
-from guard.core.durations import step_text
+from guard.core.durations import format_size, step_text
 from guard.secure.budget import MarginEstimator
 from guard.secure.cadence import PUSH_STALL_S, PUSH_TIME_FACTOR, background_interval_s
 from guard.secure.checkpoints import CheckpointInfo
@@ -887,7 +887,7 @@ class Plan:
         if kind == "background":
             self._last_start = now
         estimate_s = self._estimate_s(info)
-        log.info("securing %s (%s, %.1f MB)%s, %.0fs allowed", info.path, step_text(info.step), info.size_bytes / 1e6,
+        log.info("securing %s (%s, %s)%s, %.0fs allowed", info.path, step_text(info.step), format_size(info.size_bytes),
                  " in the background" if kind == "background" else "", deadline - now)
         handle = self._pusher.start("push_checkpoint", checkpoint_args(info), deadline)
         self._push = PushRecord(kind, info, handle, now)
@@ -962,8 +962,8 @@ class Plan:
                     return restored
             else:
                 self._secured = record  # the destination's record now names it (its swap, its commit)
-                log.info("secured and verified: %s (%s, %.1f MB in %.1fs)", result.pushed,
-                         step_text(record.info.step if record.info else None), result.size_bytes / 1e6,
+                log.info("secured and verified: %s (%s, %s in %.1fs)", result.pushed,
+                         step_text(record.info.step if record.info else None), format_size(result.size_bytes),
                          result.elapsed_s)
         elif self._recorded_anyway(record):  # its worker died after the record moved: secured all the same
             if self._is_suspect(record.info):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from guard.core.durations import step_text
+from guard.core.durations import format_size, step_text
 from guard.core.state import Message
 from guard.secure import budget, checkpoints, scans
 from guard.secure.link import JobLink
@@ -71,8 +71,8 @@ class Reported:
             self._requested[path] = requested if isinstance(requested, bool) else None
             # The first save at INFO; later ones are counted in the heartbeat (``saves=``), their detail at DEBUG.
             first, self._save_logged = not self._save_logged, True
-            log.log(logging.INFO if first else logging.DEBUG, "checkpoint saved by the job: %s (%s, %.1f MB)%s",
-                    saved.path, step_text(saved.step), saved.size_bytes / 1e6,
+            log.log(logging.INFO if first else logging.DEBUG, "checkpoint saved by the job: %s (%s, %s)%s",
+                    saved.path, step_text(saved.step), format_size(saved.size_bytes),
                     "; later saves are counted in the heartbeat" if first else "")
         elif path not in self.awaiting and path not in self.paths:
             self.awaiting[path] = None  # the world's process zero reports the checkpoint itself

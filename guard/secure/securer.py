@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
+from guard.core.durations import format_size
 from guard.errors import (
     CheckpointRewrittenError,
     DestinationError,
@@ -430,7 +431,8 @@ class Securer:
               deadline: float, *, read_s: float = 0.0) -> PushResult:
         start = self._clock()
         size = sum((folder / rel).stat().st_size for rel in files)  # before: the job may rotate the folder out later
-        self._log.info("securing %s (%d files, %.1f MB) at %s", what, len(files), size / 1e6, self.destination)
+        self._log.info("securing %s (%d files, %s) at %s", what, len(files), format_size(size),
+                       self.destination)
         from guard.observe.telemetry import Progress
 
         PROGRESS.append(Progress(f"securing {what}", size, clock=self._clock, logger=self._log))

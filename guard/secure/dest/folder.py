@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
+from guard.core.durations import format_size
 from guard.errors import DestinationError
 from guard.secure.dest import folder_parts, folder_swap, local
 from guard.secure.dest.base import (
@@ -178,9 +179,9 @@ class FolderStore:
         self.last_copy = FolderCopy(copied_bytes=sum(size for size, _ in sums.values()) - reused_bytes,
                                     reused_bytes=reused_bytes, reused_files=len(linked))
         if linked:
-            self._log.info("%d unchanged files (%.1f MB) linked from the previous %s, %d copied (%.1f MB)",
-                           len(linked), reused_bytes / 1e6, CHECKPOINT_FOLDER, len(files) - len(linked),
-                           self.last_copy.copied_bytes / 1e6)
+            self._log.info("%d unchanged files (%s) linked from the previous %s, %d copied (%s)",
+                           len(linked), format_size(reused_bytes), CHECKPOINT_FOLDER, len(files) - len(linked),
+                           format_size(self.last_copy.copied_bytes))
         return sums, linked
 
     def _verify_staged(self, folder: Path, staging: Path, files: list[str], sums: dict[str, tuple[int, str]],
