@@ -94,8 +94,16 @@ def test_the_hint_never_names_a_flag_already_given(tmp_path):
 
 def test_an_output_folder_with_nothing_in_it_says_the_job_never_reached_a_save(tmp_path):
     for folder in (tmp_path / "missing", tmp_path):
-        hint = nothing_found_hint(output_dir=str(folder), destination_given=True)
+        hint = nothing_found_hint(output_dir=str(folder), destination_given=True, step=40)
         assert "never reached a save" in hint and "checkpoint_saved" not in hint
+
+
+def test_a_job_stopped_before_its_second_step_is_told_its_start_up_took_the_time(tmp_path):
+    """TRL's sft with a 60 s budget at load 15-18: stopped at step 1 with nothing saved, and the hint said to save
+    more often; the time went to its start-up."""
+    for step, said in ((None, "no training step"), (0, "0 training steps"), (1, "1 training step,")):
+        hint = nothing_found_hint(output_dir=str(tmp_path), destination_given=True, step=step)
+        assert said in hint and "start-up" in hint and "--timeout" in hint and "more often" not in hint
 
 
 # -- loose model files, accelerate folders, reported folders -------------------------------------------------------

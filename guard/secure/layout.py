@@ -162,13 +162,19 @@ def holds_any_file(folder: str | os.PathLike[str]) -> bool:
     return where.is_dir() and any(path.is_file() for path in where.rglob("*"))
 
 
-def nothing_found_hint(*, output_dir: str | None, destination_given: bool, holds_files: bool | None = None) -> str:
+#: A job stopped with nothing saved that had trained at most this many steps spent its time starting up.
+STARTED_ONLY_STEPS = 1
+
+
+def nothing_found_hint(*, output_dir: str | None, destination_given: bool, holds_files: bool | None = None,
+                       step: int | None = None) -> str:
     """The hint when no checkpoint could be secured because none was recognisable (or none was saved).
 
     Never names a flag that was already given: ``--push-to`` only without a destination, ``--output-dir`` only
     when no output folder is known; an output folder holding no file at all means the job never reached a save
     (its save format is not the cause then). ``holds_files``: whether the output folder holds any file, as looked
-    at earlier off the loop (``holds_any_file``); None looks now.
+    at earlier off the loop (``holds_any_file``); None looks now. ``step``: the job's last training step (None: none
+    seen); at most ``STARTED_ONLY_STEPS``, the time went to the job's start-up, not to steps between saves.
     """
     if not destination_given:
         return "no destination: pass --push-to DEST so that a checkpoint leaves the machine"
@@ -177,6 +183,13 @@ def nothing_found_hint(*, output_dir: str | None, destination_given: bool, holds
     if output_dir is None:
         return f"no output folder known: pass --output-dir DIR (where the job saves), or {recognised}"
     if not (holds_any_file(output_dir) if holds_files is None else holds_files):
+        if step is None or step <= STARTED_ONLY_STEPS:
+            # TRL's sft at load 15-18 on 2 cores: its start-up took 60 s of a 60 s budget, stopped at step 1, and the
+            # hint said to save more often
+            trained = "no training step" if step is None else f"{step} training step{'s' if step != 1 else ''}"
+            return (f"the job saved nothing in {output_dir} before it ended: it ran {trained}, its start-up (imports, "
+                    "loading the model and data) took the time; give it a longer --timeout, or look at what its "
+                    "start-up waits for")
         return (f"the job saved nothing in {output_dir} before it ended (it never reached a save): save a checkpoint "
                 "more often (save_steps, or every N steps) so that one exists when the time runs out")
     return f"nothing in {output_dir} was recognisable as a complete checkpoint: {recognised} there"

@@ -277,7 +277,7 @@ def fill(result: RunResult, report: PlanReport, *, step: int | None, output_dir:
     # the exit's scan said whether the output folder holds any file; not looked at here (a hung mount): when it
     # did not answer, the hint names what the guard recognises
     nothing = nothing_found_hint(output_dir=output_dir, destination_given=destination_given,
-                                 holds_files=holds_files is not False)
+                                 holds_files=holds_files is not False, step=step)
     fields = checkpoint_fields(report, Verdict(result.status, result.reason, result.exit_code, result.hint,
                                                result.extra.get("signal")),
                                step=step, nothing_found_hint=nothing, follower=follower)
