@@ -251,6 +251,22 @@ def test_a_good_end_without_final_model_files_secures_the_newest_checkpoint(cloc
     assert secured_step(plan) == 6
 
 
+def test_another_nodes_good_end_secures_its_part_and_leaves_the_final_model_to_node_0(clock: FakeClock) -> None:
+    """Many nodes, each with its own disk: node 1's output folder holds final model files too (Megatron's
+    .latest_checkpointed_iteration.txt); node 0's guard pushes the final model, node 1's its part of the newest
+    checkpoint. Before, both guards pushed the final model files to one destination at once and node 1's failed
+    (FileNotFoundError on the other's temporary file, exit 6, node 0 PASS)."""
+    pusher = FakePusher(clock)
+    plan = make(clock, pusher)
+    seen(plan, ckpt(6))
+    run_until(plan, clock, 5.0)
+    plan.on(JobExited(ok=True, has_final_model=True, final_by_node_0=True))
+    assert all(start.op != "push_final" for start in pusher.started)
+    assert plan.report().final is None and plan.report().trigger == "ended"
+    run_until(plan, clock, 60.0)
+    assert plan.state is State.DONE and secured_step(plan) == 6
+
+
 def test_a_good_end_with_final_model_files_pushes_them(clock: FakeClock) -> None:
     pusher = FakePusher(clock)
     plan = make(clock, pusher)

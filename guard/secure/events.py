@@ -168,12 +168,15 @@ class JobExited:
     (a Trainer reached ``max_steps``/its epochs, a loop ended without a stop delivered to it);
     ``has_final_model``: its output folder holds final model files; ``final_files``: the only files of it that
     are the final model (an output folder that is not the job's own: the working folder of ``--save model.pt``),
-    None for the whole folder."""
+    None for the whole folder; ``final_by_node_0``: a node other than 0 that secures its own parts of the
+    checkpoints (many nodes, each with its own disk): node 0's guard pushes the final model, this one its part of
+    the newest checkpoint."""
 
     ok: bool
     complete: bool = False
     has_final_model: bool = True
     final_files: tuple[str, ...] | None = None
+    final_by_node_0: bool = False
 
 
 @dataclass(frozen=True)

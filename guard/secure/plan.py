@@ -577,9 +577,14 @@ class Plan:
             else:
                 self._state = State.SECURING  # the running push may still end well; nothing more to do
             return []
-        if not event.has_final_model:
+        if event.final_by_node_0:
+            # two guards writing the same final model files at the destination collide (a Megatron job's
+            # .latest_checkpointed_iteration.txt, written by node 0's and node 1's guards at once: FileNotFoundError)
+            log.info("node 0's guard pushes the final model: this node secures its part of its newest checkpoint")
+        elif not event.has_final_model:
             log.warning("the job ended well but wrote no final model files to %s: securing its newest checkpoint "
                         "instead", self._final_output_dir)
+        if not event.has_final_model or event.final_by_node_0:
             self._trigger = "ended"
             self._window_end = min(self._window_end, now + self._final_allowance_s())
             self._state = State.SECURING

@@ -474,7 +474,9 @@ class Securing:
             self.peers.node_0_pushes_final = True
         has_final_model = not (ok and self.output_dir) or final_model
         self.actions.feed(sup, JobExited(ok=(ok and outcome is None) or complete, complete=complete,
-                                  has_final_model=has_final_model, final_files=self.folder.final_files), now)
+                                         has_final_model=has_final_model, final_files=self.folder.final_files,
+                                         final_by_node_0=self.peers.node_0_pushes_final and self.peers.parts_mode()),
+                          now)
 
     def _end_follows(self, now: float) -> bool:
         """Whether the job's good end waits (once) for node 0's part of this node's last save
