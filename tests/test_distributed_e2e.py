@@ -67,7 +67,14 @@ def test_two_nodes_on_localhost_run_the_smoke_together_then_train_and_secure_the
     results = []
     try:
         for proc in runs:
-            stdout, stderr = proc.communicate(timeout=150)
+            try:
+                stdout, stderr = proc.communicate(timeout=150)
+            except subprocess.TimeoutExpired:  # what each node's guard was doing goes with the failure
+                for each in runs:
+                    kill_quietly(each)
+                ends = [each.communicate()[1][-2500:] if each.returncode is None else ""
+                        for each in runs]
+                pytest.fail(f"node {runs.index(proc)}'s guard did not end within 150 s:\n" + "\n---\n".join(ends))
             results.append((proc.returncode, stdout.strip().splitlines()[-1], stderr))
     finally:
         for proc in runs:
