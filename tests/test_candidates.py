@@ -177,6 +177,32 @@ def test_a_save_renamed_before_its_report_is_handled_is_found_by_its_signature(t
     assert saved_step(rig.dest / "last-checkpoint" / "last.pth.tar") == 1
 
 
+def test_a_save_whose_temporary_folder_was_renamed_before_its_report_is_handled_is_found(tmp_path: Path) -> None:
+    """A plain loop saves ``out/tmp-checkpoint-N/model.pt`` and renames the folder to ``checkpoint-N`` right after
+    (transformers #29399's pattern), before the guard looks at the report. Before: the save was taken for gone and,
+    with no --output-dir, the output folder was never learnt: SIGTERM after 25 s of saves every 6 s said 'no
+    complete checkpoint to secure' (exit 143)."""
+    rig = Rig(tmp_path)
+    out = tmp_path / "out"
+    rig.train_to(60)
+    scratch, final = out / "tmp-checkpoint-60", out / "checkpoint-60"
+    scratch.mkdir(parents=True)
+    torch.save({"step": 60, "w": torch.ones(3)}, scratch / "model.pt")
+    message = file_saved(scratch / "model.pt", 60)
+    (scratch / "trainer_state.json").write_text(json.dumps({"global_step": 60}))
+    os.rename(scratch, final)
+    rig.report(message)
+    rig.tick(1.5)
+    assert rig.securing.output_dir == str(out)
+    rig.tick(SCAN_EVERY_S + 2.5)
+    newest = rig.securing.plan.report().newest
+    assert newest is not None and newest.path == final and newest.step == 60
+    rig.end()
+    assert recorded_step(rig.dest) == 60
+    assert sorted(p.name for p in (rig.dest / "last-checkpoint").iterdir()) == [
+        "guard_manifest.json", "model.pt", "trainer_state.json"]
+
+
 def test_a_save_still_under_its_temporary_name_is_followed_until_renamed(tmp_path: Path) -> None:
     rig = Rig(tmp_path)
     folder = tmp_path / "output" / "train" / "exp"

@@ -327,6 +327,8 @@ class Disk:
             return FileSeen(special=special)
         if signature is not None and (st is None or snapshots.sig_of(st) != signature):
             renamed = self._renamed(where.parent, signature)
+            if renamed is None and checkpoints.is_scratch_name(where.parent.name):
+                renamed = self._renamed_folder(where, signature)
             if renamed is None:
                 return FileSeen()  # gone, or saved again since: its newer save is reported on its own
             log.debug("the job renamed its save %s to %s", where.name, renamed.name)
@@ -381,6 +383,28 @@ class Disk:
             return None
         found.sort(key=lambda p: (any(c.isdigit() for c in p.name), p.name))
         return found[0] if found else None
+
+    def _renamed_folder(self, where: Path, signature: snapshots.Signature) -> Path | None:
+        """A save whose temporary folder was renamed after its report (``tmp-checkpoint-N/model.pt`` ->
+        ``checkpoint-N/model.pt``, the pattern of transformers #29399, in a plain loop): the file of the same name
+        and ``signature`` in a folder beside the temporary one (a rename keeps size, mtime and inode), or None.
+        Before, such a save was taken for gone, and a loop that renames right after each save (faster than the
+        guard's look) was never found: SIGTERM said 'no complete checkpoint to secure'."""
+        try:
+            with os.scandir(where.parent.parent) as entries:
+                for entry in entries:
+                    if not entry.is_dir(follow_symlinks=False):
+                        continue
+                    candidate = Path(entry.path) / where.name
+                    try:
+                        st = self.stat(str(candidate))
+                    except OSError:
+                        continue
+                    if _special(st) is None and snapshots.sig_of(st) == signature:
+                        return candidate
+        except OSError:
+            return None
+        return None
 
     def followed(self, *, final: bool = False, now_s: float | None = None) -> tuple[CheckpointInfo, ...]:
         """The saves made under a temporary name (``file_saved``) that now lie under their final one, as
